@@ -1,0 +1,49 @@
+"""nbtools: resilient multi-GPU PyTorch training from a notebook.
+
+The top level stays tiny and lazy: ``import nbtools`` inside a worker rank or a
+plain script imports neither torch nor any front-end library until a public
+name is first used.
+
+Example:
+    >>> from nbtools import distributed
+    >>> @distributed(processes=2)
+    ... def hello():
+    ...     import torch.distributed as dist
+    ...     return dist.get_rank()
+    >>> hello.distributed()  # doctest: +SKIP
+    [0, 1]
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from nbtools.errors import DistributedError, NbtoolsError
+
+__version__ = "0.1.0"
+__all__ = ["DistributedError", "NbtoolsError", "distributed", "__version__"]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nbtools.launch import distributed
+
+
+def __getattr__(name: str) -> Any:
+    if name == "distributed":
+        from nbtools.launch import distributed
+
+        return distributed
+    raise AttributeError(f"module 'nbtools' has no attribute {name!r}")
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Entry point of ``%load_ext nbtools``: registers ``%gpu_pane`` and ``%%autoresume``."""
+    from nbtools.magics import load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """Entry point of ``%unload_ext nbtools``."""
+    from nbtools.magics import unload
+
+    unload(ipython)

@@ -1,0 +1,1 @@
+"""Private, stdlib-only helpers shared by every nbtools package."""

@@ -1,0 +1,97 @@
+"""Exceptions raised by nbtools.
+
+Every domain error derives from :class:`NbtoolsError` and from the built-in
+exception that matches it, so ``except RuntimeError`` or ``except OSError``
+keeps working. Validation of arguments raises plain ``ValueError``/``TypeError``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "NbtoolsError",
+    "DistributedError",
+    "LaunchError",
+    "PicklingError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "UnsafeCheckpointError",
+    "StagingSpaceError",
+    "DataError",
+    "CacheError",
+    "MonitorError",
+    "TrackingError",
+]
+
+
+class NbtoolsError(Exception):
+    """Base class of every error nbtools raises on purpose."""
+
+
+# --- launching ---------------------------------------------------------------
+
+
+class DistributedError(NbtoolsError, RuntimeError):
+    """One or more ranks of a ``@distributed`` run failed.
+
+    Attributes:
+        failures: ``{global_rank: RankFailure-like object}`` for each failed rank;
+            each has ``exc_type``, ``message`` and ``traceback`` (strings).
+    """
+
+    def __init__(self, message: str, failures: dict | None = None) -> None:
+        super().__init__(message)
+        self.failures = dict(failures or {})
+
+
+class LaunchError(NbtoolsError, RuntimeError):
+    """Ranks could not be started (bad environment, rendezvous failure)."""
+
+
+class PicklingError(NbtoolsError, TypeError):
+    """The function or one of its arguments cannot be sent to the ranks."""
+
+
+# --- checkpointing -----------------------------------------------------------
+
+
+class CheckpointError(NbtoolsError, RuntimeError):
+    """A checkpoint could not be saved or restored."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No valid checkpoint exists where one was required."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint exists but its metadata or data cannot be read or verified."""
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """Checkpoint metadata asked to load a type outside the allowed set."""
+
+
+class StagingSpaceError(CheckpointError, OSError):
+    """Not enough free space on the local staging filesystem."""
+
+
+# --- data --------------------------------------------------------------------
+
+
+class DataError(NbtoolsError, RuntimeError):
+    """A dataset or loader is used inconsistently (e.g. ranks disagree)."""
+
+
+class CacheError(DataError, OSError):
+    """The local file cache cannot hold or produce a file."""
+
+
+# --- monitor and tracking ----------------------------------------------------
+
+
+class MonitorError(NbtoolsError, RuntimeError):
+    """The GPU monitor was used wrongly (never raised for a missing GPU)."""
+
+
+class TrackingError(NbtoolsError, RuntimeError):
+    """Experiment tracking could not log or resume a run."""

@@ -1,0 +1,195 @@
+"""Shared fixtures. Every test is checked for leaks (autouse):
+
+- child processes still alive after the test (after a short grace period);
+- new non-daemon or nbtools threads still alive;
+- environment variables added, changed or removed;
+- an initialised ``torch.distributed`` default group;
+- files left in the temporary directory (each pytest process gets its own
+  ``TMPDIR``, so parallel workers do not see each other's files);
+- new ``/dev/shm`` entries (checked once for the whole session).
+
+A leak fails the test even when its assertions passed, and the leaked thing is
+cleaned up so that the next test starts clean.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+import psutil
+import pytest
+
+# Long-lived helpers of the standard library that are owned by the interpreter,
+# not by a test: multiprocessing's resource tracker and forkserver.
+_ALLOWED_CHILD_MARKERS = (
+    "multiprocessing.resource_tracker",
+    "multiprocessing.forkserver",
+)
+_ALLOWED_THREAD_PREFIXES = (
+    "pytest_timeout",
+    "ThreadPoolExecutor-",  # interpreter-wide executors are joined at exit; nbtools names its own
+    "asyncio_",
+    "IPythonHistorySavingThread",
+    "Dummy-",
+    "QueueFeederThread",
+)
+_IGNORED_ENV = {"PYTEST_CURRENT_TEST", "TMPDIR", "TEMP", "TMP", "COLUMNS", "LINES", "KMP_INIT_AT_FORK"}
+_SESSION_TMP: str | None = None
+_SHM_BEFORE: set[str] = set()
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give this pytest process a private temporary directory."""
+    global _SESSION_TMP, _SHM_BEFORE
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    _SESSION_TMP = tempfile.mkdtemp(prefix=f"nbtools-tests-{worker}-")
+    os.environ["TMPDIR"] = _SESSION_TMP
+    tempfile.tempdir = None  # re-read TMPDIR
+    _SHM_BEFORE = _shm_entries()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _SESSION_TMP:
+        shutil.rmtree(_SESSION_TMP, ignore_errors=True)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # the controller checks /dev/shm once for everyone
+    time.sleep(0.2)
+    leaked = sorted(e for e in _shm_entries() - _SHM_BEFORE if not e.startswith("sem."))
+    if leaked:
+        session.exitstatus = 1
+        sys.stderr.write(f"\nLEAK: /dev/shm entries left behind by the test session: {leaked}\n")
+
+
+def _is_allowed_child(proc: psutil.Process) -> bool:
+    try:
+        cmdline = " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return True
+    return any(marker in cmdline for marker in _ALLOWED_CHILD_MARKERS)
+
+
+def _children() -> dict[int, psutil.Process]:
+    out = {}
+    for proc in psutil.Process().children(recursive=True):
+        if not _is_allowed_child(proc):
+            out[proc.pid] = proc
+    return out
+
+
+def _threads() -> dict[int, threading.Thread]:
+    return {t.ident or id(t): t for t in threading.enumerate()}
+
+
+def _tmp_entries() -> set[str]:
+    root = tempfile.gettempdir()
+    try:
+        return set(os.listdir(root))
+    except OSError:
+        return set()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest):
+    """Fail the test if it leaks processes, threads, env vars, a process group or temp files."""
+    env_before = dict(os.environ)
+    threads_before = set(_threads())
+    children_before = set(_children())
+    tmp_before = _tmp_entries()
+    yield
+    problems: list[str] = []
+
+    # Processes: allow a grace period for exiting ranks and workers.
+    deadline = time.monotonic() + 10
+    leaked = {p: c for p, c in _children().items() if p not in children_before}
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.1)
+        leaked = {p: c for p, c in _children().items() if p not in children_before}
+    if leaked:
+        desc = []
+        for proc in leaked.values():
+            try:
+                desc.append(f"{proc.pid}: {' '.join(proc.cmdline())[:200]}")
+                proc.kill()
+            except psutil.Error:
+                pass
+        problems.append("child processes left running: " + "; ".join(desc))
+
+    # Threads: give finishing threads a moment too.
+    deadline = time.monotonic() + 2
+    def new_threads():
+        return [
+            t for k, t in _threads().items()
+            if k not in threads_before and t.is_alive()
+            and not t.name.startswith(_ALLOWED_THREAD_PREFIXES)
+            and (not t.daemon or t.name.startswith("nbtools"))
+        ]
+    extra = new_threads()
+    while extra and time.monotonic() < deadline:
+        time.sleep(0.05)
+        extra = new_threads()
+    if extra:
+        problems.append("threads left running: " + ", ".join(sorted(t.name for t in extra)))
+
+    # Environment.
+    env_after = dict(os.environ)
+    changed = sorted(
+        k for k in set(env_before) | set(env_after)
+        if k not in _IGNORED_ENV and env_before.get(k) != env_after.get(k)
+    )
+    if changed:
+        problems.append("environment variables changed: " + ", ".join(changed))
+        os.environ.clear()
+        os.environ.update(env_before)
+
+    # Process group.
+    if "torch" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            problems.append("a torch.distributed process group is still initialised")
+            dist.destroy_process_group()
+
+    # Temporary files.
+    new_tmp = sorted(e for e in _tmp_entries() - tmp_before if not e.startswith("pytest-"))
+    if new_tmp:
+        problems.append(f"temporary files left in {tempfile.gettempdir()}: {new_tmp[:10]}")
+        for entry in new_tmp:
+            path = os.path.join(tempfile.gettempdir(), entry)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
+    if problems:
+        pytest.fail("LEAK in " + request.node.nodeid + ":\n  " + "\n  ".join(problems), pytrace=False)
+
+
+def cuda_available() -> bool:
+    """True when torch sees at least one CUDA device."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+requires_gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")
+requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
