@@ -1,0 +1,191 @@
+"""The chart of the GPU pane: an anywidget whose front end draws with plotly.js.
+
+The kernel sends the whole figure (built with plotly's ``make_subplots``) only
+when the set of GPUs changes or a view asks for it; every poll after that is a
+custom message of a few hundred bytes that the front end appends with
+``Plotly.extendTraces``. plotly.js itself comes from the plotly Python
+package, so no JupyterLab extension beyond anywidget's is needed.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import anywidget
+import traitlets
+
+from nbtools.monitor.history import History
+from nbtools.monitor.readings import Sample, describe_throttle
+
+__all__ = ["GPUChart"]
+
+_GIB = 1024**3
+_HERE = Path(__file__).parent
+# (history field, scale, digits) of the three panels, in trace order.
+_PANELS = (("utilization", 1.0, 1), ("memory_used", 1.0 / _GIB, 2), ("temperature", 1.0, 1))
+_TITLES = ("Utilization (%)", "Memory used (GiB)", "Temperature (°C)")
+_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+           "#bcbd22", "#17becf")
+_DASHES = ("solid", "dot", "dash", "longdash", "dashdot")
+
+
+@cache
+def _plotly_js() -> str:
+    return resources.files("plotly").joinpath("package_data", "plotly.min.js").read_text("utf-8")
+
+
+def _round(value: float | None, scale: float, digits: int) -> float | None:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return round(value * scale, digits)
+
+
+def _note(reading: Any) -> str:
+    notes = [r for r in describe_throttle(reading.throttle_reasons) if r != "idle"]
+    if reading.ecc_uncorrected:
+        notes.append(f"{reading.ecc_uncorrected} uncorrected ECC errors")
+    return "; ".join(notes)
+
+
+def _glance(reading: Any) -> list:
+    """What a poll sends per GPU: the three plotted values, power and a warning note."""
+    values: list = [_round(getattr(reading, f), s, d) for f, s, d in _PANELS]
+    return [*values, _round(reading.power, 1.0, 0), _note(reading)]
+
+
+class GPUChart(anywidget.AnyWidget):
+    """Three panels (utilization, memory, temperature), one line per GPU, grouped by host.
+
+    Args:
+        history: The history to draw; the chart reads it, the sampler fills it.
+        source: ``"NVML"`` or ``"simulated"`` (shown in the chart).
+        latest: Samples already in the history whose current values should show at once.
+    """
+
+    _esm = (_HERE / "_chart.js").read_text("utf-8")
+    _css = (_HERE / "_chart.css").read_text("utf-8")
+    _plotly_js = traitlets.Unicode("").tag(sync=True)
+    _figure = traitlets.Dict().tag(sync=True)
+
+    def __init__(
+        self, history: History, source: str, latest: list[Sample] | tuple[()] = (), **kwargs: Any
+    ) -> None:
+        self._history = history
+        self._source = source
+        self._lock = threading.Lock()
+        self._seq = 1
+        self._rows: dict[str, tuple[int, list[int]]] = {}  # host -> (first row, gpu indices)
+        self._latest: dict[tuple[str, int], Any] = {}  # (host, index) -> last reading
+        self._last_time: float | None = None
+        for sample in latest:
+            self._remember(sample)
+        # The figure travels with the comm's opening message, not in a second one.
+        super().__init__(_plotly_js=_plotly_js(), _figure=self._build(), **kwargs)
+        self.on_msg(self._on_front_end)
+
+    # --- full figure ------------------------------------------------------------
+
+    def rebuild(self) -> None:
+        """Send the whole figure again (all GPUs, the whole history)."""
+        with self._lock:
+            self._seq += 1
+            self._figure = self._build()
+
+    def _build(self) -> dict:
+        from plotly.subplots import make_subplots
+
+        gpus = self._history.gpus()
+        self._rows, row = {}, 0
+        for host in self._history.hosts():
+            indices = [i for h, i, _ in gpus if h == host]
+            self._rows[host] = (row, indices)
+            row += len(indices)
+        fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.07,
+                            subplot_titles=_TITLES)
+        hosts = self._history.hosts()
+        for panel, (field, scale, digits) in enumerate(_PANELS):
+            for host, index, name in gpus:
+                times, values = self._history.series(host, index, field)
+                label = f"{host} · GPU {index}" if len(hosts) > 1 else f"GPU {index}"
+                fig.add_scatter(
+                    row=panel + 1, col=1, mode="lines", name=label, legendgroup=label,
+                    showlegend=panel == 0, hovertemplate=f"{name}<br>%{{y}}<extra>{label}</extra>",
+                    line={"color": _COLORS[index % len(_COLORS)],
+                          "dash": _DASHES[hosts.index(host) % len(_DASHES)], "width": 1.5},
+                    x=[round(t * 1000) for t in times.tolist()],
+                    y=[_round(v, scale, digits) for v in values.tolist()],
+                )
+        max_mem = max((self._total(h, i) or 0 for h, i, _ in gpus), default=0) / _GIB
+        title = "GPU resources" + (" (simulated)" if self._source == "simulated" else "")
+        fig.update_layout(
+            template="plotly_white", height=560, margin={"l": 50, "r": 20, "t": 60, "b": 30},
+            title={"text": title, "x": 0.01, "y": 0.985, "font": {"size": 14}},
+            legend={"orientation": "h", "x": 1, "xanchor": "right", "y": 1.07, "yanchor": "bottom"},
+            hovermode="x unified", autosize=True,
+            uirevision="nbtools-gpu",
+        )
+        fig.update_yaxes(range=[0, 100], row=1, col=1)
+        fig.update_yaxes(range=[0, max(max_mem, 1.0) * 1.05], row=2, col=1)
+        fig.update_xaxes(type="date")
+        spec = fig.to_plotly_json()
+        return {
+            "n": self._seq,
+            "m": self._history.capacity,
+            "source": self._source,
+            "hosts": len(hosts),
+            "data": spec["data"],
+            "layout": spec["layout"],
+            "gpus": [
+                [h, i, name, _round(self._total(h, i), 1.0 / _GIB, 0), self._limit(h, i)]
+                for h, i, name in gpus
+            ],
+            "glance": [_glance(self._latest[(h, i)]) if (h, i) in self._latest else None
+                       for h, i, _ in gpus],
+            "last": None if self._last_time is None else round(self._last_time * 1000),
+        }
+
+    def _total(self, host: str, index: int) -> float | None:
+        reading = self._latest.get((host, index))
+        return None if reading is None else reading.memory_total
+
+    def _limit(self, host: str, index: int) -> float | None:
+        reading = self._latest.get((host, index))
+        return None if reading is None else _round(reading.power_limit, 1.0, 0)
+
+    # --- per poll ----------------------------------------------------------------
+
+    def push(self, sample: Sample) -> None:
+        """Show a sample that the history already holds: a small message, or a rebuild."""
+        with self._lock:
+            self._remember(sample)
+            row = self._rows.get(sample.host)
+            if row is None or row[1] != [r.index for r in sample.gpus]:
+                self._seq += 1
+                self._figure = self._build()
+                return
+            self._seq += 1
+            message = {
+                "k": "s",
+                "n": self._seq,
+                "t": round(sample.time * 1000),
+                "r": row[0],
+                "g": [_glance(r) for r in sample.gpus],
+            }
+            self.send(message)
+
+    def _remember(self, sample: Sample) -> None:
+        for reading in sample.gpus:
+            self._latest[(sample.host, reading.index)] = reading
+        self._last_time = sample.time
+
+    def _on_front_end(self, _widget: Any, content: Any, _buffers: Any) -> None:
+        if isinstance(content, dict) and content.get("k") == "sync":
+            with self._lock:
+                current = content.get("n") == self._seq
+            if not current:
+                self.rebuild()

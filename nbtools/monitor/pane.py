@@ -1,0 +1,245 @@
+"""``GPUPane``: the live GPU monitor shown in a notebook cell's output.
+
+An ipywidgets box with a Refresh button, a Pause/Resume button, the status in
+words, and a plotly chart (:class:`~nbtools.monitor._widget.GPUChart`) with
+utilization, memory and temperature of every GPU, grouped by host. The pane
+is a view of a shared :class:`~nbtools.monitor.sampler.Sampler`: two panes on
+the same GPUs poll once. Cell execution counts as activity through IPython's
+``pre_run_cell``/``post_run_cell`` events.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+import ipywidgets as widgets
+
+from nbtools._internal.log import get_logger
+from nbtools.monitor._widget import GPUChart
+from nbtools.monitor.backends import Backend, NVMLBackend
+from nbtools.monitor.readings import Sample
+from nbtools.monitor.sampler import Sampler, acquire, release
+
+__all__ = ["GPUPane"]
+
+_log = get_logger("monitor")
+_ICONS = {"polling": "●", "paused": "⏸", "unavailable": "⚠", "closed": "■"}
+
+
+def _ipython() -> Any:
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover - ipywidgets depends on IPython
+        return None
+    return get_ipython()
+
+
+class GPUPane:
+    """Live utilization, memory and temperature of every GPU, with 2 hours of history.
+
+    Creating a pane inside IPython displays it. Polling runs on a background
+    thread, pauses after ``idle_timeout`` seconds without a running cell or a
+    click, and stops for good on :meth:`close`.
+
+    Args:
+        interval: Seconds between polls.
+        history: Seconds of history kept (in bounded memory) and drawn.
+        idle_timeout: Seconds without activity before polling pauses; None never pauses.
+        backend: Source of readings; default :class:`~nbtools.monitor.NVMLBackend`.
+            Use ``SimulatedBackend(num_gpus=4)`` for a demo without GPUs.
+        display: Show the pane now (inside IPython). False: show it with ``display(pane)``.
+
+    Example:
+        >>> from nbtools.monitor import GPUPane, SimulatedBackend
+        >>> pane = GPUPane(backend=SimulatedBackend(num_gpus=4))  # doctest: +SKIP
+        >>> pane.status  # doctest: +SKIP
+        'polling'
+        >>> pane.close()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        interval: float = 10,
+        history: float = 7200,
+        idle_timeout: float | None = 300,
+        backend: Backend | None = None,
+        *,
+        display: bool = True,
+    ) -> None:
+        self.sampler: Sampler = acquire(
+            backend if backend is not None else NVMLBackend(),
+            interval=interval, history=history, idle_timeout=idle_timeout,
+        )
+        self._closed = False
+        self._shown_in: int | None = None
+        self._ip: Any = None
+        if self.sampler.last_sample is None and self.sampler.status == "polling":
+            self.sampler.refresh()  # a pane never opens empty
+        shown = self.sampler.last_sample
+        try:
+            self._build()
+        except BaseException:
+            release(self.sampler)
+            raise
+        self.sampler.add_sink(self._on_sample)
+        self.sampler.add_watcher(self._on_status)
+        if self.sampler.last_sample is not shown:  # a poll slipped in while the chart was built
+            self._chart.rebuild()
+        self._ip = _ipython()
+        if self._ip is not None:
+            self._ip.events.register("pre_run_cell", self._cell_started)
+            self._ip.events.register("post_run_cell", self._cell_finished)
+            # The pane is built by a running cell; whatever follows in that cell is activity.
+            self.sampler.set_busy(True)
+        if display and self._ip is not None:
+            self._ipython_display_()
+
+    def _build(self) -> None:
+        sampler = self.sampler
+        latest = [sampler.last_sample] if sampler.last_sample is not None else []
+        self._chart = GPUChart(sampler.history, sampler.backend.source, latest=latest)
+        self._refresh_button = widgets.Button(
+            description="Refresh", icon="refresh", tooltip="Sample every GPU now",
+            layout=widgets.Layout(width="auto", flex="0 0 auto"),
+        )
+        self._toggle_button = widgets.Button(layout=widgets.Layout(width="auto", flex="0 0 auto"))
+        self._status_label = widgets.HTML()
+        self._refresh_button.on_click(lambda _b: self.refresh())
+        self._toggle_button.on_click(lambda _b: self._toggle())
+        bar = widgets.HBox(
+            [self._refresh_button, self._toggle_button, self._status_label],
+            layout=widgets.Layout(align_items="center"),
+        )
+        self.widget = widgets.VBox([bar, self._chart])
+        # Closing the widget itself (``pane.widget.close()``) closes the pane and its polling.
+        self.widget.observe(self._widget_closed, names="comm")
+        self._show_status(sampler.status, sampler.message)
+
+    # --- public API -----------------------------------------------------------------
+
+    @property
+    def status(self) -> str:
+        """``"polling"``, ``"paused"``, ``"unavailable"`` or ``"closed"``."""
+        return "closed" if self._closed else self.sampler.status
+
+    @property
+    def message(self) -> str:
+        """Why the pane is paused or unavailable, in plain words."""
+        return self.sampler.message
+
+    def refresh(self) -> Sample | None:
+        """Sample every GPU now and show it; resumes an idle pause."""
+        return self.sampler.refresh()
+
+    def pause(self) -> None:
+        """Stop polling until :meth:`resume`."""
+        self.sampler.pause()
+
+    def resume(self) -> None:
+        """Poll again (after :meth:`pause`, an idle pause, or to retry unavailable GPUs)."""
+        self.sampler.resume()
+
+    def history(self) -> Any:
+        """The history in long form: a pandas DataFrame when pandas is installed, else columns.
+
+        Returns:
+            One row per GPU and sample with ``time`` (seconds since the epoch),
+            ``host``, ``gpu``, ``name`` and every field of
+            :class:`~nbtools.monitor.GPUReading` (missing = not available).
+        """
+        columns = self.sampler.history.columns()
+        try:
+            import pandas as pd
+        except ImportError:
+            return columns
+        frame = pd.DataFrame(columns)
+        frame["time"] = pd.to_datetime(frame["time"], unit="s", utc=True)
+        return frame
+
+    def close(self) -> None:
+        """Stop showing and, when no other pane uses it, stop the sampler thread (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.sampler.remove_sink(self._on_sample)
+        self.sampler.remove_watcher(self._on_status)
+        if self._ip is not None:
+            for event, callback in (("pre_run_cell", self._cell_started),
+                                    ("post_run_cell", self._cell_finished)):
+                try:
+                    self._ip.events.unregister(event, callback)
+                except ValueError:
+                    pass
+            self.sampler.set_busy(False)
+        release(self.sampler)
+        for child in (self._refresh_button, self._toggle_button, self._status_label,
+                      self.widget.children[0], self._chart, self.widget):
+            for part in (getattr(child, "layout", None), getattr(child, "style", None), child):
+                if part is not None:
+                    part.close()
+
+    def __enter__(self) -> GPUPane:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _ipython_display_(self) -> None:
+        if self._closed:
+            _log.warning("this GPU pane is closed; create a new GPUPane to watch the GPUs")
+            return
+        count = getattr(self._ip, "execution_count", None)
+        if count is not None and count == self._shown_in:
+            return  # already shown by the constructor of this very cell
+        from IPython.display import display
+
+        self._shown_in = count
+        display(self.widget)
+
+    def __repr__(self) -> str:
+        return f"<GPUPane {self.status} {self.sampler.backend.key}>"
+
+    # --- reactions ---------------------------------------------------------------------
+
+    def _toggle(self) -> None:
+        if self.sampler.status in ("paused", "unavailable"):
+            self.resume()
+        else:
+            self.pause()
+
+    def _widget_closed(self, change: dict) -> None:
+        if change.get("new") is None:
+            self.close()
+
+    def _cell_started(self, *_args: Any) -> None:
+        self.sampler.set_busy(True)
+
+    def _cell_finished(self, *_args: Any) -> None:
+        self.sampler.set_busy(False)
+
+    def _on_sample(self, sample: Sample) -> None:
+        if not self._closed:
+            self._chart.push(sample)
+
+    def _on_status(self, status: str, message: str) -> None:
+        if not self._closed:
+            self._show_status(status, message)
+
+    def _show_status(self, status: str, message: str) -> None:
+        sampler = self.sampler
+        if status == "polling":
+            text = f"polling every {sampler.interval:g} s"
+        else:
+            text = message or status
+        text = html.escape(text)
+        if sampler.simulated:
+            text += " · <b>simulated GPUs</b>"
+        self._status_label.value = (
+            f'<span class="nbtools-gpu-status" data-status="{status}">'
+            f"{_ICONS.get(status, '')} {text}</span>"
+        )
+        self._toggle_button.description = "Pause" if status == "polling" else "Resume"
+        self._toggle_button.icon = "pause" if status == "polling" else "play"
+        self._toggle_button.disabled = status == "closed"
+        self._refresh_button.disabled = status == "closed"

@@ -1,0 +1,54 @@
+"""Fixtures for the monitor tests: a fake clock, a stand-in ``pynvml``, a recording comm."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+from _monitor_fakes import FakeGPU, RecordingComm, make_fake_pynvml
+
+
+class FakeClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self, start: float = 1_800_000_000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def fake_pynvml(monkeypatch):
+    """Install a stand-in ``pynvml``: ``fake_pynvml(gpus, init_error=None)`` returns the module."""
+
+    def install(gpus: list[FakeGPU], init_error: str | None = None) -> types.ModuleType:
+        module = make_fake_pynvml(gpus, init_error)
+        monkeypatch.setitem(sys.modules, "pynvml", module)
+        return module
+
+    return install
+
+
+@pytest.fixture
+def comms(monkeypatch):
+    """Route every new widget's comm to a :class:`RecordingComm`; returns the list of comms."""
+    import comm as comm_package
+
+    created: list[RecordingComm] = []
+
+    def create_comm(**kwargs: object) -> RecordingComm:
+        created.append(RecordingComm(**kwargs))
+        return created[-1]
+
+    monkeypatch.setattr(comm_package, "create_comm", create_comm)
+    return created
