@@ -24,6 +24,9 @@ import time
 import psutil
 import pytest
 
+# MLflow's telemetry thread sets and clears an environment variable of its own.
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
 # Long-lived helpers of the standard library that are owned by the interpreter,
 # not by a test: multiprocessing's resource tracker and forkserver.
 _ALLOWED_CHILD_MARKERS = (
@@ -57,6 +60,10 @@ def pytest_configure(config: pytest.Config) -> None:
     _SESSION_TMP = tempfile.mkdtemp(prefix=f"nbtools-tests-{worker}-")
     os.environ["TMPDIR"] = _SESSION_TMP
     tempfile.tempdir = None  # re-read TMPDIR
+    # torch's first compiled/optimizer use sets this and creates the directory once.
+    inductor = os.path.join(_SESSION_TMP, "torchinductor")
+    os.makedirs(inductor, exist_ok=True)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor)
     _SHM_BEFORE = _shm_entries()
 
 

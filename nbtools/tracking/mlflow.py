@@ -1,0 +1,367 @@
+"""MLflow run tracking that costs the training loop microseconds, not milliseconds.
+
+:class:`MlflowLogger` starts (or resumes) an MLflow run and makes it the active
+run, so ``mlflow.log_param`` and ``mlflow.log_artifact`` from user code land in
+the same run. Metric values are handed to a background thread that writes them
+with ``log_batch``; the training thread only appends to a queue.
+
+Example:
+    >>> ckpt = CheckpointManager(root, every=100)                    # doctest: +SKIP
+    >>> start = ckpt.restore(model=model)                              # doctest: +SKIP
+    >>> with MlflowLogger(run_id=ckpt.mlflow_run_id, log_every=10) as run:  # doctest: +SKIP
+    ...     for step in range(start, 10_000):
+    ...         run.log_metric("loss", train_step(), step=step)
+    ...         ckpt.maybe_save(step, model=model)
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import mlflow
+from mlflow.entities import Param, RunTag
+from mlflow.exceptions import MlflowException
+
+from nbtools._internal.log import get_logger
+from nbtools.errors import TrackingError
+from nbtools.runtime import is_main_process
+from nbtools.tracking._batcher import MetricBatcher
+from nbtools.tracking.naming import experiment_name as _default_experiment_name
+from nbtools.tracking.naming import notebook_path
+
+__all__ = ["MlflowLogger", "current_run_id", "MAX_STEPS_PER_METRIC"]
+
+_log = get_logger("tracking")
+
+#: MLflow's documented limit on the number of values of one metric in one run.
+MAX_STEPS_PER_METRIC = 10_000_000
+# Warn once a metric has this share of the limit, so there is time to react.
+_WARN_SHARE = 0.9
+
+_open_loggers: weakref.WeakSet[MlflowLogger] = weakref.WeakSet()
+_current: MlflowLogger | None = None
+_lock = threading.Lock()
+
+
+def current_run_id() -> str | None:
+    """Run id of the most recently started :class:`MlflowLogger` still open in this process."""
+    current = _current
+    return current.run_id if current is not None and not current.closed else None
+
+
+def _status_for(exc_type: type[BaseException] | None) -> str:
+    if exc_type is None:
+        return "FINISHED"
+    if issubclass(exc_type, KeyboardInterrupt):
+        return "KILLED"
+    return "FAILED"
+
+
+class MlflowLogger:
+    """An MLflow run for a training loop: started or resumed, batched, rank-zero.
+
+    Args:
+        experiment_name: Experiment of a new run. Default: ``MLFLOW_EXPERIMENT_NAME``,
+            else ``MLFLOW_EXPERIMENT_ID`` (set by ``mlflow.set_experiment``), else the
+            notebook's path, else the working directory's name
+            (see :func:`nbtools.tracking.experiment_name`).
+        run_name: Name of the run (also renames a resumed run).
+        run_id: Resume this run (e.g. ``CheckpointManager.mlflow_run_id``);
+            default ``MLFLOW_RUN_ID``; None starts a new run. A run already active
+            in this thread is adopted when no other run id is asked for.
+        log_every: Keep one value in ``log_every`` steps (``step % log_every == 0``).
+        total_steps: Planned number of steps, to warn at once when a metric would
+            pass MLflow's limit of 10 million steps.
+        rank_zero_only: Log from global rank 0 only; other ranks get a logger that
+            does nothing.
+        tags: Tags for the run.
+        flush_interval: Seconds between background writes.
+
+    Raises:
+        TrackingError: The run to resume does not exist in the tracking store, or
+            another run is active in this thread.
+    """
+
+    def __init__(
+        self,
+        experiment_name: str | None = None,
+        *,
+        run_name: str | None = None,
+        run_id: str | None = None,
+        log_every: int = 1,
+        total_steps: int | None = None,
+        rank_zero_only: bool = True,
+        tags: Mapping[str, Any] | None = None,
+        flush_interval: float = 1.0,
+    ) -> None:
+        if not isinstance(log_every, int) or isinstance(log_every, bool) or log_every < 1:
+            raise ValueError(f"log_every must be an integer >= 1, got {log_every!r}")
+        if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 0):
+            raise ValueError(f"total_steps must be a non-negative integer or None, got {total_steps!r}")
+        if not (isinstance(flush_interval, (int, float)) and flush_interval > 0):
+            raise ValueError(f"flush_interval must be a positive number of seconds, got {flush_interval!r}")
+        self._log_every = log_every
+        self._warn_at = int(MAX_STEPS_PER_METRIC * _WARN_SHARE) * log_every
+        self._warned: set[str] = set()
+        self._calls: dict[str, int] = {}
+        self._closed = False
+        self.run_id: str | None = None
+        self.experiment_id: str | None = None
+        self._owned = False
+        self._batcher: MetricBatcher | None = None
+        self._skip = rank_zero_only and not is_main_process()
+        if self._skip:
+            return
+        self._client = mlflow.MlflowClient(tracking_uri=mlflow.get_tracking_uri())
+        run_id = run_id or os.environ.get("MLFLOW_RUN_ID") or None
+        run = self._start(experiment_name, run_name, run_id, dict(tags or {}))
+        self.run_id = run.info.run_id
+        self.experiment_id = run.info.experiment_id
+        self._batcher = MetricBatcher(
+            self._client, self.run_id, flush_interval, name=f"nbtools-mlflow-{self.run_id[:8]}"
+        )
+        self._put = self._batcher.put
+        global _current
+        with _lock:
+            _open_loggers.add(self)
+            _current = self
+        if total_steps is not None and total_steps // log_every > MAX_STEPS_PER_METRIC:
+            _log.warning(
+                "with total_steps=%d and log_every=%d each metric would get %d values, more "
+                "than MLflow's limit of %d per metric; use log_every=%d or more",
+                total_steps, log_every, total_steps // log_every, MAX_STEPS_PER_METRIC,
+                -(-total_steps // MAX_STEPS_PER_METRIC),
+            )
+
+    # -- run lifecycle --------------------------------------------------------
+
+    def _start(self, experiment: str | None, run_name: str | None, run_id: str | None, tags: dict) -> Any:
+        active = mlflow.active_run()
+        if active is not None:
+            if run_id is None or run_id == active.info.run_id:
+                return active  # the caller's run: adopted, not ended by close()
+            raise TrackingError(
+                f"MLflow run {active.info.run_id} is active in this thread, so run {run_id} "
+                "cannot be resumed; close the MlflowLogger that started it, or call "
+                "mlflow.end_run(), first"
+            )
+        uri = mlflow.get_tracking_uri()
+        try:
+            if run_id is not None:
+                run = mlflow.start_run(run_id=run_id, run_name=run_name, tags=tags or None)
+            else:
+                source = notebook_path()
+                if source:
+                    tags.setdefault("mlflow.source.name", source)
+                    tags.setdefault("mlflow.source.type", "NOTEBOOK")
+                run = mlflow.start_run(
+                    experiment_id=self._experiment_id(experiment), run_name=run_name, tags=tags
+                )
+        except MlflowException as exc:
+            what = f"resume MLflow run {run_id}" if run_id else "start an MLflow run"
+            hint = (
+                "; point MLFLOW_TRACKING_URI at the store that holds it, or pass run_id=None "
+                "(and unset MLFLOW_RUN_ID) to start a new run"
+                if run_id else ""
+            )
+            raise TrackingError(f"cannot {what} at {uri}: {exc.message}{hint}") from exc
+        self._owned = True
+        return run
+
+    def _experiment_id(self, name: str | None) -> str:
+        if name is None and not os.environ.get("MLFLOW_EXPERIMENT_NAME"):
+            from_env = os.environ.get("MLFLOW_EXPERIMENT_ID")
+            if from_env:
+                return from_env
+        name = name or _default_experiment_name()
+        experiment = self._client.get_experiment_by_name(name)
+        if experiment is None:
+            try:
+                return self._client.create_experiment(name)
+            except MlflowException:
+                experiment = self._client.get_experiment_by_name(name)  # created meanwhile
+                if experiment is None:
+                    raise
+        if experiment.lifecycle_stage == "deleted":
+            raise TrackingError(
+                f"MLflow experiment {name!r} is deleted; restore it "
+                f"(mlflow experiments restore --experiment-id {experiment.experiment_id}) "
+                "or choose another name"
+            )
+        return experiment.experiment_id
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return self._closed
+
+    @property
+    def enabled(self) -> bool:
+        """False on ranks that do not log (see ``rank_zero_only``)."""
+        return not self._skip
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Block until every metric logged so far is in the tracking store.
+
+        Raises:
+            TrackingError: Writing failed (the values are kept and retried).
+        """
+        if self._batcher is not None:
+            self._batcher.flush(timeout)
+
+    def close(self, status: str = "FINISHED") -> None:
+        """Write what is queued, stop the writer thread and end the run. Idempotent.
+
+        Args:
+            status: ``FINISHED``, ``FAILED`` or ``KILLED``. A run adopted from the
+                caller (already active when the logger started) is left running.
+
+        Raises:
+            TrackingError: Some metric values could not be written.
+        """
+        global _current
+        if self._closed:
+            return
+        self._closed = True
+        if self._batcher is None:
+            return
+        try:
+            self._batcher.close()
+        finally:
+            with _lock:
+                _open_loggers.discard(self)
+                if _current is self:
+                    _current = None
+            if self._owned:
+                self._end_run(status)
+
+    def _end_run(self, status: str) -> None:
+        active = mlflow.active_run()
+        if active is not None and active.info.run_id == self.run_id:
+            mlflow.end_run(status)
+        else:  # started in another thread: end it through the client
+            self._client.set_terminated(self.run_id, status)
+
+    end = close
+
+    def __enter__(self) -> MlflowLogger:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self.close(_status_for(exc_type))
+
+    def __getstate__(self) -> dict:
+        raise TypeError(
+            "an MlflowLogger cannot be sent to another process; create one inside the "
+            "function, passing run_id=logger.run_id to log into the same run"
+        )
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("disabled" if self._skip else "open")
+        return f"MlflowLogger(run_id={self.run_id!r}, {state})"
+
+    # -- logging --------------------------------------------------------------
+
+    def log_metric(self, key: str, value: Any, step: int | None = None, timestamp: int | None = None) -> None:
+        """Queue one metric value; returns in microseconds, never touches the network.
+
+        Args:
+            key: Metric name.
+            value: A number, or a one-element tensor (converted in the background,
+                so a CUDA tensor does not synchronise the training thread).
+            step: Training step; default: how many times ``key`` was logged before.
+                Values whose step is not a multiple of ``log_every`` are skipped.
+            timestamp: Milliseconds since the epoch; default now.
+        """
+        if self._skip or self._closed:
+            self._check_open()
+            return
+        if step is None:
+            step = self._calls.get(key, 0)
+            self._calls[key] = step + 1
+        if step % self._log_every:
+            return
+        if step >= self._warn_at:
+            self._warn_limit(key, step)
+        if type(value) is not float:
+            value = self._prepare(key, value)
+        self._put((key, value, timestamp or int(time.time() * 1000), step))
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Queue several metric values for the same step (see :meth:`log_metric`)."""
+        timestamp = int(time.time() * 1000)
+        for key, value in metrics.items():
+            self.log_metric(key, value, step, timestamp)
+
+    def _enqueue(self, key: str, value: float, step: int, timestamp: int) -> None:
+        """Queue a value as is, without throttling (for system metrics)."""
+        if not (self._skip or self._closed):
+            self._put((key, value, timestamp, step))
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Log parameters now (synchronously: they are few and must not silently fail)."""
+        self._log_now(params=[Param(str(k), str(v)) for k, v in params.items()])
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        """Set tags on the run now."""
+        self._log_now(tags=[RunTag(str(k), str(v)) for k, v in tags.items()])
+
+    def _log_now(self, **entities: Any) -> None:
+        if self._skip or self._closed:
+            self._check_open()
+            return
+        try:
+            self._client.log_batch(self.run_id, **entities)
+        except MlflowException as exc:
+            raise TrackingError(f"MLflow run {self.run_id} refused the values: {exc.message}") from exc
+
+    def _check_open(self) -> None:
+        if self._closed and not self._skip:
+            raise TrackingError(
+                f"MlflowLogger for run {self.run_id} is closed; start a new one with "
+                f"run_id={self.run_id!r} to keep logging into this run"
+            )
+
+    @staticmethod
+    def _prepare(key: str, value: Any) -> Any:
+        if isinstance(value, int):
+            return float(value)
+        detach = getattr(value, "detach", None)
+        if detach is not None:
+            tensor = detach()
+            if tensor.numel() != 1:
+                raise ValueError(
+                    f"metric {key!r} must be one number, got a tensor of shape "
+                    f"{tuple(tensor.shape)}; log a reduction such as .mean()"
+                )
+            return tensor.clone()  # the caller may change its tensor in place afterwards
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"metric {key!r} must be a number, got {type(value).__name__}") from None
+
+    def _warn_limit(self, key: str, step: int) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        _log.warning(
+            "metric %r has about %d values at step %d; MLflow allows %d per metric. "
+            "Log it less often (log_every, now %d) before the run passes the limit",
+            key, step // self._log_every, step, MAX_STEPS_PER_METRIC, self._log_every,
+        )
+
+
+@atexit.register
+def _close_all() -> None:
+    """Flush and end every open logger when the interpreter exits (runs before MLflow's own hook)."""
+    for logger in list(_open_loggers):
+        try:
+            logger.close()
+        except Exception as exc:  # noqa: BLE001 - exiting: report, keep closing the others
+            _log.warning("could not close MLflow run %s at exit: %s", logger.run_id, exc)

@@ -1,0 +1,171 @@
+"""``%%autoresume`` in IPython's shell, with the real CheckpointManager and torch."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+checkpoint_pkg = pytest.importorskip("nbtools.checkpoint")
+if not hasattr(checkpoint_pkg, "CheckpointManager"):  # pragma: no cover - not built yet
+    pytest.skip("nbtools.checkpoint has no CheckpointManager yet", allow_module_level=True)
+torch = pytest.importorskip("torch")
+
+SETUP = """
+import torch
+torch.manual_seed({seed})
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+x = torch.linspace(-1, 1, 32).reshape(8, 4)
+ran = []
+"""
+
+# Line 1 of a cell is the magic line; the body's lines keep their numbers in tracebacks.
+BODY = """
+for step in range(start_step, 10):
+    if step == stop_at:
+        raise stop_with
+    loss = model(x).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    ran.append(step)
+    checkpoint(step)
+"""
+RAISE_LINE = 4
+
+
+def _uninterrupted_weights() -> torch.Tensor:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.linspace(-1, 1, 32).reshape(8, 4)
+    for _ in range(10):
+        loss = model(x).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.weight.detach().clone()
+
+
+def _setup(ip, seed=0, stop_at=None, stop_with="KeyboardInterrupt"):
+    result = ip.run_cell(SETUP.format(seed=seed) + f"\nstop_at = {stop_at!r}\nstop_with = {stop_with}\n")
+    assert result.success, result.error_in_exec
+
+
+def _autoresume(ip, root, args="--every 3 --state model,optimizer", body=BODY):
+    return ip.run_cell(f"%%autoresume {root} {args}" + body)
+
+
+def test_a_fresh_run_saves_and_running_the_cell_again_continues(ip, tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    _setup(ip)
+    result = _autoresume(ip, root)
+    assert result.success, result.error_in_exec
+    out = capsys.readouterr().out
+    assert f"no checkpoint under {root}; starting fresh with start_step = 0" in out
+    assert f"last saved step 9 under {root}" in out  # the last step is saved on a normal end
+    assert ip.user_ns["ran"] == list(range(10))
+    assert checkpoint_pkg.find_latest_valid(str(root)) is not None
+
+    _setup(ip, seed=1)  # new objects, as after a kernel restart
+    result = _autoresume(ip, root)
+    assert result.success, result.error_in_exec
+    out = capsys.readouterr().out
+    assert f"restored step 9 from {root} into model, optimizer; start_step = 10" in out
+    assert ip.user_ns["start_step"] == 10 and ip.user_ns["ran"] == []
+    assert torch.equal(ip.user_ns["model"].weight, _uninterrupted_weights())
+    with pytest.raises(RuntimeError, match="has finished"):
+        ip.user_ns["checkpoint"](10)
+
+
+def test_an_interrupted_cell_completes_its_save_and_resumes_to_the_same_result(ip, tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    _setup(ip, stop_at=7)
+    result = _autoresume(ip, root)
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    out = capsys.readouterr().out
+    assert f"last saved step 6 under {root}; run the cell again to continue" in out
+    assert checkpoint_pkg.find_latest_valid(str(root)).rstrip("/").endswith("step_6")
+
+    _setup(ip, seed=1)  # the restored state, not what is in memory, decides the result
+    result = _autoresume(ip, root)
+    assert result.success, result.error_in_exec
+    assert "restored step 6" in capsys.readouterr().out
+    assert ip.user_ns["ran"] == [7, 8, 9]
+    assert torch.equal(ip.user_ns["model"].weight, _uninterrupted_weights())
+
+
+def test_an_exception_keeps_its_traceback_and_the_last_checkpoint(ip, tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    _setup(ip, stop_at=5, stop_with="ValueError('diverged')")
+    result = _autoresume(ip, root)
+    error = result.error_in_exec
+    assert isinstance(error, ValueError) and str(error) == "diverged"
+    captured = capsys.readouterr()
+    assert f"last saved step 3 under {root}" in captured.out
+    tb = error.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    assert tb.tb_lineno == RAISE_LINE  # counted in the cell as the user sees it
+    assert "raise stop_with" in captured.err + captured.out  # the cell's line is shown
+    assert checkpoint_pkg.find_latest_valid(str(root)).rstrip("/").endswith("step_3")
+
+
+def test_default_state_keep_and_the_last_expression_as_output(
+    ip, tmp_path, capsys
+):
+    _setup(ip)
+    root = tmp_path / "ckpt"
+    result = _autoresume(ip, root, args="--every 2 --keep 2", body=BODY + "start_step + 100\n")
+    assert result.success, result.error_in_exec
+    assert result.result == 100
+    assert "(state: model, optimizer)" in capsys.readouterr().out
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_8", "step_9"]  # --keep 2
+
+
+@pytest.mark.parametrize(
+    ("args", "body", "message"),
+    [
+        ("ROOT --state model,nosuch", BODY, "no object named 'nosuch' in the notebook"),
+        ("ROOT --state model,x", BODY, "'x' (Tensor) has no state_dict()/load_state_dict()"),
+        ("FILE/ckpt --state model", BODY, "cannot create ROOT"),
+        ("ROOT --every 0", BODY, "invalid positive integer value: '0'"),
+        ("--every 3", BODY, "the following arguments are required: ROOT"),
+        ("ROOT --state optimizer", BODY, "optimizer 'optimizer' optimizes no parameter"),
+        ("ROOT", "\n\n", "the cell has no body"),
+    ],
+    ids=["unknown-name", "not-stateful", "root-not-writable", "bad-every", "no-root",
+         "optimizer-without-model", "empty-body"],
+)
+def test_argument_errors_are_one_clear_line(ip, tmp_path, capsys, args, body, message):
+    from IPython.core.error import UsageError
+
+    (tmp_path / "a_file").write_text("not a directory")
+    _setup(ip)
+    args = args.replace("ROOT", str(tmp_path / "ckpt")).replace("FILE", str(tmp_path / "a_file"))
+    result = ip.run_cell(f"%%autoresume {args}" + body)
+    assert isinstance(result.error_in_exec, UsageError)
+    captured = capsys.readouterr()
+    lines = [line for line in (captured.err + captured.out).splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("UsageError: ") and message in lines[0], lines
+    assert ip.user_ns["ran"] == []
+
+
+def test_one_interrupt_is_held_back_while_a_checkpoint_is_completed_and_a_second_is_obeyed(capsys):
+    from nbtools._magics.autoresume import _interrupts_deferred
+
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a kernel
+    try:
+        with _interrupts_deferred() as deferred:
+            os.kill(os.getpid(), signal.SIGINT)  # held back: the save in flight must finish
+            assert deferred == [True]
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)  # the user insists
+        after = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert after is signal.default_int_handler
+    assert "interrupt again to abandon it" in capsys.readouterr().out

@@ -1,0 +1,216 @@
+"""MlflowLogger against a real local MLflow store (sqlite)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from nbtools._internal.runinfo import active_mlflow_run_id
+from nbtools.errors import TrackingError
+from nbtools.tracking import MAX_STEPS_PER_METRIC, MlflowLogger, current_run_id
+
+
+def _writer_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("nbtools-mlflow-")]
+
+
+def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def test_metrics_reach_the_store_in_the_background_and_the_run_ends(client):
+    with MlflowLogger("exp-basic", run_name="baseline") as run:
+        assert _writer_threads() == [f"nbtools-mlflow-{run.run_id[:8]}"]
+        for step in range(2500):  # more than one log_batch request
+            run.log_metric("loss", 1.0 / (step + 1), step=step)
+        run.log_metrics({"lr": 0.1, "acc": 0.5}, step=0)
+        run.log_params({"lr": 0.1, "batch": 64})
+        run.set_tags({"stage": "pretrain"})
+        run_id = run.run_id
+    assert _writer_threads() == []
+    history = _history(client, run_id, "loss")
+    assert [s for s, _ in history] == list(range(2500))
+    assert history[9] == (9, pytest.approx(0.1))
+    info = client.get_run(run_id)
+    assert info.info.status == "FINISHED"
+    assert info.info.run_name == "baseline"
+    assert info.data.params == {"lr": "0.1", "batch": "64"}
+    assert info.data.tags["stage"] == "pretrain"
+    assert info.data.metrics["acc"] == 0.5
+    assert client.get_experiment(info.info.experiment_id).name == "exp-basic"
+
+
+def test_log_every_keeps_one_value_in_n_steps_and_steps_default_to_a_counter(client):
+    with MlflowLogger("exp-throttle", log_every=10) as run:
+        for step in range(95):
+            run.log_metric("loss", float(step), step=step)
+        for _ in range(25):
+            run.log_metric("calls", 1.0)
+    assert [s for s, _ in _history(client, run.run_id, "loss")] == list(range(0, 95, 10))
+    assert [s for s, _ in _history(client, run.run_id, "calls")] == [0, 10, 20]
+
+
+def test_a_resumed_run_continues_the_same_run_and_step_axis(client, monkeypatch):
+    with MlflowLogger("exp-resume", run_name="first") as first:
+        for step in range(10):
+            first.log_metric("loss", float(step), step=step)
+    with MlflowLogger(run_id=first.run_id) as second:
+        assert current_run_id() == first.run_id
+        for step in range(10, 20):
+            second.log_metric("loss", float(step), step=step)
+    monkeypatch.setenv("MLFLOW_RUN_ID", first.run_id)  # MLflow's own way to resume
+    with MlflowLogger(run_name="renamed") as third:
+        third.log_metric("loss", 20.0, step=20)
+    assert third.run_id == first.run_id
+    assert [s for s, _ in _history(client, first.run_id, "loss")] == list(range(21))
+    run = client.get_run(first.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.info.run_name == "renamed"
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+
+
+def test_nothing_is_lost_on_keyboard_interrupt_and_the_run_is_marked_killed(client):
+    with pytest.raises(KeyboardInterrupt):
+        with MlflowLogger("exp-interrupt", flush_interval=3600) as run:
+            for step in range(1000):
+                run.log_metric("loss", float(step), step=step)
+            raise KeyboardInterrupt
+    assert len(_history(client, run.run_id, "loss")) == 1000
+    assert client.get_run(run.run_id).info.status == "KILLED"
+    with pytest.raises(ValueError), MlflowLogger("exp-interrupt") as failed:
+        raise ValueError("diverged")
+    assert client.get_run(failed.run_id).info.status == "FAILED"
+
+
+def test_the_run_id_is_visible_to_checkpoints_while_the_logger_is_open(tracking_uri):
+    import mlflow
+
+    with MlflowLogger("exp-runinfo") as run:
+        assert current_run_id() == run.run_id
+        assert active_mlflow_run_id() == run.run_id
+        # Checkpoints are saved on other threads, where MLflow has no active run.
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(active_mlflow_run_id()))
+        thread.start()
+        thread.join()
+        assert seen == [run.run_id]
+        assert mlflow.active_run().info.run_id == run.run_id
+    assert current_run_id() is None
+    assert mlflow.active_run() is None
+
+
+def test_a_run_the_user_started_is_adopted_and_left_running(client):
+    import mlflow
+
+    with mlflow.start_run(experiment_id=client.create_experiment("exp-adopt")) as outer:
+        with MlflowLogger() as run:
+            run.log_metric("loss", 1.0, step=0)
+        assert run.run_id == outer.info.run_id
+        assert mlflow.active_run().info.run_id == outer.info.run_id
+        with pytest.raises(TrackingError, match="is active in this thread"):
+            MlflowLogger(run_id="0" * 32)
+    assert _history(client, outer.info.run_id, "loss") == [(0, 1.0)]
+
+
+def test_resuming_an_unknown_run_says_what_to_do(tracking_uri):
+    with pytest.raises(TrackingError, match="MLFLOW_TRACKING_URI"):
+        MlflowLogger(run_id="f" * 32)
+
+
+def test_warns_before_a_metric_passes_mlflows_limit(client, caplog):
+    caplog.set_level(logging.WARNING, logger="nbtools")
+    with MlflowLogger("exp-limit", log_every=1, total_steps=2 * MAX_STEPS_PER_METRIC) as run:
+        assert "use log_every=2 or more" in caplog.text
+        caplog.clear()
+        run.log_metric("loss", 1.0, step=8_000_000)
+        assert caplog.text == ""
+        run.log_metric("loss", 1.0, step=9_500_000)
+        run.log_metric("loss", 1.0, step=9_500_001)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "'loss'" in warnings[0] and "10000000" in warnings[0]
+
+
+def test_other_ranks_log_nothing(client, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    before = len(client.search_runs(client.search_experiments()[0].experiment_id))
+    run = MlflowLogger("exp-rank")
+    assert not run.enabled and run.run_id is None and _writer_threads() == []
+    run.log_metric("loss", 1.0, step=0)
+    run.close()
+    assert client.get_experiment_by_name("exp-rank") is None
+    assert len(client.search_runs(client.search_experiments()[0].experiment_id)) == before
+
+
+def test_tensor_values_and_bad_values(client):
+    torch = pytest.importorskip("torch")
+    with MlflowLogger("exp-values") as run:
+        loss = torch.tensor(2.5)
+        run.log_metric("loss", loss, step=0)
+        loss.add_(1.0)  # changed in place after logging: the logged value stays 2.5
+        run.log_metric("count", 3, step=0)
+        with pytest.raises(ValueError, match="one number"):
+            run.log_metric("loss", torch.ones(3), step=1)
+        with pytest.raises(TypeError, match="must be a number"):
+            run.log_metric("loss", "high", step=1)
+        with pytest.raises(TypeError, match="cannot be sent to another process"):
+            pickle.dumps(run)
+    assert _history(client, run.run_id, "loss") == [(0, 2.5)]
+    assert _history(client, run.run_id, "count") == [(0, 3.0)]
+    with pytest.raises(TrackingError, match="is closed"):
+        run.log_metric("loss", 1.0, step=2)
+    with pytest.raises(ValueError, match="log_every"):
+        MlflowLogger(log_every=0)
+
+
+def test_a_failed_write_is_kept_retried_and_reported(client):
+    with MlflowLogger("exp-retry") as run:
+        run.log_metric("loss", 1.0, step=0)
+        run.flush()
+        client.delete_run(run.run_id)  # the store now refuses writes to this run
+        for step in range(1, 50):
+            run.log_metric("loss", float(step), step=step)
+        with pytest.raises(TrackingError, match="kept and retried"):
+            run.flush()
+        client.restore_run(run.run_id)
+        run.flush()
+    assert [s for s, _ in _history(client, run.run_id, "loss")] == list(range(50))
+
+
+def test_a_logger_left_open_is_flushed_and_ended_when_the_interpreter_exits(client, tracking_uri):
+    script = textwrap.dedent(
+        """
+        from nbtools.tracking import MlflowLogger
+        run = MlflowLogger("exp-atexit", flush_interval=3600)  # never closed, never flushed
+        for step in range(3000):
+            run.log_metric("loss", float(step), step=step)
+        print(run.run_id)
+        """
+    )
+    env = dict(os.environ, MLFLOW_TRACKING_URI=tracking_uri)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    run_id = proc.stdout.strip().splitlines()[-1]
+    assert len(_history(client, run_id, "loss")) == 3000
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_experiment_choice_follows_mlflows_conventions(client, monkeypatch):
+    chosen = client.create_experiment("set-by-mlflow.set_experiment")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", chosen)  # what mlflow.set_experiment() sets
+    with MlflowLogger() as run:
+        pass
+    assert run.experiment_id == chosen
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "by-name")  # the name wins over the id
+    with MlflowLogger() as run:
+        pass
+    assert client.get_experiment(run.experiment_id).name == "by-name"
+    with MlflowLogger("explicit") as run:  # and an explicit argument over both
+        pass
+    assert client.get_experiment(run.experiment_id).name == "explicit"
