@@ -55,18 +55,25 @@ class NbtoolsMagics(Magics):
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
         self.pane: Any = None
+        self._pane_logger: Any = None
 
     def close_pane(self) -> None:
         """Close the pane opened by ``%gpu_pane`` (stops its polling)."""
         pane, self.pane = self.pane, None
+        logger, self._pane_logger = self._pane_logger, None
         if pane is not None:
             pane.close()
+        if logger is not None:
+            logger.close()  # flushes the last samples; an adopted run stays open
 
     @magic_arguments()
     @argument("--interval", type=_positive_float, default=None, metavar="S",
               help="seconds between samples (default: the pane's, 10)")
     @argument("--simulated", type=_positive_int, default=None, metavar="N",
               help="show N simulated GPUs instead of the real ones (demos, no GPU)")
+    @argument("--mlflow", action="store_true",
+              help="also log every sample as MLflow system metrics (to the active or resumed "
+                   "run, else a new one)")
     @argument("--close", action="store_true", help="close the pane and stop polling")
     @line_magic
     def gpu_pane(self, line: str) -> Any:
@@ -92,7 +99,17 @@ class NbtoolsMagics(Magics):
             self.pane = GPUPane(**kwargs)
         except (TypeError, ValueError) as exc:
             raise UsageError(f"gpu_pane: {exc}") from None
+        if args.mlflow:
+            self._log_pane_to_mlflow()
         return self.pane
+
+    def _log_pane_to_mlflow(self) -> None:
+        from nbtools.tracking import MlflowLogger, SystemMetricsSink, current_run_id
+
+        logger = MlflowLogger(run_id=current_run_id())
+        host = getattr(self.pane.sampler.backend, "host", None)
+        self._pane_logger = logger
+        self.pane.sampler.add_sink(SystemMetricsSink(logger, local_host=host))
 
     @magic_arguments()
     @argument("root", metavar="ROOT", help="checkpoint directory (or fsspec URL)")

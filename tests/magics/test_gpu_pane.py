@@ -55,3 +55,25 @@ def test_bad_arguments_are_one_line(ip, capsys, args, message):
     lines = [line for line in (captured.err + captured.out).splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("UsageError: ") and message in lines[0], lines
     assert _sampler_threads() == []
+
+
+def test_pane_samples_become_mlflow_system_metrics(ip, tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    for name in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
+        monkeypatch.delenv(name, raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    pane = ip.run_line_magic("gpu_pane", "--simulated 2 --interval 60 --mlflow")
+    try:
+        pane.refresh()
+        pane.refresh()
+        run_id = ip.magics_manager.registry["NbtoolsMagics"]._pane_logger.run_id
+    finally:
+        ip.run_line_magic("gpu_pane", "--close")  # flushes what was sampled
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    history = client.get_metric_history(run_id, "system/gpu_1_utilization_percentage")
+    assert len(history) >= 2  # the two refreshes (the first poll came before the sink)
+    assert all(0 <= m.value <= 100 for m in history)
+    assert client.get_metric_history(run_id, "system/gpu_0_temperature_celsius")
+    assert mlflow.active_run() is None
+    assert _sampler_threads() == []
