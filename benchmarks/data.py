@@ -1,0 +1,221 @@
+"""Throughput of VolumeDataset + DataLoader over a slow FUSE volume, against baselines.
+
+Mounts a Python FUSE passthrough (``benchmarks/_slowfs.py``) that adds latency
+to every open and read, over a few thousand ~100 KB files, and measures in one
+run (files per second):
+
+* ``volume_epoch1`` / ``volume_epoch2``: ``VolumeDataset`` + ``DataLoader(num_workers=2)``,
+  first epoch (copying from the mount) and second epoch (from the local cache);
+* ``plain_loader``: ``torch.utils.data.DataLoader`` with the same workers reading the mount;
+* ``threads_ceiling``: 32 threads reading the mount directly (its parallel ceiling);
+* ``local_loader``: the same files on local disk through the plain loader with the same
+  (persistent, already started) workers: the limit for epoch 2;
+* ``local_serial``: one serial loop over the local files (page cache warm), for scale.
+
+Prints one JSON line. Needs root, /dev/fuse and fusermount3; otherwise the
+line says why it was skipped. Everything (mount, server, files) is removed at
+the end, also on failure or Ctrl+C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch.utils.data
+from torch.utils.data import IterableDataset, get_worker_info
+
+from nbtools.data import DataLoader, VolumeDataset
+
+__all__ = ["main"]
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_REPEAT = 3
+
+
+def _read(path: str) -> int:
+    with open(path, "rb") as fh:
+        return len(fh.read())
+
+
+class _Paths(IterableDataset):
+    """Reads a list of paths, split over the loader's workers (the plain baseline)."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, n = (info.id, info.num_workers) if info else (0, 1)
+        for path in self.paths[wid::n]:
+            yield _read(path)
+
+
+class _Decode(IterableDataset):
+    def __init__(self, files: VolumeDataset) -> None:
+        self.files = files
+
+    def __iter__(self):
+        for path in self.files:
+            yield _read(path)
+
+
+def _rate(n: int, fn) -> float:
+    start = time.perf_counter()
+    got = fn()
+    elapsed = time.perf_counter() - start
+    if got != n:
+        raise RuntimeError(f"read {got} files, expected {n}")
+    return round(n / elapsed, 1)
+
+
+def _count(loader) -> int:
+    return sum(len(batch) for batch in loader)
+
+
+def _plain(paths: list[str], workers: int, n: int, epochs: int = 1) -> float:
+    """files/s of the last of ``epochs`` epochs of PyTorch's loader reading ``paths``."""
+    loader = torch.utils.data.DataLoader(
+        _Paths(paths), batch_size=32, num_workers=workers, persistent_workers=epochs > 1
+    )
+    for _ in range(epochs - 1):
+        _count(loader)
+    repeat = _REPEAT if epochs > 1 else 1
+    return max(_rate(n, lambda: _count(loader)) for _ in range(repeat))
+
+
+def _make_files(src: str, n: int, size: int) -> list[str]:
+    rels = []
+    block = os.urandom(size)
+    for i in range(n):
+        rel = f"d{i % 16:02d}/f{i:06d}.bin"
+        os.makedirs(os.path.join(src, os.path.dirname(rel)), exist_ok=True)
+        with open(os.path.join(src, rel), "wb") as fh:
+            fh.write(block[i % 97 :] + block[: i % 97])
+        rels.append(rel)
+    return rels
+
+
+def _mount(src: str, mnt: str, open_ms: float, read_ms: float) -> subprocess.Popen:
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(_HERE, "_slowfs.py"),
+            src,
+            mnt,
+            "--open-ms",
+            str(open_ms),
+            "--read-ms",
+            str(read_ms),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 15
+    while not os.path.ismount(mnt):
+        if server.poll() is not None or time.monotonic() > deadline:
+            _unmount(server, mnt)
+            raise RuntimeError(f"the FUSE server did not mount {mnt}")
+        time.sleep(0.05)
+    return server
+
+
+def _unmount(server: subprocess.Popen, mnt: str) -> None:
+    for args in (["fusermount3", "-u", mnt], ["fusermount3", "-u", "-z", mnt]):
+        if not os.path.ismount(mnt):
+            break
+        subprocess.run(args, capture_output=True, check=False)
+    try:
+        server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+    if server.stderr is not None:
+        server.stderr.close()
+
+
+def _measure(args: argparse.Namespace, work: str) -> dict:
+    src, mnt, cache = (os.path.join(work, d) for d in ("src", "mnt", "cache"))
+    os.makedirs(mnt)
+    rels = _make_files(src, args.files, args.size)
+    n = len(rels)
+    server = _mount(src, mnt, args.open_ms, args.read_ms)
+    try:
+        on_mount = [os.path.join(mnt, r) for r in rels]
+        with ThreadPoolExecutor(32) as pool:
+            threads = _rate(n, lambda: sum(1 for _ in pool.map(_read, on_mount)))
+
+        plain_mount = _plain(on_mount, args.workers, n)
+        files = VolumeDataset(
+            mnt, cache_dir=cache, **({"prefetch": args.prefetch} if args.prefetch else {})
+        )
+        with DataLoader(_Decode(files), batch_size=32, num_workers=args.workers) as loader:
+            epoch1 = _rate(n, lambda: _count(loader))
+            # The machine is shared: the fast, local-speed figures are the best of 3 epochs.
+            epoch2 = max(_rate(n, lambda: _count(loader)) for _ in range(_REPEAT))
+            waits = round(sum(loader.wait_times), 3)
+    finally:
+        _unmount(server, mnt)
+    on_disk = [os.path.join(src, r) for r in rels]
+    # Second epoch of persistent workers, as for volume_epoch2: no start-up cost.
+    local_loader = _plain(on_disk, args.workers, n, epochs=2)
+    local_serial = max(
+        _rate(n, lambda: sum(1 for p in on_disk if _read(p))) for _ in range(_REPEAT)
+    )
+    return {
+        "benchmark": "data",
+        "files": n,
+        "file_bytes": args.size,
+        "open_latency_ms": args.open_ms,
+        "read_latency_ms": args.read_ms,
+        "workers": args.workers,
+        "prefetch": files.prefetch,
+        "volume_epoch1_files_s": epoch1,
+        "volume_epoch2_files_s": epoch2,
+        "epoch2_loop_wait_s": waits,
+        "fast_figures": "best of 3 epochs (epoch 2+, local)",
+        "plain_loader_files_s": plain_mount,
+        "threads_ceiling_files_s": threads,
+        "local_loader_files_s": local_loader,
+        "local_serial_files_s": local_serial,
+        "epoch1_vs_ceiling": round(epoch1 / threads, 3),
+        "epoch1_vs_plain": round(epoch1 / plain_mount, 2),
+        "epoch2_vs_local_loader": round(epoch2 / local_loader, 3),
+        "epoch2_vs_local_serial": round(epoch2 / local_serial, 3),
+        "goals": {"epoch1_vs_ceiling": 0.8, "epoch2_vs_local": 0.9},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--files", type=int, default=2000)
+    parser.add_argument("--size", type=int, default=100_000)
+    parser.add_argument("--open-ms", type=float, default=20.0)
+    parser.add_argument("--read-ms", type=float, default=1.0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--prefetch", type=int, default=0, help="VolumeDataset prefetch (0: its default)"
+    )
+    args = parser.parse_args()
+    if os.geteuid() != 0 or not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
+        print(json.dumps({"benchmark": "data", "skipped": "needs root, /dev/fuse and fusermount3"}))
+        return
+    work = tempfile.mkdtemp(prefix="nbtools-bench-data-")
+    try:
+        result = _measure(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Cached volume data: keep GPUs fed from files on a slow mounted volume.
+
+``VolumeDataset`` serves the files under a root (a directory, a mounted volume
+or an fsspec URL) as paths of complete local copies; ``DataLoader`` is
+PyTorch's loader with persistent workers and a position that resumes exactly.
+
+Example:
+    >>> from nbtools.data import VolumeDataset, DataLoader
+    >>> files = VolumeDataset("/mnt/vol/images", "**/*.jpg", shuffle=True, seed=0)  # doctest: +SKIP
+    >>> loader = DataLoader(Decode(files), batch_size=64, num_workers=4)  # doctest: +SKIP
+    >>> loader.load_state_dict(saved)   # optional: resume mid-epoch   # doctest: +SKIP
+    >>> for batch in loader: ...                                       # doctest: +SKIP
+
+Rules users must follow:
+
+* **Open a yielded path at once.** Paths are ephemeral: when free space on the
+  cache filesystem falls below the threshold (10 % of it by default;
+  ``min_free_bytes``, ``NBTOOLS_CACHE_MIN_FREE_BYTES`` or
+  ``SGC_FSLAYER_MIN_FREE_DISK_BYTES``), files are evicted, oldest download
+  first. Only the path yielded last and the copies not yet served are
+  protected. Open, decode or copy each path in the step that receives it; do
+  not keep paths in lists for later.
+* **Wrap, do not read ahead.** Decode in an ``IterableDataset`` that keeps the
+  ``VolumeDataset`` as an attribute (or forwards ``state_dict`` /
+  ``load_state_dict`` to it) and yields one sample per path as it arrives.
+  Paths a wrapper has taken but not yet yielded (a shuffle buffer) count as
+  seen.
+* **Same ``num_workers`` on every rank.** Files are split with a global stride
+  over ``world_size x num_workers`` slots; a mismatch is an error at the start
+  of iteration. No ``DistributedSampler`` is needed.
+* **Save and restore on every rank.** With a process group of several ranks,
+  ``state_dict()`` is a collective; each rank gets the same plain-Python state.
+
+Resume semantics: the saved position counts only what the training loop
+received. Restoring it (with any world size or ``num_workers``) serves every
+remaining file of the epoch exactly once, then the following epochs in the
+same order as an uninterrupted run (the order is a function of ``(seed,
+epoch)``). With the same world size and ``num_workers`` the rest of the
+epoch also comes in the same batch order; with another layout, or near the end
+of an epoch where one worker ran out before the others, the set is the same
+but the order within the rest of that epoch may differ. Iterating again after
+an interrupted loop continues the epoch; a finished epoch is followed by the
+next; ``set_epoch(n)`` picks an epoch explicitly (the epoch held keeps its
+position, which is how a resumed run continues).
+
+The cache directory is shared by every worker and rank on a node. Copies land
+under a temporary name and are renamed when complete; ``fcntl.flock`` locks
+(one per file) keep two processes from copying a file at the same time and
+keep files in use from being evicted. Nothing lives in ``/dev/shm``, so an
+interrupted notebook leaves no stale segment behind.
+
+Loader workers are started by PyTorch's default method (``fork`` on Linux),
+which lets classes defined in notebook cells run in them. Forking after CUDA is
+initialised in the kernel is safe as long as the workers do not use CUDA; keep
+GPU work in the training loop.
+"""
+
+from __future__ import annotations
+
+from nbtools.data.dataset import VolumeDataset
+from nbtools.data.loader import DataLoader
+
+__all__ = ["VolumeDataset", "DataLoader"]

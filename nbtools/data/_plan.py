@@ -1,0 +1,108 @@
+"""The plan of one iteration: which epoch, what was already consumed, and the slot layout."""
+
+from __future__ import annotations
+
+import secrets
+import sys
+from dataclasses import dataclass, replace
+from typing import Any
+
+from nbtools.data._positions import Consumed
+from nbtools.errors import DataError
+
+__all__ = ["Plan", "dist_info", "gather", "check_same_workers"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one iteration of a dataset serves.
+
+    Rank ``rank`` owns slots ``rank * num_workers + worker_id`` of a global
+    stride of ``world_size * num_workers`` over the positions not in ``base``.
+    ``tracked`` means a loader counts what the training loop received (from
+    batch tags); otherwise the stream counts the paths it yields itself.
+    """
+
+    plan_id: str
+    epoch: int
+    base: Consumed
+    rank: int
+    world_size: int
+    num_workers: int
+    tracked: bool
+    rotation: int = 0
+
+    @property
+    def stride(self) -> int:
+        """Number of slots over all ranks and workers."""
+        return self.world_size * self.num_workers
+
+    def slots(self) -> range:
+        """The slots of this rank."""
+        return range(self.rank * self.num_workers, (self.rank + 1) * self.num_workers)
+
+    def slot_of(self, worker_id: int) -> int:
+        """The slot loader worker ``worker_id`` of this rank serves.
+
+        A loader takes batches from its workers in turn, starting with worker 0;
+        ``rotation`` hands worker 0 the slot whose turn it was when the previous
+        iteration stopped, so a resumed run with the same layout keeps the order.
+        """
+        return self.rank * self.num_workers + (worker_id + self.rotation) % self.num_workers
+
+    def advanced(self) -> Plan:
+        """The plan a persistent worker assumes next: the following epoch, from its start.
+
+        Its id derives from this one, so the training process can predict it.
+        """
+        return replace(
+            self, plan_id=self.plan_id + "+", epoch=self.epoch + 1, base=Consumed(), rotation=0
+        )
+
+    def same_work(self, other: Plan | None) -> bool:
+        """True when ``other`` serves exactly the same files in the same places."""
+        return other is not None and replace(other, plan_id=self.plan_id) == self
+
+    @staticmethod
+    def new_id() -> str:
+        """A fresh plan id."""
+        return secrets.token_hex(6)
+
+
+def _dist() -> Any:
+    if "torch" not in sys.modules:
+        return None
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist
+    return None
+
+
+def dist_info() -> tuple[int, int]:
+    """``(rank, world_size)`` of the initialised default group, else ``(0, 1)``."""
+    dist = _dist()
+    if dist is None:
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def gather(obj: Any) -> list[Any]:
+    """``obj`` from every rank (a collective when a group of several ranks is up)."""
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def check_same_workers(per_rank: list[int]) -> None:
+    """Raise when ranks disagree on the number of loader workers."""
+    if len(set(per_rank)) > 1:
+        listing = ", ".join(f"rank {r}: {n}" for r, n in enumerate(per_rank))
+        raise DataError(
+            "ranks iterate the dataset with different numbers of loader workers "
+            f"({listing}); the global stride over ranks x workers would duplicate or skip "
+            "files. Pass the same num_workers on every rank."
+        )

@@ -1,0 +1,146 @@
+"""Positions in an epoch, independent of world size and number of workers.
+
+An epoch is a permutation ``order`` of the dataset's file indices; a *position*
+is an index into ``order``. The files consumed so far in an epoch are a set of
+positions, kept in the compact form :class:`Consumed`: every position below
+``prefix`` plus a short sorted list ``extras`` above it. Because the slots of a
+global stride advance almost in step, ``extras`` stays as small as a few
+batches per slot, however large the dataset is.
+
+An iteration splits the positions not yet consumed over ``stride`` slots (one
+slot per rank and loader worker): slot ``s`` takes, in order, the unconsumed
+positions ``i`` with ``i % stride == s``. With nothing consumed this is the
+plain global stride ``order[s::stride]``; resuming with the same stride gives
+every slot exactly the positions an uninterrupted run would have given it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = [
+    "Consumed",
+    "epoch_order",
+    "slot_positions",
+    "slot_length",
+    "advance",
+]
+
+
+@dataclass(frozen=True)
+class Consumed:
+    """The positions consumed in one epoch: all of ``[0, prefix)`` plus ``extras``.
+
+    Invariant: ``extras`` is sorted, unique, and every entry is ``> prefix``
+    (position ``prefix`` itself is never consumed, else the prefix would be longer).
+    """
+
+    prefix: int = 0
+    extras: tuple[int, ...] = field(default_factory=tuple)
+
+    def count(self) -> int:
+        """How many positions are consumed."""
+        return self.prefix + len(self.extras)
+
+    def contains(self, position: int) -> bool:
+        """True when ``position`` was consumed."""
+        if position < self.prefix:
+            return True
+        i = bisect.bisect_left(self.extras, position)
+        return i < len(self.extras) and self.extras[i] == position
+
+    def is_complete(self, num_files: int) -> bool:
+        """True when every position of an epoch of ``num_files`` files is consumed."""
+        return self.prefix >= num_files
+
+    @classmethod
+    def from_positions(cls, prefix: int, positions: set[int]) -> Consumed:
+        """Canonical form of ``[0, prefix)`` united with ``positions``."""
+        while prefix in positions:
+            prefix += 1
+        return cls(prefix, tuple(sorted(p for p in positions if p > prefix)))
+
+
+def epoch_order(num_files: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The file indices of ``epoch`` in the order they are served.
+
+    A deterministic function of ``(seed, epoch)``: every rank, worker and
+    resumed run computes the same order without communicating.
+    """
+    if not shuffle:
+        return np.arange(num_files, dtype=np.int64)
+    rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch) & 0xFFFFFFFF, 0x6E62])
+    return rng.permutation(num_files).astype(np.int64)
+
+
+def _residue_extras(consumed: Consumed, stride: int, slot: int) -> list[int]:
+    return [e for e in consumed.extras if e % stride == slot]
+
+
+def _first_candidate(prefix: int, stride: int, slot: int) -> int:
+    return prefix + ((slot - prefix) % stride)
+
+
+def slot_positions(consumed: Consumed, num_files: int, stride: int, slot: int) -> Iterator[int]:
+    """Positions that slot ``slot`` of ``stride`` slots serves, in order."""
+    skip = set(_residue_extras(consumed, stride, slot))
+    for position in range(_first_candidate(consumed.prefix, stride, slot), num_files, stride):
+        if position not in skip:
+            yield position
+
+
+def slot_length(consumed: Consumed, num_files: int, stride: int, slot: int) -> int:
+    """Number of positions :func:`slot_positions` yields, computed in O(len(extras))."""
+    first = _first_candidate(consumed.prefix, stride, slot)
+    candidates = max(0, -(-(num_files - first) // stride))
+    skipped = sum(1 for e in _residue_extras(consumed, stride, slot) if e < num_files)
+    return candidates - skipped
+
+
+def _nth_position(consumed: Consumed, stride: int, slot: int, n: int) -> int:
+    """The ``n``-th (1-based) position of the slot; O(len(extras))."""
+    first = _first_candidate(consumed.prefix, stride, slot)
+    skipped = _residue_extras(consumed, stride, slot)
+    position = first + (n - 1) * stride
+    # Each skipped position at or before the candidate pushes it one stride on.
+    for extra in skipped:
+        if extra <= position:
+            position += stride
+        else:
+            break
+    return position
+
+
+def advance(consumed: Consumed, num_files: int, stride: int, counts: Mapping[int, int]) -> Consumed:
+    """``consumed`` plus the first ``counts[slot]`` positions of each slot.
+
+    The cost depends on the number of slots and on how far apart they are, not
+    on the dataset size.
+    """
+    if stride < 1:
+        raise ValueError(f"stride must be at least 1, got {stride}")
+    ends: dict[int, int] = {}
+    gaps: list[int] = []
+    for slot in range(stride):
+        length = slot_length(consumed, num_files, stride, slot)
+        n = min(max(int(counts.get(slot, 0)), 0), length)
+        if n > 0:
+            ends[slot] = _nth_position(consumed, stride, slot, n)
+        # The first position of the slot not consumed after this step.
+        gaps.append(_nth_position(consumed, stride, slot, n + 1) if n < length else num_files)
+    for slot in counts:
+        if not 0 <= slot < stride:
+            raise ValueError(f"slot {slot} is outside a stride of {stride}")
+    prefix = min(gaps, default=num_files)
+    if prefix >= num_files:
+        return Consumed(num_files, ())
+    # Below ``prefix`` every position is consumed; above it only the old extras
+    # and each slot's run from ``prefix`` up to its last served position.
+    extras = {e for e in consumed.extras if e > prefix}
+    for slot, end in ends.items():
+        extras.update(range(_first_candidate(prefix, stride, slot), end + 1, stride))
+    return Consumed(prefix, tuple(sorted(extras)))

@@ -1,0 +1,375 @@
+"""``VolumeDataset``: the files of a slow volume, served as paths of local cached copies."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from typing import IO, Any
+
+from torch.utils.data import IterableDataset, get_worker_info
+
+from nbtools import runtime
+from nbtools.data import _tags
+from nbtools.data._cache import FileCache, default_cache_dir
+from nbtools.data._listing import FileList, is_url, list_files
+from nbtools.data._plan import Plan, check_same_workers, dist_info, gather
+from nbtools.data._positions import Consumed, advance, epoch_order, slot_length, slot_positions
+from nbtools.data._stream import Item, serve
+from nbtools.errors import DataError
+
+__all__ = ["VolumeDataset"]
+
+_STATE_VERSION = 1
+
+
+def _open_local(path: str) -> IO[bytes]:
+    try:
+        return open(path, "rb")
+    except OSError as exc:
+        raise type(exc)(
+            exc.errno,
+            f"cannot read {path!r} from the dataset volume ({exc.strerror}); "
+            "check that it exists and is readable",
+        ) from exc
+
+
+class _Opener:
+    """Opens one source file; picklable, so items can be built in any process."""
+
+    __slots__ = ("source", "fs")
+
+    def __init__(self, source: str, fs: Any = None) -> None:
+        self.source = source
+        self.fs = fs
+
+    def __call__(self) -> IO[bytes]:
+        if self.fs is None:
+            return _open_local(self.source)
+        try:
+            return self.fs.open(self.source, "rb")
+        except OSError as exc:
+            raise type(exc)(exc.errno, f"cannot read {self.source!r}: {exc}") from exc
+        except Exception as exc:
+            raise DataError(f"cannot read {self.source!r}: {exc}") from exc
+
+
+class VolumeDataset(IterableDataset):
+    """The files under ``root``, yielded as paths of complete local copies.
+
+    The first access to a file copies it from the (slow) volume to a local
+    cache; later epochs reuse the copy. Copies run up to ``prefetch`` files
+    ahead of the consumer on threads, overlapping the training step. Files are
+    split over ``world_size x num_workers`` slots with a global stride, rank and
+    world size read from ``torch.distributed`` when iteration starts.
+
+    A yielded path is ephemeral: when the cache filesystem runs short of space,
+    files are evicted (oldest download first), and only the path yielded last
+    and the copies not yet served are protected. Open, decode or copy each path
+    in the same iteration step that receives it; never keep paths for later.
+
+    Args:
+        root: A directory, a mounted volume, or an fsspec URL.
+        pattern: Glob relative to ``root`` (``**`` crosses directories); hidden
+            files are skipped.
+        cache_dir: Local cache directory, shared by every worker and rank on
+            the node (default: a per-user directory under the temp directory).
+        shuffle: Serve the files in an order that is a deterministic function
+            of ``(seed, epoch)``.
+        seed: Seed of the shuffle.
+        prefetch: How many files each stream copies ahead (and copy threads).
+        min_free_bytes: Free space to keep on the cache filesystem (default
+            ``NBTOOLS_CACHE_MIN_FREE_BYTES`` or ``SGC_FSLAYER_MIN_FREE_DISK_BYTES``,
+            else 10 % of the filesystem).
+
+    Example:
+        >>> files = VolumeDataset("/mnt/vol/images", "**/*.jpg", shuffle=True)  # doctest: +SKIP
+        >>> for epoch in range(start_epoch, epochs):  # doctest: +SKIP
+        ...     files.set_epoch(epoch)
+        ...     for path in files:
+        ...         image = decode(path)  # open the path now; it may be evicted later
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        pattern: str = "**/*",
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        prefetch: int = 16,
+        min_free_bytes: int | None = None,
+    ) -> None:
+        if not isinstance(root, (str, os.PathLike)):
+            raise TypeError(f"root must be a path or URL string, got {type(root).__name__}")
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"pattern must be a non-empty glob such as '**/*', got {pattern!r}")
+        if not isinstance(prefetch, int) or prefetch < 1:
+            raise ValueError(f"prefetch must be a positive integer, got {prefetch!r}")
+        if min_free_bytes is not None and (
+            not isinstance(min_free_bytes, int) or min_free_bytes < 0
+        ):
+            raise ValueError(
+                f"min_free_bytes must be a non-negative integer, got {min_free_bytes!r}"
+            )
+        if not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.root = os.fspath(root)
+        self.pattern = pattern
+        self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.shuffle = bool(shuffle)
+        self.seed = seed
+        self.prefetch = prefetch
+        self.min_free_bytes = min_free_bytes
+        self._uid = Plan.new_id()
+        self._files: FileList | None = None
+        self._fs: Any = None
+        self._cache: FileCache | None = None
+        # Position: the epoch, what was consumed before the current plan, and
+        # what the consumer received under it (slot -> count).
+        self._epoch = 0
+        self._consumed = Consumed()
+        self._plan: Plan | None = None
+        self._counts: dict[int, int] = {}
+        self._batches = 0  # batches a loader received under the current plan
+        # Layout of the run a position was saved from: rotations per rank, to
+        # keep the batch order when resuming with the same layout.
+        self._layout: dict[str, Any] | None = None
+        self._explicit_epoch: int | None = None
+        # A plan handed to the next ``__iter__`` (possibly in a worker copy), and
+        # the last plan a worker copy served.
+        self._pending: Plan | None = None
+        self._last_plan: Plan | None = None
+
+    # --- public -----------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being served (or the one the next iteration serves after ``set_epoch``)."""
+        return self._explicit_epoch if self._explicit_epoch is not None else self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Serve ``epoch`` next. The current epoch keeps its position (a resumed run
+        calls ``set_epoch`` with the epoch it restored); another epoch starts from
+        its beginning. Without ``set_epoch`` a finished epoch is followed by the next."""
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        self._explicit_epoch = epoch
+
+    def __len__(self) -> int:
+        """Number of files in the dataset (all ranks together)."""
+        return len(self._listing())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the epoch, independent of world size and number of workers.
+
+        Plain Python (ints, strings, lists). With a process group of several
+        ranks this is a collective: call it on every rank; every rank gets the
+        same state, which any rank can restore with any world size.
+        """
+        files = self._listing()
+        epoch, consumed, layout = self._current(files)
+        if self._explicit_epoch is not None and self._explicit_epoch != epoch:
+            epoch, consumed, layout = self._explicit_epoch, Consumed(), None
+        return {
+            "version": _STATE_VERSION,
+            "epoch": epoch,
+            "prefix": consumed.prefix,
+            "extras": list(consumed.extras),
+            "num_files": len(files),
+            "fingerprint": files.fingerprint,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "layout": layout,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a position saved by :meth:`state_dict` (any world size or workers)."""
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            raise ValueError(
+                "not a VolumeDataset state (expected the dict returned by state_dict(), "
+                f"version {_STATE_VERSION}); got {type(state).__name__}"
+            )
+        files = self._listing()
+        if state["num_files"] != len(files) or state["fingerprint"] != files.fingerprint:
+            raise DataError(
+                f"the saved position belongs to a dataset of {state['num_files']} files "
+                f"(fingerprint {state['fingerprint']}), but {self.root!r} with pattern "
+                f"{self.pattern!r} now lists {len(files)} files (fingerprint {files.fingerprint}); "
+                "restore with the same files, or start the epoch afresh without the state"
+            )
+        if state["seed"] != self.seed or bool(state["shuffle"]) != self.shuffle:
+            raise DataError(
+                f"the saved position was taken with shuffle={state['shuffle']}, seed={state['seed']}; "
+                f"this dataset has shuffle={self.shuffle}, seed={self.seed}. Construct it with the "
+                "same shuffle and seed to resume"
+            )
+        prefix, extras = int(state["prefix"]), {int(e) for e in state["extras"]}
+        if not 0 <= prefix <= len(files) or any(not prefix < e < len(files) for e in extras):
+            raise ValueError(
+                f"the saved position is inconsistent (prefix {prefix}, {len(extras)} extras, "
+                f"{len(files)} files); pass the dict state_dict() returned, unmodified"
+            )
+        self._epoch = int(state["epoch"])
+        self._consumed = Consumed.from_positions(prefix, extras)
+        self._plan, self._counts, self._batches = None, {}, 0
+        layout = state.get("layout")
+        self._layout = dict(layout) if isinstance(layout, dict) else None
+        self._explicit_epoch = self._pending = None
+
+    def __iter__(self) -> Iterator[str]:
+        info = get_worker_info()
+        if info is None:
+            plan, self._pending = self._pending, None
+            if plan is None:
+                plan = self._prepare(num_workers=1, tracked=False)
+            worker_id = 0
+        else:
+            plan = self._worker_plan(info.num_workers)
+            worker_id = info.id
+        return self._serve(plan, plan.slot_of(worker_id))
+
+    # --- planning (training process) ----------------------------------------------------
+
+    def _listing(self) -> FileList:
+        if self._files is None:
+            self._files = list_files(self.root, self.pattern)
+        return self._files
+
+    def _current(self, files: FileList) -> tuple[int, Consumed, dict[str, Any] | None]:
+        """The epoch, everything consumed in it over all ranks, and the layout.
+
+        One collective on every rank, whatever the local state.
+        """
+        plan = self._plan
+        rotation = 0 if plan is None else (plan.rotation + self._batches) % plan.num_workers
+        parts = gather((self._counts, rotation))
+        if plan is None:
+            return self._epoch, self._consumed, self._layout
+        counts: dict[int, int] = {}
+        for part, _ in parts:
+            counts.update(part)
+        layout = {
+            "world_size": plan.world_size,
+            "num_workers": plan.num_workers,
+            "rotation": [r for _, r in parts],
+        }
+        return self._epoch, advance(self._consumed, len(files), plan.stride, counts), layout
+
+    def _prepare(self, num_workers: int, tracked: bool, reuse: Plan | None = None) -> Plan:
+        """Decide what the next iteration serves; a collective on every rank.
+
+        Returns ``reuse`` itself when it would serve exactly the same work.
+        """
+        files = self._listing()
+        check_same_workers(gather(num_workers))
+        epoch, consumed, layout = self._current(files)
+        if self._explicit_epoch is not None:
+            if self._explicit_epoch != epoch:
+                epoch, consumed = self._explicit_epoch, Consumed()
+        elif consumed.is_complete(len(files)):
+            epoch, consumed = epoch + 1, Consumed()
+        rank, world = dist_info()
+        rotation = 0
+        if (
+            consumed.count()
+            and layout
+            and (layout["world_size"], layout["num_workers"]) == (world, num_workers)
+        ):
+            rotation = int(layout["rotation"][rank]) % num_workers
+        plan = Plan(Plan.new_id(), epoch, consumed, rank, world, num_workers, tracked, rotation)
+        if plan.same_work(reuse):
+            plan = reuse  # type: ignore[assignment]
+        self._epoch, self._consumed, self._plan, self._counts = epoch, consumed, plan, {}
+        self._batches, self._layout, self._explicit_epoch = 0, None, None
+        return plan
+
+    def _record(self, plan_id: str, slot: int, count: int) -> None:
+        """The consumer received ``count`` paths of ``slot`` under ``plan_id``."""
+        if self._plan is not None and self._plan.plan_id == plan_id:
+            self._counts[slot] = max(self._counts.get(slot, 0), count)
+
+    def _record_batch(self) -> None:
+        """The consumer received one more batch from the loader."""
+        self._batches += 1
+
+    def _finish_local(self) -> None:
+        """The consumer reached the end: every slot of this rank counts as consumed."""
+        plan = self._plan
+        if plan is not None:
+            n = len(self._listing())
+            for slot in plan.slots():
+                self._counts[slot] = slot_length(plan.base, n, plan.stride, slot)
+
+    # --- serving (any process) ----------------------------------------------------------
+
+    def _worker_plan(self, num_workers: int) -> Plan:
+        """The plan of a loader worker's copy of this dataset."""
+        plan, self._pending = self._pending, None
+        if plan is None and self._last_plan is not None:
+            plan = self._last_plan.advanced()  # persistent worker, next epoch
+        if plan is None:
+            # Driven by a loader that does not plan (e.g. torch's own): use the
+            # position this copy was made with.
+            rank, world = runtime.get_rank(), runtime.get_world_size()
+            epoch = self._explicit_epoch if self._explicit_epoch is not None else self._epoch
+            base = self._consumed if epoch == self._epoch else Consumed()
+            plan = Plan(Plan.new_id(), epoch, base, rank, world, num_workers, False)
+        if plan.num_workers != num_workers:
+            raise DataError(
+                f"the dataset was planned for {plan.num_workers} workers but runs in a loader "
+                f"with {num_workers}; iterate it through nbtools.data.DataLoader"
+            )
+        self._last_plan = plan
+        return plan
+
+    def _namespace(self, files: FileList) -> str:
+        digest = hashlib.sha1(files.root.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+        name = os.path.basename(files.root.rstrip("/")) or "root"
+        return f"{name}-{digest}"
+
+    def _items(self, plan: Plan, slot: int) -> Iterator[Item]:
+        files = self._listing()
+        if self._fs is None and is_url(files.root):
+            from fsspec.core import url_to_fs
+
+            self._fs = url_to_fs(files.root)[0]
+        order = epoch_order(len(files), self.seed, plan.epoch, self.shuffle)
+        namespace = self._namespace(files)
+        for position in slot_positions(plan.base, len(files), plan.stride, slot):
+            index = int(order[position])
+            yield Item(
+                key=f"{namespace}/{files.relpaths[index]}",
+                size=files.sizes[index],
+                mtime_ns=files.mtimes[index],
+                opener=_Opener(files.source(index), self._fs),
+            )
+
+    def _serve(self, plan: Plan, slot: int) -> Iterator[str]:
+        if self._cache is None:
+            self._cache = FileCache(self.cache_dir, self.min_free_bytes)
+        count = 0
+        self_counting = not plan.tracked and get_worker_info() is None
+
+        def on_yield() -> None:
+            nonlocal count
+            count += 1
+            _tags.note(self._uid, plan.plan_id, slot, count)
+            if self_counting:
+                self._record(plan.plan_id, slot, count)
+
+        _tags.note(self._uid, plan.plan_id, slot, 0)
+        return serve(self._cache, self._items(plan, slot), self.prefetch, on_yield)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_cache"] = None
+        state["_fs"] = None
+        return state
+
+    def __repr__(self) -> str:
+        return (
+            f"VolumeDataset({self.root!r}, {self.pattern!r}, cache_dir={self.cache_dir!r}, "
+            f"shuffle={self.shuffle}, seed={self.seed})"
+        )

@@ -1,0 +1,255 @@
+"""``DataLoader``: PyTorch's loader with persistent workers, a resumable position and wait times."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch.utils.data
+
+from nbtools import runtime
+from nbtools.data import _tags
+from nbtools.data._find import find_volume_datasets
+from nbtools.data.dataset import VolumeDataset
+from nbtools.errors import DataError
+
+__all__ = ["DataLoader"]
+
+_STATE_VERSION = 1
+
+
+def _default_num_workers() -> int:
+    """A few workers per rank on a node with CPUs to spare; none on a small machine.
+
+    The copies run on threads inside each worker, so workers are needed for
+    decoding, not for I/O.
+    """
+    per_rank = (os.cpu_count() or 1) // max(1, runtime.get_local_world_size())
+    return 0 if per_rank <= 2 else min(4, per_rank - 1)
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """A drop-in ``torch.utils.data.DataLoader`` that resumes mid-epoch exactly.
+
+    Differences from PyTorch's loader:
+
+    * ``persistent_workers=True`` whenever ``num_workers > 0`` (workers and their
+      cache state survive epochs); ``num_workers`` defaults to a few workers per
+      rank when the node has CPUs to spare, ``prefetch_factor`` to 4.
+    * :meth:`state_dict` / :meth:`load_state_dict` capture the position in the
+      epoch of the :class:`VolumeDataset` it reads, counting only the batches the
+      training loop received. The state does not depend on world size or
+      ``num_workers``: restore it into a loader with any of either.
+    * :attr:`wait_times` holds the seconds the loop waited for each batch of the
+      current iteration (``last_wait`` the latest one).
+
+    The dataset may be a ``VolumeDataset`` or a wrapper that keeps it as an
+    attribute (for example a decoding ``IterableDataset`` that yields one sample
+    per path, in order, as it receives them). A wrapper that forwards
+    ``state_dict()``/``load_state_dict()`` to the ``VolumeDataset`` works too.
+    A wrapper that reads paths ahead of what it yields (a shuffle buffer) makes
+    those paths count as seen.
+
+    Iterating again after an interrupted loop (``break``, Ctrl+C) continues the
+    epoch where the loop stopped; a finished epoch is followed by the next one;
+    ``set_epoch`` on the dataset chooses an epoch explicitly.
+
+    Workers are started with PyTorch's default method (``fork`` on Linux). They
+    only copy and decode files; doing CUDA work inside them after CUDA is
+    initialised in the notebook fails, so keep GPU work in the training loop.
+    Call :meth:`close` (or use ``with``) to stop persistent workers early.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int | None = None,
+        collate_fn: Any = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Any = None,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if num_workers is None:
+            num_workers = _default_num_workers()
+        if num_workers > 0:
+            if persistent_workers is False:
+                warnings.warn(
+                    "nbtools.data.DataLoader always keeps its workers between epochs "
+                    "(persistent_workers=True), so that their cache state survives; "
+                    "persistent_workers=False is ignored",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            persistent_workers = True
+            if prefetch_factor is None:
+                prefetch_factor = 4
+        else:
+            persistent_workers = False
+        if collate_fn is None:
+            collate_fn = (
+                torch.utils.data.default_collate
+                if batch_size is not None or batch_sampler is not None
+                else torch.utils.data.default_convert
+            )
+        super().__init__(
+            dataset,
+            batch_size,
+            shuffle,
+            sampler,
+            batch_sampler,
+            num_workers,
+            _tags.TaggingCollate(collate_fn),
+            pin_memory,
+            drop_last,
+            timeout,
+            worker_init_fn,
+            multiprocessing_context,
+            generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            **kwargs,
+        )
+        self.wait_times: list[float] = []
+        self.last_wait: float = 0.0
+        self._volumes: list[VolumeDataset] = find_volume_datasets(dataset)
+        self._workers_expect: list[Any] | None = None  # plans the live workers will serve next
+
+    # --- iteration ------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        plans = [
+            vd._prepare(
+                max(1, self.num_workers),
+                tracked=True,
+                reuse=self._workers_expect[i] if self._workers_expect else None,
+            )
+            for i, vd in enumerate(self._volumes)
+        ]
+        workers_live = self.num_workers > 0 and self._iterator is not None
+        if (
+            workers_live
+            and self._workers_expect is not None
+            and any(
+                plan is not expected
+                for plan, expected in zip(plans, self._workers_expect, strict=True)
+            )
+        ):
+            # The live workers would start the next epoch from scratch, but this
+            # iteration resumes mid-epoch or jumps: start workers with this plan.
+            self._stop_workers()
+            workers_live = False
+        if not workers_live:
+            for vd, plan in zip(self._volumes, plans, strict=True):
+                vd._pending = plan
+        try:
+            inner = super().__iter__()
+        finally:
+            if self.num_workers > 0:
+                for vd in self._volumes:
+                    vd._pending = None  # the worker copies took it
+        self._workers_expect = [p.advanced() for p in plans] if self.num_workers > 0 else None
+        self.wait_times = []
+        return self._received(inner)
+
+    def _received(self, inner: Iterator[Any]) -> Iterator[Any]:
+        by_uid = {vd._uid: vd for vd in self._volumes}
+        while True:
+            start = time.perf_counter()
+            try:
+                item = next(inner)
+            except StopIteration:
+                for vd in self._volumes:
+                    vd._finish_local()
+                return
+            self.last_wait = time.perf_counter() - start
+            self.wait_times.append(self.last_wait)
+            if not isinstance(item, _tags.Tagged):
+                yield item
+                continue
+            for uid, (plan_id, slot, count) in item.tags.items():
+                vd = by_uid.get(uid)
+                if vd is not None:
+                    vd._record(plan_id, slot, count)
+            for vd in self._volumes:
+                vd._record_batch()
+            yield item.batch
+
+    # --- state ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the epoch: plain Python, the same on every rank.
+
+        A collective when a process group of several ranks is initialised:
+        call it on every rank (a checkpoint manager does).
+
+        Raises:
+            DataError: the dataset has no position to save (no ``VolumeDataset``
+                inside it and no ``state_dict`` of its own).
+        """
+        if self._volumes:
+            return {
+                "version": _STATE_VERSION,
+                "datasets": [vd.state_dict() for vd in self._volumes],
+            }
+        if callable(getattr(self.dataset, "state_dict", None)):
+            return {"version": _STATE_VERSION, "dataset": self.dataset.state_dict()}
+        raise DataError(
+            f"the loader's dataset ({type(self.dataset).__name__}) has no position to save: "
+            "keep the VolumeDataset as an attribute of your wrapper dataset, or give the "
+            "wrapper state_dict()/load_state_dict() methods that forward to it"
+        )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a position saved by :meth:`state_dict`, with any world size or workers."""
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            raise ValueError(
+                "not a DataLoader state: pass the dict returned by DataLoader.state_dict()"
+            )
+        if "datasets" in state:
+            if len(state["datasets"]) != len(self._volumes):
+                raise DataError(
+                    f"the saved state holds {len(state['datasets'])} VolumeDataset positions but "
+                    f"this loader reads {len(self._volumes)}; build the loader the same way"
+                )
+            for vd, sub in zip(self._volumes, state["datasets"], strict=True):
+                vd.load_state_dict(sub)
+        elif callable(getattr(self.dataset, "load_state_dict", None)):
+            self.dataset.load_state_dict(state["dataset"])
+        else:
+            raise DataError(
+                f"the loader's dataset ({type(self.dataset).__name__}) cannot load a position; "
+                "give it load_state_dict() or keep the VolumeDataset as an attribute"
+            )
+
+    # --- lifetime -------------------------------------------------------------------
+
+    def _stop_workers(self) -> None:
+        iterator, self._iterator = self._iterator, None
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self._workers_expect = None
+
+    def close(self) -> None:
+        """Stop the persistent workers now (they also stop when the loader is deleted)."""
+        self._stop_workers()
+
+    def __enter__(self) -> DataLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,109 @@
+"""VolumeDataset + DataLoader on two real gloo ranks: partitioning, identical state, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.data import IterableDataset
+
+from nbtools.data import DataLoader, VolumeDataset
+from nbtools.errors import DataError
+
+_HELPERS = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "data"))
+if _HELPERS not in sys.path:
+    sys.path.insert(0, _HELPERS)
+from _data_helpers import index_of, make_tree  # noqa: E402
+
+N_FILES = 37
+
+
+class Decode(IterableDataset):
+    def __init__(self, files):
+        self.files = files
+
+    def __iter__(self):
+        for path in self.files:
+            yield index_of(path)
+
+
+def _loader(root, workers):
+    files = VolumeDataset(root / "src", cache_dir=root / "cache", shuffle=True, seed=3)
+    return DataLoader(Decode(files), batch_size=3, num_workers=workers)
+
+
+def _rank_main(rank: int, root_str: str, phase: str) -> None:
+    from pathlib import Path
+
+    root = Path(root_str)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root}/store-{phase}", rank=rank, world_size=2
+    )
+    out: dict = {}
+    try:
+        if phase == "run":
+            # Ranks that disagree on num_workers fail together at the start of iteration.
+            with _loader(root, 1 + rank) as bad:
+                try:
+                    iter(bad)
+                except DataError as exc:
+                    out["mismatch"] = str(exc)
+            with _loader(root, 2) as loader:
+                seen = []
+                for batch in loader:
+                    seen += batch.tolist()
+                    if len(seen) >= 9:
+                        break
+                out["seen"] = seen
+                out["state"] = loader.state_dict()
+        else:
+            state = json.loads((root / "state.json").read_text())
+            with _loader(root, 1) as resumed:
+                resumed.load_state_dict(state)
+                out["rest"] = [i for b in resumed for i in b.tolist()]
+                out["next"] = [i for b in resumed for i in b.tolist()]
+            with _loader(root, 1) as fresh:
+                fresh.dataset.files.set_epoch(1)
+                out["reference_next"] = [i for b in fresh for i in b.tolist()]
+    finally:
+        dist.destroy_process_group()
+    (root / f"{phase}-{rank}.json").write_text(json.dumps(out))
+
+
+def _spawn(root, phase):
+    mp.start_processes(
+        _rank_main, args=(str(root), phase), nprocs=2, start_method="fork", join=True
+    )
+    return [json.loads((root / f"{phase}-{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_two_ranks_partition_save_identical_state_and_resume_with_any_world_size(tmp_path):
+    make_tree(tmp_path / "src", N_FILES)
+    ranks = _spawn(tmp_path, "run")
+    for out in ranks:
+        assert "rank 0: 1, rank 1: 2" in out["mismatch"]
+    assert ranks[0]["state"] == ranks[1]["state"], "every rank must save the same position"
+    seen = ranks[0]["seen"] + ranks[1]["seen"]
+    assert len(seen) == len(set(seen)), "ranks served a file twice"
+    state = ranks[0]["state"]
+    (tmp_path / "state.json").write_text(json.dumps(state))
+
+    # Resume on 2 ranks with 1 worker each: the rest of the epoch exactly once,
+    # then the same next epoch as a run that was never interrupted.
+    resumed = _spawn(tmp_path, "resume")
+    rest = resumed[0]["rest"] + resumed[1]["rest"]
+    assert sorted(seen + rest) == list(range(N_FILES))
+    for out in resumed:
+        assert out["next"] == out["reference_next"]
+
+    # Resume the same state in one process (a notebook, no process group).
+    with _loader(tmp_path, 0) as single:
+        single.load_state_dict(state)
+        alone = [i for b in single for i in b.tolist()]
+    assert sorted(seen + alone) == list(range(N_FILES))
+    assert not dist.is_initialized()
