@@ -69,7 +69,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     if _SESSION_TMP:
-        shutil.rmtree(_SESSION_TMP, ignore_errors=True)
+        # multiprocessing removes its own pymp-* directory (forkserver socket) in an
+        # exit finalizer of priority -100; remove the session directory after it.
+        from multiprocessing.util import Finalize
+
+        Finalize(None, shutil.rmtree, args=(_SESSION_TMP,), kwargs={"ignore_errors": True},
+                 exitpriority=-200)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -172,7 +177,7 @@ def no_leaks(request: pytest.FixtureRequest):
             dist.destroy_process_group()
 
     # Temporary files.
-    new_tmp = sorted(e for e in _tmp_entries() - tmp_before if not e.startswith("pytest-"))
+    new_tmp = sorted(e for e in _tmp_entries() - tmp_before if not e.startswith(("pytest-", "pymp-")))
     if new_tmp:
         problems.append(f"temporary files left in {tempfile.gettempdir()}: {new_tmp[:10]}")
         for entry in new_tmp:

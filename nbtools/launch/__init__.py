@@ -1,0 +1,18 @@
+"""Launching a notebook function on N ranks: ``@distributed``.
+
+Example:
+    >>> from nbtools.launch import distributed
+    >>> @distributed(processes=2)
+    ... def rank():
+    ...     import torch.distributed as dist
+    ...     return dist.get_rank()
+    >>> rank.distributed()  # doctest: +SKIP
+    [0, 1]
+"""
+
+from __future__ import annotations
+
+from nbtools.launch._api import DistributedFunction, distributed
+from nbtools.launch._failures import RankFailure
+
+__all__ = ["distributed", "DistributedFunction", "RankFailure"]

@@ -1,0 +1,210 @@
+"""The machine side of a launch: GPUs, loopback, ports, rank environments, start method.
+
+Ranks start from a forkserver: a fresh interpreter (never a fork of the caller,
+so CUDA already initialised in a notebook kernel is harmless) that imports
+torch once; every rank after that is a cheap fork of it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+
+__all__ = [
+    "START_METHOD",
+    "visible_gpu_count",
+    "loopback_interface",
+    "free_port",
+    "rank_environment",
+    "warm_up",
+    "main_module_hidden",
+    "signal_handlers_kept",
+    "caller_environment",
+    "settle_forkserver",
+]
+
+#: CUDA-safe and fast once warm; ``spawn`` would re-import torch in every rank.
+START_METHOD = "forkserver"
+
+#: Imported once by the forkserver so that each rank starts with torch loaded.
+#: ``__main__`` is deliberately absent: a script's top level must not run again.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.elastic.multiprocessing",
+    "nbtools.launch._worker",
+]
+
+_MAIN_LOCK = threading.RLock()
+
+# Signals that ``PContext.start`` takes over in the main thread; the caller's
+# own handlers (ipykernel's SIGINT handler above all) must survive a launch.
+_PCONTEXT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+def visible_gpu_count() -> int:
+    """Number of CUDA devices torch can use here (0 without CUDA); does not initialise CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count()
+
+
+def loopback_interface() -> str:
+    """Name of the network interface that holds 127.0.0.1 (``lo`` on Linux)."""
+    try:
+        import psutil
+
+        for name, addresses in psutil.net_if_addrs().items():
+            if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
+                return name
+    except (ImportError, OSError):
+        pass
+    return "lo"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_environment(
+    base: dict[str, str],
+    *,
+    rank: int,
+    world_size: int,
+    run_id: str,
+    restart_count: int,
+    max_restarts: int,
+    master_port: int,
+    interface: str,
+) -> dict[str, str]:
+    """The environment of one rank on a single node, as torchrun would set it.
+
+    Socket interfaces are pinned to loopback unless the caller chose one, so
+    gloo and nccl listen on 127.0.0.1 only.
+    """
+    env = dict(base)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        GROUP_RANK="0",
+        ROLE_RANK=str(rank),
+        ROLE_NAME="default",
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        ROLE_WORLD_SIZE=str(world_size),
+        GROUP_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(master_port),
+        TORCHELASTIC_RUN_ID=run_id,
+        TORCHELASTIC_RESTART_COUNT=str(restart_count),
+        TORCHELASTIC_MAX_RESTARTS=str(max_restarts),
+        TORCHELASTIC_USE_AGENT_STORE="False",
+    )
+    env.setdefault("GLOO_SOCKET_IFNAME", interface)
+    env.setdefault("NCCL_SOCKET_IFNAME", interface)
+    if world_size > 1:
+        # As torchrun does: N ranks each using every core would oversubscribe the CPU.
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def warm_up() -> None:
+    """Start the forkserver (torch preloaded) if it is not running yet; returns at once."""
+    multiprocessing.set_forkserver_preload(_PRELOAD)
+    with main_module_hidden():
+        multiprocessing.forkserver.ensure_running()
+
+
+@contextlib.contextmanager
+def main_module_hidden() -> Iterator[None]:
+    """Hide ``__main__``'s file and spec so that ranks do not import the caller's script.
+
+    Without this, multiprocessing runs an unguarded script's top level again in
+    every rank. The function travels by value (cloudpickle), so ranks never
+    need the main module.
+    """
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    # One launch at a time hides and restores, or a concurrent one would save the hidden state.
+    with _MAIN_LOCK:
+        saved = {name: vars(main)[name] for name in ("__file__", "__spec__") if name in vars(main)}
+        try:
+            if "__file__" in saved:
+                del main.__file__
+            if "__spec__" in saved:
+                main.__spec__ = None
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(main, name, value)
+
+
+@contextlib.contextmanager
+def signal_handlers_kept() -> Iterator[None]:
+    """Restore the handlers of the signals that torch's ``PContext.start`` replaces."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {}
+    for name in _PCONTEXT_SIGNALS:
+        signum = getattr(signal, name, None)
+        if signum is not None:
+            saved[signum] = signal.getsignal(signum)
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+
+
+def caller_environment() -> dict[str, str]:
+    """A snapshot of this process's environment, which every rank inherits."""
+    return dict(os.environ)
+
+
+def settle_forkserver() -> None:
+    """Inside the forkserver: leave the caller's process group; clean up at the end.
+
+    Jupyter kernels terminate every process of their group at shutdown and wait
+    for them; the forkserver (and the ranks it forks) end by themselves once the
+    kernel is gone, and stay out of that. multiprocessing removes the server's
+    ``pymp-*`` socket directory from the caller's exit handlers, which do not
+    run when a kernel is terminated, so the server removes it when it ends: by
+    then the caller and every rank are gone. Does nothing in any other process.
+    """
+    try:
+        with open("/proc/self/cmdline", "rb") as fh:
+            cmdline = fh.read().decode(errors="replace")
+    except OSError:
+        return
+    match = re.search(r"from multiprocessing\.forkserver import main; main\((\d+),", cmdline)
+    if match is None:
+        return
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    try:
+        with socket.socket(socket.AF_UNIX, fileno=os.dup(int(match.group(1)))) as listener:
+            address = listener.getsockname()
+    except OSError:
+        return
+    directory = os.path.dirname(address) if isinstance(address, str) else ""
+    if os.path.basename(directory).startswith("pymp-"):
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)

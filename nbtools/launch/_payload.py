@@ -1,0 +1,144 @@
+"""Packing the user's function and arguments for the ranks, with errors that name the culprit.
+
+Everything travels by cloudpickle, so functions, closures, lambdas and classes
+defined in notebook cells work. Packing happens before any process starts; when
+it fails, the closure, globals, defaults and arguments are pickled one by one to
+name the variable that cannot travel.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import socket
+import threading
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import cloudpickle
+
+from nbtools.errors import PicklingError
+
+__all__ = ["pack"]
+
+_LOCK_TYPES = (type(threading.Lock()), type(threading.RLock()))
+
+
+def pack(fn: Callable, args: tuple, kwargs: dict) -> bytes:
+    """Cloudpickle ``(fn, args, kwargs)``; raise :class:`PicklingError` naming what cannot travel.
+
+    Raises:
+        TypeError: the arguments do not match ``fn``'s signature.
+        PicklingError: something cannot be pickled; the message names it.
+    """
+    try:
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"{_name(fn)}.distributed{_describe_call(args, kwargs)}: {exc}") from None
+    except ValueError:
+        pass  # no signature available (some builtins): let the rank report it
+    try:
+        return cloudpickle.dumps((fn, args, kwargs))
+    except Exception as exc:  # noqa: BLE001 - pickling raises many types
+        culprit = _find_culprit(fn, args, kwargs)
+        if culprit is None:
+            raise PicklingError(
+                f"{_name(fn)} or its arguments cannot be sent to the ranks: {exc}. "
+                "Ranks receive them by cloudpickle; create unpicklable objects inside the function."
+            ) from exc
+        where, value, error = culprit
+        raise PicklingError(
+            f"{where} ({_kind(value)}) cannot be sent to the ranks: {error}. Ranks receive the "
+            "function and its arguments by cloudpickle; create such objects inside the function "
+            "instead, or pass something picklable (a path instead of an open file)."
+        ) from exc
+
+
+def _find_culprit(fn: Callable, args: tuple, kwargs: dict) -> tuple[str, Any, str] | None:
+    for where, value in _candidates(fn, args, kwargs):
+        error = _pickle_error(value)
+        if error is None:
+            continue
+        if isinstance(value, types.FunctionType) and value is not fn:
+            inner = _find_culprit(value, (), {})
+            if inner is not None:
+                return (f"{where} -> {inner[0]}", inner[1], inner[2])
+        return (where, value, error)
+    return None
+
+
+def _candidates(fn: Callable, args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:
+    try:
+        bound = inspect.signature(fn).bind_partial(*args, **kwargs).arguments
+        for name, value in bound.items():
+            yield f"argument {name!r}", value
+    except (TypeError, ValueError):
+        for i, value in enumerate(args):
+            yield f"positional argument {i}", value
+        for name, value in kwargs.items():
+            yield f"argument {name!r}", value
+    target = inspect.unwrap(fn) if callable(fn) else fn
+    code = getattr(target, "__code__", None)
+    if code is None:
+        return
+    for name, cell in zip(
+        code.co_freevars, getattr(target, "__closure__", None) or (), strict=False
+    ):
+        try:
+            yield f"closure variable {name!r}", cell.cell_contents
+        except ValueError:
+            continue  # empty cell
+    defaults = target.__defaults__ or ()
+    positional = list(inspect.signature(target).parameters)[: code.co_argcount]
+    for name, value in zip(positional[len(positional) - len(defaults) :], defaults, strict=False):
+        yield f"default of parameter {name!r}", value
+    for name, value in (target.__kwdefaults__ or {}).items():
+        yield f"default of parameter {name!r}", value
+    namespace = getattr(target, "__globals__", {})
+    for name in _global_names(code):
+        if name in namespace and not isinstance(namespace[name], types.ModuleType):
+            yield f"global variable {name!r}", namespace[name]
+
+
+def _global_names(code: types.CodeType) -> Iterator[str]:
+    seen: set[str] = set()
+    stack = [code]
+    while stack:
+        current = stack.pop()
+        for name in current.co_names:
+            if name not in seen:
+                seen.add(name)
+                yield name
+        stack.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
+
+
+def _pickle_error(value: Any) -> str | None:
+    try:
+        cloudpickle.dumps(value)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, io.IOBase):
+        return "an open file"
+    if isinstance(value, _LOCK_TYPES):
+        return "a lock"
+    if isinstance(value, types.GeneratorType):
+        return "a generator"
+    if isinstance(value, socket.socket):
+        return "a socket"
+    if isinstance(value, types.FunctionType):
+        return f"function {value.__qualname__}"
+    return f"a {type(value).__qualname__}"
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _describe_call(args: tuple, kwargs: dict) -> str:
+    parts = [repr(a)[:40] for a in args] + [f"{k}={v!r}"[:40] for k, v in kwargs.items()]
+    return "(" + ", ".join(parts) + ")"

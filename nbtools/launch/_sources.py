@@ -1,0 +1,76 @@
+"""Putting the caller's file names and source lines back into a rank's traceback.
+
+cloudpickle sends code by value under the file name ``<dynamic-code>``, so a
+rank cannot show where a notebook function lives. The caller still has the
+original code objects and (for cells) their source in ``linecache``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+import re
+import types
+from collections.abc import Callable, Iterator
+
+__all__ = ["localizer"]
+
+_FRAME = re.compile(r'^(\s*)File "<dynamic-code>", line (\d+), in (\S+)$')
+
+
+def localizer(fn: Callable) -> Callable[[str], str]:
+    """A function that rewrites ``<dynamic-code>`` frames of a traceback for ``fn``'s code."""
+    codes: dict[str, list[types.CodeType]] = {}
+    for code in _reachable_code(fn):
+        codes.setdefault(code.co_name, []).append(code)
+
+    def localize(text: str) -> str:
+        out = []
+        for line in text.splitlines():
+            match = _FRAME.match(line)
+            found = _find(codes, match.group(3), int(match.group(2))) if match else None
+            if found is None:
+                out.append(line)
+                continue
+            indent, lineno = match.group(1), int(match.group(2))
+            out.append(f'{indent}File "{found.co_filename}", line {lineno}, in {match.group(3)}')
+            source = linecache.getline(found.co_filename, lineno).strip()
+            if source:
+                out.append(f"{indent}  {source}")
+        return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+
+    return localize
+
+
+def _find(codes: dict[str, list[types.CodeType]], name: str, lineno: int) -> types.CodeType | None:
+    for code in codes.get(name, ()):
+        if any(line == lineno for _, _, line in code.co_lines()):
+            return code
+    return None
+
+
+def _reachable_code(fn: Callable) -> Iterator[types.CodeType]:
+    """Code of ``fn``, its nested functions, and functions/classes it names from its module."""
+    seen: set[int] = set()
+    todo: list[object] = [inspect.unwrap(fn)]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or len(seen) > 2000:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, type):
+            todo.extend(vars(obj).values())
+            continue
+        code = getattr(obj, "__code__", None)
+        if not isinstance(code, types.CodeType):
+            continue
+        namespace = getattr(obj, "__globals__", {})
+        stack = [code]
+        while stack:
+            current = stack.pop()
+            yield current
+            stack.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
+            for name in current.co_names:
+                value = namespace.get(name)
+                if isinstance(value, (types.FunctionType, type)):
+                    todo.append(value)

@@ -1,0 +1,227 @@
+"""What runs inside each rank: set up, call the user's function, report back.
+
+:func:`run_rank` is the entry point of torch's elastic ``MultiprocessContext``;
+it is a module-level function so that the standard pickling of the target works
+and the forkserver can preload it. The user's function arrives as cloudpickle
+bytes.
+
+A rank that fails writes a failure record (JSON, published atomically) and
+exits non-zero, so that the caller sees the exit at once and stops the others.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from nbtools.launch._env import settle_forkserver
+
+__all__ = ["RankSpec", "run_rank", "failure_path", "GROUP_PHASE"]
+
+#: Phase of a failure while the process group was being formed.
+GROUP_PHASE = "group"
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank needs besides the payload."""
+
+    rank: int
+    world_size: int
+    backend: str
+    use_cuda: bool
+    init_method: str
+    run_dir: str
+    caller_pid: int
+    env_names: frozenset[str] = field(default_factory=frozenset)
+
+
+def failure_path(run_dir: str, rank: int) -> str:
+    """Where rank ``rank`` publishes its failure record."""
+    return os.path.join(run_dir, f"failure-rank{rank}.json")
+
+
+def run_rank(payload: bytes, spec: RankSpec) -> bytes:
+    """Run the user's function in this rank and return its result as cloudpickle bytes."""
+    _die_with_parent_chain(spec.caller_pid, os.path.dirname(spec.run_dir))
+    _mirror_caller_environment(spec.env_names)
+    for stream in (sys.stdout, sys.stderr):
+        # Output goes to a file the caller tails: line buffering keeps it live.
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(line_buffering=True)
+    try:
+        return _run(payload, spec)
+    except BaseException as exc:  # noqa: BLE001 - every way out of user code is reported
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            return _dumps(None, spec.rank)
+        if not os.path.exists(failure_path(spec.run_dir, spec.rank)):
+            _publish_failure(spec, exc)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # SystemExit passes through torch's wrappers without writing their own error files.
+        sys.exit(1)
+
+
+def _run(payload: bytes, spec: RankSpec) -> bytes:
+    import cloudpickle
+    import torch
+    import torch.distributed as dist
+
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    if spec.use_cuda:  # before anything in the payload can touch a device
+        torch.cuda.set_device(spec.rank)
+    _make_user_group_calls_safe(dist)
+    # Unpickle after the guards are in place: a function that refers to
+    # ``init_process_group`` by name resolves to the guarded version.
+    fn, args, kwargs = cloudpickle.loads(payload)
+    try:
+        dist.init_process_group(
+            backend=spec.backend,
+            init_method=spec.init_method,
+            rank=spec.rank,
+            world_size=spec.world_size,
+        )
+        # Every rank is connected before any user code runs, so a group that
+        # fails to form has had no side effects and may simply be formed again.
+        dist.barrier()
+    except RuntimeError as exc:
+        _publish_failure(spec, exc, phase=GROUP_PHASE)
+        raise
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as exc:
+        # Publish while the group is still up: peers fail only once this process
+        # goes away, so the cause's record is always the earliest.
+        if not (isinstance(exc, SystemExit) and exc.code in (0, None)):
+            _publish_failure(spec, exc)
+        raise
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return _dumps(result, spec.rank)
+
+
+def _dumps(result: object, rank: int) -> bytes:
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps(result)
+    except Exception as exc:
+        raise TypeError(
+            f"the return value of rank {rank} ({type(result).__qualname__}) cannot be sent back "
+            f"to the caller: {exc}. Return plain data (numbers, lists, dicts, tensors on CPU)."
+        ) from exc
+
+
+def _make_user_group_calls_safe(dist) -> None:
+    """Let the user's own ``init_process_group`` call be a no-op once the group is up."""
+    from torch.distributed import distributed_c10d as c10d
+
+    original = c10d.init_process_group
+    if getattr(original, "_nbtools_guard", False):
+        return
+
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        if c10d.is_initialized():
+            return None
+        return original(*args, **kwargs)
+
+    init_process_group._nbtools_guard = True  # type: ignore[attr-defined]
+    c10d.init_process_group = init_process_group
+    dist.init_process_group = init_process_group
+
+
+def _mirror_caller_environment(names: frozenset[str]) -> None:
+    """Drop variables the caller no longer has: the forkserver's environment is older."""
+    if not names:
+        return
+    for name in list(os.environ):
+        if name not in names and not name.startswith("TORCHELASTIC_"):
+            del os.environ[name]
+
+
+def _publish_failure(spec: RankSpec, exc: BaseException, phase: str = "") -> None:
+    tb = exc.__traceback__
+    # Drop this module's own frames so the remote traceback starts in user code.
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    exc_type = type(exc)
+    name = exc_type.__qualname__
+    if exc_type.__module__ not in ("builtins", "__main__"):
+        name = f"{exc_type.__module__}.{name}"
+    record = {
+        "rank": spec.rank,
+        "exc_type": name,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc_type, exc, tb)),
+        "time": time.time(),
+        "phase": phase,
+    }
+    path = failure_path(spec.run_dir, spec.rank)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(record, fh)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the caller still sees the non-zero exit and reports it
+
+
+def _die_with_parent_chain(caller_pid: int, caller_dir: str) -> None:
+    """End this rank when the caller (the notebook kernel) is gone.
+
+    A rank's parent is the forkserver, which outlives the kernel while ranks
+    hold it open, so the rank watches the caller itself, and removes the run's
+    directory that the caller can no longer remove.
+    """
+    try:  # the forkserver is the direct parent; SIGKILL even if stuck in C code
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    started = _start_time(caller_pid)
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if _start_time(caller_pid) != started:
+                shutil.rmtree(caller_dir, ignore_errors=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="nbtools-caller-watch", daemon=True).start()
+
+
+def _start_time(pid: int) -> str | None:
+    """Start time of ``pid`` from /proc (guards against pid reuse), or None when gone.
+
+    A zombie counts as gone: a killed kernel may wait a while to be reaped.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else fields[19]
+    except FileNotFoundError:
+        return None
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "alive"
+
+
+# This module is preloaded by the forkserver; there, detach it from the caller's group.
+settle_forkserver()
