@@ -2,8 +2,9 @@
 
 Starts JupyterLab on loopback with a token in a temporary directory, runs a
 notebook that shows ``GPUPane(backend=SimulatedBackend(num_gpus=4))``, checks
-4 lines per panel and that Refresh moves the last-sample time, saves
-``assets/gpu_pane.png``, and stops JupyterLab and the browser.
+4 lines per panel and that Refresh moves the last-sample time, saves a
+screenshot (to ``assets/gpu_pane.png`` when ``NBTOOLS_UPDATE_ASSETS=1``, else to
+the test's temporary directory), and stops JupyterLab and the browser.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def test_pane_renders_and_refreshes_in_jupyterlab(tmp_path):
     from playwright.sync_api import sync_playwright
 
+    shot = ASSET if os.environ.get("NBTOOLS_UPDATE_ASSETS") == "1" else tmp_path / "gpu_pane.png"
     root = tmp_path / "root"
     root.mkdir()
     (root / "pane.ipynb").write_text(json.dumps(NOTEBOOK))
@@ -155,8 +157,8 @@ def test_pane_renders_and_refreshes_in_jupyterlab(tmp_path):
                     "() => document.querySelector('.nbtools-gpu-plot').data[0].x.length >= 16",
                     timeout=30_000,
                 )
-                ASSET.parent.mkdir(parents=True, exist_ok=True)
-                page.locator(".jp-OutputArea-output", has=pane).screenshot(path=str(ASSET))
+                shot.parent.mkdir(parents=True, exist_ok=True)
+                page.locator(".jp-OutputArea-output", has=pane).screenshot(path=str(shot))
 
                 # Paused, only Refresh can move the last-sample time.
                 page.locator(".widget-button", has_text="Pause").click()
@@ -179,4 +181,4 @@ def test_pane_renders_and_refreshes_in_jupyterlab(tmp_path):
     finally:
         _stop(proc)
         log.close()
-    assert ASSET.stat().st_size > 10_000
+    assert shot.stat().st_size > 10_000
