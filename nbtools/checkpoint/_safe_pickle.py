@@ -1,0 +1,119 @@
+"""Reading DCP ``.metadata`` without running code from the checkpoint.
+
+PyTorch's ``FileSystemReader`` loads ``.metadata`` with plain ``pickle.load``,
+so a crafted file on a shared volume runs code in every process that restores
+it. The unpickler here admits only the types DCP metadata is made of; anything
+else raises :class:`~nbtools.errors.UnsafeCheckpointError` before it is
+called.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+from nbtools.errors import CorruptCheckpointError, UnsafeCheckpointError
+
+__all__ = ["load_metadata", "check_weights_only"]
+
+# Classes by (module, name). Dataclasses and enums of DCP metadata only: their
+# constructors and ``__setstate__`` set attributes and nothing else.
+_ALLOWED: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", "Metadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+        ("torch", "Size"),
+        ("torch._utils", "_get_layout"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "complex"),
+    }
+)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch":
+            import torch
+
+            value = getattr(torch, name, None)
+            if isinstance(value, torch.dtype):
+                return value
+        raise UnsafeCheckpointError(
+            f"checkpoint metadata asks to load {module}.{name}, which is not part of DCP "
+            "metadata; refusing to unpickle it (a crafted .metadata can run code this way). "
+            "Delete the checkpoint or restore from one you trust."
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeCheckpointError(
+            "checkpoint metadata uses pickle persistent ids, which DCP metadata never does; "
+            "refusing to unpickle it"
+        )
+
+
+def load_metadata(data: bytes, where: str = ".metadata") -> Any:
+    """Unpickle DCP metadata, admitting only DCP metadata types.
+
+    Args:
+        data: The bytes of a ``.metadata`` file.
+        where: The file's location, for error messages.
+
+    Returns:
+        The ``torch.distributed.checkpoint.metadata.Metadata`` object.
+
+    Raises:
+        UnsafeCheckpointError: The file names a type outside the allowed set.
+        CorruptCheckpointError: The file is truncated, garbage or not DCP metadata.
+    """
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except UnsafeCheckpointError as exc:
+        raise UnsafeCheckpointError(f"{where}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - every unpickling failure means "unreadable"
+        raise CorruptCheckpointError(
+            f"{where} cannot be read ({type(exc).__name__}: {exc}); the save that wrote it "
+            "did not finish or the file was damaged"
+        ) from None
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError(f"{where} holds {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+def check_weights_only(data: bytes | memoryview, where: str) -> None:
+    """Raise :class:`UnsafeCheckpointError` unless ``torch.load(weights_only=True)`` accepts ``data``.
+
+    DCP's default load planner unpickles non-tensor values with
+    ``weights_only=False``; checking first keeps a crafted value from running code.
+    """
+    import torch
+
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"{where}: a saved value needs a type that torch.load(weights_only=True) does not "
+            f"allow ({str(exc).splitlines()[0]}). Keep saved state to plain Python data and "
+            "tensors, or allow the type with torch.serialization.add_safe_globals([...])"
+        ) from None
+    except Exception as exc:  # noqa: BLE001
+        raise CorruptCheckpointError(f"{where}: a saved value cannot be read ({exc})") from None

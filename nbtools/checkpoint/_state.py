@@ -1,0 +1,189 @@
+"""What a checkpoint holds, and putting it back.
+
+Layout of the DCP state dict (flattened keys in ``.metadata``)::
+
+    <model name>.<param fqn>          model weights (get_model_state_dict; replicated ones written once)
+    <optimizer name>.state.<...>      optimizer state (get_optimizer_state_dict)
+    step                              the step, for readers that use plain DCP
+    nbtools.rank_<r>                  per-rank bytes: RNG streams, state of the other
+                                      stateful objects, extra, MLflow run id
+
+Per-rank state is a ``torch.save`` blob restricted to what
+``torch.load(weights_only=True)`` accepts. When the world size changes, rank r
+restores the per-rank state saved by rank r if there was one, else rank 0's.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from nbtools.checkpoint._rng import capture_rng, restore_rng
+from nbtools.errors import CheckpointError
+
+__all__ = [
+    "Objects",
+    "classify",
+    "build_state",
+    "load_template",
+    "blob_template",
+    "decode_blob",
+    "apply_state",
+    "source_rank",
+    "RESERVED",
+    "NS",
+]
+
+NS = "nbtools"
+RESERVED = frozenset({"step", "extra", NS})
+
+
+class Objects:
+    """The keyword objects of a save or restore, sorted by kind."""
+
+    def __init__(self) -> None:
+        self.models: dict[str, nn.Module] = {}
+        self.optimizers: dict[str, tuple[torch.optim.Optimizer, nn.Module]] = {}
+        self.stateful: dict[str, Any] = {}
+
+
+def classify(objs: dict[str, Any]) -> Objects:
+    """Sort keyword objects into models, optimizers (with their model) and other stateful ones."""
+    out = Objects()
+    for name, obj in objs.items():
+        if name in RESERVED or "." in name:
+            raise ValueError(
+                f"{name!r} cannot name a saved object (reserved or contains '.'); rename it"
+            )
+        if isinstance(obj, nn.Module):
+            out.models[name] = obj
+        elif isinstance(obj, torch.optim.Optimizer):
+            out.optimizers[name] = (obj, None)  # type: ignore[assignment]
+        elif callable(getattr(obj, "state_dict", None)) and callable(
+            getattr(obj, "load_state_dict", None)
+        ):
+            out.stateful[name] = obj
+        else:
+            raise TypeError(
+                f"{name}={type(obj).__name__} has no state_dict()/load_state_dict(); pass models, "
+                "optimizers and stateful objects only (put plain values in extra={...})"
+            )
+    for name, (optim, _) in list(out.optimizers.items()):
+        params = {id(p) for group in optim.param_groups for p in group["params"]}
+        owner = next(
+            (m for m in out.models.values() if any(id(p) in params for p in m.parameters())), None
+        )
+        if owner is None:
+            raise ValueError(
+                f"optimizer {name!r} optimizes no parameter of the models passed; pass its model too"
+            )
+        out.optimizers[name] = (optim, owner)
+    return out
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def build_state(
+    step: int, objs: Objects, rank: int, world: int, extra: dict, run_id: str | None
+) -> dict[str, Any]:
+    """The DCP state dict of a save at this moment."""
+    state: dict[str, Any] = {"step": step}
+    for name, model in objs.models.items():
+        state[name] = get_model_state_dict(model)
+    for name, (optim, owner) in objs.optimizers.items():
+        state[name] = get_optimizer_state_dict(owner, optim)
+    blob = {
+        "step": step,
+        "rank": rank,
+        "world_size": world,
+        "kinds": {
+            **dict.fromkeys(objs.models, "model"),
+            **dict.fromkeys(objs.optimizers, "optimizer"),
+            **dict.fromkeys(objs.stateful, "stateful"),
+        },
+        "rng": capture_rng(),
+        "objects": {name: obj.state_dict() for name, obj in objs.stateful.items()},
+        "extra": dict(extra),
+        "mlflow_run_id": run_id,
+    }
+    try:
+        state[NS] = {f"rank_{rank}": _dumps(blob)}
+    except Exception as exc:  # noqa: BLE001
+        raise TypeError(f"the per-rank state cannot be serialised: {exc}") from exc
+    return state
+
+
+def source_rank(metadata: Any, rank: int) -> int:
+    """The saved rank whose per-rank state this rank restores."""
+    return rank if f"{NS}.rank_{rank}" in metadata.state_dict_metadata else 0
+
+
+def _check_keys(name: str, template: dict[str, Any], metadata: Any, where: str) -> None:
+    saved = {k[len(name) + 1 :] for k in metadata.state_dict_metadata if k.startswith(name + ".")}
+    if not saved:
+        raise CheckpointError(f"{where} holds no {name!r}; pass only objects that were saved")
+    wanted = set(template)
+    missing, unexpected = sorted(wanted - saved), sorted(saved - wanted)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"cannot restore {name!r} from {where}: parameter names do not match.\n"
+            f"  missing in the checkpoint ({len(missing)}): {missing[:20]}\n"
+            f"  unexpected in the checkpoint ({len(unexpected)}): {unexpected[:20]}\n"
+            "Build the same model as the one saved (same module names), or export the weights "
+            "and load them with your own key mapping"
+        )
+
+
+def load_template(objs: Objects, metadata: Any, where: str) -> dict[str, Any]:
+    """The state dict ``dcp.load`` fills in place for a restore."""
+    state: dict[str, Any] = {}
+    for name, model in objs.models.items():
+        state[name] = get_model_state_dict(model)
+        _check_keys(name, state[name], metadata, where)
+    for name, (optim, owner) in objs.optimizers.items():
+        if not any(k.startswith(name + ".") for k in metadata.state_dict_metadata):
+            raise CheckpointError(f"{where} holds no optimizer {name!r}; restore without it")
+        state[name] = get_optimizer_state_dict(owner, optim)
+    return state
+
+
+def blob_template(metadata: Any, rank: int) -> dict[str, Any]:
+    """The state dict that loads this rank's per-rank bytes."""
+    return {NS: {f"rank_{source_rank(metadata, rank)}": b""}}
+
+
+def decode_blob(state: dict[str, Any], objs: Objects, where: str) -> dict[str, Any]:
+    """The per-rank state loaded into a :func:`blob_template`; checks every stateful object is in it."""
+    (data,) = state[NS].values()
+    blob = torch.load(io.BytesIO(data), weights_only=True)
+    missing = sorted(set(objs.stateful) - set(blob["objects"]))
+    if missing:
+        raise CheckpointError(
+            f"{where} holds no state for {missing} (saved: {sorted(blob['kinds'])}); pass only "
+            "objects that were saved"
+        )
+    return blob
+
+
+def apply_state(objs: Objects, state: dict[str, Any], blob: dict[str, Any]) -> None:
+    """Load the filled template and the per-rank state into the objects and RNG streams."""
+    for name, model in objs.models.items():
+        set_model_state_dict(model, state[name])
+    for name, (optim, owner) in objs.optimizers.items():
+        set_optimizer_state_dict(owner, optim, state[name])
+    for name, obj in objs.stateful.items():
+        obj.load_state_dict(blob["objects"][name])
+    restore_rng(blob["rng"])
