@@ -10,8 +10,11 @@ unpickles them. Loading with another world size works as with any DCP reader.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import io
 import os
+import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,7 +27,7 @@ from torch.futures import Future
 
 from nbtools.checkpoint import _staging
 from nbtools.checkpoint._safe_pickle import check_weights_only, load_metadata
-from nbtools.checkpoint._shards import verify_items
+from nbtools.checkpoint._shards import item_checksum, read_item_into, verify_items
 from nbtools.checkpoint._target import LocalTarget, open_target
 from nbtools.checkpoint.writer import METADATA_NAME
 from nbtools.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -41,6 +44,12 @@ def read_metadata(target: Any, where: str) -> Metadata:
             f"{where} has no {METADATA_NAME}: it is not a complete checkpoint"
         ) from None
     return load_metadata(data, f"{where}/{METADATA_NAME}")
+
+
+def _writable_view(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (any dtype)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 class _Slice(io.RawIOBase):
@@ -182,35 +191,110 @@ class VolumeReader(StorageReader):
             self.storage_data[i.storage_index].length for items in per_file.values() for i in items
         )
         bar = _staging.progress(total, "checkpoint download", self.is_coordinator)
-        # Fetching and verifying run on worker threads, item by item in load order, so
-        # the check of the next item overlaps the load of this one; every item is
-        # verified before it is loaded. Loading (planner calls) stays on this thread.
-        with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nbtools-ckpt-io") as pool:
+        # Fetching, verifying and direct reads run on worker threads, planned item by item
+        # in file order. A tensor whose destination is a matching contiguous CPU tensor is
+        # read straight into it, its checksum computed as it arrives (no intermediate copy);
+        # any other item is verified before this thread loads it. Planner calls stay here.
+        with (
+            ThreadPoolExecutor(self.thread_count, thread_name_prefix="nbtools-ckpt-io") as pool,
+            contextlib.ExitStack() as files,
+        ):
             fetched = {name: pool.submit(fetch, name) for name in per_file}
+            jobs: list[Any] = []
             checks: dict[tuple[str, int], Any] = {}
             try:
                 for job in fetched.values():
                     job.result()
-                for name, items in per_file.items():
-                    for item in sorted(items, key=offset):
-                        info = self.storage_data[item.storage_index]
-                        key = (name, info.offset)
-                        if self.verify and key not in checks:
-                            checks[key] = pool.submit(verify, name, info)
+                plan: list[tuple[Any, Any, Any]] = []
                 for name, items in per_file.items():
                     with open(local_path(name), "rb") as fh:
                         for item in sorted(items, key=offset):
-                            check = checks.get((name, offset(item)))
-                            if check is not None:
-                                check.result()
-                            self._load_item(fh, item, planner)
-                            bar.update(self.storage_data[item.storage_index].length)
+                            info = self.storage_data[item.storage_index]
+                            direct = self._direct(fh, item, planner)
+                            if direct is not None:
+                                target, at = direct
+                                job = pool.submit(
+                                    read_item_into,
+                                    local_path(name),
+                                    info,
+                                    at,
+                                    _writable_view(target),
+                                    self.verify,
+                                    self.path,
+                                )
+                            elif self.verify and item_checksum(info) is not None:
+                                # Items read in parts (resharding) are verified once.
+                                key = (name, info.offset)
+                                if key not in checks:
+                                    checks[key] = pool.submit(verify, name, info)
+                                    jobs.append(checks[key])
+                                job, target = checks[key], None
+                            else:
+                                job, target = None, None
+                            plan.append((item, job, target))
+                            if direct is not None:
+                                jobs.append(job)
+                handles: dict[str, Any] = {}
+                for item, job, target in plan:
+                    if job is not None:
+                        job.result()
+                    if target is not None:
+                        planner.commit_tensor(item, target)
+                    else:
+                        name = self.storage_data[item.storage_index].relative_path
+                        if name not in handles:
+                            handles[name] = files.enter_context(open(local_path(name), "rb"))
+                        self._load_item(handles[name], item, planner)
+                    bar.update(self.storage_data[item.storage_index].length)
             except BaseException:
-                for job in [*fetched.values(), *checks.values()]:
+                for job in [*fetched.values(), *jobs]:
                     job.cancel()
                 raise
             finally:
                 bar.close()
+
+    def _direct(self, fh: Any, item: Any, planner: LoadPlanner) -> tuple[torch.Tensor, int] | None:
+        """The destination of a tensor item and the file offset of its data, when the saved
+        bytes can be read straight into it (whole item, same dtype and shape, both dense
+        and contiguous on CPU, native byte order); else None."""
+        if item.type != LoadItemType.TENSOR:
+            return None
+        info = self.storage_data[item.storage_index]
+        try:
+            saved = torch.load(
+                _Slice(fh, info.offset, info.length), map_location="meta", weights_only=True
+            )
+            at = saved.untyped_storage()._checkpoint_offset
+            order = torch._C.PyTorchFileReader(_Slice(fh, info.offset, info.length))
+            native = not order.has_record("byteorder") or (
+                order.get_record("byteorder").decode() == sys.byteorder
+            )
+        except Exception:  # noqa: BLE001 - the full load below reports what is wrong
+            return None
+        if (
+            not native
+            or not isinstance(at, int)
+            or not isinstance(saved, torch.Tensor)
+            or any(item.storage_offsets)
+            or tuple(item.lengths) != tuple(saved.shape)
+            or not saved.is_contiguous()
+            or saved.storage_offset() != 0
+            or saved.untyped_storage().nbytes() != saved.numel() * saved.element_size()
+            or saved.numel() == 0
+        ):
+            return None
+        target = planner.resolve_tensor(item).detach()
+        if (
+            type(target) is not torch.Tensor
+            or target.device.type != "cpu"
+            or target.dtype != saved.dtype
+            or target.size() != saved.size()
+            or not target.is_contiguous()
+            or target.is_conj()
+            or target.is_neg()
+        ):
+            return None
+        return target, info.offset + at
 
     def _load_item(self, fh: Any, item: Any, planner: LoadPlanner) -> None:
         info = self.storage_data[item.storage_index]

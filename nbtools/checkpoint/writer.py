@@ -185,7 +185,8 @@ class VolumeWriter(StorageWriter):
     ) -> list[WriteResult]:
         local = os.path.join(stage, name)
         with open(local, "wb") as fh:
-            results = write_shard(fh, name, items, planner)
+            # A file moved into place is the final one: its fsync can start while writing.
+            results = write_shard(fh, name, items, planner, writeback=move and self.sync_files)
         size = os.path.getsize(local)
         self._target.upload(local, name, fsync=self.sync_files, move=move)
         uploaded = self._target.size(name)

@@ -1,4 +1,4 @@
-"""Fixtures of the checkpoint tests: a private staging dir and small models."""
+"""Fixtures of the checkpoint tests: a private staging dir and a small tmpfs."""
 
 from __future__ import annotations
 
@@ -20,43 +20,6 @@ def staging_dir(tmp_path, monkeypatch):
     path.mkdir()
     monkeypatch.setenv("NBTOOLS_STAGING_DIR", str(path))
     return path
-
-
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = torch.nn.Linear(4, 8)
-        self.head = torch.nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.body(x)))
-
-
-def make_training(seed: int = 0):
-    import random
-
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    model = Net()
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
-    return model, optimizer, scheduler
-
-
-def train_step(model, optimizer, scheduler) -> None:
-    import random
-
-    import numpy as np
-
-    x = torch.randn(8, 4) + random.random() + float(np.random.rand())
-    loss = model(x).pow(2).mean()
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-    scheduler.step()
 
 
 @pytest.fixture

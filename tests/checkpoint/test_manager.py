@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import Net, make_training, train_step
+from ckpt_training import Net, make_training, train_step
 
 from nbtools.checkpoint import CheckpointManager, export, find_latest_valid
 from nbtools.errors import CheckpointError

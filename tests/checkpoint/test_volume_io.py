@@ -100,6 +100,31 @@ def test_checksums_are_recorded_and_damage_is_detected(tmp_path):
     assert any(isinstance(exc, CorruptCheckpointError) for exc, _ in failures.values()), info.value
 
 
+def test_loads_into_destinations_of_any_layout(tmp_path):
+    # Contiguous destinations, such as a slice of a larger tensor, are read into directly
+    # (and only their own bytes change); a transposed view takes the general path.
+    dcp.save(_state(), storage_writer=VolumeWriter(tmp_path / "c"))
+    backing = torch.zeros(40)
+    out = _empty()
+    out["model"]["w"] = torch.zeros(32, 64).t()
+    out["model"]["b"] = backing[4:36]
+    dcp.load(out, storage_reader=VolumeReader(tmp_path / "c"))
+    _assert_same(_state(), out)
+    assert torch.equal(backing[4:36], _state()["model"]["b"])
+    assert not backing[:4].any() and not backing[36:].any()
+
+
+def test_truncated_shard_is_detected(tmp_path):
+    path = tmp_path / "c"
+    dcp.save(_state(), storage_writer=VolumeWriter(path, thread_count=1))
+    shard = path / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(BaseException) as info:
+        dcp.load(_empty(), storage_reader=VolumeReader(path))
+    failures = getattr(info.value, "failures", {0: (info.value, None)})
+    assert any(isinstance(exc, CorruptCheckpointError) for exc, _ in failures.values()), info.value
+
+
 def test_refuses_to_write_into_a_complete_checkpoint(tmp_path):
     path = tmp_path / "c"
     dcp.save(_state(), storage_writer=VolumeWriter(path))
