@@ -1,0 +1,82 @@
+"""The recovered run's loss curve drawn over the uninterrupted run's, with plotly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["recovery_figure"]
+
+
+def recovery_figure(
+    reference: dict[int, float],
+    recovered: dict[int, float],
+    *,
+    killed_at: int | None = None,
+    restored_step: int | None = None,
+    title: str = "A rank killed, the group restarted, the run finished: same curve",
+) -> Any:
+    """A plotly figure: the uninterrupted curve as a wide band, the recovered one over it.
+
+    Args:
+        reference: Loss by step of the uninterrupted run.
+        recovered: Loss by step of the killed-and-recovered run.
+        killed_at: Step after which a rank was killed (a red line).
+        restored_step: Step of the checkpoint the restart loaded (a green line).
+        title: Figure title.
+    """
+    import plotly.graph_objects as go  # noqa: TID251 - figures are the front end's job
+
+    fig = go.Figure()
+    fig.add_trace(
+        go.Scatter(
+            x=list(reference),
+            y=list(reference.values()),
+            name="uninterrupted run",
+            mode="lines",
+            line={"color": "rgba(99,110,250,0.35)", "width": 10},
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=list(recovered),
+            y=list(recovered.values()),
+            name="killed and recovered run",
+            mode="lines+markers",
+            line={"color": "#EF553B", "width": 2},
+            marker={"size": 5},
+        )
+    )
+    if killed_at is not None and restored_step is not None and killed_at > restored_step:
+        fig.add_vrect(
+            x0=restored_step + 0.5,
+            x1=killed_at + 0.5,
+            fillcolor="#FFA15A",
+            opacity=0.15,
+            line_width=0,
+            annotation_text="run again after the restore",
+            annotation_position="bottom right",
+        )
+    if killed_at is not None:
+        fig.add_vline(
+            x=killed_at,
+            line={"color": "#d62728", "dash": "dash"},
+            annotation_text=f"rank SIGKILLed after step {killed_at}",
+            annotation_position="top right",
+        )
+    if restored_step is not None:
+        fig.add_vline(
+            x=restored_step,
+            line={"color": "#2ca02c", "dash": "dot"},
+            annotation_text=f"restored step_{restored_step}",
+            annotation_position="bottom left",
+        )
+    fig.update_layout(
+        title=title,
+        xaxis_title="step",
+        yaxis_title="training loss (mean over ranks)",
+        template="plotly_white",
+        width=900,
+        height=450,
+        legend={"x": 0.99, "xanchor": "right", "y": 0.75},
+    )
+    return fig
