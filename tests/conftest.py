@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -201,6 +202,34 @@ def cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """Mount small tmpfs filesystems for the test (root only); unmounted afterwards.
+
+    Call it with a size such as ``"50m"``; it returns the mount point. Skips the
+    test, with the reason, where mounting is not possible.
+    """
+    mounts = []
+
+    def mount(size: str):
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        mnt = tmp_path / f"tmpfs-{len(mounts)}"
+        mnt.mkdir()
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+            capture_output=True, text=True,
+        )
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        mounts.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounts:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 requires_gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import IO
 
-__all__ = ["atomic_write", "atomic_copy", "free_bytes", "fsync_dir", "TMP_PREFIX"]
+__all__ = ["atomic_write", "atomic_copy", "free_bytes", "fsync_dir", "pid_alive", "TMP_PREFIX"]
 
 #: Prefix of every temporary file nbtools creates next to a final name.
 TMP_PREFIX = ".nbtools-tmp-"
@@ -73,3 +73,14 @@ def free_bytes(path: str | os.PathLike[str]) -> int:
             break
         path = parent
     return shutil.disk_usage(path or ".").free
+
+
+def pid_alive(pid: int) -> bool:
+    """True if a process with this id exists (owned by anyone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from nbtools._internal.fs import free_bytes
+from nbtools._internal.fs import free_bytes, pid_alive
 from nbtools.errors import StagingSpaceError
 
 __all__ = ["staging_base", "staging_area", "check_space", "progress"]
@@ -45,21 +45,11 @@ def check_space(base: str, needed: int, what: str) -> None:
 _PREFIX = "nbtools-stage-"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _sweep(base: str) -> None:
     """Remove staging directories of processes that died without cleaning up (e.g. SIGKILL)."""
     for name in os.listdir(base):
         pid = name[len(_PREFIX) :].split("-", 1)[0]
-        if name.startswith(_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+        if name.startswith(_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
 
 

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from typing import IO
 
+from nbtools._internal.fs import pid_alive
 from nbtools._internal.log import get_logger
 from nbtools.errors import CacheError
 
@@ -104,16 +105,6 @@ def _still_linked(fd: int) -> os.stat_result | None:
     """
     st = os.fstat(fd)
     return st if st.st_nlink > 0 else None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class FileCache:
@@ -326,7 +317,7 @@ class FileCache:
             pid = int(name[len(TMP_PREFIX) :].split("-", 1)[0])
         except ValueError:
             return
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-
 import pytest
 import torch
 
@@ -23,18 +20,6 @@ def staging_dir(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def tiny_tmpfs(tmp_path):
-    """A 50 MB tmpfs mounted for the test (root only), unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a tmpfs")
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=50m", "tmpfs", str(mnt)], capture_output=True
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+def tiny_tmpfs(mount_tmpfs):
+    """A 50MB tmpfs mounted for the test (root only), unmounted afterwards."""
+    return mount_tmpfs("50m")

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-
 import pytest
 from _data_helpers import make_tree
 
@@ -18,20 +15,6 @@ def tree(tmp_path):
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 30 MB tmpfs mounted for the test (root only)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+def small_tmpfs(mount_tmpfs):
+    """A 30MB tmpfs mounted for the test (root only), unmounted afterwards."""
+    return mount_tmpfs("30m")
