@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import os
 
-__all__ = ["content", "make_tree", "index_of"]
+from torch.utils.data import IterableDataset
+
+__all__ = ["Indices", "content", "make_tree", "index_of"]
 
 
 def content(i: int, size: int) -> bytes:
@@ -30,3 +32,14 @@ def make_tree(root, n: int, size: int = 64, dirs: int = 3) -> list[str]:
 def index_of(path: str) -> int:
     """The ``i`` of a cached ``f<i>.bin`` path."""
     return int(os.path.basename(path)[1:6])
+
+
+class Indices(IterableDataset):
+    """The usual decoding wrapper, reduced to yielding the ``i`` of each cached path."""
+
+    def __init__(self, files) -> None:
+        self.files = files
+
+    def __iter__(self):
+        for path in self.files:
+            yield index_of(path)

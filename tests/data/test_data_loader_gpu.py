@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _data_helpers import index_of
-from torch.utils.data import IterableDataset
+from _data_helpers import Indices
 
 from nbtools.data import DataLoader, VolumeDataset
 
@@ -15,20 +14,11 @@ pytestmark = [
 ]
 
 
-class _Index(IterableDataset):
-    def __init__(self, files):
-        self.files = files
-
-    def __iter__(self):
-        for path in self.files:
-            yield torch.tensor(index_of(path))
-
-
 def test_forked_workers_after_cuda_init_and_pinned_batches(tree):
     src, cache = tree
     torch.zeros(1, device="cuda")  # CUDA is initialised before the workers fork
     files = VolumeDataset(src, cache_dir=cache)
-    with DataLoader(_Index(files), batch_size=8, num_workers=2, pin_memory=True) as loader:
+    with DataLoader(Indices(files), batch_size=8, num_workers=2, pin_memory=True) as loader:
         seen = []
         for batch in loader:
             assert batch.is_pinned()

@@ -5,29 +5,18 @@ from __future__ import annotations
 import os
 import sys
 
-from torch.utils.data import IterableDataset
-
 from nbtools.checkpoint import CheckpointManager
 from nbtools.data import DataLoader, VolumeDataset
 
 _HELPERS = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "data"))
 if _HELPERS not in sys.path:
     sys.path.insert(0, _HELPERS)
-from _data_helpers import index_of, make_tree  # noqa: E402
-
-
-class _Index(IterableDataset):
-    def __init__(self, files):
-        self.files = files
-
-    def __iter__(self):
-        for path in self.files:
-            yield index_of(path)
+from _data_helpers import Indices, make_tree  # noqa: E402
 
 
 def _loader(tmp_path, workers):
     files = VolumeDataset(tmp_path / "src", cache_dir=tmp_path / "cache", shuffle=True, seed=9)
-    return DataLoader(_Index(files), batch_size=4, num_workers=workers)
+    return DataLoader(Indices(files), batch_size=4, num_workers=workers)
 
 
 def test_checkpointed_position_resumes_the_epoch_exactly_once(tmp_path):

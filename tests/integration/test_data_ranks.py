@@ -9,7 +9,6 @@ import sys
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils.data import IterableDataset
 
 from nbtools.data import DataLoader, VolumeDataset
 from nbtools.errors import DataError
@@ -17,23 +16,14 @@ from nbtools.errors import DataError
 _HELPERS = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "data"))
 if _HELPERS not in sys.path:
     sys.path.insert(0, _HELPERS)
-from _data_helpers import index_of, make_tree  # noqa: E402
+from _data_helpers import Indices, make_tree  # noqa: E402
 
 N_FILES = 37
 
 
-class Decode(IterableDataset):
-    def __init__(self, files):
-        self.files = files
-
-    def __iter__(self):
-        for path in self.files:
-            yield index_of(path)
-
-
 def _loader(root, workers):
     files = VolumeDataset(root / "src", cache_dir=root / "cache", shuffle=True, seed=3)
-    return DataLoader(Decode(files), batch_size=3, num_workers=workers)
+    return DataLoader(Indices(files), batch_size=3, num_workers=workers)
 
 
 def _rank_main(rank: int, root_str: str, phase: str) -> None:
