@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any
 from nbtools.errors import DistributedError, NbtoolsError
 
 __version__ = "0.1.0"
-__all__ = ["DistributedError", "NbtoolsError", "distributed", "__version__"]
+__all__ = ["DistributedError", "NbtoolsError", "distributed", "events", "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
+    from nbtools import events
     from nbtools.launch import distributed
 
 
@@ -32,6 +33,11 @@ def __getattr__(name: str) -> Any:
         from nbtools.launch import distributed
 
         return distributed
+    if name == "events":
+        # Plain stdlib, but kept lazy like the rest: a worker that never emits pays nothing.
+        import importlib
+
+        return importlib.import_module("nbtools.events")
     raise AttributeError(f"module 'nbtools' has no attribute {name!r}")
 
 

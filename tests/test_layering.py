@@ -31,7 +31,8 @@ def test_core_packages_import_no_front_end():
             "import nbtools.checkpoint",
             "import nbtools.data",
             "import nbtools.monitor",
-            "from nbtools import distributed, DistributedError",
+            "import nbtools.events",
+            "from nbtools import distributed, DistributedError, events",
             "from nbtools.checkpoint import CheckpointManager, VolumeWriter, VolumeReader, find_latest_valid",
             "from nbtools.data import VolumeDataset, DataLoader",
         ]
@@ -43,6 +44,47 @@ def test_import_nbtools_is_lazy():
     probe = "import nbtools, sys; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_events_is_base_layer():
+    # Every core package emits events, so importing them must pull in no core package,
+    # no torch, no third-party library at all.
+    probe = (
+        "import json, sys\n"
+        "before = set(sys.modules)\n"
+        "from nbtools import events\n"
+        "events.emit('probe', value=1.0)\n"
+        "new = sorted(m.split('.')[0] for m in set(sys.modules) - before)\n"
+        "nb = sorted(m for m in set(sys.modules) - before if m.startswith('nbtools.'))\n"
+        "print(json.dumps(sorted(set(m for m in new if m != 'nbtools' and m not in sys.stdlib_module_names))))\n"
+        "print(json.dumps(nb))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    third_party, ours = (json.loads(line) for line in out.stdout.strip().splitlines())
+    assert third_party == []
+    assert all(m.startswith(("nbtools.events", "nbtools._internal", "nbtools.errors")) for m in ours), ours
+
+
+def test_events_sources_import_only_the_base_layer():
+    import ast
+    from pathlib import Path
+
+    allowed = ("nbtools.events", "nbtools._internal", "nbtools.errors")
+    root = Path(__file__).resolve().parents[1] / "nbtools" / "events"
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                assert top in sys.stdlib_module_names or name.startswith(allowed) or top == "__future__", (
+                    f"{path.name} imports {name}: nbtools.events is base layer (stdlib only)"
+                )
 
 
 @pytest.mark.parametrize("front", ["nbtools.monitor.pane", "nbtools.magics", "nbtools.tracking"])
