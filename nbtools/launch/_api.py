@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
+import math
 import multiprocessing
 import pickle
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
-from nbtools.errors import DistributedError
-from nbtools.launch import _env, _payload, _runner, _sources
+from nbtools.errors import DistributedError, LaunchError
+from nbtools.launch import _env, _inrank, _payload, _runner, _sources
 from nbtools.launch._output import OUTPUT_MODES
 
 __all__ = ["distributed", "DistributedFunction"]
@@ -31,6 +32,7 @@ class DistributedFunction(Generic[R]):
         processes: int | None,
         max_restarts: int,
         output: str,
+        hang_timeout: float | None = None,
     ) -> None:
         functools.update_wrapper(self, fn)
         self._fn = fn
@@ -38,6 +40,7 @@ class DistributedFunction(Generic[R]):
         self.processes = processes
         self.max_restarts = max_restarts
         self.output = output
+        self.hang_timeout = hang_timeout
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
         """Run the function here, in this process, like the undecorated function."""
@@ -61,8 +64,17 @@ class DistributedFunction(Generic[R]):
             TypeError: the arguments do not fit the function's signature.
             nbtools.errors.PicklingError: the function or an argument cannot be sent.
             nbtools.errors.DistributedError: a rank failed (after any restarts).
+            nbtools.errors.LaunchError: called inside a rank (nested launch).
             KeyboardInterrupt: the caller was interrupted; all ranks are stopped.
         """
+        if _inrank.in_rank():
+            # A rank's ranks would share its forkserver state and multiply the world;
+            # the caller's launcher stays untouched because nothing starts here.
+            raise LaunchError(
+                f"{self.__qualname__}.distributed() was called inside a rank of another "
+                "@distributed call; launches do not nest. This code already runs on every "
+                f"rank: call {self.__qualname__}(...) directly instead."
+            )
         plan = self._plan()
         payload = _payload.pack(self._fn, args, kwargs)
         blobs = _runner.run(payload, plan, _sources.localizer(self._fn))
@@ -79,7 +91,9 @@ class DistributedFunction(Generic[R]):
 
     def _plan(self) -> _runner.Plan:
         if self.processes is not None:
-            return _runner.Plan(self.processes, False, self.max_restarts, self.output)
+            return _runner.Plan(
+                self.processes, False, self.max_restarts, self.output, self.hang_timeout
+            )
         visible = _env.visible_gpu_count()
         if self.gpus is None:
             if visible == 0:
@@ -87,7 +101,9 @@ class DistributedFunction(Generic[R]):
                     "@distributed() runs one rank per visible GPU, but torch sees no GPU here. "
                     "Use @distributed(processes=N) for N CPU ranks."
                 )
-            return _runner.Plan(visible, True, self.max_restarts, self.output)
+            return _runner.Plan(
+                visible, True, self.max_restarts, self.output, self.hang_timeout
+            )
         if visible == 0:
             raise ValueError(
                 f"gpus={self.gpus} needs CUDA, but torch sees no GPU here. "
@@ -98,7 +114,7 @@ class DistributedFunction(Generic[R]):
                 f"gpus={self.gpus} asks for more GPUs than the {visible} visible here. "
                 f"Use gpus={visible} or fewer (check CUDA_VISIBLE_DEVICES)."
             )
-        return _runner.Plan(self.gpus, True, self.max_restarts, self.output)
+        return _runner.Plan(self.gpus, True, self.max_restarts, self.output, self.hang_timeout)
 
 
 @overload
@@ -113,6 +129,7 @@ def distributed(
     processes: int | None = None,
     max_restarts: int = 0,
     output: str = "all",
+    hang_timeout: float | None = None,
 ) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
 
 
@@ -123,6 +140,7 @@ def distributed(
     processes: int | None = None,
     max_restarts: int = 0,
     output: str = "all",
+    hang_timeout: float | None = None,
 ) -> Any:
     """Decorate a function so that ``fn.distributed(...)`` runs it on N ranks.
 
@@ -139,7 +157,12 @@ def distributed(
             failure; ranks see the count in ``TORCHELASTIC_RESTART_COUNT``
             (``nbtools.runtime.get_restart_count()``).
         output: ``"all"`` streams every rank's output, ``"rank0"`` only rank 0's,
-            ``"none"`` nothing.
+            ``"none"`` nothing. Progress bars (carriage-return updates) are
+            drawn for rank 0 only; the other ranks' finished lines still print.
+        hang_timeout: after this many seconds without output from any rank,
+            print every rank's Python stack once (the call keeps running).
+            ``None`` (default) never does. An interrupt always prints them
+            before the ranks are stopped.
 
     Neither ``gpus`` nor ``processes``: every visible GPU.
 
@@ -156,10 +179,21 @@ def distributed(
     _check_count("processes", processes)
     if gpus is not None and processes is not None:
         raise ValueError("pass either gpus= (one rank per GPU) or processes= (CPU ranks), not both")
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int):
+        raise TypeError(
+            f"max_restarts must be an integer >= 0, got {type(max_restarts).__name__} "
+            f"{max_restarts!r:.40}"
+        )
+    if max_restarts < 0:
         raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
+    if not isinstance(output, str):
+        raise TypeError(
+            f"output must be a string ({', '.join(OUTPUT_MODES)}), got "
+            f"{type(output).__name__} {output!r:.40}"
+        )
     if output not in OUTPUT_MODES:
         raise ValueError(f"output must be one of {', '.join(OUTPUT_MODES)}; got {output!r}")
+    _check_hang_timeout(hang_timeout)
 
     def decorate(target: Callable[..., R]) -> DistributedFunction[R]:
         if isinstance(target, DistributedFunction):
@@ -173,7 +207,12 @@ def distributed(
             # Not in a child (a rank importing the module that defines this function).
             _env.warm_up()
         return DistributedFunction(
-            target, gpus=gpus, processes=processes, max_restarts=max_restarts, output=output
+            target,
+            gpus=gpus,
+            processes=processes,
+            max_restarts=max_restarts,
+            output=output,
+            hang_timeout=hang_timeout,
         )
 
     if fn is None:
@@ -185,6 +224,21 @@ def distributed(
             f"did you mean distributed(processes={fn!r:.10})?"
         )
     return decorate(fn)
+
+
+def _check_hang_timeout(value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"hang_timeout must be a number of seconds or None, got {type(value).__name__} "
+            f"{value!r:.40}"
+        )
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"hang_timeout must be a positive, finite number of seconds (or None to turn it "
+            f"off), got {value!r}"
+        )
 
 
 def _check_count(name: str, value: Any) -> None:

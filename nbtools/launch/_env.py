@@ -91,11 +91,16 @@ def rank_environment(
     max_restarts: int,
     master_port: int,
     interface: str,
+    use_cuda: bool = True,
 ) -> dict[str, str]:
     """The environment of one rank on a single node, as torchrun would set it.
 
     Socket interfaces are pinned to loopback unless the caller chose one, so
-    gloo and nccl listen on 127.0.0.1 only.
+    gloo and nccl listen on 127.0.0.1 only. CPU ranks also get what
+    ``accelerate launch --cpu`` sets, so that a plain ``accelerate.Accelerator()``
+    joins the ranks' group instead of running undistributed (accelerate only
+    treats a world without ``ACCELERATE_USE_CPU`` as distributed when it has
+    GPUs).
     """
     env = dict(base)
     env.update(
@@ -117,6 +122,8 @@ def rank_environment(
     )
     env.setdefault("GLOO_SOCKET_IFNAME", interface)
     env.setdefault("NCCL_SOCKET_IFNAME", interface)
+    if not use_cuda:
+        env.setdefault("ACCELERATE_USE_CPU", "true")
     if world_size > 1:
         # As torchrun does: N ranks each using every core would oversubscribe the CPU.
         env.setdefault("OMP_NUM_THREADS", "1")

@@ -5,7 +5,12 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
-__all__ = ["RankFailure", "from_record", "from_exit", "describe"]
+__all__ = ["RankFailure", "from_record", "from_exit", "from_early_exit", "describe"]
+
+#: A message longer than this is cut in the text shown; the failure keeps it whole.
+MESSAGE_LIMIT = 2_000
+#: The same for a traceback (its end, where the error is, is kept).
+TRACEBACK_LIMIT = 20_000
 
 
 @dataclass(frozen=True)
@@ -15,7 +20,8 @@ class RankFailure:
     Attributes:
         rank: global rank that failed.
         exc_type: exception type name (``"ValueError"``, ``"mymodule.MyError"``),
-            or ``"Signal"``/``"Exit"`` when the process died without raising.
+            or ``"Signal"``/``"Exit"`` when the process died without raising, or
+            ``"EarlyExit"`` when it ended with code 0 before its function returned.
         message: the exception's message, or how the process ended.
         traceback: the remote traceback as text ("" when the process died without one).
         exitcode: the process exit code (negative: killed by that signal), if known.
@@ -23,6 +29,12 @@ class RankFailure:
         time: when the rank reported the failure (seconds since the epoch), if known.
         phase: ``"group"`` when it happened while the process group was being
             formed (before any user code ran), else ``""``.
+        collective: the ``torch.distributed`` operation the rank was in when it
+            failed (``"all_reduce"``), else ``""``.
+
+    ``message`` and ``traceback`` are always complete; the text of a
+    ``DistributedError`` shows at most :data:`MESSAGE_LIMIT` and
+    :data:`TRACEBACK_LIMIT` characters of them.
     """
 
     rank: int
@@ -33,6 +45,7 @@ class RankFailure:
     attempt: int = 0
     time: float | None = None
     phase: str = ""
+    collective: str = ""
 
 
 def from_record(record: dict, attempt: int) -> RankFailure:
@@ -46,6 +59,7 @@ def from_record(record: dict, attempt: int) -> RankFailure:
         attempt=attempt,
         time=record.get("time"),
         phase=str(record.get("phase", "")),
+        collective=str(record.get("collective", "")),
     )
 
 
@@ -69,11 +83,23 @@ def from_exit(rank: int, exitcode: int | None, attempt: int) -> RankFailure:
     )
 
 
-def describe(failures: dict[int, RankFailure], first: int | None = None, attempts: int = 1) -> str:
+def from_early_exit(rank: int, attempt: int) -> RankFailure:
+    """A rank that ended with exit code 0 while its function had not returned."""
+    return RankFailure(rank, "EarlyExit", "exited with code 0 before returning", "", 0, attempt)
+
+
+def describe(
+    failures: dict[int, RankFailure],
+    first: int | None = None,
+    attempts: int = 1,
+    returned: frozenset[int] = frozenset(),
+) -> str:
     """The message of a ``DistributedError``: the first failure in full, the others in brief.
 
     ``first`` is the rank whose process ended first, the likely cause; ranks
-    that failed after it usually lost a peer in a collective.
+    that failed after it usually lost a peer in a collective. ``returned``
+    names ranks whose function had returned: a failure in a collective is then
+    explained by them.
     """
     ordered = sorted(
         failures.values(),
@@ -81,15 +107,51 @@ def describe(failures: dict[int, RankFailure], first: int | None = None, attempt
     )
     first = ordered[0]
     tries = f" (after {attempts} attempts)" if attempts > 1 else ""
-    lines = [f"rank {first.rank} failed{tries}: {_summary(first)}"]
+    gone = sorted(returned - set(failures))
+    because = ""
+    if first.collective and gone:
+        who = ", ".join(str(r) for r in gone)
+        verb = "had returned" if len(gone) > 1 else "returned"
+        because = f"rank{'s' if len(gone) > 1 else ''} {who} {verb} while rank {first.rank} "
+        because += f"was in {first.collective}, so "
+    lines = [f"{because}{_headline(first, 'failed' + tries)}"]
     for other in ordered[1:]:
-        lines.append(f"rank {other.rank} also failed: {_summary(other)}")
+        lines.append(_headline(other, "also failed"))
     if first.traceback:
-        lines += ["", f"Traceback from rank {first.rank}:", first.traceback.rstrip()]
+        lines += ["", f"Traceback from rank {first.rank}:", _clip_traceback(first)]
     return "\n".join(lines)
 
 
+def _headline(failure: RankFailure, verb: str) -> str:
+    if failure.exc_type == "EarlyExit":
+        return f"rank {failure.rank} {failure.message}{verb[len('failed'):]}".rstrip()
+    return f"rank {failure.rank} {verb}: {_summary(failure)}"
+
+
 def _summary(failure: RankFailure) -> str:
-    if failure.exc_type in ("Signal", "Exit"):
-        return failure.message
-    return f"{failure.exc_type}: {failure.message}" if failure.message else failure.exc_type
+    message = _clip(failure.message, MESSAGE_LIMIT, failure.rank, "message")
+    if failure.exc_type in ("Signal", "Exit", "EarlyExit"):
+        return message
+    return f"{failure.exc_type}: {message}" if message else failure.exc_type
+
+
+def _clip(text: str, limit: int, rank: int, field: str) -> str:
+    if len(text) <= limit:
+        return text
+    return (
+        f"{text[:limit]} [... {len(text) - limit:,} more characters; the whole text is "
+        f"in DistributedError.failures[{rank}].{field}]"
+    )
+
+
+def _clip_traceback(failure: RankFailure) -> str:
+    text = failure.traceback.rstrip()
+    lines = [_clip(line, MESSAGE_LIMIT, failure.rank, "traceback") for line in text.splitlines()]
+    text = "\n".join(lines)
+    if len(text) <= TRACEBACK_LIMIT:
+        return text
+    cut = len(text) - TRACEBACK_LIMIT
+    return (
+        f"[... {cut:,} characters cut; the whole traceback is in "
+        f"DistributedError.failures[{failure.rank}].traceback]\n{text[cut:]}"
+    )

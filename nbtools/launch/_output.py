@@ -6,6 +6,21 @@ thread tails all of them and writes complete lines, prefixed ``[rank N] ``,
 to the ``sys.stdout``/``sys.stderr`` the caller had when the launch began (in
 a notebook: the running cell).
 
+Progress bars. A notebook's output area has one "current line" per stream,
+which a carriage return rewrites, and no cursor movement: N ranks rewriting
+that one line would overwrite each other's bars, and one updating line per
+rank cannot be drawn. So, per destination stream:
+
+- Lines ending in a newline are printed as they are, each with exactly one
+  ``[rank N] `` prefix (torch's own ``[rankN]:`` prefix is replaced, not doubled).
+- Carriage-return updates (tqdm, Hugging Face bars) are shown for global rank
+  0 only, as one live line that each update rewrites. The other ranks' updates
+  are dropped; their bars' final lines (which end in a newline) still print.
+- Whenever a line is printed while rank 0's bar is live, the bar is erased,
+  the line printed, and the bar drawn again below it, as ``tqdm.write`` does.
+- Cursor-movement and erase escapes (``ESC[A`` and the like) are removed: they
+  would move into other ranks' lines. Colours (``ESC[...m``) are kept.
+
 This is the one place in nbtools that writes to the user's streams directly.
 """
 
@@ -14,6 +29,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 from typing import TextIO
 
 __all__ = ["OutputForwarder", "OUTPUT_MODES"]
@@ -22,40 +38,127 @@ __all__ = ["OutputForwarder", "OUTPUT_MODES"]
 OUTPUT_MODES = ("all", "rank0", "none")
 
 _POLL_S = 0.02
-# A carriage return ends a line too, so progress bars update instead of piling up.
-_LINE_END = re.compile(r"[^\r\n]*(?:\r\n|\n|\r)")
+# A segment ends with a newline (a line) or a lone carriage return (an update).
+_SEGMENT = re.compile(r"([^\r\n]*)(\r\n|\n|\r)")
+# Control sequences other than colours (SGR, ending in "m").
+_CURSOR_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-HJKSTfhlsu]")
+# tqdm draws bar number n (position=n) as n newlines, the bar, and n cursor-ups.
+_MOVED_BAR = re.compile(r"(\n+)([^\n\x1b]*)\x1b\[(\d*)A")
+# A trailing newline run that may be the start of such a positioned bar.
+_MAYBE_MOVE = re.compile(r"\n+(?:\r[^\n]*)?$")
+
+
+class _Sink:
+    """One destination stream and the live (carriage-return) line shown at its bottom."""
+
+    def __init__(self, dst: TextIO) -> None:
+        self.dst = dst
+        self.live = ""
+        try:
+            self.tty = bool(dst.isatty())
+        except (AttributeError, ValueError):
+            self.tty = False
+
+    def line(self, text: str) -> str:
+        """Text that prints ``text`` as a finished line above the live line."""
+        if not self.live:
+            return text + "\n"
+        # Replace the live line, then draw it again under the new line.
+        return "\r" + self._pad(text, self.live) + "\n" + self.live
+
+    def finish(self, text: str) -> str:
+        """Text that turns the live line into the finished line ``text``."""
+        old, self.live = self.live, ""
+        return ("\r" + self._pad(text, old) if old else text) + "\n"
+
+    def update(self, text: str) -> str:
+        """Text that makes ``text`` the live line."""
+        old, self.live = self.live, text
+        return "\r" + self._pad(text, old)
+
+    def _pad(self, text: str, old: str) -> str:
+        # A terminal overwrites in place; Jupyter replaces the whole line.
+        return text + " " * (len(old) - len(text)) if self.tty else text
 
 
 class _Tail:
-    def __init__(self, path: str, prefix: str, dst: TextIO) -> None:
+    def __init__(self, path: str, rank: int, sink: _Sink, shown: bool) -> None:
         self.path = path
-        self.prefix = prefix
-        self.dst = dst
+        self.rank = rank
+        self.prefix = f"[rank {rank}] "
+        self.torch_prefix = re.compile(rf"^\[rank{rank}\]:\s?")
+        self.sink = sink
+        self.shown = shown  # read but discarded when False (still counts as activity)
+        self.updates = shown and rank == 0  # whether carriage-return updates are shown
         self.fh = None
         self.pending = ""
+        self.after_cr = False  # the text pending follows a carriage return: a bar in progress
+        self.held = False  # a trailing newline was held back at the last pump
 
-    def pump(self, final: bool) -> None:
+    def pump(self, final: bool) -> bool:
+        """Forward what the file has gained; True when it had anything new."""
         if self.fh is None:
             if not os.path.exists(self.path):
-                return
+                return False
             self.fh = open(self.path, encoding="utf-8", errors="replace", newline="")  # noqa: SIM115
-        text = self.pending + self.fh.read()
+        new = self.fh.read()
+        if not self.shown:
+            return bool(new)
+        if new and self.after_cr and self.pending and new[0] not in "\r\n\x1b":
+            # A bar is written whole ("\r" + state); text after it starts a new line.
+            self.pending += "\r"
+        text = _CURSOR_ESCAPE.sub("", _MOVED_BAR.sub(_as_update, self.pending + new))
+        held = ""
+        if new and not final and not self.held:
+            # Wait one poll for the cursor-up that would make these newlines a bar position.
+            match = _MAYBE_MOVE.search(text)
+            if match:
+                text, held = text[: match.start()], text[match.start() :]
+        self.held = bool(held)
+        out = []
         pos = 0
-        lines = []
-        for match in _LINE_END.finditer(text):
-            lines.append(self.prefix + match.group(0))
+        for match in _SEGMENT.finditer(text):
             pos = match.end()
-        self.pending = text[pos:]
+            body, end = match.group(1), match.group(2)
+            if end == "\r":
+                self.after_cr = True
+                if self.updates and body.strip():
+                    out.append(self.sink.update(self._prefixed(body)))
+                continue
+            out.append(self._finished(self._prefixed(body)))
+            self.after_cr = False
+        rest = text[pos:]
+        self.pending = rest + held
         if final and self.pending:
-            lines.append(self.prefix + self.pending + "\n")
+            out.append(self._finished(self._prefixed(self.pending)))
             self.pending = ""
-        if lines:
-            self.dst.write("".join(lines))
-            self.dst.flush()
+        elif new and self.after_cr and self.updates and rest.strip():
+            # tqdm writes "\r" + state: what follows the last carriage return is the bar now.
+            out.append(self.sink.update(self._prefixed(rest)))
+        if out:
+            self.sink.dst.write("".join(out))
+            self.sink.dst.flush()
+        return bool(new)
+
+    def _finished(self, line: str) -> str:
+        if self.after_cr and self.updates and self.sink.live.startswith(self.prefix):
+            return self.sink.finish(line)  # this rank's own bar ends as this line
+        return self.sink.line(line)
+
+    def _prefixed(self, body: str) -> str:
+        return self.prefix + self.torch_prefix.sub("", body, count=1)
 
     def close(self) -> None:
         if self.fh is not None:
             self.fh.close()
+
+
+def _as_update(match: re.Match) -> str:
+    """A positioned bar's newlines and cursor-ups become one carriage-return update."""
+    newlines, ups = len(match.group(1)), int(match.group(3) or 1)
+    if newlines < ups:
+        return match.group(0)  # not tqdm's pattern: only the escape is removed later
+    return "\n" * (newlines - ups) + "\r" + match.group(2) + "\r"
 
 
 class OutputForwarder:
@@ -67,6 +170,10 @@ class OutputForwarder:
         mode: one of :data:`OUTPUT_MODES`.
         stdout: where stdout lines go (the caller's ``sys.stdout``).
         stderr: where stderr lines go.
+
+    Attributes:
+        last_output: ``time.monotonic()`` of the last output seen from any rank
+            (the start time until then), whether or not it was shown.
     """
 
     def __init__(
@@ -77,11 +184,13 @@ class OutputForwarder:
         stdout: TextIO,
         stderr: TextIO,
     ) -> None:
-        ranks = {"all": sorted(stdouts), "rank0": [0], "none": []}[mode]
-        self._tails = [_Tail(stdouts[r], f"[rank {r}] ", stdout) for r in ranks if stdouts.get(r)]
-        self._tails += [_Tail(stderrs[r], f"[rank {r}] ", stderr) for r in ranks if stderrs.get(r)]
+        shown = {"all": set(stdouts), "rank0": {0}, "none": set()}[mode]
+        out, err = _Sink(stdout), _Sink(stderr)
+        self._tails = [_Tail(p, r, out, r in shown) for r, p in sorted(stdouts.items()) if p]
+        self._tails += [_Tail(p, r, err, r in shown) for r, p in sorted(stderrs.items()) if p]
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.last_output = time.monotonic()
 
     def start(self) -> OutputForwarder:
         """Begin forwarding in the background."""
@@ -101,13 +210,18 @@ class OutputForwarder:
         for tail in self._tails:
             tail.close()
 
+    def poll(self, final: bool = False) -> None:
+        """Forward what every rank has written since the last poll (``final``: flush partials)."""
+        for tail in self._tails:
+            try:
+                if tail.pump(final):
+                    self.last_output = time.monotonic()
+            except (OSError, ValueError):
+                pass  # a closed or vanished destination must not end the launch
+
     def _loop(self) -> None:
         while True:
             final = self._stop.wait(_POLL_S)
-            for tail in self._tails:
-                try:
-                    tail.pump(final)
-                except (OSError, ValueError):
-                    pass  # a closed or vanished destination must not end the launch
+            self.poll(final)
             if final:
                 return

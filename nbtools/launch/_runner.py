@@ -9,6 +9,10 @@ with ``TORCHELASTIC_RESTART_COUNT`` counting the attempts as torchrun does.
 
 Rendezvous is a ``FileStore`` in a private temporary directory: nothing listens
 on a port for it, and gloo/nccl are pinned to the loopback interface.
+
+Starting, watching (:mod:`nbtools.launch._watch`) and stopping ranks happen
+here and nowhere else; what the ranks leave running is ended by them or, after
+a failure or an interrupt, here (:mod:`nbtools.launch._leftovers`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,15 +41,27 @@ from torch.distributed.elastic.multiprocessing import (
 
 from nbtools._internal.log import get_logger
 from nbtools.errors import DistributedError, LaunchError
-from nbtools.launch import _env
-from nbtools.launch._failures import RankFailure, describe, from_exit, from_record
+from nbtools.launch import _env, _leftovers, _watch
+from nbtools.launch._failures import (
+    RankFailure,
+    describe,
+    from_early_exit,
+    from_exit,
+    from_record,
+)
 from nbtools.launch._output import OutputForwarder
-from nbtools.launch._worker import GROUP_PHASE, RankSpec, failure_path, run_rank
+from nbtools.launch._worker import (
+    GROUP_PHASE,
+    RankSpec,
+    failure_path,
+    leftovers_path,
+    returned_path,
+    run_rank,
+)
 
 __all__ = ["Plan", "run"]
 
 _log = get_logger("launch")
-_POLL_S = 0.005
 # Times a group that failed to form is formed again before the failure counts.
 _REGROUPS = 2
 # Grace between SIGTERM and SIGKILL when the caller is interrupted (must stay well under 5 s).
@@ -63,6 +78,7 @@ class Plan:
     use_cuda: bool
     max_restarts: int
     output: str
+    hang_timeout: float | None = None
 
     @property
     def backend(self) -> str:
@@ -88,7 +104,7 @@ def run(
             outcome = _attempt(payload, plan, run_dir, run_id, index, restarts, logs, localize)
             if isinstance(outcome, list):
                 return outcome
-            failures, first = outcome
+            failures, first, returned = outcome
             cause = failures[first]
             if cause.phase == GROUP_PHASE and regroups < _REGROUPS:
                 # gloo occasionally fails to connect on a busy host; no user code
@@ -101,12 +117,12 @@ def run(
             restarts += 1
             _log.warning(
                 "%s; restarting all %d ranks (restart %d of %d)",
-                describe(failures, first).splitlines()[0],
+                describe(failures, first, returned=returned).splitlines()[0],
                 plan.world_size,
                 restarts,
                 plan.max_restarts,
             )
-        message = describe(failures, first, attempts=plan.max_restarts + 1)
+        message = describe(failures, first, attempts=plan.max_restarts + 1, returned=returned)
         raise DistributedError(message, failures)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -121,7 +137,7 @@ def _attempt(
     attempt: int,
     logs: DefaultLogsSpecs,
     localize: Callable[[str], str],
-) -> list[bytes] | tuple[dict[int, RankFailure], int | None]:
+) -> list[bytes] | tuple[dict[int, RankFailure], int | None, frozenset[int]]:
     attempt_dir = os.path.join(run_dir, f"attempt{index}")
     os.mkdir(attempt_dir)
     base = _env.caller_environment()
@@ -138,6 +154,7 @@ def _attempt(
             max_restarts=plan.max_restarts,
             master_port=port,
             interface=interface,
+            use_cuda=plan.use_cuda,
         )
         spec = RankSpec(
             rank=rank,
@@ -154,14 +171,27 @@ def _attempt(
         ctx = _start(args, envs, logs)
         forwarder = OutputForwarder(ctx.stdouts, ctx.stderrs, plan.output, sys.stdout, sys.stderr)
         forwarder.start()
+        groups = list(ctx.pids().values())  # each rank leads its own process group
         try:
-            result = _wait(ctx)
-        except BaseException:
+            result = _watch.watch(ctx, forwarder, attempt_dir, plan.hang_timeout)
+            if isinstance(result, _watch.EarlyExit) or result.is_failed():
+                _stop(ctx)
+            else:
+                groups = []  # ranks that returned ended their own leftovers
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                _watch.interrupted_stacks(ctx, forwarder)
             _stop(ctx)
             raise
         finally:
-            forwarder.stop()
-    if not result.is_failed():
+            try:
+                _end_leftovers(attempt_dir, plan.world_size, groups)
+            finally:
+                forwarder.stop()
+    returned = frozenset(
+        r for r in range(plan.world_size) if os.path.exists(returned_path(attempt_dir, r))
+    )
+    if not isinstance(result, _watch.EarlyExit) and not result.is_failed():
         return [result.return_values[r] for r in range(plan.world_size)]
     failures = {}
     for rank in range(plan.world_size):
@@ -171,17 +201,42 @@ def _attempt(
                 record = json.load(fh)
             record["traceback"] = localize(record.get("traceback", ""))
             failures[rank] = from_record(record, attempt)
+    if isinstance(result, _watch.EarlyExit):
+        failures[result.rank] = from_early_exit(result.rank, attempt)
+        return failures, result.rank, returned
     exited_first = min(result.failures, default=None)
     if exited_first is not None and exited_first not in failures:
         # Died without raising (a signal, os._exit): that is what the others reacted to.
         failures[exited_first] = from_exit(
             exited_first, result.failures[exited_first].exitcode, attempt
         )
-        return failures, exited_first
+        return failures, exited_first, returned
     # Every rank that raised wrote a record; the earliest one is the cause, since
     # peers of a failed rank fail later, in the collective they were waiting in.
     first = min(failures.values(), key=lambda f: f.time or 0.0).rank if failures else None
-    return failures, first
+    return failures, first, returned
+
+
+def _end_leftovers(attempt_dir: str, world_size: int, groups: list[int]) -> None:
+    """Stop what is left in the ranks' groups and tell the user what was left running."""
+    left = {}
+    for rank in range(world_size):
+        path = leftovers_path(attempt_dir, rank)
+        if os.path.exists(path):
+            with open(path) as fh:
+                left[rank] = json.load(fh)
+    stray = _leftovers.end_groups(groups)  # only after a failure or interrupt are there any
+    if stray:
+        left.setdefault(-1, []).extend(stray)
+    for rank, commands in sorted(left.items()):
+        who = f"rank {rank}" if rank >= 0 else "the stopped ranks"
+        _log.warning(
+            "%s left %s running after the call ended; stopped: %s. End what a rank starts "
+            "before it returns (join processes, close loaders).",
+            who,
+            "a process" if len(commands) == 1 else f"{len(commands)} processes",
+            "; ".join(commands[:5]) + ("; ..." if len(commands) > 5 else ""),
+        )
 
 
 def _start(args: dict, envs: dict, logs: DefaultLogsSpecs) -> PContext:
@@ -215,17 +270,6 @@ def _stop(ctx: PContext) -> None:
     except KeyboardInterrupt:
         ctx.close(signal.SIGKILL, timeout=_INTERRUPT_GRACE_S)
         raise
-
-
-def _wait(ctx: PContext):
-    try:
-        while True:
-            result = ctx.wait(0)
-            if result is not None:
-                return result
-            time.sleep(_POLL_S)
-    except SignalException as exc:
-        raise KeyboardInterrupt from exc
 
 
 class _DropRecords(logging.Filter):

@@ -7,12 +7,16 @@ bytes.
 
 A rank that fails writes a failure record (JSON, published atomically) and
 exits non-zero, so that the caller sees the exit at once and stops the others.
+A rank whose function returned marks that at once (so that a peer failing in a
+collective can be explained), leaves the process group, waits until the caller
+says every rank has returned, then ends what it left running.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
+import faulthandler
+import gc
 import json
 import os
 import shutil
@@ -23,12 +27,27 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from nbtools.launch import _inrank, _leftovers
 from nbtools.launch._env import settle_forkserver
 
-__all__ = ["RankSpec", "run_rank", "failure_path", "GROUP_PHASE"]
+__all__ = [
+    "RankSpec",
+    "run_rank",
+    "failure_path",
+    "returned_path",
+    "release_path",
+    "leftovers_path",
+    "GROUP_PHASE",
+    "STACK_SIGNAL",
+]
 
 #: Phase of a failure while the process group was being formed.
 GROUP_PHASE = "group"
+#: Makes a rank print every thread's Python stack to its stderr (``faulthandler``).
+STACK_SIGNAL = signal.SIGUSR2
+#: How long what a rank left running may take to end by itself once every rank returned.
+LEFTOVER_GRACE_S = 2.0
+_RELEASE_POLL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -50,26 +69,49 @@ def failure_path(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, f"failure-rank{rank}.json")
 
 
+def returned_path(run_dir: str, rank: int) -> str:
+    """Exists once rank ``rank``'s function has returned (its result is ready)."""
+    return os.path.join(run_dir, f"returned-rank{rank}")
+
+
+def release_path(run_dir: str) -> str:
+    """Created by the caller once every rank has returned."""
+    return os.path.join(run_dir, "all-returned")
+
+
+def leftovers_path(run_dir: str, rank: int) -> str:
+    """Where rank ``rank`` lists the processes it left running and that were stopped."""
+    return os.path.join(run_dir, f"leftovers-rank{rank}.json")
+
+
 def run_rank(payload: bytes, spec: RankSpec) -> bytes:
     """Run the user's function in this rank and return its result as cloudpickle bytes."""
     _die_with_parent_chain(spec.caller_pid, os.path.dirname(spec.run_dir))
     _mirror_caller_environment(spec.env_names)
+    _leftovers.lead_own_group()
+    _inrank.private_temp_dir()
     for stream in (sys.stdout, sys.stderr):
         # Output goes to a file the caller tails: line buffering keeps it live.
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
             reconfigure(line_buffering=True)
+    faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
     try:
-        return _run(payload, spec)
+        result = _run(payload, spec)
     except BaseException as exc:  # noqa: BLE001 - every way out of user code is reported
         if isinstance(exc, SystemExit) and exc.code in (0, None):
-            return _dumps(None, spec.rank)
+            result = _dumps(None, spec.rank)
+            _mark_returned(spec)
+            _finish(spec)
+            return result
         if not os.path.exists(failure_path(spec.run_dir, spec.rank)):
             _publish_failure(spec, exc)
         sys.stdout.flush()
         sys.stderr.flush()
         # SystemExit passes through torch's wrappers without writing their own error files.
         sys.exit(1)
+    _finish(spec)
+    return result
 
 
 def _run(payload: bytes, spec: RankSpec) -> bytes:
@@ -82,7 +124,9 @@ def _run(payload: bytes, spec: RankSpec) -> bytes:
         torch.set_num_threads(int(threads))
     if spec.use_cuda:  # before anything in the payload can touch a device
         torch.cuda.set_device(spec.rank)
-    _make_user_group_calls_safe(dist)
+    _inrank.mark_in_rank()
+    _inrank.restore_start_method()
+    _inrank.guard_user_group_calls(spec.backend)
     # Unpickle after the guards are in place: a function that refers to
     # ``init_process_group`` by name resolves to the guarded version.
     fn, args, kwargs = cloudpickle.loads(payload)
@@ -107,9 +151,42 @@ def _run(payload: bytes, spec: RankSpec) -> bytes:
         if not (isinstance(exc, SystemExit) and exc.code in (0, None)):
             _publish_failure(spec, exc)
         raise
+    blob = _dumps(result, spec.rank)
+    _mark_returned(spec)
+    return blob
+
+
+def _mark_returned(spec: RankSpec) -> None:
+    """Say that this rank returned, then leave the group (peers still in a collective fail)."""
+    with open(returned_path(spec.run_dir, spec.rank), "w"):
+        pass
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()
-    return _dumps(result, spec.rank)
+
+
+def _finish(spec: RankSpec) -> None:
+    """Once every rank has returned: end what this rank left running; tell the caller what."""
+    release = release_path(spec.run_dir)
+    while not os.path.exists(release):
+        time.sleep(_RELEASE_POLL_S)
+    if _leftovers.has_children():
+        # Loaders that only a reference cycle keeps alive shut their workers down cleanly now.
+        gc.collect()
+    for _ in range(3):
+        try:
+            left = _leftovers.end_own_leftovers(LEFTOVER_GRACE_S)
+            break
+        except RuntimeError:
+            # torch's DataLoader raises from its SIGCHLD handler when a worker it still
+            # tracks is stopped; the worker is stopped all the same.
+            continue
+    else:
+        left = []
+    if left:
+        with open(leftovers_path(spec.run_dir, spec.rank), "w") as fh:
+            json.dump(left, fh)
 
 
 def _dumps(result: object, rank: int) -> bytes:
@@ -122,25 +199,6 @@ def _dumps(result: object, rank: int) -> bytes:
             f"the return value of rank {rank} ({type(result).__qualname__}) cannot be sent back "
             f"to the caller: {exc}. Return plain data (numbers, lists, dicts, tensors on CPU)."
         ) from exc
-
-
-def _make_user_group_calls_safe(dist) -> None:
-    """Let the user's own ``init_process_group`` call be a no-op once the group is up."""
-    from torch.distributed import distributed_c10d as c10d
-
-    original = c10d.init_process_group
-    if getattr(original, "_nbtools_guard", False):
-        return
-
-    @functools.wraps(original)
-    def init_process_group(*args, **kwargs):
-        if c10d.is_initialized():
-            return None
-        return original(*args, **kwargs)
-
-    init_process_group._nbtools_guard = True  # type: ignore[attr-defined]
-    c10d.init_process_group = init_process_group
-    dist.init_process_group = init_process_group
 
 
 def _mirror_caller_environment(names: frozenset[str]) -> None:
@@ -168,6 +226,7 @@ def _publish_failure(spec: RankSpec, exc: BaseException, phase: str = "") -> Non
         "traceback": "".join(traceback.format_exception(exc_type, exc, tb)),
         "time": time.time(),
         "phase": phase,
+        "collective": _collective(exc.__traceback__),
     }
     path = failure_path(spec.run_dir, spec.rank)
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -177,6 +236,17 @@ def _publish_failure(spec: RankSpec, exc: BaseException, phase: str = "") -> Non
         os.replace(tmp, path)
     except OSError:
         pass  # the caller still sees the non-zero exit and reports it
+
+
+def _collective(tb) -> str:
+    """Name of the ``torch.distributed`` operation the exception came out of ("" if none)."""
+    name = ""
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename.endswith(os.path.join("distributed", "distributed_c10d.py")):
+            name = code.co_name
+        tb = tb.tb_next
+    return name.lstrip("_")
 
 
 def _die_with_parent_chain(caller_pid: int, caller_dir: str) -> None:

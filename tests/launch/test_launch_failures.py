@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import signal
 
-from nbtools.launch._failures import RankFailure, describe, from_exit, from_record
+from nbtools.launch._failures import (
+    MESSAGE_LIMIT,
+    TRACEBACK_LIMIT,
+    RankFailure,
+    describe,
+    from_early_exit,
+    from_exit,
+    from_record,
+)
 
 
 def test_killed_rank_names_the_signal():
@@ -42,3 +50,35 @@ def test_cause_comes_first_with_its_traceback():
 def test_signal_failure_is_listed_without_traceback():
     killed = RankFailure(1, "Signal", "the process was killed by SIGKILL", exitcode=-9)
     assert describe({1: killed}, first=1) == "rank 1 failed: the process was killed by SIGKILL"
+
+
+def test_early_exit_reads_as_such():
+    text = describe({1: from_early_exit(1, attempt=0)}, first=1, attempts=2)
+    assert text == "rank 1 exited with code 0 before returning (after 2 attempts)"
+
+
+def test_a_peer_that_returned_explains_a_failure_in_a_collective():
+    lost = from_record(
+        {"rank": 0, "exc_type": "RuntimeError", "message": "Connection closed by peer",
+         "traceback": "TB", "time": 1.0, "collective": "all_reduce"},
+        attempt=0,
+    )
+    text = describe({0: lost}, first=0, returned=frozenset({1}))
+    assert text.splitlines()[0] == (
+        "rank 1 returned while rank 0 was in all_reduce, so rank 0 failed: "
+        "RuntimeError: Connection closed by peer"
+    )
+    assert describe({0: lost}, first=0).startswith("rank 0 failed: RuntimeError")
+
+
+def test_huge_messages_and_tracebacks_are_cut_in_the_text_only():
+    message = "m" * 3_000_000
+    failure = from_record(
+        {"rank": 2, "exc_type": "ValueError", "message": message,
+         "traceback": "Traceback:\n" + "  frame\n" * 50_000 + f"ValueError: {message}\n"},
+        attempt=0,
+    )
+    text = describe({2: failure}, first=2)
+    assert len(text) < 2 * (MESSAGE_LIMIT + TRACEBACK_LIMIT)
+    assert "failures[2].message" in text and "failures[2].traceback" in text
+    assert failure.message == message and failure.traceback.endswith(message + "\n")

@@ -27,11 +27,24 @@ def square(x):
         ({"processes": True}, TypeError, "integer"),
         ({"processes": 2, "max_restarts": -1}, ValueError, "max_restarts"),
         ({"processes": 2, "output": "rank1"}, ValueError, "rank0"),
+        ({"processes": 2, "output": ["all"]}, TypeError, "output must be a string"),
+        ({"processes": 2, "max_restarts": 1.5}, TypeError, "max_restarts"),
+        ({"processes": 2, "hang_timeout": "60"}, TypeError, "hang_timeout"),
+        ({"processes": 2, "hang_timeout": True}, TypeError, "hang_timeout"),
+        ({"processes": 2, "hang_timeout": 0}, ValueError, "positive"),
+        ({"processes": 2, "hang_timeout": -5}, ValueError, "positive"),
+        ({"processes": 2, "hang_timeout": float("inf")}, ValueError, "finite"),
+        ({"processes": 2, "hang_timeout": float("nan")}, ValueError, "finite"),
     ],
 )
 def test_bad_options_are_refused(kwargs, error, words):
     with pytest.raises(error, match=words):
         distributed(**kwargs)
+
+
+def test_hang_timeout_is_kept():
+    assert distributed(processes=2, hang_timeout=30)(square).hang_timeout == 30
+    assert distributed(processes=2)(square).hang_timeout is None
 
 
 def test_non_callable_is_refused():

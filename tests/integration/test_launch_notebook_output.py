@@ -1,0 +1,68 @@
+"""Progress bars of two ranks as a real notebook saves them (nbclient runs a kernel)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+CELL = '''
+from nbtools import distributed
+
+@distributed(processes=2)
+def bars():
+    import sys
+    import time
+
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    for _ in tqdm(range(30), desc="epoch", mininterval=0, file=sys.stderr):
+        time.sleep(0.01)
+        for _ in tqdm(range(3), desc="eval", position=1, leave=False, mininterval=0,
+                      file=sys.stderr):
+            pass
+    print("done", dist.get_rank())
+    return dist.get_rank()
+
+bars.distributed()
+'''
+
+
+def _run(tmp_path, coalesce: bool):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(CELL)]
+    client = nbclient.NotebookClient(
+        nb, timeout=240, kernel_name="python3", coalesce_streams=coalesce,
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute()
+    outputs = nb.cells[0].outputs
+    streams = {}
+    for output in outputs:
+        if output.output_type == "stream":
+            streams[output.name] = streams.get(output.name, "") + output.text
+    return streams, outputs
+
+
+def test_progress_bars_of_two_ranks_read_cleanly_in_a_saved_notebook(tmp_path):
+    streams, outputs = _run(tmp_path, coalesce=True)
+    assert any(o.output_type == "execute_result" and "[0, 1]" in o.data["text/plain"]
+               for o in outputs)
+    assert streams["stdout"].splitlines() == ["[rank 0] done 0", "[rank 1] done 1"]
+    lines = streams["stderr"].splitlines()
+    assert "\x1b[" not in streams["stderr"]
+    # One finished bar per rank, each line with exactly one prefix, no fragments.
+    assert len(lines) == 2, lines
+    assert sorted(line[:9] for line in lines) == ["[rank 0] ", "[rank 1] "]
+    for line in lines:
+        assert re.fullmatch(r"\[rank [01]\] epoch: 100%\|█+\| 30/30 .*", line.rstrip()), line
+
+
+def test_only_rank0_bar_updates_reach_the_notebook(tmp_path):
+    streams, _ = _run(tmp_path, coalesce=False)
+    updates = re.findall(r"\[rank (\d)\][^\n\r]*\r", streams["stderr"])
+    assert updates and set(updates) == {"0"}
