@@ -4,7 +4,9 @@ Order matters and is the contract: the cell is compiled and its arguments checke
 before anything is restored (a typo costs nothing); objects are restored before
 the body runs; whatever ends the body (return, exception, KeyboardInterrupt), the
 save in flight is completed before the cell returns, so the newest checkpoint on
-disk is always complete.
+disk is always complete. After a normal end the manager's own final save on
+``close`` saves the last step reached (once). Reports go to the cell's output
+through IPython's display, not to stdout.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from IPython.core.error import UsageError
+from IPython.display import display
+
+from nbtools.errors import CheckpointError
 
 __all__ = ["AutoresumeOptions", "run_autoresume"]
 
@@ -37,6 +42,11 @@ class AutoresumeOptions:
     state: str | None = None
     mlflow: bool = False
     run_name: str | None = None
+
+
+def _say(text: str) -> None:
+    """Show one line of report in the cell's output."""
+    display({"text/plain": f"autoresume: {text}"}, raw=True)
 
 
 def _is_stateful(value: Any) -> bool:
@@ -116,18 +126,20 @@ class _Checkpointer:
     def __init__(self, manager: Any, objects: dict[str, Any]) -> None:
         self._manager = manager
         self._objects = objects
-        self.last_step: int | None = None
         self.finished = False
 
     def __call__(self, step: int) -> None:
-        """Save the cell's state at ``step`` when due, in the background."""
+        """Save the cell's state at ``step`` when due, in the background.
+
+        Raises:
+            CheckpointError: The ``%%autoresume`` cell it belongs to has ended.
+        """
         if self.finished:
-            raise RuntimeError(
+            raise CheckpointError(
                 "checkpoint() belongs to an %%autoresume cell that has finished; "
                 "run that cell again to continue"
             )
         self._manager.maybe_save(step, **self._objects)
-        self.last_step = step
 
     def __repr__(self) -> str:
         names = ", ".join(self._objects) or "step only"
@@ -141,13 +153,16 @@ def _describe(objects: dict[str, Any]) -> str:
 def _restore(manager: Any, objects: dict[str, Any], root: str) -> int:
     start = manager.restore(**objects)
     step = manager.restored_step
+    for url, reason in manager.skipped:
+        _say(f"skipped {url}: {reason}")
     if step is None:
-        print(f"autoresume: no checkpoint under {root}; starting fresh with start_step = 0 "
-              f"(state: {_describe(objects)})")
+        _say(
+            f"no checkpoint under {root}; starting fresh with start_step = 0 "
+            f"(state: {_describe(objects)})"
+        )
         return start
     run = f", MLflow run {manager.mlflow_run_id}" if manager.mlflow_run_id else ""
-    print(f"autoresume: restored step {step} from {root} into {_describe(objects)}{run}; "
-          f"start_step = {start}")
+    _say(f"restored step {step} from {root} into {_describe(objects)}{run}; start_step = {start}")
     return start
 
 
@@ -166,7 +181,7 @@ def _interrupts_deferred() -> Iterator[list[bool]]:
 
     def _hold(signum: int, frame: Any) -> None:
         deferred.append(True)
-        print("autoresume: finishing the checkpoint being written; interrupt again to abandon it")
+        _say("finishing the checkpoint being written; interrupt again to abandon it")
         signal.signal(signal.SIGINT, previous)
 
     signal.signal(signal.SIGINT, _hold)
@@ -176,23 +191,19 @@ def _interrupts_deferred() -> Iterator[list[bool]]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _finish(manager: Any, checkpointer: _Checkpointer, objects: dict[str, Any], completed: bool) -> None:
+def _finish(manager: Any, checkpointer: _Checkpointer, completed: bool) -> None:
     """Complete the save in flight; after a normal end also save the last step reached.
+
+    The manager's ``close`` does both: its final save is the last step given
+    to ``checkpoint``, when newer than the last checkpoint (the body returned
+    normally, so its state is the state after that step).
 
     Raises:
         KeyboardInterrupt: An interrupt was held back meanwhile (the cell stays interrupted).
     """
     checkpointer.finished = True
     with _interrupts_deferred() as deferred:
-        try:
-            if completed and checkpointer.last_step is not None:
-                manager.wait()
-                saved = manager.last_saved_step
-                if saved is None or checkpointer.last_step > saved:
-                    # The body returned normally: its state is the state after last_step.
-                    manager.save(checkpointer.last_step, **objects)
-        finally:
-            manager.close()
+        manager.close(final_save=completed)
     if deferred and completed:
         raise KeyboardInterrupt
 
@@ -202,9 +213,9 @@ def _report(manager: Any, root: str) -> None:
     if saved is None:
         saved = manager.restored_step
     if saved is None:
-        print(f"autoresume: nothing saved under {root} (checkpoint(step) saves when a step is due)")
+        _say(f"nothing saved under {root} (checkpoint(step) saves when a step is due)")
     else:
-        print(f"autoresume: last saved step {saved} under {root}; run the cell again to continue")
+        _say(f"last saved step {saved} under {root}; run the cell again to continue")
 
 
 def run_autoresume(shell: Any, options: AutoresumeOptions, cell: str) -> Any:
@@ -249,7 +260,7 @@ def run_autoresume(shell: Any, options: AutoresumeOptions, cell: str) -> Any:
         raise
     finally:
         try:
-            _finish(manager, checkpointer, objects, completed=status == "FINISHED")
+            _finish(manager, checkpointer, completed=status == "FINISHED")
         finally:
             if logger is not None:
                 logger.close(status)
@@ -266,5 +277,5 @@ def _start_logger(manager: Any, run_name: str | None) -> Any:
     except TrackingError as exc:
         raise UsageError(f"autoresume: {exc}") from None
     verb = "resumed" if manager.mlflow_run_id else "started"
-    print(f"autoresume: {verb} MLflow run {logger.run_id} (mlflow_logger)")
+    _say(f"{verb} MLflow run {logger.run_id} (mlflow_logger)")
     return logger

@@ -1,19 +1,22 @@
 """Retention: deleting old checkpoints in a background worker fed through a queue.
 
-Only ever called on one rank. The newest complete checkpoint is never deleted.
-A checkpoint is deleted ``.metadata`` first, so a deletion interrupted half way
-leaves a directory that discovery ignores, never a checkpoint that looks
-complete but is not.
+Only ever called on one rank. The newest complete checkpoint is never deleted,
+nor an incomplete one newer than it (a save may still be writing it), nor the
+step the manager is saving now. A checkpoint is deleted ``.metadata`` first, so
+a deletion interrupted half way leaves a directory that discovery ignores, never
+a checkpoint that looks complete but is not. Symbolic links named like steps are
+never listed, so nothing outside the root is ever deleted through them.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable, Collection
 from typing import Any
 
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint.discovery import list_steps, step_dir_name
+from nbtools.checkpoint.discovery import is_foreign, list_steps, step_dir_name
 from nbtools.checkpoint.writer import METADATA_NAME
 
 __all__ = ["purge", "RetentionWorker"]
@@ -21,8 +24,13 @@ __all__ = ["purge", "RetentionWorker"]
 _log = get_logger("checkpoint")
 
 
-def purge(target: Any, keep: int) -> list[int]:
+def purge(target: Any, keep: int, protect: Collection[int] = ()) -> list[int]:
     """Delete complete checkpoints beyond the newest ``keep`` and partial ones older than the newest.
+
+    Args:
+        target: The checkpoint root.
+        keep: Complete checkpoints to keep.
+        protect: Steps never deleted (saves in progress).
 
     Returns:
         The steps deleted.
@@ -35,20 +43,28 @@ def purge(target: Any, keep: int) -> list[int]:
         return []
     newest = complete[0]
     doomed = complete[keep:] + [s for s, ok in steps if not ok and s < newest]
-    for step in sorted(doomed):
+    deleted = []
+    for step in sorted(set(doomed) - set(protect)):
         name = step_dir_name(step)
+        if is_foreign(target, name):  # replaced by a link since it was listed
+            continue
         target.remove_file(f"{name}/{METADATA_NAME}")
         target.remove_tree(name)
+        deleted.append(step)
         _log.info("deleted old checkpoint %s", name)
-    return sorted(doomed)
+    return deleted
 
 
 class RetentionWorker:
-    """A daemon thread that runs :func:`purge` for each request put on its queue."""
+    """A daemon thread that runs :func:`purge` for each request put on its queue.
 
-    def __init__(self, target: Any, keep: int) -> None:
+    ``protect`` is called before each purge for the steps being saved right now.
+    """
+
+    def __init__(self, target: Any, keep: int, protect: Callable[[], Collection[int]]) -> None:
         self._target = target
         self._keep = keep
+        self._protect = protect
         self._queue: queue.Queue[bool] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -70,7 +86,7 @@ class RetentionWorker:
     def _run(self) -> None:
         while self._queue.get():
             try:
-                purge(self._target, self._keep)
+                purge(self._target, self._keep, self._protect())
             except Exception as exc:  # noqa: BLE001 - retention must never stop training
                 _log.warning("could not delete old checkpoints under %s: %s", self._target.url, exc)
                 self.errors.append(exc)

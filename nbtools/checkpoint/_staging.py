@@ -36,9 +36,11 @@ def check_space(base: str, needed: int, what: str) -> None:
     free = free_bytes(base)
     if needed + _RESERVE_BYTES > free:
         raise StagingSpaceError(
-            f"{what} needs about {needed / 2**20:.1f} MiB of local staging space but "
-            f"{base} has {free / 2**20:.1f} MiB free; free some space or point "
-            "NBTOOLS_STAGING_DIR (or staging_dir=) at a larger local disk"
+            f"{what} needs about {needed / 2**20:.1f} MiB of local staging space plus a "
+            f"reserve of {_RESERVE_BYTES / 2**20:.1f} MiB kept free on that filesystem "
+            f"({(needed + _RESERVE_BYTES) / 2**20:.1f} MiB in all), but {base} has "
+            f"{free / 2**20:.1f} MiB free; free some space or point NBTOOLS_STAGING_DIR "
+            "(or staging_dir=) at a larger local disk"
         )
 
 

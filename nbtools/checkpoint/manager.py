@@ -20,21 +20,25 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+import weakref
 from concurrent.futures import Future
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from nbtools import runtime
+from nbtools import events, runtime
 from nbtools._internal.log import get_logger
 from nbtools._internal.runinfo import active_mlflow_run_id
 from nbtools.checkpoint import _state
+from nbtools.checkpoint._checks import check_extra, check_step, check_writable, positive
+from nbtools.checkpoint._collective import agree, gather
 from nbtools.checkpoint._errors import unwrap
+from nbtools.checkpoint._lease import WriterLease
+from nbtools.checkpoint._restore import newest_verified
 from nbtools.checkpoint._retention import RetentionWorker
 from nbtools.checkpoint._stager import ReusableStager
-from nbtools.checkpoint._target import LocalTarget
-from nbtools.checkpoint.discovery import _latest, root_target, step_dir_name
+from nbtools.checkpoint.discovery import is_foreign, root_target, step_dir_name
 from nbtools.checkpoint.reader import VolumeReader
 from nbtools.checkpoint.writer import METADATA_NAME, VolumeWriter
 from nbtools.errors import CheckpointError
@@ -49,30 +53,18 @@ warnings.filterwarnings(
 )
 
 
-def _positive(name: str, value: int | None) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int or None, not {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1 (or None), got {value}")
-    return value
-
-
-def _check_writable(target: Any) -> None:
-    if not isinstance(target, LocalTarget):
-        return
-    path = target.root
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise CheckpointError(
-            f"checkpoint root {target.root} is not writable ({path} refuses writes)"
-        )
+def _noop() -> None:
+    pass
 
 
 class CheckpointManager:
     """Saves and restores training state under ``root/step_<N>/``.
+
+    One run saves into a root at a time: the first save takes a lease
+    (``root/.nbtools-writer``, renewed in the background and removed by
+    ``close``), and a second run saving into the same root gets a
+    ``CheckpointError`` naming the first, instead of the two deleting each
+    other's checkpoints.
 
     Args:
         root: Directory (local, NFS, FUSE) or fsspec URL holding the checkpoints.
@@ -83,6 +75,10 @@ class CheckpointManager:
             blocked only while the state is copied into reused staging buffers).
         staging_dir: Local staging directory (default ``NBTOOLS_STAGING_DIR`` or temp dir).
         sync_files: fsync shards before publishing ``.metadata``.
+        save_on_close: ``close()`` (and leaving a ``with`` block without an
+            exception) saves the last step given to ``maybe_save`` when it is
+            newer than the last checkpoint, so a finished run never repeats its
+            tail. The objects are saved as they are at that moment.
 
     Attributes:
         restored_step: Step of the checkpoint ``restore`` loaded, or None.
@@ -90,6 +86,8 @@ class CheckpointManager:
             (by this manager, or the one restored).
         mlflow_run_id: MLflow run id recorded in the restored checkpoint, or None.
         extra: The ``extra`` dict recorded in the restored checkpoint.
+        skipped: ``(checkpoint, reason)`` for each newer checkpoint ``restore``
+            passed over because its data did not verify.
     """
 
     def __init__(
@@ -101,43 +99,47 @@ class CheckpointManager:
         *,
         staging_dir: str | os.PathLike[str] | None = None,
         sync_files: bool = True,
+        save_on_close: bool = True,
     ) -> None:
-        self.every = _positive("every", every)
-        self.keep = _positive("keep", keep)
+        self.every = positive("every", every)
+        self.keep = positive("keep", keep)
+        if not isinstance(save_on_close, bool):
+            raise TypeError(f"save_on_close must be a bool, not {type(save_on_close).__name__}")
         self._target = root_target(root)
-        _check_writable(self._target)
+        check_writable(self._target)
         self.root = self._target.url
         self.async_save = async_save
+        self.save_on_close = save_on_close
         self._staging_dir = staging_dir
         self._sync_files = sync_files
         self.restored_step: int | None = None
         self.last_saved_step: int | None = None
         self.mlflow_run_id: str | None = None
         self.extra: dict[str, Any] = {}
+        self.skipped: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         self._future: Future | None = None
         self._future_step: int | None = None
         self._published_step: int | None = None
+        self._last_seen: tuple[int, dict[str, Any], dict[str, Any] | None] | None = None
+        # The step being saved: retention never deletes it, even when it is older than the
+        # newest checkpoint. A one-element list so the retention thread holds no manager.
+        saving: list[int | None] = [None]
+        self._saving = saving
         self._stager = ReusableStager() if async_save else None
         # Saves run collectives from a background thread: they get their own gloo group
         # so they never interleave with the training loop's collectives.
         self._pg = dist.new_group(backend="gloo") if runtime.is_distributed() else None
+        main = runtime.get_rank() == 0
         self._retention = (
-            RetentionWorker(self._target, self.keep)
-            if self.keep and runtime.get_rank() == 0
+            RetentionWorker(self._target, self.keep, lambda: [s for s in saving if s is not None])
+            if self.keep and main
             else None
         )
+        self._lease = WriterLease(self._target) if main else None
+        # A manager dropped without close() (a notebook cell run again) frees the root.
+        self._release = weakref.finalize(self, self._lease.release if self._lease else _noop)
         self._closed = False
-
-    # --- collective helpers -------------------------------------------------
-
-    def _agree(self, value: Any) -> Any:
-        """Rank 0's ``value`` on every rank (ranks must take the same branch)."""
-        if self._pg is None:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self._pg, 0), group=self._pg)
-        return box[0]
 
     def _check_open(self) -> None:
         if self._closed:
@@ -146,49 +148,54 @@ class CheckpointManager:
     # --- restore -------------------------------------------------------------
 
     def restore(self, **objs: Any) -> int:
-        """Load the newest complete checkpoint into ``objs``; return the next step to run.
+        """Load the newest checkpoint that verifies into ``objs``; return the next step to run.
+
+        A checkpoint whose data does not match its recorded checksums is skipped
+        with a warning naming it and the reason (also listed in ``skipped``), and
+        the next older one is tried.
 
         Args:
             **objs: Models, optimizers and stateful objects by name, as given to ``save``.
 
         Returns:
             Saved step + 1, or 0 when there is no checkpoint.
+
+        Raises:
+            CorruptCheckpointError: Checkpoints exist but none verifies (``objs``
+                may then hold partly loaded values).
         """
         self._check_open()
         self.wait()
         kinds = _state.classify(objs)
-        found, verdict = None, None
-        if runtime.get_rank() == 0:
-            try:
-                found = _latest(self._target)
-                verdict = found[0] if found else None
-            except Exception as exc:  # noqa: BLE001 - every rank must raise it, not hang
-                verdict = exc
-        url = self._agree(verdict)
-        if isinstance(url, BaseException):
-            raise url
+        url, step, state, blob, self.skipped = newest_verified(
+            self._target,
+            self.root,
+            lambda url, metadata: self._load(kinds, url, metadata),
+            self._pg,
+        )
         if url is None:
             self.restored_step = None
             return 0
-        step = int(url.rstrip("/").rsplit("step_", 1)[1])
-        child = self._target.child(step_dir_name(step))
-        metadata = found[2] if found else VolumeReader(url).read_metadata()
-        try:
-            blob_state = _state.blob_template(metadata, runtime.get_rank())
-            dcp.load(blob_state, storage_reader=self._reader(child.url), process_group=self._pg)
-            blob = _state.decode_blob(blob_state, kinds, url)
-            state = _state.load_template(kinds, metadata, url)
-            if state:
-                dcp.load(state, storage_reader=self._reader(child.url), process_group=self._pg)
-        except BaseException as exc:
-            raise unwrap(exc, f"restoring {url}") from None
         _state.apply_state(kinds, state, blob)
         self.restored_step = step
         self.last_saved_step = step
         self.extra = dict(blob.get("extra") or {})
         self.mlflow_run_id = blob.get("mlflow_run_id")
         _log.info("restored %s; resuming at step %d", url, step + 1)
+        if runtime.get_rank() == 0:
+            events.emit("checkpoint_restored", message=f"restored {url}", step=step)
         return step + 1
+
+    def _load(self, kinds: Any, url: str, metadata: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        if metadata is None:
+            metadata = VolumeReader(url).read_metadata()
+        blob_state = _state.blob_template(metadata, runtime.get_rank())
+        dcp.load(blob_state, storage_reader=self._reader(url), process_group=self._pg)
+        blob = _state.decode_blob(blob_state, kinds, url)
+        state = _state.load_template(kinds, metadata, url)
+        if state:
+            dcp.load(state, storage_reader=self._reader(url), process_group=self._pg)
+        return state, blob
 
     def _reader(self, url: str) -> VolumeReader:
         return VolumeReader(url, staging_dir=self._staging_dir)
@@ -198,10 +205,15 @@ class CheckpointManager:
     def maybe_save(self, step: int, *, extra: dict[str, Any] | None = None, **objs: Any) -> bool:
         """Save when ``step % every == 0``; returns whether a save was started.
 
-        Raises the error of a failed background save even when no save is due.
+        Every call is remembered: ``close()`` saves the last step seen when it
+        is newer than the last checkpoint (see ``save_on_close``). Raises the
+        error of a failed background save even when no save is due.
         """
         self._check_open()
+        check_step(step)
+        check_extra(extra)
         self._raise_failed()
+        self._last_seen = (step, dict(objs), extra)
         if self.every is None or step % self.every != 0:
             return False
         return self.save(step, extra=extra, **objs)
@@ -212,18 +224,23 @@ class CheckpointManager:
         Waits for the previous save first (one save in flight). When this
         returns, the objects may be changed: the checkpoint holds their values
         at the moment of the call. Returns False when ``step`` already has a
-        complete checkpoint under root (it is never overwritten).
+        complete checkpoint under root (it is never overwritten). A save that
+        fails leaves no ``step_<N>`` directory behind.
+
+        Raises:
+            CheckpointError: The save failed, or another run is saving into
+                this root (see the class docstring).
         """
         self._check_open()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        if extra is not None and not isinstance(extra, dict):
-            raise TypeError(f"extra must be a dict, not {type(extra).__name__}")
+        check_step(step)
+        check_extra(extra)
         self.wait()
         kinds = _state.classify(objs)
         name = step_dir_name(step)
-        exists = self._target.exists(f"{name}/{METADATA_NAME}") if runtime.get_rank() == 0 else None
-        if self._agree(exists):
+        verdict = agree(self._pg, self._prepare(name) if runtime.get_rank() == 0 else None)
+        if isinstance(verdict, BaseException):
+            raise verdict
+        if verdict == "exists":
             _log.warning("checkpoint %s/%s already exists; not overwriting it", self.root, name)
             return False
         state = _state.build_state(
@@ -237,6 +254,7 @@ class CheckpointManager:
         writer = VolumeWriter(
             self._target.child(name).url, staging_dir=self._staging_dir, sync_files=self._sync_files
         )
+        self._saving[0] = step
         try:
             if self._stager is None:
                 dcp.save(state, storage_writer=writer, process_group=self._pg)
@@ -245,6 +263,7 @@ class CheckpointManager:
                     state, storage_writer=writer, async_stager=self._stager, process_group=self._pg
                 )
         except BaseException as exc:
+            self._discard(step)
             raise unwrap(exc, f"saving step {step}") from None
         if self._stager is None:
             self._published(step)
@@ -254,6 +273,34 @@ class CheckpointManager:
             future.add_done_callback(lambda f, s=step: f.exception() is None and self._published(s))
         return True
 
+    def _prepare(self, name: str) -> Any:
+        """On rank 0 before a save: an error to raise, "exists", or None (go ahead)."""
+        try:
+            if self._lease is not None:
+                self._lease.acquire()
+            if is_foreign(self._target, name):
+                raise CheckpointError(
+                    f"{self.root}/{name} is a symbolic link or a file, not a checkpoint directory "
+                    "nbtools wrote; nothing is written through it. Remove it, or save elsewhere"
+                )
+            return "exists" if self._target.exists(f"{name}/{METADATA_NAME}") else None
+        except Exception as exc:  # noqa: BLE001 - every rank must raise it, not hang
+            return exc
+
+    def _discard(self, step: int) -> None:
+        """Remove what a failed save of ``step`` left (never a published checkpoint)."""
+        self._saving[0] = None
+        if runtime.get_rank() != 0:
+            return
+        name = step_dir_name(step)
+        try:
+            if not is_foreign(self._target, name) and not self._target.exists(
+                f"{name}/{METADATA_NAME}"
+            ):
+                self._target.remove_tree(name)
+        except OSError as exc:
+            _log.warning("could not remove %s/%s of a failed save: %s", self.root, name, exc)
+
     def _published(self, step: int) -> None:
         # Called from the save's done-callback and from wait(), whichever comes first.
         with self._lock:
@@ -261,7 +308,12 @@ class CheckpointManager:
                 return
             self._published_step = step
             self.last_saved_step = step
-        if self._retention is not None:
+            if self._saving[0] == step:
+                self._saving[0] = None
+        if runtime.get_rank() == 0:
+            events.emit("checkpoint_saved", message=f"saved {self.root}/step_{step}", step=step)
+        # A manager that lost the root to another writer deletes nothing of theirs.
+        if self._retention is not None and (self._lease is None or self._lease.held):
             self._retention.request()
 
     def _raise_failed(self) -> None:
@@ -280,21 +332,53 @@ class CheckpointManager:
         try:
             future.result()
         except BaseException as exc:
+            if not future.done():  # interrupted while waiting: the save goes on
+                with self._lock:
+                    if self._future is None:
+                        self._future = future
+                raise
+            self._discard(step)
             raise unwrap(exc, f"background save of step {step}") from None
         self._published(step)
 
-    def close(self) -> None:
-        """Wait for the last save, finish pending deletions and release staging buffers."""
+    def _save_last_seen(self) -> None:
+        """The final save of ``close``: the last step seen by ``maybe_save``, if newer."""
+        seen = self._last_seen
+        step = seen[0] if seen is not None else None
+        if step is not None and self.last_saved_step is not None and step <= self.last_saved_step:
+            step = None
+        steps = gather(self._pg, step)
+        if len(set(steps)) != 1:
+            _log.warning("ranks reached different last steps %s; no final save on close", steps)
+            return
+        if step is None or seen is None:
+            return
+        _log.info("saving step %d, the last one reached, on close", step)
+        self.save(step, extra=seen[2], **seen[1])
+        self.wait()
+
+    def close(self, *, final_save: bool | None = None) -> None:
+        """Finish the save in flight, save the last step reached, release everything.
+
+        Args:
+            final_save: Save the last step given to ``maybe_save`` when it is
+                newer than the last checkpoint; None: as ``save_on_close`` says.
+                On the exit of a ``with`` block by an exception it is False.
+        """
         if self._closed:
             return
         try:
             self.wait()
+            if self.save_on_close if final_save is None else final_save:
+                self._save_last_seen()
         finally:
             self._closed = True
+            self._last_seen = None
             if self._retention is not None:
                 self._retention.close()
             if self._stager is not None:
                 self._stager.close()
+            self._release()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -304,7 +388,7 @@ class CheckpointManager:
             self.close()
             return
         try:
-            self.close()
+            self.close(final_save=False)  # the state after a failure is not a finished step
         except Exception as close_exc:  # noqa: BLE001 - keep the original error
             _log.warning("closing the checkpoint manager failed too: %s", close_exc)
 

@@ -35,12 +35,14 @@ DRIVER = textwrap.dedent(
         return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
     def save_in_child(step, kill_at):
-        # kill_at > 0: the kill_at-th call; kill_at <= 0: the (1 - kill_at)-th call after publishing starts.
+        # kill_at > 0: the kill_at-th call; kill_at <= 0: the (1 - kill_at)-th call after
+        # publishing .metadata starts (the writer lease is published too, earlier).
         count = [0, -1]
         def hook(frame, event, arg):
             if event in ("call", "c_call") and MARK in frame.f_code.co_filename:
                 count[0] += 1
-                if event == "call" and frame.f_code.co_name == "publish_bytes":
+                if (event == "call" and frame.f_code.co_name == "publish_bytes"
+                        and frame.f_locals.get("rel") == ".metadata" and count[1] < 0):
                     count[1] = count[0]
                 if count[0] == kill_at or (kill_at <= 0 and count[1] > 0 and count[0] == count[1] + 1 - kill_at):
                     os.kill(os.getpid(), signal.SIGKILL)

@@ -37,7 +37,8 @@ def test_resume_continues_exactly(tmp_path, async_save):
     expected_draws = _draws()
 
     run = make_training()
-    with CheckpointManager(root, every=3, async_save=async_save) as ckpt:
+    # No final save on close: the resumed run must replay steps 4-6 exactly.
+    with CheckpointManager(root, every=3, async_save=async_save, save_on_close=False) as ckpt:
         assert ckpt.restore(model=run[0], optimizer=run[1], sched=run[2]) == 0
         assert ckpt.restored_step is None
         for step in range(5):
@@ -128,7 +129,7 @@ def test_retention_keeps_newest_and_removes_stale_partials(tmp_path):
     (root / "step_0" / "__0_0.distcp").write_bytes(b"x")
     (root / "step_50").mkdir()  # newer than everything: maybe in flight, left alone
     model = Net()
-    with CheckpointManager(root, every=2, keep=2) as ckpt:
+    with CheckpointManager(root, every=2, keep=2, save_on_close=False) as ckpt:
         for step in range(1, 10):
             ckpt.maybe_save(step, model=model)
     assert sorted(os.listdir(root)) == ["step_50", "step_6", "step_8"]
@@ -265,3 +266,74 @@ def test_object_store_root(tmp_path):
         ) == ["step_2"]
     finally:
         fsspec.filesystem("memory").rm(root.rsplit("/", 1)[0], recursive=True)
+
+
+def _weights(model) -> dict:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_close_saves_the_last_step_reached(tmp_path, async_save):
+    root = tmp_path / "c"
+    run = make_training()
+    ckpt = CheckpointManager(root, every=3, async_save=async_save)
+    for step in range(5):  # due at 0 and 3; 4 is the last step, never due
+        train_step(*run)
+        ckpt.maybe_save(step, model=run[0], optimizer=run[1], extra={"at": step})
+    final = _weights(run[0])
+    ckpt.close()
+    assert ckpt.last_saved_step == 4
+    assert sorted(os.listdir(root)) == ["step_0", "step_3", "step_4"]
+    resumed = make_training(seed=9)
+    again = CheckpointManager(root, every=3)
+    assert again.restore(model=resumed[0], optimizer=resumed[1]) == 5  # nothing is repeated
+    assert again.extra == {"at": 4}
+    again.close()  # no maybe_save here: nothing more is saved
+    assert all(torch.equal(v, final[k]) for k, v in resumed[0].state_dict().items())
+    assert sorted(os.listdir(root)) == ["step_0", "step_3", "step_4"]
+
+
+def test_with_block_saves_the_last_step_only_after_a_normal_end(tmp_path):
+    model = Net()
+    with CheckpointManager(tmp_path / "ok", every=10) as ckpt:
+        for step in range(3):
+            ckpt.maybe_save(step, model=model)
+    assert find_latest_valid(tmp_path / "ok") == str(tmp_path / "ok" / "step_2")
+
+    with pytest.raises(ZeroDivisionError), CheckpointManager(tmp_path / "bad", every=10) as ckpt:
+        for step in range(3):
+            ckpt.maybe_save(step, model=model)
+        raise ZeroDivisionError("the state after a failure is not a finished step")
+    assert find_latest_valid(tmp_path / "bad") == str(tmp_path / "bad" / "step_0")
+
+
+def test_no_final_save_when_turned_off_or_already_saved(tmp_path, caplog):
+    model = Net()
+    with CheckpointManager(tmp_path / "off", every=10, save_on_close=False) as ckpt:
+        for step in range(3):
+            ckpt.maybe_save(step, model=model)
+    assert sorted(os.listdir(tmp_path / "off")) == ["step_0"]
+
+    ckpt = CheckpointManager(tmp_path / "due", every=2)
+    for step in range(5):
+        ckpt.maybe_save(step, model=model)
+    with caplog.at_level("WARNING", logger="nbtools"):
+        ckpt.close()
+    assert sorted(os.listdir(tmp_path / "due")) == ["step_0", "step_2", "step_4"]
+    assert "already exists" not in caplog.text
+
+    ckpt = CheckpointManager(tmp_path / "explicit", every=10)
+    ckpt.maybe_save(3, model=model)
+    ckpt.save(7, model=model)  # newer than the last step seen by maybe_save
+    ckpt.close()
+    assert sorted(os.listdir(tmp_path / "explicit")) == ["step_7"]
+
+
+def test_step_and_flag_types(tmp_path):
+    with CheckpointManager(tmp_path / "c", every=2) as ckpt:
+        with pytest.raises(TypeError, match="step must be an int"):
+            ckpt.maybe_save("3", model=Net())
+        with pytest.raises(ValueError, match="non-negative"):
+            ckpt.save(-1, model=Net())
+    with pytest.raises(TypeError, match="save_on_close must be a bool"):
+        CheckpointManager(tmp_path / "c", save_on_close="no")

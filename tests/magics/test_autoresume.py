@@ -76,7 +76,9 @@ def test_a_fresh_run_saves_and_running_the_cell_again_continues(ip, tmp_path, ca
     assert f"restored step 9 from {root} into model, optimizer; start_step = 10" in out
     assert ip.user_ns["start_step"] == 10 and ip.user_ns["ran"] == []
     assert torch.equal(ip.user_ns["model"].weight, _uninterrupted_weights())
-    with pytest.raises(RuntimeError, match="has finished"):
+    from nbtools.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="has finished"):  # an nbtools error, not bare
         ip.user_ns["checkpoint"](10)
 
 
@@ -169,3 +171,29 @@ def test_one_interrupt_is_held_back_while_a_checkpoint_is_completed_and_a_second
         signal.signal(signal.SIGINT, before)
     assert after is signal.default_int_handler
     assert "interrupt again to abandon it" in capsys.readouterr().out
+
+
+def test_reports_are_display_output_not_prints(ip, tmp_path):
+    from IPython.utils.capture import capture_output
+
+    root = tmp_path / "ckpt"
+    _setup(ip)
+    with capture_output() as captured:
+        result = _autoresume(ip, root)
+    assert result.success, result.error_in_exec
+    shown = "\n".join(out.data.get("text/plain", "") for out in captured.outputs)
+    assert f"autoresume: no checkpoint under {root}; starting fresh" in shown
+    assert f"autoresume: last saved step 9 under {root}" in shown
+    assert "autoresume" not in captured.stdout
+
+
+def test_the_last_step_is_saved_once(ip, tmp_path, caplog):
+    import logging
+
+    root = tmp_path / "ckpt"
+    _setup(ip)
+    with caplog.at_level(logging.INFO, logger="nbtools.checkpoint"):
+        result = _autoresume(ip, root, args="--every 4 --state model,optimizer")
+    assert result.success, result.error_in_exec
+    assert "already exists" not in caplog.text  # what a second save of step 9 would log
+    assert sorted(p.name for p in root.iterdir()) == ["step_0", "step_4", "step_8", "step_9"]

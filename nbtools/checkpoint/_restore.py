@@ -1,0 +1,107 @@
+"""Choosing the checkpoint ``restore`` loads: the newest one whose data verifies.
+
+Rank 0 walks the complete checkpoints newest first; every rank tries to load
+the one rank 0 names. When the data of any rank does not match its recorded
+checksums (a flipped bit on the volume, a damaged upload), all ranks skip it
+together, with a warning that names it and says why (and a
+``checkpoint_skipped`` event), and try the next older one. Any other failure (objects that do not match the checkpoint, a crafted
+``.metadata``) is raised: it would fail on the older ones too, or must not be
+passed over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from nbtools import events, runtime
+from nbtools._internal.log import get_logger
+from nbtools.checkpoint._collective import agree, gather
+from nbtools.checkpoint._errors import unwrap
+from nbtools.checkpoint.discovery import candidates
+from nbtools.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+
+__all__ = ["newest_verified"]
+
+_log = get_logger("checkpoint")
+
+Loaded = tuple[dict[str, Any], dict[str, Any]]
+
+
+def _kind(error: BaseException | None) -> str:
+    if error is None:
+        return "ok"
+    if isinstance(error, CorruptCheckpointError) and not isinstance(error, UnsafeCheckpointError):
+        return "corrupt"
+    return "error"
+
+
+def newest_verified(
+    target: Any,
+    root: str,
+    load: Callable[[str, Any], Loaded],
+    pg: Any,
+) -> tuple[str | None, int | None, dict[str, Any], dict[str, Any], list[tuple[str, str]]]:
+    """Load the newest checkpoint under ``target`` that verifies on every rank.
+
+    Args:
+        target: The checkpoint root.
+        root: How to name the root in messages.
+        load: ``load(url, metadata_or_None)`` loads one checkpoint on this rank,
+            returning ``(state, per_rank_blob)``; a collective.
+        pg: The process group of the ranks (None: one process).
+
+    Returns:
+        ``(url, step, state, blob, skipped)``; url and step are None when the
+        root holds no checkpoint. ``skipped`` lists ``(url, reason)`` of the
+        newer checkpoints passed over.
+
+    Raises:
+        CorruptCheckpointError: Checkpoints exist but none verifies.
+    """
+    found = candidates(target) if runtime.get_rank() == 0 else None
+    skipped: list[tuple[str, str]] = []
+    while True:
+        verdict, metadata = None, None
+        if found is not None:
+            try:
+                item = next(found, None)
+                if item is not None:
+                    verdict, metadata = item[:2], item[2]
+            except Exception as exc:  # noqa: BLE001 - every rank must raise it, not hang
+                verdict = exc
+        choice = agree(pg, verdict)
+        if isinstance(choice, BaseException):
+            raise choice
+        if choice is None:
+            if skipped:
+                listed = "; ".join(f"{url}: {reason}" for url, reason in skipped)
+                raise CorruptCheckpointError(
+                    f"no checkpoint under {root} verifies ({listed}). The objects passed to "
+                    "restore may hold values loaded in part: recreate them before starting "
+                    "afresh, or move the damaged checkpoints away"
+                )
+            return None, None, {}, {}, skipped
+        url, step = choice
+        state: dict[str, Any] = {}
+        blob: dict[str, Any] = {}
+        try:
+            state, blob = load(url, metadata)
+            error = None
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException
+            error = unwrap(exc, f"restoring {url}")
+        outcomes = gather(pg, (_kind(error), str(error) if error is not None else ""))
+        if all(kind == "ok" for kind, _ in outcomes):
+            return url, step, state, blob, skipped
+        if any(kind == "error" for kind, _ in outcomes):
+            if error is not None:
+                raise error
+            ranks = [r for r, (kind, _) in enumerate(outcomes) if kind != "ok"]
+            raise CheckpointError(f"restoring {url} failed on rank(s) {ranks}; see their errors")
+        reason = next(message for kind, message in outcomes if kind == "corrupt")
+        _log.warning("skipping checkpoint %s: %s; trying the previous one", url, reason)
+        if runtime.get_rank() == 0:
+            events.emit("checkpoint_skipped", message=f"skipped {url}: {reason}", step=step)
+        skipped.append((url, reason))
