@@ -9,6 +9,7 @@ called.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 from typing import Any
@@ -102,13 +103,19 @@ def load_metadata(data: bytes, where: str = ".metadata") -> Any:
 def check_weights_only(data: bytes | memoryview, where: str) -> None:
     """Raise :class:`UnsafeCheckpointError` unless ``torch.load(weights_only=True)`` accepts ``data``.
 
+    ``io.BytesIO`` values (which DCP saves for ``io.BytesIO`` state) are accepted too.
+
     DCP's default load planner unpickles non-tensor values with
     ``weights_only=False``; checking first keeps a crafted value from running code.
     """
     import torch
 
+    # DCP saves an ``io.BytesIO`` value of a state dict as a pickled BytesIO; rebuilding
+    # one only copies bytes, so it is admitted with the types weights_only allows.
+    allow = getattr(torch.serialization, "safe_globals", None)
     try:
-        torch.load(io.BytesIO(data), weights_only=True)
+        with allow([io.BytesIO]) if allow is not None else contextlib.nullcontext():
+            torch.load(io.BytesIO(data), weights_only=True)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(
             f"{where}: a saved value needs a type that torch.load(weights_only=True) does not "

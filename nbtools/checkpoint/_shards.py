@@ -4,13 +4,21 @@ A shard file is the concatenation of its items, exactly as PyTorch's
 ``FileSystemWriter`` lays it out (raw bytes for byte items, one ``torch.save``
 record per tensor), so ``FileSystemReader`` reads it. Each item's
 ``_StorageInfo`` additionally carries ``checksum`` (CRC-32 of the item's bytes
-in the file): an extra attribute that plain unpickling restores and PyTorch's
-reader ignores.
+in the file) and ``writer`` (a random token of the ``write_data`` call that
+wrote the file): extra attributes that plain unpickling restores and PyTorch's
+reader ignores. After its items, each file ends with a short trailer holding
+that token; readers only read the item ranges the metadata names, so the
+trailer is invisible to them. When an item's bytes do not match its checksum,
+the trailer tells whether the file is still the one the metadata describes
+(then it was damaged) or was written again by another save (two writers, or
+colliding file prefixes, in one directory).
 """
 
 from __future__ import annotations
 
 import io
+import os
+import uuid
 import zlib
 from collections.abc import Iterable, Sequence
 from typing import IO, Any
@@ -19,9 +27,23 @@ import torch
 
 from nbtools.errors import CorruptCheckpointError
 
-__all__ = ["write_shard", "verify_items", "read_item_into", "item_checksum", "CHECKSUM_ATTR"]
+__all__ = [
+    "write_shard",
+    "verify_items",
+    "read_item_into",
+    "item_checksum",
+    "item_writer",
+    "new_writer_token",
+    "file_writer",
+    "CHECKSUM_ATTR",
+    "WRITER_ATTR",
+]
 
 CHECKSUM_ATTR = "checksum"
+WRITER_ATTR = "writer"
+_TRAILER_MAGIC = b"\nnbtools-shard-writer:"
+_TOKEN_LEN = 32
+_TRAILER_LEN = len(_TRAILER_MAGIC) + _TOKEN_LEN + 1
 _CHUNK = 4 << 20
 #: Bytes written between two requests to start writeback, for files that will be fsynced.
 _WRITEBACK_EVERY = 64 << 20
@@ -99,12 +121,28 @@ def _tensor_for_write(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def new_writer_token() -> str:
+    """A fresh random token identifying one ``write_data`` call's files."""
+    return uuid.uuid4().hex
+
+
 def write_shard(
-    file: IO[bytes], relative_path: str, items: Sequence[Any], planner: Any, writeback: bool = False
+    file: IO[bytes],
+    relative_path: str,
+    items: Sequence[Any],
+    planner: Any,
+    writeback: bool = False,
+    token: str | None = None,
 ) -> list[Any]:
     """Write DCP ``WriteItem``s to ``file``; return their ``WriteResult``s with checksums.
 
-    ``writeback``: ``file`` will be fsynced where it is; start writing it to disk early.
+    Args:
+        file: The open shard file, positioned at its start.
+        relative_path: The file's name in the checkpoint directory.
+        items: The items to write.
+        planner: DCP's save planner (resolves each item's data).
+        writeback: ``file`` will be fsynced where it is; start writing it to disk early.
+        token: The writer token recorded on each item and in the file's trailer.
     """
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.planner import WriteItemType
@@ -125,7 +163,11 @@ def write_shard(
         length = stream.tell() - offset
         info = _StorageInfo(relative_path, offset, length)
         setattr(info, CHECKSUM_ATTR, f"crc32:{stream.crc:08x}")
+        if token is not None:
+            setattr(info, WRITER_ATTR, token)
         results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
+    if token is not None:
+        stream.write(_TRAILER_MAGIC + token.encode("ascii") + b"\n")
     file.flush()
     return results
 
@@ -135,15 +177,61 @@ def item_checksum(info: Any) -> str | None:
     return getattr(info, CHECKSUM_ATTR, None)
 
 
-def _truncated(where: str, info: Any) -> CorruptCheckpointError:
+def item_writer(info: Any) -> str | None:
+    """The writer token recorded for a ``_StorageInfo`` (None when none was recorded)."""
+    return getattr(info, WRITER_ATTR, None)
+
+
+def file_writer(file: IO[bytes]) -> str | None:
+    """The writer token in the trailer of an open shard file (None when it has none)."""
+    try:
+        end = file.seek(0, os.SEEK_END)
+        if end is None:
+            end = file.tell()
+        if end < _TRAILER_LEN:
+            return None
+        file.seek(end - _TRAILER_LEN)
+        tail = file.read(_TRAILER_LEN)
+    except (OSError, ValueError):
+        return None
+    if len(tail) != _TRAILER_LEN or not tail.startswith(_TRAILER_MAGIC) or tail[-1:] != b"\n":
+        return None
+    return tail[len(_TRAILER_MAGIC) : -1].decode("ascii", "replace")
+
+
+def _rewritten(where: str, info: Any, file: IO[bytes] | None) -> CorruptCheckpointError | None:
+    """The error for a file that another save wrote after this item's, if ``file`` shows that.
+
+    None when the file still carries the token recorded for the item, or when no
+    token was recorded (a checkpoint written by another tool): then nothing tells
+    a rewrite from damage.
+    """
+    expected = item_writer(info)
+    if expected is None or file is None:
+        return None
+    found = file_writer(file)
+    if found == expected:
+        return None
+    by = "a writer that leaves no nbtools trailer" if found is None else "another nbtools save"
     return CorruptCheckpointError(
+        f"{where}: {info.relative_path} is not the file this checkpoint's metadata describes: "
+        f"it was written again by {by} after this save wrote it. Two saves wrote into one "
+        "directory at the same time, or their file prefixes collided (for example "
+        "use_collectives=False or no_dist=True on several processes that share a rank "
+        "number). The data is not damaged on disk but this checkpoint is not usable: give "
+        "every save its own directory and restore from another checkpoint"
+    )
+
+
+def _truncated(where: str, info: Any, file: IO[bytes] | None = None) -> CorruptCheckpointError:
+    return _rewritten(where, info, file) or CorruptCheckpointError(
         f"{where}: {info.relative_path} ends before byte {info.offset + info.length} "
         "(file truncated)"
     )
 
 
-def _mismatch(where: str, info: Any) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
+def _mismatch(where: str, info: Any, file: IO[bytes] | None = None) -> CorruptCheckpointError:
+    return _rewritten(where, info, file) or CorruptCheckpointError(
         f"{where}: bytes {info.offset}..{info.offset + info.length} of "
         f"{info.relative_path} do not match their checksum (damaged in transfer or on "
         "disk); restore from another checkpoint"
@@ -161,7 +249,7 @@ def _read_crc(
     while done < len(view):
         n = file.readinto(view[done : done + _CHUNK])
         if not n:
-            raise _truncated(where, info)
+            raise _truncated(where, info, file)
         if crc is not None:
             crc = zlib.crc32(view[done : done + n], crc)
         done += n
@@ -186,7 +274,7 @@ def verify_items(file: IO[bytes], infos: Iterable[Any], where: str) -> None:
             crc = _read_crc(file, view[:n], crc, info, where)
             remaining -= n
         if f"crc32:{crc:08x}" != expected:
-            raise _mismatch(where, info)
+            raise _mismatch(where, info, file)
 
 
 def read_item_into(
@@ -212,5 +300,5 @@ def read_item_into(
         if crc is not None:
             tail = info.offset + info.length - data_offset - len(dest)
             crc = _read_crc(fh, memoryview(bytearray(tail)), crc, info, where)
-    if expected is not None and f"crc32:{crc:08x}" != expected:
-        raise _mismatch(where, info)
+        if expected is not None and f"crc32:{crc:08x}" != expected:
+            raise _mismatch(where, info, fh)

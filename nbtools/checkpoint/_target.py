@@ -13,7 +13,7 @@ from typing import IO, Any
 
 from nbtools._internal.fs import TMP_PREFIX, atomic_write, fsync_dir
 
-__all__ = ["Target", "LocalTarget", "FsspecTarget", "open_target", "is_url"]
+__all__ = ["Target", "LocalTarget", "FsspecTarget", "open_target", "is_url", "can_open"]
 
 # Filesystems where reading in place is slow or remote: reads are staged locally.
 _REMOTE_FSTYPES = ("nfs", "cifs", "smb", "fuse", "9p", "ceph", "lustre", "gpfs", "glusterfs", "afs")
@@ -222,6 +222,62 @@ class FsspecTarget(Target):
 
     def sync_dir(self) -> None:
         pass
+
+
+def _local_can_open(path: str, write: bool) -> bool:
+    """The directory ``path``, or the nearest existing ancestor it would be created in,
+    is a directory this process may search (and, for ``write``, write)."""
+    path = os.path.abspath(path)
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return False
+        probe = parent
+    if not os.path.isdir(probe):
+        return False  # a file, or a path below a file
+    if probe == path and not write:
+        return os.access(probe, os.R_OK | os.X_OK)
+    return os.access(probe, (os.W_OK | os.X_OK) if write else os.X_OK)
+
+
+def _protocol_installed(protocol: str) -> bool:
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ValueError, ImportError):
+        return False
+    return True
+
+
+def can_open(checkpoint_id: str | os.PathLike[str], write: bool) -> bool:
+    """True when a checkpoint directory at ``checkpoint_id`` can be opened here.
+
+    A plain or ``file://`` path: it (or, when it does not exist yet, the nearest
+    existing ancestor) is a directory with the needed permissions. Any other URL,
+    chained ones (``simplecache::s3://...``) included: every protocol in it is one
+    fsspec knows and whose implementation is installed.
+
+    Args:
+        checkpoint_id: The path or URL.
+        write: Whether a checkpoint is to be written there (else read).
+    """
+    try:
+        text = os.fspath(checkpoint_id)
+    except TypeError:
+        return False
+    if not isinstance(text, str) or not text:
+        return False
+    if text.startswith("file://"):
+        return _local_can_open(text[len("file://") :], write)
+    if not is_url(text) and "::" not in text:
+        return _local_can_open(text, write)
+    for part in text.split("::"):
+        protocol = part.split("://", 1)[0] if "://" in part else part
+        if not protocol or not _protocol_installed(protocol):
+            return False
+    return True
 
 
 def open_target(path: str | os.PathLike[str]) -> LocalTarget | FsspecTarget:

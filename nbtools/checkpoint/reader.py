@@ -6,6 +6,12 @@ a network/FUSE mount; in place otherwise), checks every needed item against
 its recorded CRC-32, and only then loads it. Non-tensor values are checked to
 be loadable with ``torch.load(weights_only=True)`` before DCP's planner
 unpickles them. Loading with another world size works as with any DCP reader.
+
+Rank-local checkpoints (``dcp.save(..., use_collectives=False)``) have one
+``__<rank>.metadata`` per rank and no ``.metadata``; DCP asks for them with
+``read_metadata(rank=...)``, as from ``FileSystemReader``. Items written through
+stream extensions (``FileSystemWriter(_extensions=[ZStandard()])``) are decoded
+through PyTorch's extension registry.
 """
 
 from __future__ import annotations
@@ -28,22 +34,35 @@ from torch.futures import Future
 from nbtools.checkpoint import _staging
 from nbtools.checkpoint._safe_pickle import check_weights_only, load_metadata
 from nbtools.checkpoint._shards import item_checksum, read_item_into, verify_items
-from nbtools.checkpoint._target import LocalTarget, open_target
-from nbtools.checkpoint.writer import METADATA_NAME
+from nbtools.checkpoint._target import LocalTarget, can_open, open_target
+from nbtools.checkpoint._transforms import StreamTransforms, descriptors_of
+from nbtools.checkpoint.writer import METADATA_NAME, RANK_METADATA_RE, rank_metadata_name
 from nbtools.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 __all__ = ["VolumeReader", "read_metadata"]
 
 
-def read_metadata(target: Any, where: str) -> Metadata:
-    """Read and safely unpickle ``.metadata`` of a checkpoint directory target."""
+def read_metadata(target: Any, where: str, name: str = METADATA_NAME) -> Metadata:
+    """Read and safely unpickle the metadata file ``name`` of a checkpoint directory target."""
     try:
-        data = target.read_bytes(METADATA_NAME)
+        data = target.read_bytes(name)
     except FileNotFoundError:
+        if name == METADATA_NAME:
+            rank_local = sorted(n for n in target.listdir() if RANK_METADATA_RE.match(n))
+            hint = (
+                f" (it holds the rank-local metadata {', '.join(rank_local[:4])}: it was saved "
+                "with use_collectives=False, so load it on as many ranks, each reading its own)"
+                if rank_local
+                else ""
+            )
+            raise CheckpointNotFoundError(
+                f"{where} has no {METADATA_NAME}: it is not a complete checkpoint{hint}"
+            ) from None
         raise CheckpointNotFoundError(
-            f"{where} has no {METADATA_NAME}: it is not a complete checkpoint"
+            f"{where} has no {name}: no rank-local checkpoint of this rank is there (it was "
+            "saved by fewer ranks, or with use_collectives=True, or not completely)"
         ) from None
-    return load_metadata(data, f"{where}/{METADATA_NAME}")
+    return load_metadata(data, f"{where}/{name}")
 
 
 def _writable_view(tensor: torch.Tensor) -> memoryview:
@@ -101,6 +120,9 @@ class VolumeReader(StorageReader):
         thread_count: Files downloaded and verified in parallel.
         verify: Check item checksums before loading (checkpoints written by
             PyTorch's ``FileSystemWriter`` carry none and load unchecked).
+        _extension_registry: A ``torch.distributed.checkpoint._extension.ExtensionRegistry``
+            to decode stream extensions with, as ``FileSystemReader`` takes it;
+            None: PyTorch's default registry (``ZStandard``).
     """
 
     def __init__(
@@ -111,6 +133,7 @@ class VolumeReader(StorageReader):
         stage: bool | None = None,
         thread_count: int = 2,
         verify: bool = True,
+        _extension_registry: Any = None,
     ) -> None:
         super().__init__()
         self.path = os.fspath(path)
@@ -124,6 +147,9 @@ class VolumeReader(StorageReader):
         self.storage_data: dict[Any, Any] = {}
         self.load_id = str(uuid.uuid4())
         self.is_coordinator = True
+        self.rank: int | None = None
+        self.use_collectives = True
+        self._transforms = StreamTransforms(_extension_registry)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
@@ -133,7 +159,9 @@ class VolumeReader(StorageReader):
         self.load_id = str(uuid.uuid4())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(self._target, self.path)
+        rank = kwargs.get("rank")
+        name = METADATA_NAME if rank is None else rank_metadata_name(rank)
+        metadata = read_metadata(self._target, self.path, name)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -144,8 +172,11 @@ class VolumeReader(StorageReader):
     ) -> None:
         self.storage_data = metadata.storage_data
         self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
         if self.storage_data is None:
             raise CorruptCheckpointError(f"{self.path}/{METADATA_NAME} has no storage data")
+        self._transforms.check(self.storage_data.values(), self.path)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -210,7 +241,9 @@ class VolumeReader(StorageReader):
                     with open(local_path(name), "rb") as fh:
                         for item in sorted(items, key=offset):
                             info = self.storage_data[item.storage_index]
-                            direct = self._direct(fh, item, planner)
+                            direct = (
+                                None if descriptors_of(info) else self._direct(fh, item, planner)
+                            )
                             if direct is not None:
                                 target, at = direct
                                 job = pool.submit(
@@ -298,18 +331,20 @@ class VolumeReader(StorageReader):
 
     def _load_item(self, fh: Any, item: Any, planner: LoadPlanner) -> None:
         info = self.storage_data[item.storage_index]
+        where = f"{self.path}: {item.storage_index.fqn}"
+        raw = _Slice(fh, info.offset, info.length)
+        stream: Any = raw
+        if descriptors_of(info):
+            stream = io.BytesIO(self._transforms.read_all(raw, info, where))
         if item.type == LoadItemType.BYTE_IO:
-            fh.seek(info.offset)
-            data = fh.read(info.length)
-            check_weights_only(data, f"{self.path}: {item.storage_index.fqn}")
+            data = stream.read()
+            check_weights_only(data, where)
             planner.load_bytes(item, io.BytesIO(data))
             return
         from torch.distributed._shard._utils import narrow_tensor_by_index
 
         try:
-            tensor = torch.load(
-                _Slice(fh, info.offset, info.length), map_location="cpu", weights_only=True
-            )
+            tensor = torch.load(stream, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001
             raise CorruptCheckpointError(
                 f"{self.path}: tensor {item.storage_index.fqn} cannot be read ({exc})"
@@ -330,4 +365,7 @@ class VolumeReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return True
+        """True when nbtools can read a checkpoint there: a local or mounted directory it
+        may read (or a path not created yet below a directory), or a URL of an installed
+        fsspec protocol."""
+        return can_open(checkpoint_id, write=False)

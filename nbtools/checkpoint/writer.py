@@ -6,6 +6,11 @@ for every item), and removes the staged files. Only after every rank has done
 so does the coordinator publish ``.metadata``, atomically where the target
 allows it. The file layout is PyTorch's own (``__<rank>_<n>.distcp`` plus
 ``.metadata``), so ``FileSystemReader`` loads the result.
+
+With ``dcp.save(..., use_collectives=False)`` (DCP's rank-local mode) each rank
+plans, writes and publishes alone, as ``FileSystemWriter`` does: its files are
+``__<rank>_<n>.distcp`` and its metadata ``__<rank>.metadata``, published after
+its own files; no ``.metadata`` is written and no rank touches another's files.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,16 +30,29 @@ from torch.futures import Future
 
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _staging
-from nbtools.checkpoint._shards import verify_items, write_shard
-from nbtools.checkpoint._target import LocalTarget, open_target
+from nbtools.checkpoint._shards import (
+    file_writer,
+    item_writer,
+    new_writer_token,
+    verify_items,
+    write_shard,
+)
+from nbtools.checkpoint._target import LocalTarget, can_open, open_target
 from nbtools.errors import CheckpointError
 
-__all__ = ["VolumeWriter", "METADATA_NAME"]
+__all__ = ["VolumeWriter", "METADATA_NAME", "rank_metadata_name", "RANK_METADATA_RE"]
 
 METADATA_NAME = ".metadata"
+#: Names of the per-rank metadata files of rank-local (``use_collectives=False``) saves.
+RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
 _log = get_logger("checkpoint")
 # Estimated size of a non-tensor item, for the staging space check.
 _BYTES_ITEM_ESTIMATE = 64 << 10
+
+
+def rank_metadata_name(rank: int) -> str:
+    """The metadata file a rank publishes in rank-local mode, as ``FileSystemWriter`` names it."""
+    return f"__{rank}{METADATA_NAME}"
 
 
 def _item_bytes(item: Any) -> int:
@@ -74,7 +93,8 @@ class VolumeWriter(StorageWriter):
     Args:
         path: Checkpoint directory: a path (local, NFS, FUSE) or a URL such as
             ``s3://bucket/run1/step_100``. It must not already hold a complete
-            checkpoint (a ``.metadata``); stale files of an interrupted save are removed.
+            checkpoint (a ``.metadata``, or in rank-local mode this rank's
+            ``__<rank>.metadata``); stale files of an interrupted save are removed.
         staging_dir: Local directory for staged shards; default ``NBTOOLS_STAGING_DIR``
             or the system temp dir.
         thread_count: Shard files written and uploaded in parallel per rank.
@@ -94,10 +114,7 @@ class VolumeWriter(StorageWriter):
         super().__init__()
         if thread_count < 1:
             raise ValueError(f"thread_count must be at least 1, got {thread_count}")
-        self.path = os.fspath(path)
-        self._target = open_target(self.path)
-        if isinstance(self._target, LocalTarget) and self._target.isfile():
-            raise ValueError(f"checkpoint path {self.path} is a file; give a directory path")
+        self._open(path)
         self._staging_base = _staging.staging_base(staging_dir)
         self.thread_count = thread_count
         self.sync_files = sync_files
@@ -105,28 +122,49 @@ class VolumeWriter(StorageWriter):
         self.save_id = str(uuid.uuid4())
         self.rank = 0
         self.is_coordinator = True
+        self.use_collectives = True
+
+    def _open(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._target = open_target(self.path)
+        if isinstance(self._target, LocalTarget) and self._target.isfile():
+            raise ValueError(f"checkpoint path {self.path} is a file; give a directory path")
 
     # --- StorageWriter protocol ----------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
-            self._target = open_target(self.path)
+            self._open(checkpoint_id)
         self.save_id = str(uuid.uuid4())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank") or 0
+        self.use_collectives = kwargs.get("use_collectives", True)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
-    def _refuse_complete(self) -> None:
+    def _refuse_complete(self, names: list[str] | None = None) -> None:
+        """Raise when a complete checkpoint is here.
+
+        Only files no rank of this save can have published yet are looked at, so
+        every rank decides alike: ``.metadata`` always, in rank-local mode this
+        rank's own ``__<rank>.metadata``, and with ``names`` (the directory listing,
+        on the coordinator) any rank's.
+        """
+        found = None
         if self._target.exists(METADATA_NAME):
+            found = METADATA_NAME
+        elif not self.use_collectives and self._target.exists(rank_metadata_name(self.rank)):
+            found = rank_metadata_name(self.rank)
+        elif names is not None:
+            found = next((n for n in sorted(names) if RANK_METADATA_RE.match(n)), None)
+        if found is not None:
             raise CheckpointError(
-                f"{self.path} already holds a complete checkpoint; refusing to write into it "
-                "(a new save there could mix with the old one). Save to a new directory, or "
-                "delete the old checkpoint first"
+                f"Checkpoint already exists: {self.path} already holds a complete checkpoint "
+                f"({found}); refusing to write into it (a new save there could mix with the "
+                "old one). Save to a new directory, or delete the old checkpoint first"
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -135,22 +173,36 @@ class VolumeWriter(StorageWriter):
             self._target.makedirs()
         except OSError as exc:
             raise CheckpointError(f"cannot create checkpoint directory {self.path}: {exc}") from exc
+        if not self.use_collectives:
+            # Rank-local: no coordinator clears the directory, so each rank clears only
+            # what an interrupted save left under its own prefix, and names its files.
+            prefix = f"__{self.rank}_"
+            for name in self._target.listdir():
+                if name.startswith(prefix) and name.endswith(".distcp"):
+                    self._target.remove_file(name)
+            plan = dataclasses.replace(plan, storage_data=_Prefix(prefix))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if not self.use_collectives:  # this rank's own plan, already named
+            return plans
         # Runs on the coordinator before any rank writes: the only safe moment to
         # clear what an interrupted save left here.
-        self._refuse_complete()
-        for name in self._target.listdir():
+        names = self._target.listdir()
+        self._refuse_complete(names)
+        for name in names:
             if name.endswith(".distcp") or name.startswith(".nbtools-tmp-"):
                 self._target.remove_file(name)
         return [
             dataclasses.replace(plan, storage_data=_Prefix(f"__{i}_"))
+            if plan.storage_data is None
+            else plan
             for i, plan in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix if plan.storage_data is not None else f"__{self.rank}_"
+        token = new_writer_token()
         buckets = _split(list(plan.items), self.thread_count)
         needed = sum(_item_bytes(i) for i in plan.items)
         _staging.check_space(self._staging_base, needed, f"saving {self.path}")
@@ -171,6 +223,7 @@ class VolumeWriter(StorageWriter):
                             planner,
                             move,
                             bar,
+                            token,
                         )
                         for n, bucket in enumerate(buckets)
                     ]
@@ -181,12 +234,21 @@ class VolumeWriter(StorageWriter):
         return fut
 
     def _write_one(
-        self, stage: str, name: str, items: list[Any], planner: Any, move: bool, bar: Any
+        self,
+        stage: str,
+        name: str,
+        items: list[Any],
+        planner: Any,
+        move: bool,
+        bar: Any,
+        token: str,
     ) -> list[WriteResult]:
         local = os.path.join(stage, name)
         with open(local, "wb") as fh:
             # A file moved into place is the final one: its fsync can start while writing.
-            results = write_shard(fh, name, items, planner, writeback=move and self.sync_files)
+            results = write_shard(
+                fh, name, items, planner, writeback=move and self.sync_files, token=token
+            )
         size = os.path.getsize(local)
         self._target.upload(local, name, fsync=self.sync_files, move=move)
         uploaded = self._target.size(name)
@@ -209,11 +271,46 @@ class VolumeWriter(StorageWriter):
             storage_md.update({wr.index: wr.storage_data for wr in wr_list})
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
+        self._check_files_kept(storage_md.values())
         data = pickle.dumps(metadata)
         if isinstance(self._target, LocalTarget) and self.sync_files:
             self._target.sync_dir()
-        self._target.publish_bytes(METADATA_NAME, data)
-        _log.info("checkpoint published: %s", self.path)
+        name = METADATA_NAME if self.use_collectives else rank_metadata_name(self.rank)
+        self._target.publish_bytes(name, data)
+        _log.info("checkpoint published: %s/%s", self.path, name)
+
+    def _check_files_kept(self, infos: Any) -> None:
+        """Raise unless every shard file still is the one this save wrote.
+
+        Another save writing into the same directory with the same file names (two
+        writers, or rank-local saves whose ranks collide) replaces or removes
+        files; publishing then would report data as saved that is gone.
+        """
+        tokens: dict[str, str | None] = {}
+        for info in infos:
+            tokens.setdefault(info.relative_path, item_writer(info))
+
+        def check(name: str) -> str | None:
+            expected = tokens[name]
+            if expected is None:
+                return None
+            try:
+                with self._target.open_read(name) as fh:
+                    found = file_writer(fh)
+            except FileNotFoundError:
+                return f"{name} was removed"
+            return None if found == expected else f"{name} was written again by another save"
+
+        with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nbtools-ckpt-io") as pool:
+            problems = [p for p in pool.map(check, sorted(tokens)) if p]
+        if problems:
+            raise CheckpointError(
+                f"save to {self.path} lost data before it could publish: {problems[0]}"
+                f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}. Another "
+                "save wrote into the same directory at the same time, or file prefixes "
+                "collided (use_collectives=False or no_dist=True on several processes that "
+                "share a rank number). Give every save its own directory"
+            )
 
     @property
     def checkpoint_id(self) -> str:
@@ -221,4 +318,7 @@ class VolumeWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return True
+        """True when nbtools can write a checkpoint there: a local or mounted path whose
+        nearest existing ancestor is a writable directory, or a URL of an installed fsspec
+        protocol."""
+        return can_open(checkpoint_id, write=True)

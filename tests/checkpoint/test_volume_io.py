@@ -133,6 +133,7 @@ def test_refuses_to_write_into_a_complete_checkpoint(tmp_path):
     changed["step"] = 99
     with pytest.raises(BaseException) as info:
         dcp.save(changed, storage_writer=VolumeWriter(path))
+    assert "Checkpoint already exists" in str(info.value)
     assert "already holds a complete checkpoint" in str(info.value)
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
 
