@@ -74,14 +74,14 @@ class _Clock:
 
 
 def _fill(sampler, clock: _Clock) -> None:
-    for _ in range(sampler.history.capacity):
+    for _ in range(sampler.samples.capacity):
         clock.now += INTERVAL
         sampler.tick()
 
 
 def measure_pane(comms: list[_WireComm]) -> dict:
     clock = _Clock()
-    sampler = acquire(SimulatedBackend(GPUS), interval=INTERVAL, history=HISTORY,
+    sampler = acquire(SimulatedBackend(GPUS), interval=INTERVAL, history_seconds=HISTORY,
                       idle_timeout=None, clock=clock, start=False)
     _fill(sampler, clock)
     first = len(comms)
@@ -151,13 +151,13 @@ def measure_memory() -> dict:
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     clock = _Clock()
-    sampler = acquire(SimulatedBackend(GPUS), interval=INTERVAL, history=HISTORY,
+    sampler = acquire(SimulatedBackend(GPUS), interval=INTERVAL, history_seconds=HISTORY,
                       idle_timeout=None, clock=clock, start=False)
     _fill(sampler, clock)
     full = tracemalloc.get_traced_memory()[0] - base
     _fill(sampler, clock)  # another two hours: memory must not grow
     again = tracemalloc.get_traced_memory()[0] - base
-    ring = sampler.history.nbytes
+    ring = sampler.samples.nbytes
     release(sampler)
     tracemalloc.stop()
     return {"history_ring_bytes": ring, "history_traced_bytes_2h": full,

@@ -68,7 +68,7 @@ class NbtoolsMagics(Magics):
 
     @magic_arguments()
     @argument("--interval", type=_positive_float, default=None, metavar="S",
-              help="seconds between samples (default: the pane's, 10)")
+              help="seconds between samples (default: the pane's)")
     @argument("--simulated", type=_positive_int, default=None, metavar="N",
               help="show N simulated GPUs instead of the real ones (demos, no GPU)")
     @argument("--mlflow", action="store_true",

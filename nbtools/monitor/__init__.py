@@ -21,6 +21,12 @@ from nbtools.monitor.history import History
 from nbtools.monitor.readings import FIELDS, GPUReading, Sample, describe_throttle
 from nbtools.monitor.sampler import Sampler, SampleSink, acquire, release
 from nbtools.monitor.simulated import SimulatedBackend
+from nbtools.monitor.timing import (
+    DEFAULT_HISTORY_SECONDS,
+    DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_INTERVAL,
+    MAX_HISTORY_POINTS,
+)
 
 __all__ = [
     "GPUPane",
@@ -37,6 +43,10 @@ __all__ = [
     "describe_throttle",
     "acquire",
     "release",
+    "DEFAULT_INTERVAL",
+    "DEFAULT_HISTORY_SECONDS",
+    "DEFAULT_IDLE_TIMEOUT",
+    "MAX_HISTORY_POINTS",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover

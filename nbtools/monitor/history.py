@@ -14,6 +14,7 @@ import threading
 import numpy as np
 
 from nbtools.monitor.readings import FIELDS, Sample
+from nbtools.monitor.timing import MAX_HISTORY_POINTS
 
 __all__ = ["History"]
 
@@ -65,7 +66,7 @@ class History:
 
     Args:
         capacity: Samples kept per host (``ceil(history_seconds / interval) + 1``
-            for a sampler).
+            for a sampler), at most ``MAX_HISTORY_POINTS``.
 
     Example:
         >>> from nbtools.monitor import SimulatedBackend, Sample
@@ -77,8 +78,12 @@ class History:
     """
 
     def __init__(self, capacity: int) -> None:
-        if not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"capacity must be a positive integer, got {capacity!r}")
+        if not isinstance(capacity, int) or isinstance(capacity, bool):
+            raise TypeError(f"capacity must be an integer number of samples, got {capacity!r}")
+        if not 1 <= capacity <= MAX_HISTORY_POINTS:
+            raise ValueError(
+                f"capacity must be between 1 and {MAX_HISTORY_POINTS} samples, got {capacity}"
+            )
         self.capacity = capacity
         self._hosts: dict[str, _HostRing] = {}
         self._lock = threading.Lock()

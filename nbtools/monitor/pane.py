@@ -20,6 +20,7 @@ from nbtools.monitor._widget import GPUChart
 from nbtools.monitor.backends import Backend, NVMLBackend
 from nbtools.monitor.readings import Sample
 from nbtools.monitor.sampler import Sampler, acquire, release
+from nbtools.monitor.timing import DEFAULT_HISTORY_SECONDS, DEFAULT_IDLE_TIMEOUT, DEFAULT_INTERVAL
 
 __all__ = ["GPUPane"]
 
@@ -40,11 +41,14 @@ class GPUPane:
 
     Creating a pane inside IPython displays it. Polling runs on a background
     thread, pauses after ``idle_timeout`` seconds without a running cell or a
-    click, and stops for good on :meth:`close`.
+    click, and stops for good on :meth:`close`. Defaults: 10 s, 2 h and 5 min
+    (:mod:`nbtools.monitor.timing`).
 
     Args:
         interval: Seconds between polls.
-        history: Seconds of history kept (in bounded memory) and drawn.
+        history: Seconds of history kept (in bounded memory, at most
+            ``MAX_HISTORY_POINTS`` samples per host) and drawn. The samples
+            themselves come back from :meth:`history`.
         idle_timeout: Seconds without activity before polling pauses; None never pauses.
         backend: Source of readings; default :class:`~nbtools.monitor.NVMLBackend`.
             Use ``SimulatedBackend(num_gpus=4)`` for a demo without GPUs.
@@ -60,16 +64,16 @@ class GPUPane:
 
     def __init__(
         self,
-        interval: float = 10,
-        history: float = 7200,
-        idle_timeout: float | None = 300,
+        interval: float = DEFAULT_INTERVAL,
+        history: float = DEFAULT_HISTORY_SECONDS,
+        idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         backend: Backend | None = None,
         *,
         display: bool = True,
     ) -> None:
         self.sampler: Sampler = acquire(
             backend if backend is not None else NVMLBackend(),
-            interval=interval, history=history, idle_timeout=idle_timeout,
+            interval=interval, history_seconds=history, idle_timeout=idle_timeout,
         )
         self._closed = False
         self._shown_in: int | None = None
@@ -98,7 +102,7 @@ class GPUPane:
     def _build(self) -> None:
         sampler = self.sampler
         latest = [sampler.last_sample] if sampler.last_sample is not None else []
-        self._chart = GPUChart(sampler.history, sampler.backend.source, latest=latest)
+        self._chart = GPUChart(sampler.samples, sampler.backend.source, latest=latest)
         self._refresh_button = widgets.Button(
             description="Refresh", icon="refresh", tooltip="Sample every GPU now",
             layout=widgets.Layout(width="auto", flex="0 0 auto"),
@@ -148,7 +152,7 @@ class GPUPane:
             ``host``, ``gpu``, ``name`` and every field of
             :class:`~nbtools.monitor.GPUReading` (missing = not available).
         """
-        columns = self.sampler.history.columns()
+        columns = self.sampler.samples.columns()
         try:
             import pandas as pd
         except ImportError:

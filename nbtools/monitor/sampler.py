@@ -16,7 +16,6 @@ Invariants:
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +25,12 @@ from nbtools.errors import MonitorError
 from nbtools.monitor.backends import Backend, BackendUnavailable
 from nbtools.monitor.history import History
 from nbtools.monitor.readings import Sample
+from nbtools.monitor.timing import (
+    DEFAULT_HISTORY_SECONDS,
+    DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_INTERVAL,
+    history_points,
+)
 
 __all__ = ["Sampler", "SampleSink", "StatusWatcher", "acquire", "release", "THREAD_NAME"]
 
@@ -41,30 +46,19 @@ StatusWatcher = Callable[[str, str], None]
 _WAIT_FOREVER = 3600.0  # a paused sampler sleeps until woken; this only bounds one wait
 
 
-def _validate(interval: object, history: object, idle_timeout: object) -> None:
-    if not (isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval > 0):
-        raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
-    if not (isinstance(history, (int, float)) and history >= interval):
-        raise ValueError(f"history must be at least interval ({interval} s), got {history!r}")
-    if idle_timeout is not None and not (
-        isinstance(idle_timeout, (int, float)) and idle_timeout > 0
-    ):
-        raise ValueError(
-            f"idle_timeout must be a positive number of seconds or None, got {idle_timeout!r}"
-        )
-
-
 def _fmt_minutes(seconds: float) -> str:
     return f"{seconds / 60:g} min" if seconds >= 60 else f"{seconds:g} s"
 
 
 class Sampler:
-    """Polls ``backend`` every ``interval`` seconds and keeps ``history`` seconds of samples.
+    """Polls ``backend`` every ``interval`` seconds and keeps ``history_seconds`` of samples.
 
     Args:
         backend: Where readings come from (:class:`NVMLBackend`, :class:`SimulatedBackend`).
-        interval: Seconds between polls.
-        history: Seconds of history to keep (bounded: ``ceil(history / interval) + 1`` samples).
+        interval: Seconds between polls (at least ``MIN_INTERVAL``, 0.01).
+        history_seconds: Seconds of history to keep, in :attr:`samples`: a ring of
+            ``ceil(history_seconds / interval) + 1`` samples per host, capped at
+            ``MAX_HISTORY_POINTS`` (see :mod:`nbtools.monitor.timing`).
         idle_timeout: Seconds without activity before polling pauses; ``None`` never pauses.
         clock: Returns the time in seconds since the epoch; samples are stamped with it.
         start: Start the background thread (False: call :meth:`tick` yourself, as tests do).
@@ -81,9 +75,9 @@ class Sampler:
         self,
         backend: Backend,
         *,
-        interval: float = 10.0,
-        history: float = 7200.0,
-        idle_timeout: float | None = 300.0,
+        interval: float = DEFAULT_INTERVAL,
+        history_seconds: float = DEFAULT_HISTORY_SECONDS,
+        idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         clock: Callable[[], float] = time.time,
         start: bool = True,
     ) -> None:
@@ -92,11 +86,13 @@ class Sampler:
                 f"backend must provide key, source, host, open(), read(now) and close(); "
                 f"got {type(backend).__name__}"
             )
-        _validate(interval, history, idle_timeout)
+        points = history_points(interval, history_seconds, idle_timeout)
         self.backend = backend
         self.interval = float(interval)
+        self.history_seconds = float(history_seconds)
         self.idle_timeout = None if idle_timeout is None else float(idle_timeout)
-        self.history = History(math.ceil(history / interval) + 1)
+        #: The samples kept: a bounded ring per host.
+        self.samples = History(points)
         self._clock = clock
         self._start = start
         self._lock = threading.RLock()
@@ -270,7 +266,7 @@ class Sampler:
         with self._lock:
             self._next_due = now + self.interval
             self.last_sample = sample
-        self.history.add(sample)
+        self.samples.add(sample)
         self._emit(sample)
         return sample
 
@@ -323,7 +319,7 @@ class Sampler:
         self._check_open()
         if not isinstance(sample, Sample):
             raise TypeError(f"ingest takes a Sample, got {type(sample).__name__}")
-        self.history.add(sample)
+        self.samples.add(sample)
         self._emit(sample)
 
     def close(self) -> None:
@@ -348,25 +344,32 @@ _shared: dict[str, list] = {}  # backend key -> [sampler, number of users]
 _shared_lock = threading.Lock()
 
 
-def acquire(backend: Backend, **options: object) -> Sampler:
-    """The running sampler for ``backend.key``, or a new one built with ``options``.
+def acquire(
+    backend: Backend,
+    *,
+    interval: float = DEFAULT_INTERVAL,
+    history_seconds: float = DEFAULT_HISTORY_SECONDS,
+    idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
+    clock: Callable[[], float] = time.time,
+    start: bool = True,
+) -> Sampler:
+    """The running sampler for ``backend.key``, or a new :class:`Sampler` with these settings.
 
     Each call must be matched by one :func:`release`. A sampler that already
-    runs keeps its own interval and history length.
+    runs keeps its own interval and history length. The arguments are those
+    of :class:`Sampler` and are checked even when a running sampler is shared.
     """
-    _validate(
-        options.get("interval", 10.0), options.get("history", 7200.0),
-        options.get("idle_timeout", 300.0),
-    )
     with _shared_lock:
         entry = _shared.get(backend.key)
         if entry is not None and entry[0].status != "closed":
+            history_points(interval, history_seconds, idle_timeout)  # bad input is an error here too
             entry[1] += 1
-            if options.get("interval", entry[0].interval) != entry[0].interval:
+            if float(interval) != entry[0].interval:
                 _log.info("the GPUs of %s are already polled every %g s; sharing that sampler",
                           backend.key, entry[0].interval)
             return entry[0]
-        sampler = Sampler(backend, **options)  # type: ignore[arg-type]
+        sampler = Sampler(backend, interval=interval, history_seconds=history_seconds,
+                          idle_timeout=idle_timeout, clock=clock, start=start)
         _shared[backend.key] = [sampler, 1]
         return sampler
 

@@ -31,9 +31,9 @@ from mlflow.exceptions import MlflowException
 from nbtools._internal.log import get_logger
 from nbtools.errors import TrackingError
 from nbtools.runtime import is_main_process
-from nbtools.tracking._batcher import MetricBatcher
-from nbtools.tracking.naming import experiment_name as _default_experiment_name
-from nbtools.tracking.naming import notebook_path
+from nbtools.tracking._batcher import DEFAULT_MAX_PENDING, MetricBatcher
+from nbtools.tracking._run import open_run
+from nbtools.tracking._store import bounded_requests, check_metric_name
 
 __all__ = ["MlflowLogger", "current_run_id", "MAX_STEPS_PER_METRIC"]
 
@@ -41,6 +41,8 @@ _log = get_logger("tracking")
 
 #: MLflow's documented limit on the number of values of one metric in one run.
 MAX_STEPS_PER_METRIC = 10_000_000
+#: Seconds :meth:`MlflowLogger.close` waits at most for the queued values by default.
+DEFAULT_CLOSE_TIMEOUT = 30.0
 # Warn once a metric has this share of the limit, so there is time to react.
 _WARN_SHARE = 0.9
 
@@ -82,10 +84,22 @@ class MlflowLogger:
             does nothing.
         tags: Tags for the run.
         flush_interval: Seconds between background writes.
+        max_pending: Values the queue holds. Past it, :meth:`log_metric` waits for
+            the writer while the store accepts values (back-pressure); while the
+            store fails, values past it are dropped and counted instead, so a dead
+            tracking server never stops training (:meth:`flush` and :meth:`close`
+            then raise, saying how many).
+        close_timeout: Seconds :meth:`close` waits at most for queued values (default 30).
+
+    A resumed run (``run_id``, ``MLFLOW_RUN_ID``, or an adopted active run) keeps the
+    values it holds: a value at a step the run already holds for that metric (steps
+    that run again after a restore) is skipped. Metric names are checked against
+    MLflow's rules when first logged. A tracking server that does not answer is
+    reported within about 15 s, not after MLflow's four minutes of retries.
 
     Raises:
-        TrackingError: The run to resume does not exist in the tracking store, or
-            another run is active in this thread.
+        TrackingError: The tracking server does not answer, the run to resume does
+            not exist in the tracking store, or another run is active in this thread.
     """
 
     def __init__(
@@ -99,6 +113,8 @@ class MlflowLogger:
         rank_zero_only: bool = True,
         tags: Mapping[str, Any] | None = None,
         flush_interval: float = 1.0,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
     ) -> None:
         if not isinstance(log_every, int) or isinstance(log_every, bool) or log_every < 1:
             raise ValueError(f"log_every must be an integer >= 1, got {log_every!r}")
@@ -106,6 +122,16 @@ class MlflowLogger:
             raise ValueError(f"total_steps must be a non-negative integer or None, got {total_steps!r}")
         if not (isinstance(flush_interval, (int, float)) and flush_interval > 0):
             raise ValueError(f"flush_interval must be a positive number of seconds, got {flush_interval!r}")
+        if not isinstance(max_pending, int) or isinstance(max_pending, bool):
+            raise TypeError(f"max_pending must be an integer, got {type(max_pending).__name__}")
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        if not isinstance(close_timeout, (int, float)) or isinstance(close_timeout, bool):
+            raise TypeError(f"close_timeout must be seconds, got {type(close_timeout).__name__}")
+        if not 0 <= close_timeout < float("inf"):
+            raise ValueError(f"close_timeout must be a finite number of seconds >= 0, got {close_timeout!r}")
+        self._close_timeout = float(close_timeout)
+        self._names: set[str] = set()  # metric names already checked
         self._log_every = log_every
         self._warn_at = int(MAX_STEPS_PER_METRIC * _WARN_SHARE) * log_every
         self._warned: set[str] = set()
@@ -118,13 +144,18 @@ class MlflowLogger:
         self._skip = rank_zero_only and not is_main_process()
         if self._skip:
             return
-        self._client = mlflow.MlflowClient(tracking_uri=mlflow.get_tracking_uri())
+        self._uri = mlflow.get_tracking_uri()
+        self._client = mlflow.MlflowClient(tracking_uri=self._uri)
         run_id = run_id or os.environ.get("MLFLOW_RUN_ID") or None
-        run = self._start(experiment_name, run_name, run_id, dict(tags or {}))
+        run, self._owned, resumed = open_run(
+            self._client, self._uri, experiment_name, run_name, run_id, dict(tags or {})
+        )
         self.run_id = run.info.run_id
         self.experiment_id = run.info.experiment_id
         self._batcher = MetricBatcher(
-            self._client, self.run_id, flush_interval, name=f"nbtools-mlflow-{self.run_id[:8]}"
+            self._client, self._uri, self.run_id, flush_interval,
+            name=f"nbtools-mlflow-{self.run_id[:8]}", max_pending=max_pending,
+            resumed=resumed,
         )
         self._put = self._batcher.put
         global _current
@@ -141,61 +172,6 @@ class MlflowLogger:
 
     # -- run lifecycle --------------------------------------------------------
 
-    def _start(self, experiment: str | None, run_name: str | None, run_id: str | None, tags: dict) -> Any:
-        active = mlflow.active_run()
-        if active is not None:
-            if run_id is None or run_id == active.info.run_id:
-                return active  # the caller's run: adopted, not ended by close()
-            raise TrackingError(
-                f"MLflow run {active.info.run_id} is active in this thread, so run {run_id} "
-                "cannot be resumed; close the MlflowLogger that started it, or call "
-                "mlflow.end_run(), first"
-            )
-        uri = mlflow.get_tracking_uri()
-        try:
-            if run_id is not None:
-                run = mlflow.start_run(run_id=run_id, run_name=run_name, tags=tags or None)
-            else:
-                source = notebook_path()
-                if source:
-                    tags.setdefault("mlflow.source.name", source)
-                    tags.setdefault("mlflow.source.type", "NOTEBOOK")
-                run = mlflow.start_run(
-                    experiment_id=self._experiment_id(experiment), run_name=run_name, tags=tags
-                )
-        except MlflowException as exc:
-            what = f"resume MLflow run {run_id}" if run_id else "start an MLflow run"
-            hint = (
-                "; point MLFLOW_TRACKING_URI at the store that holds it, or pass run_id=None "
-                "(and unset MLFLOW_RUN_ID) to start a new run"
-                if run_id else ""
-            )
-            raise TrackingError(f"cannot {what} at {uri}: {exc.message}{hint}") from exc
-        self._owned = True
-        return run
-
-    def _experiment_id(self, name: str | None) -> str:
-        if name is None and not os.environ.get("MLFLOW_EXPERIMENT_NAME"):
-            from_env = os.environ.get("MLFLOW_EXPERIMENT_ID")
-            if from_env:
-                return from_env
-        name = name or _default_experiment_name()
-        experiment = self._client.get_experiment_by_name(name)
-        if experiment is None:
-            try:
-                return self._client.create_experiment(name)
-            except MlflowException:
-                experiment = self._client.get_experiment_by_name(name)  # created meanwhile
-                if experiment is None:
-                    raise
-        if experiment.lifecycle_stage == "deleted":
-            raise TrackingError(
-                f"MLflow experiment {name!r} is deleted; restore it "
-                f"(mlflow experiments restore --experiment-id {experiment.experiment_id}) "
-                "or choose another name"
-            )
-        return experiment.experiment_id
-
     @property
     def closed(self) -> bool:
         """True once :meth:`close` has run."""
@@ -206,24 +182,41 @@ class MlflowLogger:
         """False on ranks that do not log (see ``rank_zero_only``)."""
         return not self._skip
 
+    @property
+    def pending(self) -> int:
+        """Metric values queued or being written (at most twice ``max_pending``)."""
+        return 0 if self._batcher is None else self._batcher.pending
+
+    @property
+    def dropped(self) -> int:
+        """Metric values dropped so far: refused by the store, or not written in time by :meth:`close`."""
+        return 0 if self._batcher is None else self._batcher.dropped
+
     def flush(self, timeout: float | None = None) -> None:
         """Block until every metric logged so far is in the tracking store.
 
         Raises:
-            TrackingError: Writing failed (the values are kept and retried).
+            TrackingError: Writing failed (the values are kept and retried), or
+                values were dropped since the last report (the message says how many).
         """
         if self._batcher is not None:
             self._batcher.flush(timeout)
 
-    def close(self, status: str = "FINISHED") -> None:
+    def close(self, status: str = "FINISHED", timeout: float | None = None) -> None:
         """Write what is queued, stop the writer thread and end the run. Idempotent.
+
+        Returns within ``timeout`` seconds (default ``close_timeout``, 30 s), plus,
+        for a tracking server, one bounded request to mark the run ended (about 3 s
+        when the server refuses connections, at most 33 s when it does not answer).
 
         Args:
             status: ``FINISHED``, ``FAILED`` or ``KILLED``. A run adopted from the
                 caller (already active when the logger started) is left running.
+            timeout: Seconds to wait for the queued values.
 
         Raises:
-            TrackingError: Some metric values could not be written.
+            TrackingError: Some metric values were not written (the message says how
+                many), or the run could not be marked ended.
         """
         global _current
         if self._closed:
@@ -231,24 +224,40 @@ class MlflowLogger:
         self._closed = True
         if self._batcher is None:
             return
+        lost: TrackingError | None = None
         try:
-            self._batcher.close()
+            self._batcher.close(self._close_timeout if timeout is None else timeout)
+        except TrackingError as exc:
+            lost = exc
         finally:
             with _lock:
                 _open_loggers.discard(self)
                 if _current is self:
                     _current = None
-            if self._owned:
+        if self._owned:
+            try:
                 self._end_run(status)
+            except TrackingError as exc:
+                if lost is None:
+                    raise
+                raise TrackingError(f"{lost}; and {exc}") from lost
+        if lost is not None:
+            raise lost
 
     def _end_run(self, status: str) -> None:
-        active = mlflow.active_run()
-        if active is not None and active.info.run_id == self.run_id:
-            mlflow.end_run(status)
-        else:  # started in another thread: end it through the client
-            self._client.set_terminated(self.run_id, status)
-
-    end = close
+        try:
+            with bounded_requests(self._uri):
+                active = mlflow.active_run()
+                if active is not None and active.info.run_id == self.run_id:
+                    mlflow.end_run(status)  # leaves this thread's active runs even when it fails
+                else:  # started in another thread: end it through the client
+                    self._client.set_terminated(self.run_id, status)
+        except MlflowException as exc:
+            raise TrackingError(
+                f"MLflow run {self.run_id} could not be marked {status} at {self._uri} "
+                f"({exc.message}); it stays RUNNING there until set, e.g. with "
+                f"MlflowClient().set_terminated({self.run_id!r})"
+            ) from exc
 
     def __enter__(self) -> MlflowLogger:
         return self
@@ -278,10 +287,18 @@ class MlflowLogger:
             step: Training step; default: how many times ``key`` was logged before.
                 Values whose step is not a multiple of ``log_every`` are skipped.
             timestamp: Milliseconds since the epoch; default now.
+
+        Raises:
+            TypeError: ``key`` is not a string, or ``value`` not a number.
+            ValueError: MLflow would refuse the name (checked once per name), or
+                ``value`` is a tensor of more than one element.
         """
         if self._skip or self._closed:
             self._check_open()
             return
+        if key not in self._names:
+            check_metric_name(key)  # before anything is queued: MLflow would refuse the batch
+            self._names.add(key)
         if step is None:
             step = self._calls.get(key, 0)
             self._calls[key] = step + 1
@@ -300,8 +317,11 @@ class MlflowLogger:
             self.log_metric(key, value, step, timestamp)
 
     def _enqueue(self, key: str, value: float, step: int, timestamp: int) -> None:
-        """Queue a value as is, without throttling (for system metrics)."""
+        """Queue a value as is, without throttling (for system metrics, whose steps restart)."""
         if not (self._skip or self._closed):
+            if key not in self._names:
+                self._names.add(key)
+                self._batcher.unchecked.add(key)  # type: ignore[union-attr]
             self._put((key, value, timestamp, step))
 
     def log_params(self, params: Mapping[str, Any]) -> None:

@@ -57,7 +57,7 @@ def test_memory_is_fixed_once_the_gpus_are_known():
 
 
 def test_bad_capacity():
-    with pytest.raises(ValueError, match="capacity must be a positive integer"):
+    with pytest.raises(ValueError, match="capacity must be between 1 and"):
         History(0)
 
 

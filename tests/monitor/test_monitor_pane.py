@@ -198,3 +198,35 @@ def test_no_gpu_is_said_plainly(comms, fake_pynvml):
         assert pane._chart.comm.opened["state"]["_figure"]["data"] == []
     finally:
         pane.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"interval": float("inf")}, ValueError, "interval must be a finite number"),
+        ({"interval": float("nan")}, ValueError, "interval must be a finite number"),
+        ({"interval": -1}, ValueError, "interval must be at least"),
+        ({"history": float("nan")}, ValueError, "history must be a finite number"),
+        ({"interval": "10"}, TypeError, "interval must be a number"),
+    ],
+)
+def test_bad_timing_is_refused_before_anything_starts(comms, options, error, match):
+    with pytest.raises(error, match=match):
+        GPUPane(backend=SimulatedBackend(2), display=False, **options)
+    assert sampler_threads() == [] and comms == []
+
+
+def test_the_documented_history_argument_is_seconds_and_history_is_the_samples(comms, driven, clock):
+    sampler = driven(num_gpus=2, history_seconds=60)
+    pane = GPUPane(interval=10, history=60, idle_timeout=300, backend=SimulatedBackend(2),
+                   display=False)
+    try:
+        assert pane.sampler is sampler and sampler.history_seconds == 60
+        for _ in range(20):
+            clock.advance(10)
+            sampler.tick()
+        frame = pane.history()
+        times = frame["time"] if isinstance(frame, dict) else list(frame["time"])
+        assert len(set(times)) == 7  # ceil(60 / 10) + 1 samples
+    finally:
+        pane.close()

@@ -48,18 +48,18 @@ def test_polls_once_per_interval(make, clock):
 
 
 def test_history_is_bounded_by_seconds_over_interval(make, clock):
-    sampler = make(num_gpus=3, interval=10, history=60, idle_timeout=None)
-    assert sampler.history.capacity == 7
+    sampler = make(num_gpus=3, interval=10, history_seconds=60, idle_timeout=None)
+    assert sampler.samples.capacity == 7
     for _ in range(7):
         sampler.tick()
         clock.advance(10)
-    full = sampler.history.nbytes
+    full = sampler.samples.nbytes
     for _ in range(500):
         sampler.tick()
         clock.advance(10)
-    assert len(sampler.history) == 7
-    assert sampler.history.nbytes == full  # memory does not grow with uptime
-    times = sorted(set(sampler.history.columns()["time"]))
+    assert len(sampler.samples) == 7
+    assert sampler.samples.nbytes == full  # memory does not grow with uptime
+    times = sorted(set(sampler.samples.columns()["time"]))
     assert times == [clock.now - 10 * k for k in range(7, 0, -1)]
 
 
@@ -72,17 +72,17 @@ def test_pauses_when_idle_and_any_activity_resumes(make, clock):
     # The next tick is scheduled for the idle deadline, not later.
     assert sampler.tick() == pytest.approx(10)
     clock.advance(10)
-    polls = len(sampler.history)
+    polls = len(sampler.samples)
     sampler.tick()
     assert sampler.status == "paused" and sampler.paused_reason == "idle"
     assert "no cell has run" in sampler.message and "5 min" in sampler.message
     clock.advance(3600)
     sampler.tick()
-    assert len(sampler.history) == polls  # nothing polled while paused
+    assert len(sampler.samples) == polls  # nothing polled while paused
     sampler.touch()  # a cell ran or the pane was used
     assert sampler.status == "polling"
     sampler.tick()
-    assert len(sampler.history) == polls + 1
+    assert len(sampler.samples) == polls + 1
     assert [s for s, _ in statuses] == ["paused", "polling"]
 
 
@@ -93,7 +93,7 @@ def test_a_long_running_cell_keeps_polling(make, clock):
         sampler.tick()
         clock.advance(10)
     assert sampler.status == "polling"
-    assert len(sampler.history) == 360
+    assert len(sampler.samples) == 360
     sampler.set_busy(False)  # post_run_cell
     clock.advance(300)
     sampler.tick()
@@ -120,12 +120,12 @@ def test_user_pause_survives_activity_until_resume(make, clock):
     sampler.touch()
     clock.advance(100)
     sampler.tick()
-    assert sampler.status == "paused" and len(sampler.history) == 1
+    assert sampler.status == "paused" and len(sampler.samples) == 1
     sampler.refresh()  # still answers an explicit refresh
-    assert len(sampler.history) == 2 and sampler.status == "paused"
+    assert len(sampler.samples) == 2 and sampler.status == "paused"
     sampler.resume()
     sampler.tick()
-    assert sampler.status == "polling" and len(sampler.history) == 3
+    assert sampler.status == "polling" and len(sampler.samples) == 3
 
 
 def test_unavailable_backend_is_a_state_not_an_exception(fake_pynvml, clock):
@@ -181,8 +181,8 @@ def test_samples_from_other_hosts_are_grouped_by_host(make, clock):
     sampler.tick()
     remote = SimulatedBackend(3, host="node1", seed=1)
     sampler.ingest(Sample("node1", clock.now, tuple(remote.read(clock.now)), "simulated"))
-    assert sampler.history.hosts() == ["simulated", "node1"]
-    assert [(h, i) for h, i, _ in sampler.history.gpus()] == [
+    assert sampler.samples.hosts() == ["simulated", "node1"]
+    assert [(h, i) for h, i, _ in sampler.samples.gpus()] == [
         ("simulated", 0), ("simulated", 1), ("node1", 0), ("node1", 1), ("node1", 2)
     ]
     with pytest.raises(TypeError, match="Sample"):
@@ -190,7 +190,7 @@ def test_samples_from_other_hosts_are_grouped_by_host(make, clock):
 
 
 def test_thread_polls_in_background_and_close_stops_it():
-    sampler = Sampler(SimulatedBackend(2), interval=0.01, history=1)
+    sampler = Sampler(SimulatedBackend(2), interval=0.01, history_seconds=1)
     got = threading.Event()
     sampler.add_sink(lambda s: got.set())
     try:
@@ -203,9 +203,9 @@ def test_thread_polls_in_background_and_close_stops_it():
 
 
 def test_one_sampler_per_backend_key():
-    first = acquire(SimulatedBackend(4), interval=5, history=60)
-    second = acquire(SimulatedBackend(4), interval=1, history=60)  # same GPUs
-    other = acquire(SimulatedBackend(4, host="node1"), history=60)
+    first = acquire(SimulatedBackend(4), interval=5, history_seconds=60)
+    second = acquire(SimulatedBackend(4), interval=1, history_seconds=60)  # same GPUs
+    other = acquire(SimulatedBackend(4, host="node1"), history_seconds=60)
     try:
         assert second is first and first.interval == 5
         assert other is not first
@@ -222,8 +222,8 @@ def test_one_sampler_per_backend_key():
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        ({"interval": 0}, "interval must be a positive"),
-        ({"interval": 10, "history": 5}, "history must be at least interval"),
+        ({"interval": 0}, "interval must be at least 0.01 s"),
+        ({"interval": 10, "history_seconds": 5}, "history must be at least interval"),
         ({"idle_timeout": -1}, "idle_timeout must be"),
     ],
 )

@@ -214,3 +214,111 @@ def test_experiment_choice_follows_mlflows_conventions(client, monkeypatch):
     with MlflowLogger("explicit") as run:  # and an explicit argument over both
         pass
     assert client.get_experiment(run.experiment_id).name == "explicit"
+
+
+def test_an_invalid_metric_name_is_refused_before_it_is_queued(client):
+    with MlflowLogger("exp-names") as run:
+        with pytest.raises(ValueError, match=r"invalid metric name 'loss\?'.*alphanumerics"):
+            run.log_metric("loss?", 1.0, step=0)
+        with pytest.raises(ValueError, match="relative path"):
+            run.log_metric("../loss", 1.0, step=0)
+        with pytest.raises(ValueError, match="MLflow allows 250"):
+            run.log_metric("x" * 251, 1.0, step=0)
+        with pytest.raises(TypeError, match="metric name must be a string"):
+            run.log_metric(3, 1.0, step=0)
+        for step in range(100):
+            run.log_metric("train/loss", float(step), step=step)
+        run.flush()  # nothing bad was queued: success is true
+        assert run.dropped == 0
+    assert [s for s, _ in _history(client, run.run_id, "train/loss")] == list(range(100))
+
+
+def test_values_the_store_refuses_are_dropped_alone_and_flush_says_how_many(client, caplog):
+    from nbtools.monitor import Sample, SimulatedBackend
+    from nbtools.tracking import SystemMetricsSink
+
+    caplog.set_level(logging.WARNING, logger="nbtools")
+    # A node whose host name MLflow refuses in a metric name: its 5 values per sample.
+    remote = SimulatedBackend(1, host="node?b")
+    with MlflowLogger("exp-refused", flush_interval=3600) as run:
+        sink = SystemMetricsSink(run, local_host="here")
+        for step in range(3000):
+            run.log_metric("loss", float(step), step=step)
+            if step == 1500:
+                sink(Sample("node?b", 1000.0, tuple(remote.read(1000.0))))
+        with pytest.raises(TrackingError, match="5 metric values were dropped.*'system/node_node"):
+            run.flush()
+        assert run.dropped == 5 and "MLflow refused metric" in caplog.text
+        for step in range(3000, 3100):  # later values are not held back by the refused ones
+            run.log_metric("loss", float(step), step=step)
+        run.flush()  # nothing new was dropped
+    assert [s for s, _ in _history(client, run.run_id, "loss")] == list(range(3100))
+
+
+def test_a_full_queue_makes_the_caller_wait_for_the_writer(client):
+    with MlflowLogger("exp-backpressure", flush_interval=3600, max_pending=50) as run:
+        peak = 0
+        for step in range(2000):
+            run.log_metric("loss", float(step), step=step)
+            peak = max(peak, run.pending)
+        assert peak <= 2 * 50  # 50 waiting, at most 50 more in the write under way
+        run.flush()
+        assert run.dropped == 0
+    assert [s for s, _ in _history(client, run.run_id, "loss")] == list(range(2000))
+
+
+def test_a_full_queue_while_the_store_fails_drops_and_counts_instead_of_blocking(client):
+    with MlflowLogger("exp-full-failing", flush_interval=3600, max_pending=20) as run:
+        run.log_metric("loss", 0.0, step=0)
+        run.flush()
+        client.delete_run(run.run_id)  # the store now refuses every write to this run
+        for step in range(1, 101):
+            run.log_metric("loss", float(step), step=step)  # returns: training goes on
+        dropped = run.dropped
+        assert dropped > 0
+        with pytest.raises(TrackingError, match=f"{dropped} metric values were dropped"):
+            run.flush()
+        client.restore_run(run.run_id)
+        run.flush()  # the kept values are written; the drops were reported once
+    steps = [s for s, _ in _history(client, run.run_id, "loss")]
+    assert len(steps) + dropped == 101 and steps[0] == 0
+
+
+def test_steps_that_run_again_after_a_restore_are_not_logged_twice(client):
+    with MlflowLogger("exp-rerun") as first:
+        for step in range(30):  # checkpoint at step 19, then interrupted at step 29
+            first.log_metric("loss", float(step), step=step)
+    with MlflowLogger(run_id=first.run_id) as second:
+        for step in range(20, 40):  # restored: steps 20..29 run again
+            second.log_metric("loss", 100.0 + step, step=step)
+            second.log_metric("lr", 0.1, step=step)  # a metric new to the run is all kept
+        second.flush()
+        assert second.dropped == 0
+    history = _history(client, first.run_id, "loss")
+    assert [s for s, _ in history] == list(range(40))  # each step once
+    assert history[25] == (25, 25.0) and history[35] == (35, 135.0)
+    assert [s for s, _ in _history(client, first.run_id, "lr")] == list(range(20, 40))
+
+
+def test_close_reports_what_it_could_not_write_in_its_time(client):
+    with MlflowLogger("exp-close-lost", flush_interval=3600, close_timeout=1) as run:
+        run.log_metric("loss", 0.0, step=0)
+        run.flush()
+        client.delete_run(run.run_id)
+        for step in range(1, 40):
+            run.log_metric("loss", float(step), step=step)
+        with pytest.raises(TrackingError, match="39 metric values were dropped.*within 1 s of close"):
+            run.close()
+        client.restore_run(run.run_id)
+    assert run.closed and _writer_threads() == []
+    assert [s for s, _ in _history(client, run.run_id, "loss")] == [0]
+
+
+def test_end_is_gone_and_the_new_settings_are_checked(tracking_uri):
+    assert not hasattr(MlflowLogger, "end")
+    with pytest.raises(TypeError, match="max_pending must be an integer"):
+        MlflowLogger(max_pending="10")
+    with pytest.raises(ValueError, match="max_pending must be at least 1"):
+        MlflowLogger(max_pending=0)
+    with pytest.raises(ValueError, match="close_timeout must be a finite"):
+        MlflowLogger(close_timeout=float("inf"))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -15,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from nbtools.errors import TrackingError
 from nbtools.tracking import MlflowLogger
 
 pytestmark = pytest.mark.slow
@@ -48,6 +51,13 @@ def _stop(proc: subprocess.Popen) -> None:
 @pytest.fixture
 def mlflow_server(tmp_path: Path):
     """``mlflow server`` with a sqlite store in tmp_path; yields its URI, then stops it."""
+    with _server(tmp_path) as (uri, _proc):
+        yield uri
+
+
+@contextlib.contextmanager
+def _server(tmp_path: Path):
+    """Start ``mlflow server``; yields ``(uri, process)``; stops it (again) on the way out."""
     if shutil.which("mlflow") is None:
         pytest.skip("the mlflow command is not installed")
     port = _free_port()
@@ -79,7 +89,7 @@ def mlflow_server(tmp_path: Path):
             if time.monotonic() > deadline:
                 pytest.fail("mlflow server did not answer within 90 s")
             time.sleep(0.2)
-        yield uri
+        yield uri, proc
     finally:
         _stop(proc)
         log.close()
@@ -107,3 +117,42 @@ def test_a_resumed_run_on_a_tracking_server_is_one_run(mlflow_server, monkeypatc
     steps = sorted(m.step for m in client.get_metric_history(first.run_id, "loss"))
     assert steps == list(range(0, 60, 2))
     assert len(client.search_runs([run.info.experiment_id])) == 1
+
+
+def test_a_server_that_is_not_there_at_start_is_a_clear_error(monkeypatch):
+    for name in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")  # nothing listens
+    # Before: MLflow's own retries took about 4 minutes (past this suite's 300 s test timeout).
+    with pytest.raises(TrackingError, match="does not answer.*MLFLOW_TRACKING_URI"):
+        MlflowLogger("nowhere")
+    import mlflow
+
+    assert mlflow.active_run() is None
+
+
+def test_close_with_the_server_gone_returns_and_says_how_many_values_were_lost(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    for name in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
+        monkeypatch.delenv(name, raising=False)
+    with _server(tmp_path) as (uri, proc):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        run = MlflowLogger("server-gone", flush_interval=3600, close_timeout=5)
+        for step in range(100):
+            run.log_metric("loss", float(step), step=step)
+        run.flush()
+        assert [m.step for m in MlflowClient(uri).get_metric_history(run.run_id, "loss")] == list(range(100))
+        _stop(proc)  # the tracking server goes away mid-run
+        for step in range(100, 150):
+            run.log_metric("loss", float(step), step=step)
+        # Before: close() was still waiting after 6 minutes (past this suite's test timeout).
+        with pytest.raises(TrackingError) as raised:
+            run.close()
+    assert "50 metric values were dropped" in str(raised.value)
+    assert "could not be marked FINISHED" in str(raised.value)  # nor could the run be ended there
+    assert run.closed and run.dropped == 50
+    assert not [t for t in threading.enumerate() if t.name.startswith("nbtools-mlflow-")]
+    import mlflow
+
+    assert mlflow.active_run() is None
