@@ -13,13 +13,18 @@ Example:
 
 Rules users must follow:
 
-* **Open a yielded path at once.** Paths are ephemeral: when free space on the
-  cache filesystem falls below the threshold (10 % of it by default;
+* **Use a yielded path while it is current.** When free space on the cache
+  filesystem falls below the threshold (10 % of it by default;
   ``min_free_bytes``, ``NBTOOLS_CACHE_MIN_FREE_BYTES`` or
   ``SGC_FSLAYER_MIN_FREE_DISK_BYTES``), files are evicted, oldest download
-  first. Only the path yielded last and the copies not yet served are
-  protected. Open, decode or copy each path in the step that receives it; do
-  not keep paths in lists for later.
+  first. Protected are the copies not yet served, the path yielded last, and,
+  when an nbtools ``DataLoader`` puts the paths themselves into its batches
+  (a bare ``VolumeDataset``, or a wrapper that yields paths), every path of
+  the batches the loader may still hold: its prefetched batches and the one
+  the loop is using. Such a loader lowers ``prefetch_factor`` when the cache
+  cannot hold that many files, and says so. Open, decode or copy each path in
+  the step that receives it; do not keep paths in lists for later. PyTorch's
+  own loader gives no such protection: decode in its workers.
 * **Wrap, do not read ahead.** Decode in an ``IterableDataset`` that keeps the
   ``VolumeDataset`` as an attribute (or forwards ``state_dict`` /
   ``load_state_dict`` to it) and yields one sample per path as it arrives.
@@ -43,11 +48,18 @@ an interrupted loop continues the epoch; a finished epoch is followed by the
 next; ``set_epoch(n)`` picks an epoch explicitly (the epoch held keeps its
 position, which is how a resumed run continues).
 
-The cache directory is shared by every worker and rank on a node. Copies land
-under a temporary name and are renamed when complete; ``fcntl.flock`` locks
-(one per file) keep two processes from copying a file at the same time and
-keep files in use from being evicted. Nothing lives in ``/dev/shm``, so an
-interrupted notebook leaves no stale segment behind.
+The cache directory is shared by every worker and rank on a node, and private
+to its user: ``$NBTOOLS_CACHE_DIR``, ``$XDG_CACHE_HOME/nbtools`` or
+``~/.cache/nbtools`` by default, created with mode 0700; a cache directory that
+another user owns or can write to is refused. Copies land under a temporary
+name and are renamed when complete; ``fcntl.flock`` locks keep two processes
+from copying a file at the same time and keep files in use from being
+evicted (one shared lock for a whole stream while nothing needs evicting, one
+per file otherwise). A cache too small for ``prefetch`` files per stream
+copies fewer ahead (at least one), with a warning. Nothing lives in
+``/dev/shm``, so an interrupted notebook leaves no stale segment behind; the
+temporary files of a killed copy are removed by the next process that opens
+the cache.
 
 Loader workers are started by PyTorch's default method (``fork`` on Linux),
 which lets classes defined in notebook cells run in them. Forking after CUDA is

@@ -1,19 +1,21 @@
 """A local file cache shared by every worker and rank on one node.
 
 Layout: ``<cache_dir>/<namespace>/<relative path>`` holds complete copies;
-``<cache_dir>/.locks/`` holds empty lock files. Coordination uses ``flock``
-(standard library, local filesystems), never shared memory, so an interrupted
+``<cache_dir>/.locks/`` holds lock files. Coordination uses ``flock``
+(standard library, local filesystems), never ``/dev/shm``, so an interrupted
 or killed process leaves nothing that needs cleaning besides a temporary file,
-which the next eviction pass removes.
+which the next process to open the cache removes. The cache directory is
+private to its user (see ``_cachedir``).
 
 Invariants:
 
 * A copy is written to ``.nbtools-tmp-<pid>-<random>`` in the target directory
   and moved onto its final name with ``os.replace`` only when complete, so a
   final name always holds a complete file.
-* Whoever uses a cached file holds a shared ``flock`` on it (a *pin*). Eviction
-  deletes a file only after taking an exclusive, non-blocking ``flock`` on it,
-  so a pinned file is never evicted.
+* Whoever uses a cached file holds a shared ``flock`` on it (a *pin*), or holds
+  the cache-wide gate (see ``_gate``). Eviction runs only while it holds the
+  gate exclusively, and deletes a file only after taking an exclusive,
+  non-blocking ``flock`` on it, so a file in use is never evicted.
 * A per-file lock serialises copies of the same file: no file is copied twice
   at the same time, by any process on the node.
 * The cached file's modification time is the source's, so a changed source is
@@ -29,103 +31,79 @@ import hashlib
 import os
 import secrets
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import IO
 
-from nbtools._internal.fs import pid_alive
+from nbtools._internal.fs import TMP_PREFIX
 from nbtools._internal.log import get_logger
+from nbtools.data._cachedir import ensure_private_dir, min_free_from_env
+from nbtools.data._gate import Gate
+from nbtools.data._pins import Cancelled, Pin, still_linked
+from nbtools.data._sweep import evict_one, scan, sweep_temporaries
 from nbtools.errors import CacheError
 
-__all__ = ["Cancelled", "FileCache", "Pin", "default_cache_dir", "min_free_from_env", "TMP_PREFIX"]
+__all__ = ["FileCache", "TMP_PREFIX"]
 
 _log = get_logger("data.cache")
 
-TMP_PREFIX = ".nbtools-tmp-"
 _LOCKS = ".locks"
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
 _CHUNK = 1 << 20
 _SPACE_WAIT_S = 120.0
-_ENV_NAMES = ("NBTOOLS_CACHE_MIN_FREE_BYTES", "SGC_FSLAYER_MIN_FREE_DISK_BYTES")
 
 # Bytes promised to copies in progress in this process, per cache directory, so
 # that parallel copy threads do not all see the same free space and overshoot.
 _RESERVED: dict[str, int] = {}
 _RESERVED_LOCK = threading.Lock()
 
-
-class Cancelled(Exception):
-    """A copy was abandoned because its consumer went away."""
-
-
-def default_cache_dir() -> str:
-    """A per-user directory under the system temporary directory."""
-    return os.path.join(tempfile.gettempdir(), f"nbtools-cache-{os.getuid()}")
+# Cache directories whose leftover temporary files this process already swept.
+_SWEPT: set[str] = set()
 
 
-def min_free_from_env() -> int | None:
-    """The free-space threshold from the environment, or None when unset."""
-    for name in _ENV_NAMES:
-        value = os.environ.get(name, "").strip()
-        if value:
-            try:
-                parsed = int(value)
-            except ValueError:
-                raise ValueError(
-                    f"{name}={value!r} must be a number of bytes, e.g. 10000000000"
-                ) from None
-            if parsed < 0:
-                raise ValueError(f"{name}={value!r} must not be negative")
-            return parsed
-    return None
+@dataclass(frozen=True)
+class _Room:
+    """Space claimed for one copy: the open temporary file that holds it."""
+
+    fd: int
+    tmp: str
+    counted: bool  # claimed only in ``_RESERVED`` (no fallocate on this filesystem)
 
 
-class Pin:
-    """A shared lock on a cached file: while it is held the file is not evicted."""
-
-    __slots__ = ("path", "_fd")
-
-    def __init__(self, path: str, fd: int) -> None:
-        self.path = path
-        self._fd = fd
-
-    def release(self) -> None:
-        """Let the file be evicted again (idempotent)."""
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)  # closing the descriptor drops its flock
+def _no_room(message: str) -> CacheError:
+    exc = CacheError(message)
+    exc.errno = errno.ENOSPC
+    return exc
 
 
-def _still_linked(fd: int) -> os.stat_result | None:
-    """``fstat(fd)`` unless the file was unlinked (evicted or replaced) meanwhile.
-
-    Cache files are never renamed or hard-linked once in place, so a file that
-    still has a link is still the one under its path.
-    """
-    st = os.fstat(fd)
-    return st if st.st_nlink > 0 else None
+def _key_digest(key: str) -> str:
+    # os.fsencode: file names that are not valid UTF-8 reach here as surrogates.
+    return hashlib.sha1(os.fsencode(key)).hexdigest()
 
 
 class FileCache:
     """Complete local copies of remote files, evicted oldest-download first.
 
+    Opening a cache checks that its directory is private to this user and
+    removes the temporary files of copies whose process died.
+
     Args:
-        cache_dir: Directory of the cache (created if needed).
+        cache_dir: Directory of the cache (created if needed, mode 0700).
         min_free_bytes: Keep at least this much free on the cache filesystem;
             None reads the environment, else 10 % of the filesystem.
+
+    Raises:
+        CacheError: the directory cannot be created, or another user owns it or
+            can write to it.
     """
 
     def __init__(self, cache_dir: str, min_free_bytes: int | None = None) -> None:
         self.dir = os.path.abspath(cache_dir)
-        try:
-            os.makedirs(os.path.join(self.dir, _LOCKS), mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise CacheError(
-                exc.errno,
-                f"cannot create the cache directory {self.dir!r}: {exc.strerror}; "
-                "pass cache_dir= on a writable local disk",
-            ) from exc
+        ensure_private_dir(self.dir)
+        locks = os.path.join(self.dir, _LOCKS)
+        os.makedirs(locks, mode=0o700, exist_ok=True)
         usage = shutil.disk_usage(self.dir)
         if min_free_bytes is None:
             min_free_bytes = min_free_from_env()
@@ -133,6 +111,15 @@ class FileCache:
             min_free_bytes = usage.total // 10
         self.min_free = int(min_free_bytes)
         self._total = usage.total
+        self.gate = Gate(locks)
+        if self.dir not in _SWEPT:
+            _SWEPT.add(self.dir)
+            self.sweep()
+
+    @property
+    def capacity(self) -> int:
+        """Bytes the cache can hold at most: the filesystem less the free-space floor."""
+        return max(0, self._total - self.min_free)
 
     # --- lookups and copies -------------------------------------------------------
 
@@ -149,7 +136,7 @@ class FileCache:
             return None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
-            st = _still_linked(fd)
+            st = still_linked(fd)
             if (
                 st is not None
                 and st.st_size == size
@@ -162,6 +149,20 @@ class FileCache:
         os.close(fd)
         return None
 
+    def cached(self, key: str, size: int, mtime_ns: int) -> str | None:
+        """The path of the complete, up-to-date copy of ``key``, or None; no pin.
+
+        Only for a caller that holds the gate (:mod:`nbtools.data._gate`).
+        """
+        path = self.path_for(key)
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if st.st_size == size and (not mtime_ns or st.st_mtime_ns == mtime_ns):
+            return path
+        return None
+
     def fetch(
         self,
         key: str,
@@ -170,11 +171,13 @@ class FileCache:
         opener: Callable[[], IO[bytes]],
         cancel: threading.Event,
         wait_for_space: bool = True,
+        on_wait: Callable[[], None] | None = None,
     ) -> Pin | None:
         """Pin the cached copy of ``key``, copying it from ``opener()`` on a miss.
 
         Returns None only when ``wait_for_space`` is False and the cache has no
-        room for the file right now.
+        room for the file right now. ``on_wait`` is called each time the copy
+        waits for room (a stream releases what it holds ahead then).
 
         Raises:
             CacheError: the file is larger than the cache can ever hold, or no
@@ -184,7 +187,7 @@ class FileCache:
         pin = self.pin_if_cached(key, size, mtime_ns)
         if pin is not None:
             return pin
-        lock_path = os.path.join(self.dir, _LOCKS, hashlib.sha1(key.encode()).hexdigest())
+        lock_path = os.path.join(self.dir, _LOCKS, _key_digest(key))
         lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
@@ -192,25 +195,30 @@ class FileCache:
             pin = self.pin_if_cached(key, size, mtime_ns)
             if pin is not None:
                 return pin
-            if not self._make_room(key, size, wait_for_space, cancel):
+            room = self._make_room(key, size, wait_for_space, cancel, on_wait)
+            if room is None:
                 return None
             try:
-                return self._copy(key, mtime_ns, opener, cancel)
+                return self._copy(key, mtime_ns, opener, cancel, room)
             finally:
-                with _RESERVED_LOCK:
-                    _RESERVED[self.dir] -= size
+                if room.counted:
+                    with _RESERVED_LOCK:
+                        _RESERVED[self.dir] -= size
         finally:
             os.close(lock_fd)
 
     def _copy(
-        self, key: str, mtime_ns: int, opener: Callable[[], IO[bytes]], cancel: threading.Event
+        self,
+        key: str,
+        mtime_ns: int,
+        opener: Callable[[], IO[bytes]],
+        cancel: threading.Event,
+        room: _Room,
     ) -> Pin:
         path = self.path_for(key)
-        directory = os.path.dirname(path)
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        tmp = os.path.join(directory, f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
+        tmp = room.tmp
         try:
-            with opener() as src, open(tmp, "wb") as dst:
+            with opener() as src, open(room.fd, "wb", closefd=False) as dst:
                 while True:
                     if cancel.is_set():
                         raise Cancelled(key)
@@ -218,6 +226,8 @@ class FileCache:
                     if not chunk:
                         break
                     dst.write(chunk)
+                dst.flush()
+                os.ftruncate(room.fd, dst.tell())  # the allocation may have been larger
             if mtime_ns:
                 os.utime(tmp, ns=(mtime_ns, mtime_ns))
             fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
@@ -227,114 +237,120 @@ class FileCache:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
+        finally:
+            os.close(room.fd)
         return Pin(path, fd)
 
     # --- space ----------------------------------------------------------------------
 
-    def _make_room(self, key: str, size: int, wait: bool, cancel: threading.Event) -> bool:
-        if size > self._total - self.min_free:
-            raise CacheError(
-                errno.ENOSPC,
+    def _make_room(
+        self,
+        key: str,
+        size: int,
+        wait: bool,
+        cancel: threading.Event,
+        on_wait: Callable[[], None] | None = None,
+    ) -> _Room | None:
+        if size > self.capacity:
+            raise _no_room(
                 f"{key} ({size} bytes) is larger than the cache at {self.dir!r} can hold "
                 f"({self._total} bytes, of which {self.min_free} are kept free); "
-                "use a cache_dir on a larger filesystem or lower min_free_bytes",
+                "use a cache_dir on a larger filesystem or lower min_free_bytes"
             )
         deadline = time.monotonic() + _SPACE_WAIT_S
         delay = 0.01
         while True:
-            if self._reserve(size):
-                return True
+            room = self._reserve(key, size)
+            if room is not None:
+                return room
             margin = min(max(self._total // 50, size), 1 << 30)
             self.evict(self.min_free + size + margin + _RESERVED.get(self.dir, 0))
-            if self._reserve(size):
-                return True
+            room = self._reserve(key, size)
+            if room is not None:
+                return room
             if not wait:
-                return False
+                return None
             if cancel.is_set():
                 raise Cancelled(key)
             if time.monotonic() > deadline:
-                raise CacheError(
-                    errno.ENOSPC,
+                raise _no_room(
                     f"no room for {key} in the cache at {self.dir!r}: every cached file is in "
-                    "use; use fewer workers or a smaller prefetch, or a larger cache filesystem",
+                    "use; use fewer workers or a smaller prefetch, or a larger cache filesystem"
                 )
+            if on_wait is not None:
+                on_wait()
             time.sleep(delay)  # files in use by other streams are released as they advance
             delay = min(delay * 2, 0.5)
 
-    def _reserve(self, size: int) -> bool:
-        with _RESERVED_LOCK:
-            reserved = _RESERVED.get(self.dir, 0)
-            if shutil.disk_usage(self.dir).free - reserved - size < self.min_free:
-                return False
-            _RESERVED[self.dir] = reserved + size
-            return True
+    def _reserve(self, key: str, size: int) -> _Room | None:
+        """Claim ``size`` bytes for a copy of ``key``, or None when that would cut into
+        the free-space floor.
+
+        The claim is a temporary file allocated to its full size, made under a
+        node-wide lock, so copies in other processes see the space as taken. On
+        a filesystem without ``fallocate`` the claim is only counted in this
+        process.
+        """
+        directory = os.path.dirname(self.path_for(key))
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        space = os.open(os.path.join(self.dir, _LOCKS, "space"), _LOCK_FLAGS, 0o600)
+        try:
+            with _RESERVED_LOCK:
+                fcntl.flock(space, fcntl.LOCK_EX)
+                reserved = _RESERVED.get(self.dir, 0)
+                if shutil.disk_usage(self.dir).free - reserved - size < self.min_free:
+                    return None
+                tmp = os.path.join(directory, f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                counted = False
+                try:
+                    if size:
+                        os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                        os.close(fd)
+                        os.unlink(tmp)
+                        if exc.errno == errno.ENOSPC:
+                            return None
+                        raise
+                    counted = True
+                    _RESERVED[self.dir] = reserved + size
+                return _Room(fd, tmp, counted)
+        finally:
+            os.close(space)  # drops the lock
 
     def evict(self, want_free: int) -> int:
         """Delete unpinned files, oldest download first, until ``want_free`` bytes are free.
 
         Also removes temporary files of processes that no longer exist. Returns
-        the number of files deleted. Only one process evicts at a time; the
-        others return at once and recheck the free space.
+        the number of files deleted. Eviction holds the gate exclusively: while
+        another process evicts, or streams still hold the gate (they are asked
+        to switch to per-file pins), it returns 0 at once and the caller
+        rechecks the free space.
         """
-        guard = os.open(
-            os.path.join(self.dir, _LOCKS, "evict"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
-        )
+        guard = self.gate.close_for_eviction()
+        if guard < 0:
+            return 0
         try:
-            try:
-                fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return 0
-            candidates = self._scan()
             removed = 0
-            for _, path in sorted(candidates):
+            for _, path in sorted(scan(self.dir, _LOCKS)):
                 if shutil.disk_usage(self.dir).free >= want_free:
                     break
-                if self._evict_one(path):
+                if evict_one(path):
                     removed += 1
             if removed:
                 _log.debug("evicted %d files from %s", removed, self.dir)
             return removed
         finally:
-            os.close(guard)
+            self.gate.reopen(guard)
 
-    def _scan(self) -> list[tuple[int, str]]:
-        found: list[tuple[int, str]] = []
-        for dirpath, dirnames, filenames in os.walk(self.dir):
-            if dirpath == self.dir:
-                dirnames[:] = [d for d in dirnames if d != _LOCKS]
-            for name in filenames:
-                path = os.path.join(dirpath, name)
-                if name.startswith(TMP_PREFIX):
-                    self._remove_stale_tmp(path, name)
-                    continue
-                with contextlib.suppress(FileNotFoundError):
-                    found.append((os.stat(path).st_ctime_ns, path))
-        return found
+    def sweep(self) -> int:
+        """Remove the temporary files of copies whose process no longer exists.
 
-    @staticmethod
-    def _remove_stale_tmp(path: str, name: str) -> None:
-        try:
-            pid = int(name[len(TMP_PREFIX) :].split("-", 1)[0])
-        except ValueError:
-            return
-        if not pid_alive(pid):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-
-    @staticmethod
-    def _evict_one(path: str) -> bool:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return False
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False  # pinned: in use by a consumer or about to be served
-            if _still_linked(fd) is None:
-                return False
-            os.unlink(path)
-            return True
-        finally:
-            os.close(fd)
+        Returns how many were removed. Runs when a process first opens the
+        cache, and as part of every eviction.
+        """
+        removed = sweep_temporaries(self.dir, _LOCKS)
+        if removed:
+            _log.debug("removed %d leftover temporary files from %s", removed, self.dir)
+        return removed

@@ -1,4 +1,4 @@
-"""Listing the files of a dataset root: a local directory, a mount, or an fsspec URL."""
+"""Listing and opening the files of a dataset root: a local directory, a mount, or an fsspec URL."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ import os
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import IO, Any
 
-__all__ = ["FileList", "list_files", "is_url"]
+from nbtools.errors import DataError
+
+__all__ = ["FileList", "Opener", "list_files", "is_url"]
 
 
 def is_url(root: str) -> bool:
@@ -71,9 +74,31 @@ def _hidden(relpath: str) -> bool:
 
 
 def _walk_local(root: str) -> list[tuple[str, int, int]]:
+    """Files under ``root``, following symbolic links to directories.
+
+    Each directory is entered once, identified by ``(device, inode)``: a link
+    back up the tree (``a/up -> ..``) or a second name for a directory does
+    not list its files again. Real directories are entered before links to
+    them, so files keep the names of their real paths where possible.
+    """
     found: list[tuple[str, int, int]] = []
+    root_st = os.stat(root)
+    seen = {(root_st.st_dev, root_st.st_ino)}
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        keep = []
+        # Real directories first, then links, each in name order: deterministic.
+        ordered = sorted(dirnames, key=lambda d: (os.path.islink(os.path.join(dirpath, d)), d))
+        for name in ordered:
+            if name.startswith("."):
+                continue
+            try:
+                st = os.stat(os.path.join(dirpath, name))
+            except OSError:
+                continue  # a dangling link or a directory that vanished
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                keep.append(name)
+        dirnames[:] = keep
         rel_dir = os.path.relpath(dirpath, root)
         for name in filenames:
             full = os.path.join(dirpath, name)
@@ -153,3 +178,34 @@ def list_files(root: str, pattern: str) -> FileList:
         mtimes=tuple(e[2] for e in entries),
         fingerprint=digest.hexdigest()[:16],
     )
+
+
+def _open_local(path: str) -> IO[bytes]:
+    try:
+        return open(path, "rb")
+    except OSError as exc:
+        raise type(exc)(
+            exc.errno,
+            f"cannot read {path!r} from the dataset volume ({exc.strerror}); "
+            "check that it exists and is readable",
+        ) from exc
+
+
+class Opener:
+    """Opens one source file; picklable, so items can be built in any process."""
+
+    __slots__ = ("source", "fs")
+
+    def __init__(self, source: str, fs: Any = None) -> None:
+        self.source = source
+        self.fs = fs
+
+    def __call__(self) -> IO[bytes]:
+        if self.fs is None:
+            return _open_local(self.source)
+        try:
+            return self.fs.open(self.source, "rb")
+        except OSError as exc:
+            raise type(exc)(exc.errno, f"cannot read {self.source!r}: {exc}") from exc
+        except Exception as exc:
+            raise DataError(f"cannot read {self.source!r}: {exc}") from exc

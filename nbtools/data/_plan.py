@@ -21,6 +21,8 @@ class Plan:
     stride of ``world_size * num_workers`` over the positions not in ``base``.
     ``tracked`` means a loader counts what the training loop received (from
     batch tags); otherwise the stream counts the paths it yields itself.
+    ``hold`` is how many batches before the one being filled the loader may
+    still hold (None outside an nbtools loader).
     """
 
     plan_id: str
@@ -31,6 +33,7 @@ class Plan:
     num_workers: int
     tracked: bool
     rotation: int = 0
+    hold: int | None = None
 
     @property
     def stride(self) -> int:

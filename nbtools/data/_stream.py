@@ -1,17 +1,79 @@
-"""Serving cached paths in order while copies run ahead on a thread pool."""
+"""Serving cached paths in order while copies run ahead on a thread pool.
+
+What a stream protects from eviction, and for how long:
+
+* the files copied (or found) ahead of the consumer, until served;
+* the path handed out last, until the next one is requested;
+* inside a loader (``hold`` is set) whose batches carry the paths themselves,
+  every path of the last ``hold + 1`` batches of this process: the batches the
+  loader may still have queued, and the one the training loop holds. Paths of
+  the final batches stay protected until the next stream of the process starts
+  (the loader starts one per epoch) or the process ends.
+
+Protection is a per-file pin, or the cache's gate while no eviction is wanted
+(see ``_gate``): a watcher thread converts a gated stream to pins as soon as
+another process asks to evict, also while the stream is idle.
+
+The copy-ahead window holds at most ``prefetch`` files and, counting the files
+held for the loader, at most ``budget`` bytes (the stream's share of the
+cache), but always one file in flight. A consumer that waits for room releases
+completed copies from the far end of its own window first.
+"""
 
 from __future__ import annotations
 
+import os
 import threading
+import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Union
 
-from nbtools.data._cache import FileCache, Pin
+from nbtools._internal.log import get_logger
+from nbtools.data import _tags
+from nbtools.data._cache import FileCache
+from nbtools.data._pins import Pin, pin_path
 
-__all__ = ["Item", "serve"]
+__all__ = ["Item", "check_window", "serve"]
+
+_log = get_logger("data.stream")
+_POLL_S = 0.01
+#: Cache directories whose too-small window this process already reported.
+_WARNED: set[str] = set()
+
+
+def _warn_once(cache_dir: str, message: str, *args: object) -> None:
+    """Log a warning about the copy-ahead window of ``cache_dir``, once per process."""
+    if cache_dir not in _WARNED:
+        _WARNED.add(cache_dir)
+        _log.warning(message, *args)
+
+
+def check_window(cache: FileCache, budget: int, largest: int, prefetch: int) -> None:
+    """Warn (once) when ``budget`` bytes per stream hold fewer than ``prefetch`` files ahead."""
+    fits = budget // max(1, largest) - 1  # less the path handed out last
+    if fits < prefetch:
+        _warn_once(
+            cache.dir,
+            "the cache at %s holds about %d files of up to %d bytes for each of the streams "
+            "on this node (%d bytes usable, %d kept free); copying ahead %d files instead "
+            "of prefetch=%d. A larger cache filesystem, a lower min_free_bytes or fewer "
+            "workers let it copy further ahead",
+            cache.dir,
+            max(0, fits + 1),
+            largest,
+            cache.capacity,
+            cache.min_free,
+            max(1, fits),
+            prefetch,
+        )
+
+
+#: How a file is protected: a pin, the gate (its path), or not yet (None / a copy).
+_Guard = Union[Pin, str, None]
 
 
 @dataclass(frozen=True)
@@ -24,72 +86,315 @@ class Item:
     opener: Callable[[], IO[bytes]]
 
 
-def _release(ahead: Future | Pin) -> None:
-    if isinstance(ahead, Pin):
-        ahead.release()
-        return
-    future = ahead
-    if future.done() and not future.cancelled() and future.exception() is None:
-        pin = future.result()
-        if pin is not None:
-            pin.release()
+def _drop(guard: _Guard) -> None:
+    if isinstance(guard, Pin):
+        guard.release()
+
+
+def _settled(state: Future | _Guard) -> _Guard:
+    """The pin of a finished copy (None for one that failed, was cancelled or runs on)."""
+    if not isinstance(state, Future):
+        return state
+    if state.done() and not state.cancelled() and state.exception() is None:
+        return state.result()
+    return None
+
+
+class _Stream:
+    def __init__(
+        self,
+        cache: FileCache,
+        items: Iterable[Item],
+        prefetch: int,
+        budget: int,
+        hold: int | None,
+    ) -> None:
+        self.cache = cache
+        self.source = iter(items)
+        self.lookahead: Item | None = None
+        self.window = max(1, prefetch)
+        self.budget = budget
+        self.hold = hold
+        self.lock = threading.Lock()
+        self.cancel = threading.Event()
+        #: [item, Future | guard] of files ahead of the consumer, in order.
+        self.pending: deque[list] = deque()
+        #: (batch index, guard, size) of files handed out and still protected.
+        self.held: deque[tuple[int, _Guard, int]] = deque()
+        self.pending_bytes = 0
+        self.held_bytes = 0
+        self.pool = ThreadPoolExecutor(
+            max_workers=self.window, thread_name_prefix="nbtools-data-copy"
+        )
+        self.gate_fd = cache.gate.enter()
+
+    # --- protection -------------------------------------------------------------------
+
+    def leave_gate(self) -> None:
+        """Pin every file the gate protected, then let the gate go (watcher or end)."""
+        with self.lock:
+            if self.gate_fd < 0:
+                return
+            for entry in self.pending:
+                if isinstance(entry[1], str):
+                    entry[1] = pin_path(entry[1])  # None: the consumer fetches it again
+            self.held = deque(
+                (b, pin_path(g) if isinstance(g, str) else g, n) for b, g, n in self.held
+            )
+            os.close(self.gate_fd)
+            self.gate_fd = -1
+
+    def forget_in_child(self) -> None:
+        """In a forked child: close the inherited descriptors, which would keep locks held."""
+        fds = [self.gate_fd] if self.gate_fd >= 0 else []
+        self.gate_fd = -1
+        guards = [e[1] for e in self.pending] + [g for _, g, _ in self.held]
+        for guard in guards:
+            if isinstance(guard, Pin) and guard._fd >= 0:
+                fds.append(guard._fd)
+                guard.forget()
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _release_served(self) -> None:
+        """Drop protection of handed-out files the consumer can no longer be using (locked)."""
+        keep_batches = self.hold is not None and _tags.carries_paths() is not False
+        oldest_needed = _tags.batches() - (self.hold or 0)
+        held = self.held
+        while len(held) > 1 and (not keep_batches or held[0][0] < oldest_needed):
+            _, guard, size = held.popleft()
+            self.held_bytes -= size
+            _drop(guard)
+
+    def shed(self) -> None:
+        """The consumer waits for room: release the farthest completed copy ahead."""
+        with self.lock:
+            for entry in reversed(self.pending):
+                guard = _settled(entry[1])
+                if isinstance(guard, Pin):
+                    guard.release()
+                    entry[1] = None
+                    self.window = max(1, min(self.window, len(self.pending)) - 1)
+                    _warn_once(
+                        self.cache.dir,
+                        "the cache at %s is full of files in use; copying ahead at most "
+                        "%d files from now on (use a larger cache or fewer workers)",
+                        self.cache.dir,
+                        self.window,
+                    )
+                    return
+
+    # --- copy-ahead -------------------------------------------------------------------
+
+    def fill(self) -> None:
+        """Start copies (or pin hits) ahead, within the window and the byte budget."""
+        while len(self.pending) < self.window:
+            item = self.lookahead if self.lookahead is not None else next(self.source, None)
+            if item is None:
+                return
+            used = self.pending_bytes + self.held_bytes + item.size
+            if self.pending and used > self.budget:
+                self.lookahead = item  # one file in flight is always allowed
+                return
+            self.lookahead = None
+            self.submit(item)
+
+    def submit(self, item: Item) -> None:
+        with self.lock:
+            if self.gate_fd >= 0:
+                path = self.cache.cached(item.key, item.size, item.mtime_ns)
+                if path is not None:
+                    self.pending.append([item, path])
+                    self.pending_bytes += item.size
+                    return
+            else:
+                # A cached file is pinned right here: a thread hand-off costs more than the lookup.
+                hit = self.cache.pin_if_cached(item.key, item.size, item.mtime_ns)
+                if hit is not None:
+                    self.pending.append([item, hit])
+                    self.pending_bytes += item.size
+                    return
+            # Copies ahead of the consumer never wait for room: they give up and
+            # let the consumer copy the file itself when it gets there.
+            future = self.pool.submit(
+                self.cache.fetch,
+                item.key,
+                item.size,
+                item.mtime_ns,
+                item.opener,
+                self.cancel,
+                False,
+            )
+            self.pending.append([item, future])
+            self.pending_bytes += item.size
+
+    # --- serving ----------------------------------------------------------------------
+
+    def run(self, on_yield: Callable[[], None]) -> Iterator[str]:
+        try:
+            self.fill()
+            while self.pending:
+                with self.lock:
+                    item, state = self.pending.popleft()
+                    self.pending_bytes -= item.size
+                    if not isinstance(state, Future) and state is not None:
+                        # Moved under the lock: a file is always in ``pending`` or
+                        # ``held`` where leaving the gate finds it.
+                        path = self._hand_out(item, state)
+                if isinstance(state, Future) or state is None:
+                    pin = state.result() if isinstance(state, Future) else None
+                    if pin is None:
+                        pin = self.cache.fetch(
+                            item.key,
+                            item.size,
+                            item.mtime_ns,
+                            item.opener,
+                            self.cancel,
+                            True,
+                            self.shed,
+                        )
+                    with self.lock:
+                        path = self._hand_out(item, pin)
+                self.fill()
+                on_yield()
+                yield path
+        finally:
+            self.close()
+
+    def _hand_out(self, item: Item, guard: Pin | str) -> str:
+        """Record ``guard`` as handed out and drop what is no longer needed (locked)."""
+        self.held.append((_tags.batches(), guard, item.size))
+        self.held_bytes += item.size
+        self._release_served()
+        return guard if isinstance(guard, str) else guard.path
+
+    def close(self) -> None:
+        self.cancel.set()
+        for _, state in self.pending:
+            if isinstance(state, Future):
+                state.cancel()
+        self.pool.shutdown(wait=True)
+        defer = self.hold is not None and _tags.carries_paths() is not False
+        if defer and self.gate_fd >= 0:
+            self.leave_gate()  # deferred files need pins of their own
+        with self.lock:
+            for _, state in self.pending:
+                _drop(_settled(state))
+            self.pending.clear()
+            held, self.held = self.held, deque()
+            if self.gate_fd >= 0:
+                os.close(self.gate_fd)
+                self.gate_fd = -1
+        _unwatch(self)
+        for _, guard, _ in held:
+            if defer and isinstance(guard, Pin):
+                _DEFERRED.append(guard)
+            else:
+                _drop(guard)
+
+
+# --- per-process bookkeeping ------------------------------------------------------------
+
+#: Pins of the last batches of finished streams, released when the next stream starts.
+_DEFERRED: list[Pin] = []
+_STREAMS: weakref.WeakSet[_Stream] = weakref.WeakSet()
+_WATCHED: set[_Stream] = set()
+_WATCH_LOCK = threading.Lock()
+_WATCHER: list[threading.Thread] = []
+
+
+def _watch_loop() -> None:
+    while True:
+        with _WATCH_LOCK:
+            streams = list(_WATCHED)
+            if not streams:
+                _WATCHER.clear()
+                return
+        for stream in streams:
+            if stream.cache.gate.wanted():
+                stream.leave_gate()
+        time.sleep(_POLL_S)
+
+
+def _watch(stream: _Stream) -> None:
+    with _WATCH_LOCK:
+        _WATCHED.add(stream)
+        if not _WATCHER:
+            thread = threading.Thread(target=_watch_loop, name="nbtools-data-gate", daemon=True)
+            _WATCHER.append(thread)
+            thread.start()
+
+
+def _unwatch(stream: _Stream) -> None:
+    with _WATCH_LOCK:
+        _WATCHED.discard(stream)
+
+
+def _after_fork_in_child() -> None:
+    global _WATCH_LOCK
+    _WATCH_LOCK = threading.Lock()  # the parent's watcher may have held it
+    _WATCHER.clear()
+    _WATCHED.clear()
+    for stream in list(_STREAMS):
+        stream.forget_in_child()
+    for pin in _DEFERRED:
+        fd = pin._fd
+        pin.forget()
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    _DEFERRED.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def serve(
-    cache: FileCache, items: Iterable[Item], prefetch: int, on_yield: Callable[[], None]
+    cache: FileCache,
+    items: Iterable[Item],
+    prefetch: int,
+    on_yield: Callable[[], None],
+    budget: int | None = None,
+    hold: int | None = None,
 ) -> Iterator[str]:
     """Yield the cached path of each item, in order, copying up to ``prefetch`` items ahead.
 
-    The path last yielded stays pinned (not evictable) until the next one is
-    requested; the items copied ahead are pinned until served. ``on_yield`` is
-    called just before each path is handed out. Closing the generator (or an
-    exception, or Ctrl+C) cancels the copies in flight, waits for the copy
-    threads, and removes their temporary files.
+    Args:
+        cache: The cache to serve from.
+        items: The files, in the order to serve them.
+        prefetch: Most files copied ahead of the consumer.
+        on_yield: Called just before each path is handed out.
+        budget: Most bytes the stream protects at once (one file in flight is
+            always allowed); None for no limit.
+        hold: Inside a loader whose batches carry paths, how many batches
+            before the one being filled the loader may still hold; None outside
+            a loader.
+
+    Closing the generator (or an exception, or Ctrl+C) cancels the copies in
+    flight, waits for the copy threads, and removes their temporary files.
     """
-    cancel = threading.Event()
-    source = iter(items)
-    pending: deque[tuple[Item, Future | Pin]] = deque()
-    pool = ThreadPoolExecutor(max_workers=max(1, prefetch), thread_name_prefix="nbtools-data-copy")
+    return _serve(cache, items, prefetch, on_yield, budget, hold)
 
-    def submit() -> bool:
-        item = next(source, None)
-        if item is None:
-            return False
-        # A cached file is pinned right here: a thread hand-off costs more than the lookup.
-        hit = cache.pin_if_cached(item.key, item.size, item.mtime_ns)
-        if hit is not None:
-            pending.append((item, hit))
-            return True
-        # Copies ahead of the consumer never wait for room: they give up and
-        # let the consumer copy the file itself when it gets there.
-        future = pool.submit(
-            cache.fetch, item.key, item.size, item.mtime_ns, item.opener, cancel, False
-        )
-        pending.append((item, future))
-        return True
 
-    current: Pin | None = None
-    try:
-        while len(pending) < max(1, prefetch) and submit():
-            pass
-        while pending:
-            item, ahead = pending.popleft()
-            submit()
-            pin = ahead if isinstance(ahead, Pin) else ahead.result()
-            if pin is None:
-                pin = cache.fetch(item.key, item.size, item.mtime_ns, item.opener, cancel, True)
-            if current is not None:
-                current.release()
-            current = pin
-            on_yield()
-            yield pin.path
-    finally:
-        cancel.set()
-        for _, ahead in pending:
-            if isinstance(ahead, Future):
-                ahead.cancel()
-        pool.shutdown(wait=True)
-        for _, ahead in pending:
-            _release(ahead)
-        if current is not None:
-            current.release()
+def _serve(
+    cache: FileCache,
+    items: Iterable[Item],
+    prefetch: int,
+    on_yield: Callable[[], None],
+    budget: int | None,
+    hold: int | None,
+) -> Iterator[str]:
+    # A generator: nothing is locked or started before the first path is asked for.
+    while _DEFERRED:
+        _DEFERRED.pop().release()
+    _tags.watch_prefix(cache.dir + os.sep)
+    stream = _Stream(cache, items, prefetch, budget if budget is not None else 1 << 62, hold)
+    _STREAMS.add(stream)
+    if stream.gate_fd >= 0:
+        _watch(stream)
+    yield from stream.run(on_yield)

@@ -7,6 +7,11 @@ right after a batch is assembled, so it can attach a snapshot of those counts
 to the batch. The loader unwraps the batch in the training process: only then
 does the batch count as received, so batches prefetched by workers but never
 received do not count.
+
+The collate function also counts the batches made in its process and notes
+whether they carry cached paths themselves (a loader over a bare
+``VolumeDataset``, or a wrapper that yields paths): a stream then keeps the
+files of the batches the loader may still hold pinned (see ``_stream``).
 """
 
 from __future__ import annotations
@@ -16,10 +21,65 @@ from typing import Any
 
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
-__all__ = ["note", "snapshot", "Tagged", "TaggingCollate"]
+__all__ = [
+    "note",
+    "snapshot",
+    "batches",
+    "carries_paths",
+    "watch_prefix",
+    "Tagged",
+    "TaggingCollate",
+]
 
 #: dataset uid -> (plan id, slot, paths handed out), per process.
 _LIVE: dict[str, tuple[str, int, int]] = {}
+#: Batches collated in this process so far.
+_BATCHES = 0
+#: Whether batches carried cached paths: None until the first batch is made.
+_CARRIES: bool | None = None
+#: Cache directories (with a trailing separator) whose paths streams hand out.
+_PREFIXES: tuple[str, ...] = ()
+
+
+def batches() -> int:
+    """Batches collated in this process so far (the index of the batch being filled)."""
+    return _BATCHES
+
+
+def carries_paths() -> bool | None:
+    """Whether batches of this process carry cached paths (None: no batch made yet)."""
+    return _CARRIES
+
+
+def watch_prefix(prefix: str) -> None:
+    """Look for paths under ``prefix`` in the batches this process makes."""
+    global _PREFIXES
+    if prefix not in _PREFIXES:
+        _PREFIXES = (*_PREFIXES, prefix)
+
+
+def _is_cached_path(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith(_PREFIXES)
+
+
+def _has_cached_path(sample: Any) -> bool:
+    if _is_cached_path(sample):
+        return True
+    if isinstance(sample, (tuple, list)):
+        return any(_is_cached_path(v) for v in sample)
+    if isinstance(sample, dict):
+        return any(_is_cached_path(v) for v in sample.values())
+    return False
+
+
+def _count_batch(data: Any) -> None:
+    global _BATCHES, _CARRIES
+    _BATCHES += 1
+    if _CARRIES or not _PREFIXES:
+        return
+    samples = data if isinstance(data, (list, tuple)) else (data,)
+    carried = any(_has_cached_path(s) for s in samples)
+    _CARRIES = carried or bool(_CARRIES)
 
 
 def note(uid: str, plan_id: str, slot: int, count: int) -> None:
@@ -53,4 +113,5 @@ class TaggingCollate:
         self.collate_fn = collate_fn
 
     def __call__(self, data: Any) -> Tagged:
+        _count_batch(data)
         return Tagged(self.collate_fn(data), snapshot())

@@ -5,53 +5,26 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
 from nbtools import runtime
+from nbtools._internal.log import get_logger
 from nbtools.data import _tags
-from nbtools.data._cache import FileCache, default_cache_dir
-from nbtools.data._listing import FileList, is_url, list_files
+from nbtools.data._cache import FileCache
+from nbtools.data._cachedir import default_cache_dir
+from nbtools.data._listing import FileList, Opener, is_url, list_files
 from nbtools.data._plan import Plan, check_same_workers, dist_info, gather
 from nbtools.data._positions import Consumed, advance, epoch_order, slot_length, slot_positions
-from nbtools.data._stream import Item, serve
+from nbtools.data._stream import Item, check_window, serve
 from nbtools.errors import DataError
 
 __all__ = ["VolumeDataset"]
 
+_log = get_logger("data.dataset")
+
 _STATE_VERSION = 1
-
-
-def _open_local(path: str) -> IO[bytes]:
-    try:
-        return open(path, "rb")
-    except OSError as exc:
-        raise type(exc)(
-            exc.errno,
-            f"cannot read {path!r} from the dataset volume ({exc.strerror}); "
-            "check that it exists and is readable",
-        ) from exc
-
-
-class _Opener:
-    """Opens one source file; picklable, so items can be built in any process."""
-
-    __slots__ = ("source", "fs")
-
-    def __init__(self, source: str, fs: Any = None) -> None:
-        self.source = source
-        self.fs = fs
-
-    def __call__(self) -> IO[bytes]:
-        if self.fs is None:
-            return _open_local(self.source)
-        try:
-            return self.fs.open(self.source, "rb")
-        except OSError as exc:
-            raise type(exc)(exc.errno, f"cannot read {self.source!r}: {exc}") from exc
-        except Exception as exc:
-            raise DataError(f"cannot read {self.source!r}: {exc}") from exc
 
 
 class VolumeDataset(IterableDataset):
@@ -64,8 +37,9 @@ class VolumeDataset(IterableDataset):
     world size read from ``torch.distributed`` when iteration starts.
 
     A yielded path is ephemeral: when the cache filesystem runs short of space,
-    files are evicted (oldest download first), and only the path yielded last
-    and the copies not yet served are protected. Open, decode or copy each path
+    files are evicted (oldest download first), and only the path yielded last,
+    the copies not yet served, and the paths in batches an nbtools
+    ``DataLoader`` may still hold are protected. Open, decode or copy each path
     in the same iteration step that receives it; never keep paths for later.
 
     Args:
@@ -73,11 +47,15 @@ class VolumeDataset(IterableDataset):
         pattern: Glob relative to ``root`` (``**`` crosses directories); hidden
             files are skipped.
         cache_dir: Local cache directory, shared by every worker and rank on
-            the node (default: a per-user directory under the temp directory).
+            the node, private to the user (mode 0700; a directory another user
+            owns or can write to is refused). Default: ``$NBTOOLS_CACHE_DIR``,
+            else ``$XDG_CACHE_HOME/nbtools``, else ``~/.cache/nbtools``.
         shuffle: Serve the files in an order that is a deterministic function
             of ``(seed, epoch)``.
         seed: Seed of the shuffle.
         prefetch: How many files each stream copies ahead (and copy threads).
+            On a cache too small for that many files per stream, fewer are
+            copied ahead (at least one), with a warning.
         min_free_bytes: Free space to keep on the cache filesystem (default
             ``NBTOOLS_CACHE_MIN_FREE_BYTES`` or ``SGC_FSLAYER_MIN_FREE_DISK_BYTES``,
             else 10 % of the filesystem).
@@ -103,18 +81,26 @@ class VolumeDataset(IterableDataset):
     ) -> None:
         if not isinstance(root, (str, os.PathLike)):
             raise TypeError(f"root must be a path or URL string, got {type(root).__name__}")
-        if not isinstance(pattern, str) or not pattern:
-            raise ValueError(f"pattern must be a non-empty glob such as '**/*', got {pattern!r}")
-        if not isinstance(prefetch, int) or prefetch < 1:
-            raise ValueError(f"prefetch must be a positive integer, got {prefetch!r}")
-        if min_free_bytes is not None and (
-            not isinstance(min_free_bytes, int) or min_free_bytes < 0
-        ):
-            raise ValueError(
-                f"min_free_bytes must be a non-negative integer, got {min_free_bytes!r}"
-            )
-        if not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        if not isinstance(pattern, str):
+            raise TypeError(f"pattern must be a glob string such as '**/*', got {pattern!r}")
+        if not pattern:
+            raise ValueError("pattern must be a non-empty glob such as '**/*'")
+        if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+            raise TypeError(f"cache_dir must be a path, got {type(cache_dir).__name__}")
+        for name, value in (("seed", seed), ("prefetch", prefetch)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be at least 1 (files copied ahead), got {prefetch}")
+        if seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed}")
+        if min_free_bytes is not None:
+            if not isinstance(min_free_bytes, int) or isinstance(min_free_bytes, bool):
+                raise TypeError(
+                    f"min_free_bytes must be an int (bytes), got {type(min_free_bytes).__name__}"
+                )
+            if min_free_bytes < 0:
+                raise ValueError(f"min_free_bytes must not be negative, got {min_free_bytes}")
         self.root = os.fspath(root)
         self.pattern = pattern
         self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -257,10 +243,18 @@ class VolumeDataset(IterableDataset):
         }
         return self._epoch, advance(self._consumed, len(files), plan.stride, counts), layout
 
-    def _prepare(self, num_workers: int, tracked: bool, reuse: Plan | None = None) -> Plan:
+    def _prepare(
+        self,
+        num_workers: int,
+        tracked: bool,
+        reuse: Plan | None = None,
+        hold: int | None = None,
+    ) -> Plan:
         """Decide what the next iteration serves; a collective on every rank.
 
-        Returns ``reuse`` itself when it would serve exactly the same work.
+        ``hold``: batches a loader may still hold besides the one being filled
+        (see ``_stream``). Returns ``reuse`` itself when it would serve exactly
+        the same work.
         """
         files = self._listing()
         check_same_workers(gather(num_workers))
@@ -278,7 +272,9 @@ class VolumeDataset(IterableDataset):
             and (layout["world_size"], layout["num_workers"]) == (world, num_workers)
         ):
             rotation = int(layout["rotation"][rank]) % num_workers
-        plan = Plan(Plan.new_id(), epoch, consumed, rank, world, num_workers, tracked, rotation)
+        plan = Plan(
+            Plan.new_id(), epoch, consumed, rank, world, num_workers, tracked, rotation, hold
+        )
         if plan.same_work(reuse):
             plan = reuse  # type: ignore[assignment]
         self._epoch, self._consumed, self._plan, self._counts = epoch, consumed, plan, {}
@@ -343,12 +339,30 @@ class VolumeDataset(IterableDataset):
                 key=f"{namespace}/{files.relpaths[index]}",
                 size=files.sizes[index],
                 mtime_ns=files.mtimes[index],
-                opener=_Opener(files.source(index), self._fs),
+                opener=Opener(files.source(index), self._fs),
             )
 
-    def _serve(self, plan: Plan, slot: int) -> Iterator[str]:
+    def _open_cache(self) -> FileCache:
         if self._cache is None:
             self._cache = FileCache(self.cache_dir, self.min_free_bytes)
+        return self._cache
+
+    def _stream_share(self, num_workers: int) -> tuple[int, int]:
+        """``(bytes, largest file)``: the share of the cache of one stream on this node.
+
+        Every loader worker of every rank on the node runs one stream over the
+        same cache, so each may protect ``capacity / streams`` bytes at once,
+        less a twentieth for the filesystem's own metadata.
+        """
+        streams = max(1, num_workers) * max(1, runtime.get_local_world_size())
+        largest = max(self._listing().sizes, default=0)
+        capacity = self._open_cache().capacity
+        return (capacity - capacity // 20) // streams, largest
+
+    def _serve(self, plan: Plan, slot: int) -> Iterator[str]:
+        info = get_worker_info()
+        budget, largest = self._stream_share(info.num_workers if info is not None else 1)
+        check_window(self._open_cache(), budget, largest, self.prefetch)
         count = 0
         self_counting = not plan.tracked and get_worker_info() is None
 
@@ -360,7 +374,9 @@ class VolumeDataset(IterableDataset):
                 self._record(plan.plan_id, slot, count)
 
         _tags.note(self._uid, plan.plan_id, slot, 0)
-        return serve(self._cache, self._items(plan, slot), self.prefetch, on_yield)
+        return serve(
+            self._open_cache(), self._items(plan, slot), self.prefetch, on_yield, budget, plan.hold
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 import warnings
@@ -14,7 +15,7 @@ from nbtools import runtime
 from nbtools.data import _tags
 from nbtools.data._find import find_volume_datasets
 from nbtools.data.dataset import VolumeDataset
-from nbtools.errors import DataError
+from nbtools.errors import CacheError, DataError
 
 __all__ = ["DataLoader"]
 
@@ -45,6 +46,10 @@ class DataLoader(torch.utils.data.DataLoader):
       ``num_workers``: restore it into a loader with any of either.
     * :attr:`wait_times` holds the seconds the loop waited for each batch of the
       current iteration (``last_wait`` the latest one).
+    * Batches that carry cached paths (a bare ``VolumeDataset``) keep those
+      files readable while the loader may still hold them; over a bare
+      ``VolumeDataset`` on a cache too small for that, ``prefetch_factor`` is
+      lowered with a ``ResourceWarning``.
 
     The dataset may be a ``VolumeDataset`` or a wrapper that keeps it as an
     attribute (for example a decoding ``IterableDataset`` that yields one sample
@@ -131,11 +136,17 @@ class DataLoader(torch.utils.data.DataLoader):
     # --- iteration ------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        if self.num_workers > 0 and self._iterator is None:
+            self._fit_prefetch()
+        # Batches the loader may hold besides the one a worker fills: its
+        # prefetched batches (per worker), none when the main process collates.
+        hold = self.prefetch_factor if self.num_workers > 0 else 0
         plans = [
             vd._prepare(
                 max(1, self.num_workers),
                 tracked=True,
                 reuse=self._workers_expect[i] if self._workers_expect else None,
+                hold=hold,
             )
             for i, vd in enumerate(self._volumes)
         ]
@@ -164,6 +175,43 @@ class DataLoader(torch.utils.data.DataLoader):
         self._workers_expect = [p.advanced() for p in plans] if self.num_workers > 0 else None
         self.wait_times = []
         return self._received(inner)
+
+    def _fit_prefetch(self) -> None:
+        """Lower ``prefetch_factor`` until the batches of paths it queues fit the cache.
+
+        A loader over a bare ``VolumeDataset`` hands cached paths to the training
+        loop; each worker keeps the files of every batch the loader may still
+        hold, so ``(prefetch_factor + 1) * batch_size`` files plus one in flight
+        must fit in the worker's share of the cache.
+        """
+        if not isinstance(self.dataset, VolumeDataset) or not self.prefetch_factor:
+            return
+        share, largest = self.dataset._stream_share(self.num_workers)
+        fits = share // max(1, largest)
+        per_batch = self.batch_size or 1
+        factor = (fits - 1) // per_batch - 1
+        if factor >= self.prefetch_factor:
+            return
+        cache = self.dataset._open_cache()
+        if factor < 1:
+            exc = CacheError(
+                f"the cache at {cache.dir!r} holds about {fits} files of up to {largest} bytes "
+                f"per loader worker ({self.num_workers} workers; {cache.capacity} bytes usable, "
+                f"{cache.min_free} kept free), but each worker must keep the paths of at least "
+                f"two batches of {per_batch} readable while the loop uses them; use a larger "
+                "cache filesystem, fewer workers or smaller batches, or open the files in a "
+                "wrapper dataset inside the workers"
+            )
+            exc.errno = errno.ENOSPC
+            raise exc
+        warnings.warn(
+            f"the cache at {cache.dir} holds about {fits} files per loader worker; this loader "
+            f"keeps every path it queues readable, so it prefetches {factor} batches per worker "
+            f"instead of prefetch_factor={self.prefetch_factor}",
+            ResourceWarning,
+            stacklevel=3,
+        )
+        self.prefetch_factor = factor
 
     def _received(self, inner: Iterator[Any]) -> Iterator[Any]:
         by_uid = {vd._uid: vd for vd in self._volumes}

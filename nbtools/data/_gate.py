@@ -1,0 +1,82 @@
+"""The eviction gate: one shared lock that stands in for per-file pins while nothing evicts.
+
+Pinning a cached file costs an ``open``, an ``flock`` and an ``fstat``; on a
+cache that is not short of space no eviction runs, so that cost buys nothing.
+A stream may therefore hold the cache-wide gate (a shared ``flock`` on
+``.locks/gate``) instead, and serve hits after a single ``stat``.
+
+Protocol (every process on the node, through the cache directory):
+
+* Eviction deletes files only while it holds the gate exclusively.
+* Before trying, an evictor raises the *wanted* flag, a byte in a shared
+  mapping of the gate file. Streams that hold the gate watch the flag (a
+  memory read, from a watcher thread, so idle streams answer too), take
+  per-file pins on every file they still protect, and let the gate go.
+* A stream enters the gate only while the flag is down, and re-checks the flag
+  after taking its shared lock; an evictor that gets the exclusive lock lowers
+  the flag when done.
+
+So a file a stream protects is covered, at every instant, by the gate or by its
+own pin, and an eviction never waits on an idle stream for longer than the
+watcher's poll interval.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+
+__all__ = ["Gate"]
+
+_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+
+
+class Gate:
+    """The gate of the cache whose lock directory is ``locks_dir``."""
+
+    def __init__(self, locks_dir: str) -> None:
+        self.path = os.path.join(locks_dir, "gate")
+        fd = os.open(self.path, _FLAGS, 0o600)
+        try:
+            if os.fstat(fd).st_size < mmap.PAGESIZE:
+                os.ftruncate(fd, mmap.PAGESIZE)  # idempotent: every opener asks the same size
+            self._flag = mmap.mmap(fd, mmap.PAGESIZE)
+        finally:
+            os.close(fd)  # the mapping keeps its own reference
+
+    def wanted(self) -> bool:
+        """True while some process waits to evict."""
+        return self._flag[0] != 0
+
+    def enter(self) -> int:
+        """A descriptor that holds the gate shared, or -1 when an eviction is wanted or running."""
+        if self.wanted():
+            return -1
+        fd = os.open(self.path, _FLAGS, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return -1
+        if self.wanted():  # raised between the first check and the lock: step aside
+            os.close(fd)
+            return -1
+        return fd
+
+    def close_for_eviction(self) -> int:
+        """Ask gate holders to switch to pins; a descriptor holding the gate exclusively
+        once none is left, else -1 (try again after they had time to answer)."""
+        self._flag[0] = 1
+        fd = os.open(self.path, _FLAGS, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return -1
+        return fd
+
+    def reopen(self, fd: int) -> None:
+        """End an eviction started by :meth:`close_for_eviction`."""
+        self._flag[0] = 0
+        os.close(fd)

@@ -1,0 +1,75 @@
+"""Walking the cache: eviction candidates, leftover temporaries, and deleting one file."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+
+from nbtools._internal.fs import TMP_PREFIX, pid_alive
+from nbtools.data._pins import still_linked
+
+__all__ = ["evict_one", "scan", "sweep_temporaries"]
+
+
+def _remove_stale_tmp(path: str, name: str) -> bool:
+    """Remove a temporary file whose copying process no longer exists."""
+    try:
+        pid = int(name[len(TMP_PREFIX) :].split("-", 1)[0])
+    except ValueError:
+        return False
+    if pid_alive(pid):
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+        return True
+    return False
+
+
+def _walk(cache_dir: str, skip: str):
+    for dirpath, dirnames, filenames in os.walk(cache_dir):
+        if dirpath == cache_dir:
+            dirnames[:] = [d for d in dirnames if d != skip]
+        for name in filenames:
+            yield dirpath, name
+
+
+def sweep_temporaries(cache_dir: str, skip: str) -> int:
+    """Remove the temporaries of dead processes under ``cache_dir`` (not under ``skip``)."""
+    removed = 0
+    for dirpath, name in _walk(cache_dir, skip):
+        if name.startswith(TMP_PREFIX):
+            removed += _remove_stale_tmp(os.path.join(dirpath, name), name)
+    return removed
+
+
+def scan(cache_dir: str, skip: str) -> list[tuple[int, str]]:
+    """``(download time, path)`` of every cached file; also sweeps leftover temporaries."""
+    found: list[tuple[int, str]] = []
+    for dirpath, name in _walk(cache_dir, skip):
+        path = os.path.join(dirpath, name)
+        if name.startswith(TMP_PREFIX):
+            _remove_stale_tmp(path, name)
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            found.append((os.stat(path).st_ctime_ns, path))
+    return found
+
+
+def evict_one(path: str) -> bool:
+    """Delete ``path`` unless it is pinned; True when it was deleted."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # pinned: in use by a consumer or about to be served
+        if still_linked(fd) is None:
+            return False
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
