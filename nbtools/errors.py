@@ -11,7 +11,10 @@ __all__ = [
     "NbtoolsError",
     "DistributedError",
     "LaunchError",
+    "PoolError",
     "PicklingError",
+    "MissingDependencyError",
+    "UnsupportedTorchError",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
@@ -48,8 +51,20 @@ class LaunchError(NbtoolsError, RuntimeError):
     """Ranks could not be started (bad environment, rendezvous failure)."""
 
 
+class PoolError(NbtoolsError, RuntimeError):
+    """A ``RankPool`` cannot take the call: closed, busy, or stopped after its last restart."""
+
+
 class PicklingError(NbtoolsError, TypeError):
     """The function or one of its arguments cannot be sent to the ranks."""
+
+
+class MissingDependencyError(NbtoolsError, ImportError):
+    """An optional dependency is not installed; the message names the extra to install."""
+
+
+class UnsupportedTorchError(NbtoolsError, RuntimeError):
+    """The installed torch lacks something nbtools needs; the message names its version."""
 
 
 # --- checkpointing -----------------------------------------------------------

@@ -13,9 +13,10 @@ import tempfile
 from collections.abc import Iterator
 from typing import IO
 
-__all__ = ["atomic_write", "atomic_copy", "free_bytes", "fsync_dir", "pid_alive", "TMP_PREFIX"]
+__all__ = ["atomic_write", "free_bytes", "fsync_dir", "pid_alive", "TMP_PREFIX"]
 
-#: Prefix of every temporary file nbtools creates next to a final name.
+#: Prefix of every temporary file nbtools creates next to a final name (checkpoint
+#: shards, data cache copies, metadata): a name with it is never a finished file.
 TMP_PREFIX = ".nbtools-tmp-"
 
 
@@ -55,13 +56,6 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "wb", fsync: bool = T
         raise
     if fsync:
         fsync_dir(directory)
-
-
-def atomic_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str], fsync: bool = False) -> int:
-    """Copy ``src`` to ``dst`` so that ``dst`` is either absent or complete. Returns bytes copied."""
-    with open(src, "rb") as fin, atomic_write(dst, "wb", fsync=fsync) as fout:
-        shutil.copyfileobj(fin, fout, 1 << 20)
-        return fout.tell()
 
 
 def free_bytes(path: str | os.PathLike[str]) -> int:

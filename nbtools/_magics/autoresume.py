@@ -24,6 +24,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.display import display
 
+from nbtools._internal.location import local_path, unwritable_reason
 from nbtools.errors import CheckpointError
 
 __all__ = ["AutoresumeOptions", "run_autoresume"]
@@ -89,9 +90,9 @@ def _state_objects(namespace: dict[str, Any], spec: str | None) -> dict[str, Any
 
 def _writable_root(root: str) -> str:
     """Create ROOT if needed and check that it can be written; URLs are left to fsspec."""
-    if "://" in root:
+    path = local_path(root)
+    if path is None:
         return root
-    path = os.path.abspath(os.path.expanduser(root))
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
@@ -99,8 +100,12 @@ def _writable_root(root: str) -> str:
             f"autoresume: cannot create ROOT {path} ({exc.strerror or exc}); "
             "choose a directory you can write to"
         ) from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise UsageError(f"autoresume: ROOT {path} is not writable; choose a directory you can write to")
+    reason = unwritable_reason(path)
+    if reason is not None:
+        raise UsageError(
+            f"autoresume: ROOT {path} is not writable ({reason}); "
+            "choose a directory you can write to"
+        )
     return path
 
 

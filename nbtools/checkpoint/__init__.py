@@ -6,16 +6,24 @@
 - :class:`CheckpointManager`: ``root/step_<N>/`` checkpoints saved in the
   background, kept to ``keep``, restored exactly (model, optimizer, stateful
   objects, RNG streams, extra, MLflow run id).
-- :func:`find_latest_valid`: the newest complete checkpoint under a root.
+- :func:`find_latest_valid`: the newest complete checkpoint under a root;
+  :func:`latest_checkpoint`: the same, with its step.
 - :func:`export`: model weights as one ``torch.save`` file.
 """
 
 from __future__ import annotations
 
-from nbtools.checkpoint.discovery import find_latest_valid
+from nbtools.checkpoint.discovery import find_latest_valid, latest_checkpoint
 from nbtools.checkpoint.export import export
 from nbtools.checkpoint.manager import CheckpointManager
 from nbtools.checkpoint.reader import VolumeReader
 from nbtools.checkpoint.writer import VolumeWriter
 
-__all__ = ["VolumeWriter", "VolumeReader", "CheckpointManager", "find_latest_valid", "export"]
+__all__ = [
+    "VolumeWriter",
+    "VolumeReader",
+    "CheckpointManager",
+    "find_latest_valid",
+    "latest_checkpoint",
+    "export",
+]

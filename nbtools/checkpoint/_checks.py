@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from nbtools.checkpoint._target import LocalTarget
+from nbtools._internal.location import unwritable_reason
+from nbtools.checkpoint._target import Target
 from nbtools.errors import CheckpointError
 
 __all__ = ["positive", "check_step", "check_extra", "check_writable"]
@@ -37,14 +37,13 @@ def check_extra(extra: Any) -> None:
         raise TypeError(f"extra must be a dict, not {type(extra).__name__}")
 
 
-def check_writable(target: Any) -> None:
-    """Refuse a local root that cannot be created or written (URLs are left to fsspec)."""
-    if not isinstance(target, LocalTarget):
+def check_writable(target: Target) -> None:
+    """Refuse a root on this machine's filesystem that cannot be created or written.
+
+    Object stores are left to fsspec: their permissions show on the first write.
+    """
+    if target.local_path is None:
         return
-    path = target.root
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise CheckpointError(
-            f"checkpoint root {target.root} is not writable ({path} refuses writes)"
-        )
+    reason = unwritable_reason(target.local_path)
+    if reason is not None:
+        raise CheckpointError(f"checkpoint root {target.url} is not writable ({reason})")

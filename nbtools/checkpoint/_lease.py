@@ -31,6 +31,7 @@ from typing import Any
 import psutil
 
 from nbtools._internal.log import get_logger
+from nbtools.checkpoint._target import Target
 from nbtools.errors import CheckpointError
 
 __all__ = ["LEASE_NAME", "WriterLease"]
@@ -77,7 +78,7 @@ def _describe(record: dict[str, Any]) -> str:
 class WriterLease:
     """The lease of one manager on one root (used on the saving rank only)."""
 
-    def __init__(self, target: Any) -> None:
+    def __init__(self, target: Target) -> None:
         self._target = target
         self._token = uuid.uuid4().hex
         self._lock = threading.Lock()

@@ -18,6 +18,8 @@ from nbtools import events, runtime
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint._collective import agree, gather
 from nbtools.checkpoint._errors import unwrap
+from nbtools.checkpoint._layout import step_dir_name
+from nbtools.checkpoint._target import Target
 from nbtools.checkpoint.discovery import candidates
 from nbtools.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
@@ -37,24 +39,25 @@ def _kind(error: BaseException | None) -> str:
 
 
 def newest_verified(
-    target: Any,
-    root: str,
-    load: Callable[[str, Any], Loaded],
+    target: Target,
+    load: Callable[[Target, Any], Loaded],
     pg: Any,
-) -> tuple[str | None, int | None, dict[str, Any], dict[str, Any], list[tuple[str, str]]]:
+) -> tuple[Target | None, int | None, dict[str, Any], dict[str, Any], list[tuple[str, str]]]:
     """Load the newest checkpoint under ``target`` that verifies on every rank.
+
+    Rank 0 chooses; the ranks agree on the step only and each opens that step's
+    directory under its own ``target``.
 
     Args:
         target: The checkpoint root.
-        root: How to name the root in messages.
-        load: ``load(url, metadata_or_None)`` loads one checkpoint on this rank,
-            returning ``(state, per_rank_blob)``; a collective.
+        load: ``load(directory, metadata_or_None)`` loads one checkpoint on this
+            rank, returning ``(state, per_rank_blob)``; a collective.
         pg: The process group of the ranks (None: one process).
 
     Returns:
-        ``(url, step, state, blob, skipped)``; url and step are None when the
-        root holds no checkpoint. ``skipped`` lists ``(url, reason)`` of the
-        newer checkpoints passed over.
+        ``(directory, step, state, blob, skipped)``; directory and step are None
+        when the root holds no checkpoint. ``skipped`` lists ``(url, reason)`` of
+        the newer checkpoints passed over.
 
     Raises:
         CorruptCheckpointError: Checkpoints exist but none verifies.
@@ -67,7 +70,7 @@ def newest_verified(
             try:
                 item = next(found, None)
                 if item is not None:
-                    verdict, metadata = item[:2], item[2]
+                    verdict, metadata = item[0], item[2]
             except Exception as exc:  # noqa: BLE001 - every rank must raise it, not hang
                 verdict = exc
         choice = agree(pg, verdict)
@@ -77,16 +80,18 @@ def newest_verified(
             if skipped:
                 listed = "; ".join(f"{url}: {reason}" for url, reason in skipped)
                 raise CorruptCheckpointError(
-                    f"no checkpoint under {root} verifies ({listed}). The objects passed to "
+                    f"no checkpoint under {target.url} verifies ({listed}). The objects passed to "
                     "restore may hold values loaded in part: recreate them before starting "
                     "afresh, or move the damaged checkpoints away"
                 )
             return None, None, {}, {}, skipped
-        url, step = choice
+        step = choice
+        directory = target.child(step_dir_name(step))
+        url = directory.url
         state: dict[str, Any] = {}
         blob: dict[str, Any] = {}
         try:
-            state, blob = load(url, metadata)
+            state, blob = load(directory, metadata)
             error = None
         except (KeyboardInterrupt, SystemExit):
             raise
@@ -94,7 +99,7 @@ def newest_verified(
             error = unwrap(exc, f"restoring {url}")
         outcomes = gather(pg, (_kind(error), str(error) if error is not None else ""))
         if all(kind == "ok" for kind, _ in outcomes):
-            return url, step, state, blob, skipped
+            return directory, step, state, blob, skipped
         if any(kind == "error" for kind, _ in outcomes):
             if error is not None:
                 raise error

@@ -13,18 +13,18 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Collection
-from typing import Any
 
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint.discovery import is_foreign, list_steps, step_dir_name
-from nbtools.checkpoint.writer import METADATA_NAME
+from nbtools.checkpoint._layout import METADATA_NAME, step_dir_name
+from nbtools.checkpoint._target import Target
+from nbtools.checkpoint.discovery import is_foreign, list_steps
 
 __all__ = ["purge", "RetentionWorker"]
 
 _log = get_logger("checkpoint")
 
 
-def purge(target: Any, keep: int, protect: Collection[int] = ()) -> list[int]:
+def purge(target: Target, keep: int, protect: Collection[int] = ()) -> list[int]:
     """Delete complete checkpoints beyond the newest ``keep`` and partial ones older than the newest.
 
     Args:
@@ -61,7 +61,7 @@ class RetentionWorker:
     ``protect`` is called before each purge for the steps being saved right now.
     """
 
-    def __init__(self, target: Any, keep: int, protect: Callable[[], Collection[int]]) -> None:
+    def __init__(self, target: Target, keep: int, protect: Callable[[], Collection[int]]) -> None:
         self._target = target
         self._keep = keep
         self._protect = protect

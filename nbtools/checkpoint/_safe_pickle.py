@@ -14,6 +14,7 @@ import io
 import pickle
 from typing import Any
 
+from nbtools import _torch_compat
 from nbtools.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = ["load_metadata", "check_weights_only"]
@@ -70,6 +71,21 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
+def _load_with_torch(torch_loader: Any, data: bytes) -> Any:
+    try:
+        return torch_loader(io.BytesIO(data))
+    except Exception as exc:  # noqa: BLE001 - classified below
+        refused = exc
+    # The unpickler here says whether the file is unsafe or merely damaged; it runs nothing
+    # outside the allowed set either.
+    _MetadataUnpickler(io.BytesIO(data)).load()
+    raise UnsafeCheckpointError(
+        f"torch's restricted metadata unpickler refused it ({type(refused).__name__}: "
+        f"{refused}); allow a type there with "
+        "torch.distributed.checkpoint.filesystem.add_safe_metadata_globals([...])"
+    )
+
+
 def load_metadata(data: bytes, where: str = ".metadata") -> Any:
     """Unpickle DCP metadata, admitting only DCP metadata types.
 
@@ -86,8 +102,12 @@ def load_metadata(data: bytes, where: str = ".metadata") -> Any:
     """
     from torch.distributed.checkpoint.metadata import Metadata
 
+    torch_loader = _torch_compat.torch_metadata_loader()
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        if torch_loader is None:
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        else:
+            metadata = _load_with_torch(torch_loader, data)
     except UnsafeCheckpointError as exc:
         raise UnsafeCheckpointError(f"{where}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - every unpickling failure means "unreadable"

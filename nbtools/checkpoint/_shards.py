@@ -25,6 +25,7 @@ from typing import IO, Any
 
 import torch
 
+from nbtools import _torch_compat
 from nbtools.errors import CorruptCheckpointError
 
 __all__ = [
@@ -144,10 +145,10 @@ def write_shard(
         writeback: ``file`` will be fsynced where it is; start writing it to disk early.
         token: The writer token recorded on each item and in the file's trailer.
     """
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
+    storage_info = _torch_compat.storage_info_class()
     stream = _HashingWriter(file, _WRITEBACK_EVERY if writeback else 0)
     results = []
     # Byte items first, then tensors, like FileSystemWriter.
@@ -161,7 +162,7 @@ def write_shard(
         else:
             torch.save(_tensor_for_write(data), stream)
         length = stream.tell() - offset
-        info = _StorageInfo(relative_path, offset, length)
+        info = storage_info(relative_path, offset, length)
         setattr(info, CHECKSUM_ATTR, f"crc32:{stream.crc:08x}")
         if token is not None:
             setattr(info, WRITER_ATTR, token)

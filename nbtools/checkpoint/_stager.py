@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.staging import AsyncStager
+
+from nbtools import _torch_compat
 
 __all__ = ["ReusableStager"]
 
@@ -31,8 +32,6 @@ def _signature(obj: Any, prefix: str = "") -> list[tuple]:
 class ReusableStager(AsyncStager):
     """Copies a state dict into cached (pinned on CUDA) CPU buffers and returns the copy."""
 
-    _synchronize_after_execute = False
-
     def __init__(self) -> None:
         self._pin = torch.cuda.is_available()
         self._buffers: dict[str, Any] | None = None
@@ -44,15 +43,18 @@ class ReusableStager(AsyncStager):
         sig = _signature(state_dict)
         if self._buffers is None or sig != self._sig:
             self._buffers = None  # free the old buffers before allocating new ones
-            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self._pin)
+            self._buffers = _torch_compat.create_cpu_state_dict(state_dict, pin_memory=self._pin)
             self._sig = sig
         # GPU path: non-blocking device-to-host copies into pinned memory, then one sync.
-        staged = _copy_state_dict(
-            state_dict, self._buffers, non_blocking=self._pin, type_check=False
-        )
+        staged = _torch_compat.copy_state_dict(state_dict, self._buffers, non_blocking=self._pin)
         if self._pin:
             torch.cuda.synchronize()
         return staged
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        """DCP need not call :meth:`synchronize_staging`: :meth:`stage` returns a finished copy."""
+        return False
 
     def synchronize_staging(self) -> None:
         """Staging is complete when :meth:`stage` returns; nothing to wait for."""

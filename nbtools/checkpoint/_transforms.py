@@ -14,6 +14,7 @@ import io
 from collections.abc import Iterable, Sequence
 from typing import IO, Any
 
+from nbtools import _torch_compat
 from nbtools.errors import CheckpointError, CorruptCheckpointError
 
 __all__ = ["StreamTransforms", "descriptors_of"]
@@ -38,9 +39,7 @@ class StreamTransforms:
 
     def _get_registry(self) -> Any:
         if self._registry is None:
-            from torch.distributed.checkpoint._extension import ExtensionRegistry
-
-            self._registry = ExtensionRegistry()
+            self._registry = _torch_compat.extension_registry()
         return self._registry
 
     def check(self, infos: Iterable[Any], where: str) -> None:
@@ -72,11 +71,10 @@ class StreamTransforms:
 
     def wrap(self, raw: IO[bytes], info: Any, where: str) -> IO[bytes]:
         """``raw`` (the item's stored bytes) read through the item's extensions."""
-        from torch.distributed.checkpoint._extension import StreamTransformExtension
-
+        base = _torch_compat.stream_transform_extension_class()
         stream = raw
         for ext in self._extensions(descriptors_of(info), where):
-            if isinstance(ext, StreamTransformExtension):
+            if isinstance(ext, base):
                 stream = ext.transform_from(stream)
         return stream
 

@@ -13,98 +13,96 @@ never followed, read or deleted through; the link leads out of the root.
 from __future__ import annotations
 
 import os
-import re
-import stat
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from nbtools._internal.log import get_logger
+from nbtools.checkpoint._layout import METADATA_NAME, parse_step_dir, step_dir_name
 from nbtools.checkpoint._shards import verify_items
-from nbtools.checkpoint._target import LocalTarget, open_target
+from nbtools.checkpoint._target import Target, open_target
 from nbtools.checkpoint.reader import read_metadata
-from nbtools.checkpoint.writer import METADATA_NAME
 from nbtools.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = [
+    "FoundCheckpoint",
     "find_latest_valid",
+    "latest_checkpoint",
     "list_steps",
-    "step_dir_name",
     "validate",
     "root_target",
     "is_foreign",
     "candidates",
 ]
 
-_STEP_RE = re.compile(r"^step_(\d+)$")
 _log = get_logger("checkpoint")
 # Paths already reported as links, so a root scanned after every save warns once.
 _reported: set[str] = set()
 
 
-def step_dir_name(step: int) -> str:
-    """The directory name of the checkpoint of ``step``."""
-    return f"step_{step}"
+class FoundCheckpoint(NamedTuple):
+    """A complete checkpoint under a root: its step and its directory (path or URL)."""
+
+    step: int
+    path: str
 
 
-def root_target(root: str | os.PathLike[str]) -> Any:
+def root_target(root: str | os.PathLike[str] | Target) -> Target:
     """The target for a checkpoint root; a root that is a file is a ``ValueError``."""
     target = open_target(root)
-    if isinstance(target, LocalTarget) and target.isfile():
-        raise ValueError(f"checkpoint root {target.root} is a file; give a directory path")
+    if target.isfile():
+        raise ValueError(f"checkpoint root {target.url} is a file; give a directory path")
     return target
 
 
-def is_foreign(target: Any, name: str) -> bool:
-    """True when ``name`` under a local ``target`` is a symbolic link or not a directory.
+def is_foreign(target: Target, name: str) -> bool:
+    """True when the entry ``name`` of ``target`` is a symbolic link or not a directory.
 
     Such an entry was not made by nbtools: it is neither listed, read nor deleted.
-    Object-store targets have no links.
     """
-    if not isinstance(target, LocalTarget):
+    why = target.foreign(name)
+    if why is None:
         return False
-    try:
-        mode = os.lstat(target.path(name)).st_mode
-    except FileNotFoundError:
-        return False
-    if stat.S_ISDIR(mode):
-        return False
-    path = target.path(name)
-    if path not in _reported:
-        _reported.add(path)
-        what = (
-            f"a symbolic link to {os.path.realpath(path)}"
-            if stat.S_ISLNK(mode)
-            else "not a directory"
-        )
-        _log.warning("ignoring %s: it is %s, not a checkpoint directory nbtools wrote", path, what)
+    where = f"{target.url}/{name}"
+    if where not in _reported:
+        _reported.add(where)
+        _log.warning("ignoring %s: it is %s, not a checkpoint directory nbtools wrote", where, why)
     return True
 
 
-def list_steps(target: Any) -> list[tuple[int, bool]]:
+def list_steps(target: Target) -> list[tuple[int, bool]]:
     """``(step, has_metadata)`` for every ``step_<N>`` directory, newest first.
 
     Symbolic links and files named like steps are left out (see :func:`is_foreign`).
     """
     out = []
     for name in target.listdir():
-        match = _STEP_RE.match(name)
-        if match and not is_foreign(target, name):
-            out.append((int(match.group(1)), target.exists(f"{name}/{METADATA_NAME}")))
+        step = parse_step_dir(name)
+        if step is not None and not is_foreign(target, name):
+            out.append((step, target.exists(f"{name}/{METADATA_NAME}")))
     return sorted(out, reverse=True)
 
 
-def _local_size(target: LocalTarget, name: str) -> int:
-    """Size of a regular file in a local checkpoint directory; a link is corrupt."""
-    info = os.lstat(target.path(name))
-    if stat.S_ISLNK(info.st_mode):
+def _refuse_link(target: Target, name: str, where: str) -> None:
+    dest = target.link(name)
+    if dest is not None:
         raise CorruptCheckpointError(
-            f"{target.url}: {name} is a symbolic link to {os.path.realpath(target.path(name))}; "
-            "checkpoints nbtools wrote hold no links, so it is not read"
+            f"{where}: {name} is a symbolic link to {dest}; checkpoints nbtools wrote hold no "
+            "links, so it is not read"
         )
-    return info.st_size
 
 
-def validate(target: Any, where: str, verify: bool = False) -> Any:
+def _size(target: Target, name: str, where: str) -> int:
+    """Size of a file of a checkpoint directory; a link is corrupt, a missing file too."""
+    _refuse_link(target, name, where)
+    try:
+        return target.size(name)
+    except OSError:
+        raise CorruptCheckpointError(
+            f"{where}: shard {name} named in {METADATA_NAME} is missing"
+        ) from None
+
+
+def validate(target: Target, where: str, verify: bool = False) -> Any:
     """Metadata of a complete checkpoint directory; raises ``CorruptCheckpointError`` otherwise.
 
     Args:
@@ -113,12 +111,7 @@ def validate(target: Any, where: str, verify: bool = False) -> Any:
         verify: Also re-read every item and compare it with its recorded CRC-32
             (items of checkpoints written without checksums are not checked).
     """
-    local = isinstance(target, LocalTarget)
-    if local:
-        try:
-            _local_size(target, METADATA_NAME)
-        except FileNotFoundError:
-            pass  # read_metadata says what is missing
+    _refuse_link(target, METADATA_NAME, where)
     metadata = read_metadata(target, where)
     ends: dict[str, int] = {}
     per_file: dict[str, list[Any]] = {}
@@ -126,12 +119,7 @@ def validate(target: Any, where: str, verify: bool = False) -> Any:
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
         per_file.setdefault(info.relative_path, []).append(info)
     for name, end in ends.items():
-        try:
-            size = _local_size(target, name) if local else target.size(name)
-        except (FileNotFoundError, OSError):
-            raise CorruptCheckpointError(
-                f"{where}: shard {name} named in {METADATA_NAME} is missing"
-            ) from None
+        size = _size(target, name, where)
         if size < end:
             raise CorruptCheckpointError(
                 f"{where}: shard {name} is truncated ({size} < {end} bytes)"
@@ -169,14 +157,41 @@ def find_latest_valid(root: str | os.PathLike[str], *, verify: bool = False) -> 
         UnsafeCheckpointError: A ``.metadata`` asks to unpickle a type outside DCP
             metadata (someone crafted it); nothing from it was run.
     """
+    found = latest_checkpoint(root, verify=verify)
+    return found.path if found is not None else None
+
+
+def latest_checkpoint(
+    root: str | os.PathLike[str], *, verify: bool = False
+) -> FoundCheckpoint | None:
+    """The step and directory of the newest complete checkpoint under ``root``, or None.
+
+    The same checkpoint :func:`find_latest_valid` names, with its step, so
+    callers never parse a step back out of a path.
+
+    Example:
+        >>> latest_checkpoint("/mnt/vol/run1/checkpoints")  # doctest: +SKIP
+        FoundCheckpoint(step=1200, path='/mnt/vol/run1/checkpoints/step_1200')
+        >>> step, path = latest_checkpoint("/mnt/vol/run1/checkpoints")  # doctest: +SKIP
+
+    Args:
+        root: The checkpoint root (path or fsspec URL).
+        verify: Also check every item against its recorded CRC-32 (reads all the data).
+
+    Raises:
+        ValueError: ``root`` is a file.
+        TypeError: ``verify`` is not a bool.
+        UnsafeCheckpointError: A ``.metadata`` asks to unpickle a type outside DCP
+            metadata (someone crafted it); nothing from it was run.
+    """
     if not isinstance(verify, bool):
         raise TypeError(f"verify must be a bool, not {type(verify).__name__}")
     found = next(candidates(root_target(root), verify), None)
-    return found[0] if found else None
+    return FoundCheckpoint(found[0], found[1].url) if found is not None else None
 
 
-def candidates(target: Any, verify: bool = False) -> Iterator[tuple[str, int, Any]]:
-    """``(url, step, metadata)`` of each complete checkpoint under ``target``, newest first.
+def candidates(target: Target, verify: bool = False) -> Iterator[tuple[int, Target, Any]]:
+    """``(step, directory, metadata)`` of each complete checkpoint under ``target``, newest first.
 
     Checkpoints that fail validation are skipped with a warning.
 
@@ -194,9 +209,4 @@ def candidates(target: Any, verify: bool = False) -> Iterator[tuple[str, int, An
         except (CorruptCheckpointError, OSError) as exc:
             _log.warning("skipping checkpoint %s: %s", child.url, exc)
             continue
-        yield child.url, step, metadata
-
-
-def _latest(target: Any) -> tuple[str, int, Any] | None:
-    """``(url, step, metadata)`` of the newest complete checkpoint under ``target``."""
-    return next(candidates(target), None)
+        yield step, child, metadata

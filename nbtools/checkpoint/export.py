@@ -12,9 +12,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from nbtools._internal.fs import atomic_write
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._errors import unwrap
-from nbtools.checkpoint.discovery import _latest, root_target, validate
+from nbtools.checkpoint._layout import METADATA_NAME
+from nbtools.checkpoint._quiet import quiet_single_process_warning
+from nbtools.checkpoint.discovery import candidates, root_target, validate
 from nbtools.checkpoint.reader import VolumeReader
-from nbtools.checkpoint.writer import METADATA_NAME
 from nbtools.errors import CheckpointError, CheckpointNotFoundError
 
 __all__ = ["export"]
@@ -40,14 +41,16 @@ def export(
     """
     target = root_target(path)
     if not target.exists(METADATA_NAME):
-        found = _latest(target)
+        found = next(candidates(target), None)
         if found is None:
             raise CheckpointNotFoundError(f"no complete checkpoint at or under {target.url}")
-        target = target.child(found[0].rstrip("/").rsplit("/", 1)[1])
-    metadata = validate(target, target.url)
+        _, target, metadata = found
+    else:
+        metadata = validate(target, target.url)
+    quiet_single_process_warning()
     try:
         blob_state = _state.blob_template(metadata, 0)
-        dcp.load(blob_state, storage_reader=VolumeReader(target.url), no_dist=True)
+        dcp.load(blob_state, storage_reader=VolumeReader(target), no_dist=True)
         kinds = torch.load(
             io.BytesIO(next(iter(blob_state[_state.NS].values()))), weights_only=True
         )["kinds"]
@@ -70,7 +73,7 @@ def export(
                 else b""
             )
     try:
-        dcp.load(state, storage_reader=VolumeReader(target.url), no_dist=True)
+        dcp.load(state, storage_reader=VolumeReader(target), no_dist=True)
     except BaseException as exc:
         raise unwrap(exc, f"reading {target.url}") from None
     out = state[models[0]] if len(models) == 1 else state

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 import weakref
 from concurrent.futures import Future
 from typing import Any
@@ -34,23 +33,21 @@ from nbtools.checkpoint import _state
 from nbtools.checkpoint._checks import check_extra, check_step, check_writable, positive
 from nbtools.checkpoint._collective import agree, gather
 from nbtools.checkpoint._errors import unwrap
+from nbtools.checkpoint._layout import METADATA_NAME, step_dir_name
 from nbtools.checkpoint._lease import WriterLease
+from nbtools.checkpoint._quiet import quiet_single_process_warning
 from nbtools.checkpoint._restore import newest_verified
 from nbtools.checkpoint._retention import RetentionWorker
 from nbtools.checkpoint._stager import ReusableStager
-from nbtools.checkpoint.discovery import is_foreign, root_target, step_dir_name
+from nbtools.checkpoint._target import Target
+from nbtools.checkpoint.discovery import is_foreign, root_target
 from nbtools.checkpoint.reader import VolumeReader
-from nbtools.checkpoint.writer import METADATA_NAME, VolumeWriter
+from nbtools.checkpoint.writer import VolumeWriter
 from nbtools.errors import CheckpointError
 
 __all__ = ["CheckpointManager"]
 
 _log = get_logger("checkpoint")
-# Without a process group DCP warns on every save and load that it assumes one process,
-# which is exactly what a notebook without @distributed intends.
-warnings.filterwarnings(
-    "ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized"
-)
 
 
 def _noop() -> None:
@@ -105,7 +102,7 @@ class CheckpointManager:
         self.keep = positive("keep", keep)
         if not isinstance(save_on_close, bool):
             raise TypeError(f"save_on_close must be a bool, not {type(save_on_close).__name__}")
-        self._target = root_target(root)
+        self._target: Target = root_target(root)
         check_writable(self._target)
         self.root = self._target.url
         self.async_save = async_save
@@ -167,13 +164,14 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         kinds = _state.classify(objs)
-        url, step, state, blob, self.skipped = newest_verified(
+        if self._pg is None:
+            quiet_single_process_warning()
+        directory, step, state, blob, self.skipped = newest_verified(
             self._target,
-            self.root,
-            lambda url, metadata: self._load(kinds, url, metadata),
+            lambda directory, metadata: self._load(kinds, directory, metadata),
             self._pg,
         )
-        if url is None:
+        if directory is None or step is None:
             self.restored_step = None
             return 0
         _state.apply_state(kinds, state, blob)
@@ -181,24 +179,26 @@ class CheckpointManager:
         self.last_saved_step = step
         self.extra = dict(blob.get("extra") or {})
         self.mlflow_run_id = blob.get("mlflow_run_id")
-        _log.info("restored %s; resuming at step %d", url, step + 1)
+        _log.info("restored %s; resuming at step %d", directory.url, step + 1)
         if runtime.get_rank() == 0:
-            events.emit("checkpoint_restored", message=f"restored {url}", step=step)
+            events.emit("checkpoint_restored", message=f"restored {directory.url}", step=step)
         return step + 1
 
-    def _load(self, kinds: Any, url: str, metadata: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _load(
+        self, kinds: Any, directory: Target, metadata: Any
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         if metadata is None:
-            metadata = VolumeReader(url).read_metadata()
+            metadata = self._reader(directory).read_metadata()
         blob_state = _state.blob_template(metadata, runtime.get_rank())
-        dcp.load(blob_state, storage_reader=self._reader(url), process_group=self._pg)
-        blob = _state.decode_blob(blob_state, kinds, url)
-        state = _state.load_template(kinds, metadata, url)
+        dcp.load(blob_state, storage_reader=self._reader(directory), process_group=self._pg)
+        blob = _state.decode_blob(blob_state, kinds, directory.url)
+        state = _state.load_template(kinds, metadata, directory.url)
         if state:
-            dcp.load(state, storage_reader=self._reader(url), process_group=self._pg)
+            dcp.load(state, storage_reader=self._reader(directory), process_group=self._pg)
         return state, blob
 
-    def _reader(self, url: str) -> VolumeReader:
-        return VolumeReader(url, staging_dir=self._staging_dir)
+    def _reader(self, directory: Target) -> VolumeReader:
+        return VolumeReader(directory, staging_dir=self._staging_dir)
 
     # --- save ------------------------------------------------------------------
 
@@ -252,8 +252,10 @@ class CheckpointManager:
             active_mlflow_run_id(),
         )
         writer = VolumeWriter(
-            self._target.child(name).url, staging_dir=self._staging_dir, sync_files=self._sync_files
+            self._target.child(name), staging_dir=self._staging_dir, sync_files=self._sync_files
         )
+        if self._pg is None:
+            quiet_single_process_warning()
         self._saving[0] = step
         try:
             if self._stager is None:
@@ -311,7 +313,8 @@ class CheckpointManager:
             if self._saving[0] == step:
                 self._saving[0] = None
         if runtime.get_rank() == 0:
-            events.emit("checkpoint_saved", message=f"saved {self.root}/step_{step}", step=step)
+            where = self._target.child(step_dir_name(step)).url
+            events.emit("checkpoint_saved", message=f"saved {where}", step=step)
         # A manager that lost the root to another writer deletes nothing of theirs.
         if self._retention is not None and (self._lease is None or self._lease.held):
             self._retention.request()

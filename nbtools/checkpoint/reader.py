@@ -31,18 +31,19 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from nbtools import _torch_compat
 from nbtools.checkpoint import _staging
+from nbtools.checkpoint._layout import METADATA_NAME, RANK_METADATA_RE, rank_metadata_name
 from nbtools.checkpoint._safe_pickle import check_weights_only, load_metadata
 from nbtools.checkpoint._shards import item_checksum, read_item_into, verify_items
-from nbtools.checkpoint._target import LocalTarget, can_open, open_target
+from nbtools.checkpoint._target import Target, can_open, open_target
 from nbtools.checkpoint._transforms import StreamTransforms, descriptors_of
-from nbtools.checkpoint.writer import METADATA_NAME, RANK_METADATA_RE, rank_metadata_name
 from nbtools.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 __all__ = ["VolumeReader", "read_metadata"]
 
 
-def read_metadata(target: Any, where: str, name: str = METADATA_NAME) -> Metadata:
+def read_metadata(target: Target, where: str, name: str = METADATA_NAME) -> Metadata:
     """Read and safely unpickle the metadata file ``name`` of a checkpoint directory target."""
     try:
         data = target.read_bytes(name)
@@ -127,7 +128,7 @@ class VolumeReader(StorageReader):
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | Target,
         *,
         staging_dir: str | os.PathLike[str] | None = None,
         stage: bool | None = None,
@@ -136,12 +137,9 @@ class VolumeReader(StorageReader):
         _extension_registry: Any = None,
     ) -> None:
         super().__init__()
-        self.path = os.fspath(path)
-        self._target = open_target(self.path)
         self._staging_base = _staging.staging_base(staging_dir)
-        # fsspec targets are always read through staging (no local path to read in place).
-        local = isinstance(self._target, LocalTarget)
-        self._stage = not local or (self._target.remote if stage is None else stage)
+        self._stage_choice = stage
+        self._open(path)
         self.thread_count = max(1, thread_count)
         self.verify = verify
         self.storage_data: dict[Any, Any] = {}
@@ -151,11 +149,19 @@ class VolumeReader(StorageReader):
         self.use_collectives = True
         self._transforms = StreamTransforms(_extension_registry)
 
+    def _open(self, path: str | os.PathLike[str] | Target) -> None:
+        self._target: Target = open_target(path)
+        self.path = os.fspath(path) if isinstance(path, (str, os.PathLike)) else self._target.url
+        # Where files cannot be opened in place (object stores) they are always staged.
+        self._local_dir = self._target.local_path
+        self._stage = self._local_dir is None or (
+            self._target.remote if self._stage_choice is None else self._stage_choice
+        )
+
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
         if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
-            self._target = open_target(self.path)
+            self._open(checkpoint_id)
         self.load_id = str(uuid.uuid4())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -204,8 +210,11 @@ class VolumeReader(StorageReader):
     def _fetch_and_load(
         self, per_file: dict[str, list[Any]], planner: LoadPlanner, stage: str | None
     ) -> None:
+        where = stage if stage is not None else self._local_dir
+        assert where is not None  # no local directory means always staged
+
         def local_path(name: str) -> str:
-            return self._target.path(name) if stage is None else os.path.join(stage, name)
+            return os.path.join(where, name)
 
         def fetch(name: str) -> None:
             if stage is not None:
@@ -297,11 +306,9 @@ class VolumeReader(StorageReader):
             saved = torch.load(
                 _Slice(fh, info.offset, info.length), map_location="meta", weights_only=True
             )
-            at = saved.untyped_storage()._checkpoint_offset
-            order = torch._C.PyTorchFileReader(_Slice(fh, info.offset, info.length))
-            native = not order.has_record("byteorder") or (
-                order.get_record("byteorder").decode() == sys.byteorder
-            )
+            at = _torch_compat.storage_data_offset(saved, _Slice(fh, info.offset, info.length))
+            order = _torch_compat.saved_byteorder(_Slice(fh, info.offset, info.length))
+            native = order is None or order == sys.byteorder
         except Exception:  # noqa: BLE001 - the full load below reports what is wrong
             return None
         if (
@@ -341,15 +348,13 @@ class VolumeReader(StorageReader):
             check_weights_only(data, where)
             planner.load_bytes(item, io.BytesIO(data))
             return
-        from torch.distributed._shard._utils import narrow_tensor_by_index
-
         try:
             tensor = torch.load(stream, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001
             raise CorruptCheckpointError(
                 f"{self.path}: tensor {item.storage_index.fqn} cannot be read ({exc})"
             ) from exc
-        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+        tensor = _torch_compat.narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
             raise CorruptCheckpointError(

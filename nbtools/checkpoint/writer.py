@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -28,8 +27,17 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from nbtools._internal.fs import TMP_PREFIX
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _staging
+from nbtools.checkpoint._layout import (
+    METADATA_NAME,
+    RANK_METADATA_RE,
+    is_shard,
+    rank_metadata_name,
+    shard_name,
+    shard_prefix,
+)
 from nbtools.checkpoint._shards import (
     file_writer,
     item_writer,
@@ -37,22 +45,14 @@ from nbtools.checkpoint._shards import (
     verify_items,
     write_shard,
 )
-from nbtools.checkpoint._target import LocalTarget, can_open, open_target
+from nbtools.checkpoint._target import Target, can_open, open_target
 from nbtools.errors import CheckpointError
 
-__all__ = ["VolumeWriter", "METADATA_NAME", "rank_metadata_name", "RANK_METADATA_RE"]
+__all__ = ["VolumeWriter"]
 
-METADATA_NAME = ".metadata"
-#: Names of the per-rank metadata files of rank-local (``use_collectives=False``) saves.
-RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
 _log = get_logger("checkpoint")
 # Estimated size of a non-tensor item, for the staging space check.
 _BYTES_ITEM_ESTIMATE = 64 << 10
-
-
-def rank_metadata_name(rank: int) -> str:
-    """The metadata file a rank publishes in rank-local mode, as ``FileSystemWriter`` names it."""
-    return f"__{rank}{METADATA_NAME}"
 
 
 def _item_bytes(item: Any) -> int:
@@ -61,9 +61,7 @@ def _item_bytes(item: Any) -> int:
     numel = 1
     for dim in item.tensor_data.size:
         numel *= dim
-    import torch
-
-    return numel * torch._utils._element_size(item.tensor_data.properties.dtype) + 1024
+    return numel * item.tensor_data.properties.dtype.itemsize + 1024
 
 
 def _split(items: list[Any], bins: int) -> list[list[Any]]:
@@ -104,7 +102,7 @@ class VolumeWriter(StorageWriter):
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | Target,
         *,
         staging_dir: str | os.PathLike[str] | None = None,
         thread_count: int = 2,
@@ -124,10 +122,10 @@ class VolumeWriter(StorageWriter):
         self.is_coordinator = True
         self.use_collectives = True
 
-    def _open(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
-        self._target = open_target(self.path)
-        if isinstance(self._target, LocalTarget) and self._target.isfile():
+    def _open(self, path: str | os.PathLike[str] | Target) -> None:
+        self._target: Target = open_target(path)
+        self.path = os.fspath(path) if isinstance(path, (str, os.PathLike)) else self._target.url
+        if self._target.isfile():
             raise ValueError(f"checkpoint path {self.path} is a file; give a directory path")
 
     # --- StorageWriter protocol ----------------------------------------------
@@ -176,9 +174,9 @@ class VolumeWriter(StorageWriter):
         if not self.use_collectives:
             # Rank-local: no coordinator clears the directory, so each rank clears only
             # what an interrupted save left under its own prefix, and names its files.
-            prefix = f"__{self.rank}_"
+            prefix = shard_prefix(self.rank)
             for name in self._target.listdir():
-                if name.startswith(prefix) and name.endswith(".distcp"):
+                if is_shard(name, prefix):
                     self._target.remove_file(name)
             plan = dataclasses.replace(plan, storage_data=_Prefix(prefix))
         return plan
@@ -191,17 +189,19 @@ class VolumeWriter(StorageWriter):
         names = self._target.listdir()
         self._refuse_complete(names)
         for name in names:
-            if name.endswith(".distcp") or name.startswith(".nbtools-tmp-"):
+            if is_shard(name) or name.startswith(TMP_PREFIX):
                 self._target.remove_file(name)
         return [
-            dataclasses.replace(plan, storage_data=_Prefix(f"__{i}_"))
+            dataclasses.replace(plan, storage_data=_Prefix(shard_prefix(i)))
             if plan.storage_data is None
             else plan
             for i, plan in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        prefix = plan.storage_data.prefix if plan.storage_data is not None else f"__{self.rank}_"
+        prefix = (
+            plan.storage_data.prefix if plan.storage_data is not None else shard_prefix(self.rank)
+        )
         token = new_writer_token()
         buckets = _split(list(plan.items), self.thread_count)
         needed = sum(_item_bytes(i) for i in plan.items)
@@ -218,7 +218,7 @@ class VolumeWriter(StorageWriter):
                         pool.submit(
                             self._write_one,
                             stage,
-                            f"{prefix}{n}.distcp",
+                            shard_name(prefix, n),
                             bucket,
                             planner,
                             move,
@@ -273,7 +273,7 @@ class VolumeWriter(StorageWriter):
         metadata.storage_meta = self.storage_meta()
         self._check_files_kept(storage_md.values())
         data = pickle.dumps(metadata)
-        if isinstance(self._target, LocalTarget) and self.sync_files:
+        if self.sync_files:
             self._target.sync_dir()
         name = METADATA_NAME if self.use_collectives else rank_metadata_name(self.rank)
         self._target.publish_bytes(name, data)

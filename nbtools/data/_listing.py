@@ -9,14 +9,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import IO, Any
 
+from nbtools._internal.location import local_path
 from nbtools.errors import DataError
 
-__all__ = ["FileList", "Opener", "list_files", "is_url"]
-
-
-def is_url(root: str) -> bool:
-    """True for ``proto://...`` roots other than ``file://``."""
-    return "://" in root and not root.startswith("file://")
+__all__ = ["FileList", "Opener", "list_files"]
 
 
 @lru_cache(maxsize=32)
@@ -146,12 +142,11 @@ def list_files(root: str, pattern: str) -> FileList:
         FileNotFoundError: ``root`` does not exist, or no file matches.
         NotADirectoryError: ``root`` is a file.
     """
-    if root.startswith("file://"):
-        root = root[len("file://") :]
-    if is_url(root):
+    path = local_path(root)
+    if path is None:
         root, entries = _walk_fsspec(root)
     else:
-        root = os.path.abspath(os.path.expanduser(root))
+        root = path
         if not os.path.exists(root):
             raise FileNotFoundError(
                 f"dataset root {root!r} does not exist; check the path (is the volume mounted?)"

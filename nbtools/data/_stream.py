@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Union
 
+from nbtools import events
 from nbtools._internal.log import get_logger
 from nbtools.data import _tags
 from nbtools.data._cache import FileCache
@@ -46,10 +47,14 @@ _WARNED: set[str] = set()
 
 
 def _warn_once(cache_dir: str, message: str, *args: object) -> None:
-    """Log a warning about the copy-ahead window of ``cache_dir``, once per process."""
+    """Log a warning about the copy-ahead window of ``cache_dir``, once per process.
+
+    The same goes to the run's timeline as a ``cache_full`` event.
+    """
     if cache_dir not in _WARNED:
         _WARNED.add(cache_dir)
         _log.warning(message, *args)
+        events.emit("cache_full", message=message % args, cache_dir=cache_dir[-200:])
 
 
 def check_window(cache: FileCache, budget: int, largest: int, prefetch: int) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
+from nbtools._torch_compat import pin_memory as _pin_memory
 
 __all__ = [
     "note",

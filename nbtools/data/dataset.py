@@ -10,11 +10,12 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from nbtools import runtime
+from nbtools._internal.location import is_url
 from nbtools._internal.log import get_logger
 from nbtools.data import _tags
 from nbtools.data._cache import FileCache
 from nbtools.data._cachedir import default_cache_dir
-from nbtools.data._listing import FileList, Opener, is_url, list_files
+from nbtools.data._listing import FileList, Opener, list_files
 from nbtools.data._plan import Plan, check_same_workers, dist_info, gather
 from nbtools.data._positions import Consumed, advance, epoch_order, slot_length, slot_positions
 from nbtools.data._stream import Item, check_window, serve

@@ -11,9 +11,10 @@ from typing import Any
 
 import torch.utils.data
 
-from nbtools import runtime
+from nbtools import _torch_compat, events, runtime
 from nbtools.data import _tags
 from nbtools.data._find import find_volume_datasets
+from nbtools.data._stalls import StallWatch
 from nbtools.data.dataset import VolumeDataset
 from nbtools.errors import CacheError, DataError
 
@@ -130,13 +131,14 @@ class DataLoader(torch.utils.data.DataLoader):
         )
         self.wait_times: list[float] = []
         self.last_wait: float = 0.0
+        self._stalls = StallWatch()  # emits input_stall events for unusually long waits
         self._volumes: list[VolumeDataset] = find_volume_datasets(dataset)
         self._workers_expect: list[Any] | None = None  # plans the live workers will serve next
 
     # --- iteration ------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        if self.num_workers > 0 and self._iterator is None:
+        if self.num_workers > 0 and _torch_compat.loader_iterator(self) is None:
             self._fit_prefetch()
         # Batches the loader may hold besides the one a worker fills: its
         # prefetched batches (per worker), none when the main process collates.
@@ -150,7 +152,7 @@ class DataLoader(torch.utils.data.DataLoader):
             )
             for i, vd in enumerate(self._volumes)
         ]
-        workers_live = self.num_workers > 0 and self._iterator is not None
+        workers_live = self.num_workers > 0 and _torch_compat.loader_iterator(self) is not None
         if (
             workers_live
             and self._workers_expect is not None
@@ -204,13 +206,14 @@ class DataLoader(torch.utils.data.DataLoader):
             )
             exc.errno = errno.ENOSPC
             raise exc
-        warnings.warn(
+        text = (
             f"the cache at {cache.dir} holds about {fits} files per loader worker; this loader "
             f"keeps every path it queues readable, so it prefetches {factor} batches per worker "
-            f"instead of prefetch_factor={self.prefetch_factor}",
-            ResourceWarning,
-            stacklevel=3,
+            f"instead of prefetch_factor={self.prefetch_factor}"
         )
+        warnings.warn(text, ResourceWarning, stacklevel=3)
+        events.emit("cache_full", message=text, prefetch_factor=factor,
+                    asked=self.prefetch_factor, files_per_worker=fits)
         self.prefetch_factor = factor
 
     def _received(self, inner: Iterator[Any]) -> Iterator[Any]:
@@ -225,6 +228,7 @@ class DataLoader(torch.utils.data.DataLoader):
                 return
             self.last_wait = time.perf_counter() - start
             self.wait_times.append(self.last_wait)
+            self._stalls.observe(self.last_wait, first=len(self.wait_times) == 1)
             if not isinstance(item, _tags.Tagged):
                 yield item
                 continue
@@ -286,10 +290,9 @@ class DataLoader(torch.utils.data.DataLoader):
     # --- lifetime -------------------------------------------------------------------
 
     def _stop_workers(self) -> None:
-        iterator, self._iterator = self._iterator, None
-        shutdown = getattr(iterator, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        iterator = _torch_compat.take_loader_iterator(self)
+        if iterator is not None:
+            _torch_compat.shutdown_workers(iterator)
         self._workers_expect = None
 
     def close(self) -> None:

@@ -13,6 +13,10 @@ import torch.distributed.checkpoint as dcp
 from nbtools.checkpoint import CheckpointManager, VolumeReader, VolumeWriter, find_latest_valid
 from nbtools.errors import CorruptCheckpointError, UnsafeCheckpointError
 
+# torch before 2.13 drops the reader's error when dcp.load reads metadata (it falls back
+# to rank-local metadata and fails an assertion instead); the load still fails.
+_DCP_PASSES_READER_ERRORS = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+
 
 class _RunsCommand:
     """Unpickling this runs a shell command that creates ``marker``."""
@@ -40,7 +44,7 @@ def test_crafted_metadata_is_refused_and_nothing_runs(tmp_path):
         find_latest_valid(root)
     with pytest.raises(BaseException) as info:
         dcp.load({"model": {"w": torch.zeros(3)}}, storage_reader=VolumeReader(root / "step_2"))
-    assert "refusing to unpickle" in str(info.value)
+    assert "refusing to unpickle" in str(info.value) or not _DCP_PASSES_READER_ERRORS
     with pytest.raises(UnsafeCheckpointError):
         CheckpointManager(root).restore(model=torch.nn.Linear(1, 1))
     assert not marker.exists()
@@ -93,6 +97,6 @@ def test_reader_error_names_the_problem(tmp_path):
     (path / ".metadata").write_bytes(b"junk")
     with pytest.raises(BaseException) as info:
         dcp.load({"model": {"w": torch.zeros(3)}}, storage_reader=VolumeReader(path))
-    assert "cannot be read" in str(info.value)
+    assert "cannot be read" in str(info.value) or not _DCP_PASSES_READER_ERRORS
     with pytest.raises(CorruptCheckpointError):
         VolumeReader(path).read_metadata()

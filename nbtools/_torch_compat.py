@@ -1,0 +1,342 @@
+"""Every use of a private torch name, in one place.
+
+torch may rename or drop a private name in any release. Each one nbtools uses
+is reached only through a function here, which falls back to public API (or
+to nbtools' own code) when the name is gone, or raises
+:class:`~nbtools.errors.UnsupportedTorchError` naming the torch version when
+nothing can stand in for it. A fallback that costs speed is logged once, so a
+slower reader is never silent. ``tests/test_torch_compat.py`` has one test per
+name, run on every torch version in CI.
+
+Tested torch versions: :data:`TESTED_TORCH` (the declared lower bound is its
+first entry).
+
+Names and what stands in for them:
+
+- ``torch.distributed._state_dict_utils._create_cpu_state_dict`` /
+  ``_copy_state_dict`` (reused host buffers of async saves): a plain-tensor
+  copy; distributed tensors then raise.
+- ``torch.utils.data._utils.pin_memory.pin_memory`` (pinning a batch): walks
+  mappings and sequences and pins each tensor.
+- ``torch.distributed.checkpoint.filesystem._StorageInfo`` (the per-item record
+  of DCP's file format, which checkpoints must carry to load in PyTorch's own
+  reader): no stand-in; raises.
+- ``torch.distributed.checkpoint._extension`` (stream extensions such as
+  ``ZStandard``): no stand-in; only checkpoints written with an extension need
+  it, and they raise.
+- ``UntypedStorage._checkpoint_offset`` and ``torch._C.PyTorchFileReader``
+  (where a saved tensor's bytes start, and their byte order; reading tensors
+  straight into place): the saved record is located with ``zipfile``; failing
+  that, tensors are loaded with ``torch.load`` (slower; logged once).
+- ``DataLoader._iterator`` and ``_shutdown_workers`` (a loader's live worker
+  iterator, and stopping its workers): no iterator is seen (workers are then
+  stopped by dropping it, as torch's own finaliser does).
+- torch's restricted unpickler of ``.metadata``
+  (``torch.distributed.checkpoint.filesystem._restricted_metadata_load``, with
+  ``add_safe_metadata_globals``): used where torch has it; else nbtools' own.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import functools
+import logging
+import zipfile
+from collections.abc import Callable, Sequence
+from typing import IO, Any
+
+import torch
+
+from nbtools._internal.log import get_logger
+from nbtools.errors import UnsupportedTorchError
+
+__all__ = [
+    "TESTED_TORCH",
+    "create_cpu_state_dict",
+    "copy_state_dict",
+    "pin_memory",
+    "narrow_tensor_by_index",
+    "storage_info_class",
+    "extension_registry",
+    "stream_transform_extension_class",
+    "storage_data_offset",
+    "saved_byteorder",
+    "loader_iterator",
+    "take_loader_iterator",
+    "shutdown_workers",
+    "torch_metadata_loader",
+]
+
+#: torch versions the test suite runs on (CPU in CI); the first is the declared minimum.
+TESTED_TORCH = ("2.9", "2.13")
+
+_log = get_logger("torch")
+
+
+def _missing(what: str, used_for: str) -> UnsupportedTorchError:
+    return UnsupportedTorchError(
+        f"torch {torch.__version__} has no {what}, which nbtools needs for {used_for}. nbtools "
+        f"is tested with torch {', '.join(TESTED_TORCH)}: install one of those "
+        f"(pip install 'torch>={TESTED_TORCH[0]}')"
+    )
+
+
+@functools.cache
+def _fallback_note(what: str, effect: str, level: int = logging.WARNING) -> None:
+    """Log once that a private torch name is gone and what nbtools does instead
+    (a warning when that costs speed or a feature, else at info level)."""
+    _log.log(
+        level,
+        "torch %s has no %s; %s. nbtools is tested with torch %s",
+        torch.__version__,
+        what,
+        effect,
+        ", ".join(TESTED_TORCH),
+    )
+
+
+def _lookup(module: str, name: str) -> Any:
+    """``module.name`` or None when the module or the name is gone."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+# --- state dict buffers of async saves ---------------------------------------------------
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+        raise _missing(
+            "torch.distributed._state_dict_utils",
+            f"staging a {type(tensor).__name__} (a distributed tensor) for an async save",
+        )
+    return tensor
+
+
+def _own_create(obj: Any, pin: bool) -> Any:
+    if isinstance(obj, torch.Tensor):
+        src = _plain(obj)
+        return torch.empty(src.size(), dtype=src.dtype, device="cpu", pin_memory=pin)
+    if isinstance(obj, dict):
+        return {k: _own_create(v, pin) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_own_create(v, pin) for v in obj)
+    return obj
+
+
+def _own_copy(src: Any, dst: Any, non_blocking: bool) -> Any:
+    if isinstance(src, torch.Tensor):
+        dst.copy_(_plain(src).detach(), non_blocking=non_blocking)
+        return dst
+    if isinstance(src, dict):
+        return {k: _own_copy(v, dst[k], non_blocking) for k, v in src.items()}
+    if isinstance(src, (list, tuple)):
+        return type(src)(_own_copy(v, d, non_blocking) for v, d in zip(src, dst, strict=True))
+    return src
+
+
+def create_cpu_state_dict(state_dict: dict[str, Any], pin_memory: bool) -> dict[str, Any]:
+    """Host buffers shaped like ``state_dict``'s tensors (pinned with ``pin_memory``)."""
+    create = _lookup("torch.distributed._state_dict_utils", "_create_cpu_state_dict")
+    if create is None:
+        _fallback_note("torch.distributed._state_dict_utils", "staging copies plain tensors only")
+        return _own_create(state_dict, pin_memory)
+    return create(state_dict, pin_memory=pin_memory)
+
+
+def copy_state_dict(
+    state_dict: dict[str, Any], buffers: dict[str, Any], non_blocking: bool
+) -> dict[str, Any]:
+    """``state_dict`` with every tensor copied into its buffer from :func:`create_cpu_state_dict`."""
+    copy = _lookup("torch.distributed._state_dict_utils", "_copy_state_dict")
+    if copy is None:
+        _fallback_note("torch.distributed._state_dict_utils", "staging copies plain tensors only")
+        return _own_copy(state_dict, buffers, non_blocking)
+    return copy(state_dict, buffers, non_blocking=non_blocking, type_check=False)
+
+
+# --- data loading ----------------------------------------------------------------------
+
+
+def _own_pin(data: Any) -> Any:
+    if isinstance(data, torch.Tensor):
+        return data.pin_memory()
+    if isinstance(data, (str, bytes)):
+        return data
+    if isinstance(data, collections.abc.Mapping):
+        return type(data)({k: _own_pin(v) for k, v in data.items()})  # type: ignore[call-arg]
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
+        return type(data)(*(_own_pin(v) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(_own_pin(v) for v in data)
+    if hasattr(data, "pin_memory"):
+        return data.pin_memory()
+    return data
+
+
+def pin_memory(data: Any, device: str | None = None) -> Any:
+    """``data`` (a batch: tensors in mappings and sequences) with every tensor pinned
+    (for ``device``, as the ``DataLoader`` argument ``pin_memory_device`` says)."""
+    pin = _lookup("torch.utils.data._utils.pin_memory", "pin_memory")
+    if pin is None:
+        _fallback_note("torch.utils.data._utils.pin_memory", "batches are pinned by nbtools")
+        return _own_pin(data)
+    return pin(data, device)
+
+
+def loader_iterator(loader: Any) -> Any:
+    """The live multi-process iterator a ``DataLoader`` keeps (persistent workers), or None."""
+    if "_iterator" not in vars(loader):
+        _fallback_note("DataLoader._iterator", "live loader workers are not seen")
+        return None
+    return vars(loader)["_iterator"]
+
+
+def take_loader_iterator(loader: Any) -> Any:
+    """Detach and return the loader's live iterator (None when none); the next
+    ``iter(loader)`` starts new workers."""
+    iterator = loader_iterator(loader)
+    if iterator is not None:
+        loader._iterator = None
+    return iterator
+
+
+def shutdown_workers(iterator: Any) -> None:
+    """Stop the worker processes of a loader iterator and wait for them."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is None:
+        _fallback_note(
+            "_MultiProcessingDataLoaderIter._shutdown_workers",
+            "loader workers stop when their iterator is collected",
+        )
+        return
+    shutdown()
+
+
+# --- DCP file format --------------------------------------------------------------------
+
+
+def narrow_tensor_by_index(
+    tensor: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]
+) -> torch.Tensor:
+    """The part of ``tensor`` at ``offsets`` of ``sizes`` (a view), as DCP's readers take it.
+
+    Written with public ops (torch's own is ``torch.distributed._shard._utils``).
+    """
+    out = tensor
+    for dim, (offset, size) in enumerate(zip(offsets, sizes, strict=False)):
+        if size < tensor.size(dim):
+            out = out.narrow(dim, offset, size)
+    return out
+
+
+def storage_info_class() -> type:
+    """``_StorageInfo``: the per-item record (file, offset, length) of DCP's file format."""
+    cls = _lookup("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+    if cls is None:
+        raise _missing("torch.distributed.checkpoint.filesystem._StorageInfo", "DCP shard files")
+    return cls
+
+
+def extension_registry() -> Any:
+    """A new ``ExtensionRegistry`` of DCP stream extensions (``ZStandard``, ...)."""
+    cls = _lookup("torch.distributed.checkpoint._extension", "ExtensionRegistry")
+    if cls is None:
+        raise _missing(
+            "torch.distributed.checkpoint._extension",
+            "reading checkpoints written with stream extensions (FileSystemWriter(_extensions=))",
+        )
+    return cls()
+
+
+def stream_transform_extension_class() -> type:
+    """``StreamTransformExtension``, the base class of DCP's stream extensions."""
+    cls = _lookup("torch.distributed.checkpoint._extension", "StreamTransformExtension")
+    if cls is None:
+        raise _missing(
+            "torch.distributed.checkpoint._extension",
+            "reading checkpoints written with stream extensions (FileSystemWriter(_extensions=))",
+        )
+    return cls
+
+
+def _zip_record(stream: IO[bytes], suffix: str) -> zipfile.ZipInfo | None:
+    stream.seek(0)
+    with zipfile.ZipFile(stream) as archive:
+        for info in archive.infolist():
+            if info.filename.endswith(suffix):
+                return info
+    return None
+
+
+def _zip_data_offset(stream: IO[bytes], info: zipfile.ZipInfo) -> int | None:
+    """Where the data of a stored (uncompressed) zip member starts in ``stream``."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        return None
+    stream.seek(info.header_offset)
+    header = stream.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        return None
+    name_len = int.from_bytes(header[26:28], "little")
+    extra_len = int.from_bytes(header[28:30], "little")
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def storage_data_offset(saved: torch.Tensor, record: IO[bytes]) -> int | None:
+    """Where the bytes of ``saved``'s storage start in its ``torch.save`` record ``record``.
+
+    ``saved`` was loaded from ``record`` with ``map_location="meta"`` (no data read).
+    None when it cannot be told (the caller then loads the tensor normally).
+    """
+    offset = getattr(saved.untyped_storage(), "_checkpoint_offset", None)
+    if isinstance(offset, int):
+        return offset
+    _fallback_note(
+        "UntypedStorage._checkpoint_offset on meta loads",
+        "saved tensors are located with zipfile",
+        logging.INFO,
+    )
+    try:
+        info = _zip_record(record, "/data/0")
+        return None if info is None else _zip_data_offset(record, info)
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return None
+
+
+def saved_byteorder(record: IO[bytes]) -> str | None:
+    """The byte order (``"little"``/``"big"``) recorded in a ``torch.save`` record;
+    None when it records none (files of old torch versions: native order)."""
+    reader_cls = getattr(torch._C, "PyTorchFileReader", None)
+    if reader_cls is not None:
+        reader = reader_cls(record)
+        if not reader.has_record("byteorder"):
+            return None
+        return reader.get_record("byteorder").decode()
+    _fallback_note(
+        "torch._C.PyTorchFileReader", "the byte order is read with zipfile", logging.INFO
+    )
+    info = _zip_record(record, "/byteorder")
+    if info is None:
+        return None
+    record.seek(0)
+    with zipfile.ZipFile(record) as archive:
+        return archive.read(info).decode()
+
+
+# --- DCP metadata -------------------------------------------------------------------------
+
+
+def torch_metadata_loader() -> Callable[[IO[bytes]], Any] | None:
+    """torch's own restricted ``.metadata`` unpickler, where this torch has one, else None.
+
+    torch releases that restrict ``FileSystemReader``'s metadata unpickling
+    expose ``add_safe_metadata_globals`` next to the loader.
+    """
+    module = "torch.distributed.checkpoint.filesystem"
+    if _lookup(module, "add_safe_metadata_globals") is None:
+        return None
+    return _lookup(module, "_restricted_metadata_load")
