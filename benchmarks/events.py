@@ -11,6 +11,9 @@ Prints one JSON line. Run: ``python benchmarks/events.py``.
   bus (event time stamp to arrival), p50/p99.
 - A rank emitting 1,000,000 events in a tight loop: its loop time against the
   same loop calling an empty function, events delivered and dropped, memory.
+- Bytes of each GPU-pane update while a busy run's events arrive (about 5 per
+  poll, and a burst of 2,000), and the bytes a second pane opens with
+  (``benchmarks/monitor.py`` measures these; the goal is 4 KB per update).
 """
 
 from __future__ import annotations
@@ -120,6 +123,20 @@ def _result(proc: subprocess.Popen) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def _pane_bytes() -> dict:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import monitor  # benchmarks/monitor.py
+
+    comms = monitor._comms()
+    measured = monitor.measure_events(comms)
+    return {
+        "pane_events_per_update": measured["events_per_poll"],
+        "pane_bytes_per_update_with_events_mean": round(measured["mean"]),
+        "pane_bytes_per_update_with_events_max": measured["max"],
+        "pane_bytes_per_update_burst_max": measured["burst_max"],
+    }
+
+
 def main() -> None:
     from nbtools.events import Bus, Collector
 
@@ -151,6 +168,7 @@ def main() -> None:
         flood = _result(_start("flood", env, 0))
         collector.drain()
         flood_dropped = bus.dropped() - rate_dropped - cost_dropped
+    pane = _pane_bytes()
     print(
         json.dumps(
             {
@@ -178,6 +196,11 @@ def main() -> None:
                 "flood_rss_growth_mib": flood["rss_growth_mib"],
                 "goal_emit_mean_le_5us": cost["emit"]["mean_ns"] <= 5000,
                 "goal_latency_p99_le_1s": bool(lat) and lat[int(0.99 * (len(lat) - 1))] <= 1.0,
+                **pane,
+                "goal_pane_update_le_4kb": max(
+                    pane["pane_bytes_per_update_with_events_max"],
+                    pane["pane_bytes_per_update_burst_max"],
+                ) <= 4096,
                 "cpus": os.cpu_count(),
             }
         )

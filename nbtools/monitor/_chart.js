@@ -1,25 +1,50 @@
 // Front end of the GPU pane: a plotly.js figure (3 panels, one line per GPU) that
-// grows by Plotly.extendTraces from small per-poll messages, plus a table of the
-// current values. The whole figure travels only in the `_figure` trait, which the
-// kernel rebuilds when the set of GPUs changes or a view asks to resynchronise.
+// grows by Plotly.extendTraces from small per-poll messages, the run's events on
+// the same time axis, a table of the current values and a list of the last events.
+// The whole figure travels only in the `_figure` trait, which the kernel rebuilds
+// when the set of GPUs changes or a view asks to resynchronise; its history comes
+// as binary arrays. plotly.js itself is held by one library model per kernel
+// (`_library`) and loaded into the page once, by the first chart drawn.
 
 const PANELS = 3; // utilization, memory, temperature; trace index = panel * gpus + row
 const CONFIG = { displaylogo: false, displayModeBar: false };
+const MISSING = 65535;
+const MAX_DRAWN = 400;
+const LISTED = 8;
+// How each category of event is drawn (see nbtools/monitor/timeline.py).
+const STYLE = {
+  save: { color: "#2563eb", symbol: "square", band: 0.22 },
+  stall: { color: "#d97706", symbol: "diamond", band: 0.18 },
+  failure: { color: "#dc2626", symbol: "x", line: "solid" },
+  restart: { color: "#ea580c", symbol: "triangle-up", line: "dash" },
+  run: { color: "#6b7280", symbol: "circle-open", line: "dot" },
+  mark: { color: "#7c3aed", symbol: "triangle-down" },
+};
 
-function plotlyFrom(model) {
+function plotlyFor(model) {
   const g = globalThis;
-  if (!g.__nbtoolsPlotly) {
-    if (g.Plotly && typeof g.Plotly.extendTraces === "function") {
-      g.__nbtoolsPlotly = g.Plotly;
-    } else {
+  if (g.__nbtoolsPlotly) return Promise.resolve(g.__nbtoolsPlotly);
+  if (g.Plotly && typeof g.Plotly.extendTraces === "function") {
+    g.__nbtoolsPlotly = g.Plotly;
+    return Promise.resolve(g.Plotly);
+  }
+  if (!g.__nbtoolsPlotlyLoading) {
+    const loading = (async () => {
+      const library = await model.widget_manager.get_model(model.get("_library"));
+      const code = new TextDecoder().decode(library.get("_plotly_js"));
       // plotly.min.js is a UMD bundle: hand it a CommonJS module object to fill,
       // so it neither needs a loader nor touches an AMD `define` on the page.
       const module = { exports: {} };
-      new Function("module", "exports", model.get("_plotly_js"))(module, module.exports);
+      new Function("module", "exports", code)(module, module.exports);
       g.__nbtoolsPlotly = module.exports;
-    }
+      return module.exports;
+    })();
+    loading.catch(() => {
+      if (g.__nbtoolsPlotlyLoading === loading) g.__nbtoolsPlotlyLoading = null;
+    });
+    g.__nbtoolsPlotlyLoading = loading;
   }
-  return g.__nbtoolsPlotly;
+  return g.__nbtoolsPlotlyLoading;
 }
 
 // plotly draws numeric x values as UTC; shift epoch milliseconds to the browser's zone.
@@ -34,22 +59,99 @@ function element(tag, className, text) {
   return node;
 }
 
-function render({ model, el }) {
-  const Plotly = plotlyFrom(model);
+function float64s(view) {
+  const out = new Array(view.byteLength / 8);
+  for (let i = 0; i < out.length; i++) out[i] = local(view.getFloat64(8 * i, true));
+  return out;
+}
+
+function scaled(view, factor) {
+  const out = new Array(view.byteLength / 2);
+  for (let i = 0; i < out.length; i++) {
+    const v = view.getUint16(2 * i, true);
+    out[i] = v === MISSING ? null : v / factor;
+  }
+  return out;
+}
+
+function escapeHtml(text) {
+  return String(text).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+}
+
+// An event row: [ms, kind, category, rank, step, start ms or null, text].
+function describe(e) {
+  const who = [e[3] === null ? null : `rank ${e[3]}`, e[4] === null ? null : `step ${e[4]}`];
+  return who.filter((p) => p).concat(e[6] ? [e[6]] : []).join(" · ");
+}
+
+function eventLayer(rows, traceCount) {
+  const shapes = [];
+  const x = [];
+  const text = [];
+  const color = [];
+  const symbol = [];
+  for (const e of rows) {
+    const style = STYLE[e[2]] || STYLE.mark;
+    const t = local(e[0]);
+    if (style.band && e[5] !== null) {
+      shapes.push({
+        type: "rect", xref: "x", yref: "paper", x0: local(e[5]), x1: t, y0: 0, y1: 1,
+        fillcolor: style.color, opacity: style.band, layer: "below",
+        line: { color: style.color, width: 1 },
+      });
+    } else if (style.line) {
+      shapes.push({
+        type: "line", xref: "x", yref: "paper", x0: t, x1: t, y0: 0, y1: 1,
+        line: { color: style.color, width: 1.5, dash: style.line },
+      });
+    }
+    x.push(t);
+    text.push(`<b>${escapeHtml(e[1])}</b> ${clock(e[0])}<br>${escapeHtml(describe(e))}`);
+    color.push(style.color);
+    symbol.push(style.symbol);
+  }
+  const trace = {
+    type: "scatter", mode: "markers", name: "events", showlegend: false, xaxis: "x", yaxis: "y",
+    x, y: x.map(() => 100), customdata: text, hovertemplate: "%{customdata}<extra></extra>",
+    marker: { color, symbol, size: 9, line: { width: 1, color: "white" } }, cliponaxis: false,
+  };
+  return { shapes, trace, index: traceCount };
+}
+
+async function render({ model, el }) {
   const root = element("div", "nbtools-gpu");
   const head = element("div", "nbtools-gpu-head");
   const source = element("span", "nbtools-gpu-source");
   const last = element("span", "nbtools-gpu-last", "no sample yet");
   const table = element("table", "nbtools-gpu-glance");
   const plot = element("div", "nbtools-gpu-plot");
+  const list = element("div", "nbtools-gpu-events");
   head.append(source, last);
-  root.append(head, table, plot);
+  root.append(head, table, plot, list);
   el.append(root);
+  // Polls that arrive while plotly.js loads are kept and applied once it is there.
+  const early = [];
+  const hold = (msg) => early.push(msg);
+  model.on("msg:custom", hold);
+  let Plotly;
+  try {
+    Plotly = await plotlyFor(model);
+  } catch (err) {
+    model.off("msg:custom", hold);
+    last.textContent = `plotly.js could not be loaded (${err}); run the cell again`;
+    return () => {};
+  }
+  model.off("msg:custom", hold);
 
   let seq = -1;
   let gpus = [];
   let maxPoints = 720;
+  let horizon = 0;
   let cells = [];
+  let events = [];
+  let keys = new Set();
+  let counts = { d: 0, nd: 0 };
+  let traceCount = 0;
 
   function setLast(t) {
     last.dataset.time = t ? String(t) : "";
@@ -86,16 +188,80 @@ function render({ model, el }) {
     tds[4].className = g[4] ? "nbtools-gpu-warn" : "";
   }
 
+  function keepEvents(rows) {
+    for (const e of rows) {
+      const key = JSON.stringify(e);
+      if (keys.has(key)) continue;
+      keys.add(key);
+      events.push(e);
+    }
+    events.sort((a, b) => a[0] - b[0]);
+    const newest = events.length ? events[events.length - 1][0] : 0;
+    const old = events.length - MAX_DRAWN;
+    events = events.filter((e, i) => i >= old && (!horizon || e[0] >= newest - horizon));
+    keys = new Set(events.map((e) => JSON.stringify(e)));
+  }
+
+  function drawList() {
+    list.replaceChildren();
+    const title = element("div", "nbtools-gpu-events-head", events.length ? "Events" : "No events yet");
+    if (counts.d > 0) {
+      title.append(element("span", "nbtools-gpu-dropped",
+        ` · ${counts.d} dropped (ranks emitted faster than the kernel read)`));
+    }
+    if (counts.nd > 0) {
+      title.append(element("span", "nbtools-gpu-undrawn", ` · ${counts.nd} not drawn (see pane.events())`));
+    }
+    list.append(title);
+    for (const e of events.slice(-LISTED).reverse()) {
+      const style = STYLE[e[2]] || STYLE.mark;
+      const row = element("div", "nbtools-gpu-event");
+      row.dataset.kind = e[1];
+      row.dataset.category = e[2];
+      const kind = element("span", "nbtools-gpu-event-kind", e[1]);
+      kind.style.color = style.color;
+      row.append(element("span", "nbtools-gpu-event-time", clock(e[0])), kind,
+        element("span", "nbtools-gpu-event-text", describe(e)));
+      list.append(row);
+    }
+  }
+
+  function drawEvents() {
+    if (!plot.data || !traceCount) {
+      drawList();
+      return;
+    }
+    const layer = eventLayer(events, traceCount);
+    Plotly.update(plot, {
+      x: [layer.trace.x], y: [layer.trace.y], customdata: [layer.trace.customdata],
+      "marker.color": [layer.trace.marker.color], "marker.symbol": [layer.trace.marker.symbol],
+    }, { shapes: layer.shapes }, [layer.index]);
+    drawList();
+  }
+
   function draw() {
     const fig = model.get("_figure");
     if (!fig || !fig.data) return;
     seq = fig.n;
     gpus = fig.gpus;
     maxPoints = fig.m;
+    horizon = fig.h || 0;
+    counts = { d: fig.d || 0, nd: fig.nd || 0 };
+    traceCount = fig.data.length;
     // Without any GPU read yet (unavailable), the status line says why; no empty axes.
     plot.style.display = table.style.display = fig.data.length ? "" : "none";
-    const data = fig.data.map((trace) => ({ ...trace, x: trace.x.map(local) }));
-    Plotly.react(plot, data, fig.layout, CONFIG);
+    const xs = fig.x.map(float64s);
+    const data = fig.data.map((trace, i) => ({
+      ...trace,
+      x: xs[fig.xi[i % gpus.length]],
+      y: scaled(fig.y[i], fig.f[Math.floor(i / gpus.length)]),
+    }));
+    events = [];
+    keys = new Set();
+    keepEvents(fig.ev || []);
+    const layer = eventLayer(events, data.length);
+    if (data.length) data.push(layer.trace);
+    Plotly.react(plot, data, { ...fig.layout, shapes: data.length ? layer.shapes : [] }, CONFIG);
     const simulated = fig.source === "simulated";
     const hosts = fig.hosts === 1 ? "1 host" : `${fig.hosts} hosts`;
     const label = fig.hosts ? `${fig.source} · ${hosts}` : fig.source;
@@ -104,6 +270,7 @@ function render({ model, el }) {
     buildTable();
     fig.glance.forEach((g, i) => fillRow(i, g));
     setLast(fig.last);
+    drawList();
   }
 
   function onMessage(msg) {
@@ -129,6 +296,9 @@ function render({ model, el }) {
     Plotly.extendTraces(plot, { x: xs, y: ys }, indices, maxPoints);
     msg.g.forEach((g, j) => fillRow(msg.r + j, g));
     setLast(msg.t);
+    if (msg.d !== undefined) counts = { d: msg.d, nd: msg.nd };
+    if (msg.e) keepEvents(msg.e);
+    if (msg.e || msg.d !== undefined) drawEvents();
   }
 
   // The view is attached to the page after render() returns; follow its real width.
@@ -139,6 +309,7 @@ function render({ model, el }) {
   model.on("change:_figure", draw);
   model.on("msg:custom", onMessage);
   draw();
+  early.forEach(onMessage);
   model.send({ k: "sync", n: seq });
   return () => {
     observer.disconnect();

@@ -1,14 +1,21 @@
 """The chart of the GPU pane: an anywidget whose front end draws with plotly.js.
 
-The kernel sends the whole figure (built with plotly's ``make_subplots``) only
-when the set of GPUs changes or a view asks for it; every poll after that is a
-custom message of a few hundred bytes that the front end appends with
-``Plotly.extendTraces``. plotly.js itself comes from the plotly Python
-package, so no JupyterLab extension beyond anywidget's is needed.
+The kernel sends the whole figure (layout from plotly's ``make_subplots``, the
+history as binary arrays: one float64 time array per host, one uint16 array
+per trace) only when the set of GPUs changes or a view asks for it; every poll
+after that is a custom message of a few hundred bytes, events included, that
+the front end appends with ``Plotly.extendTraces``.
+
+plotly.js (about 4.8 MB) comes from the plotly Python package, so no
+JupyterLab extension beyond anywidget's is needed. It travels once per page:
+one model without a view (:func:`plotly_library`) holds it for the life of the
+kernel, and every chart names that model; the first chart drawn on a page
+loads it into the page, later charts reuse it.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 from functools import cache
@@ -17,12 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import anywidget
+import ipywidgets
+import numpy as np
 import traitlets
 
 from nbtools.monitor.history import History
 from nbtools.monitor.readings import Sample, describe_throttle
+from nbtools.monitor.timeline import MESSAGE_BUDGET, EventFeed
 
-__all__ = ["GPUChart"]
+__all__ = ["GPUChart", "plotly_library"]
 
 _GIB = 1024**3
 _HERE = Path(__file__).parent
@@ -32,11 +42,42 @@ _TITLES = ("Utilization (%)", "Memory used (GiB)", "Temperature (°C)")
 _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22", "#17becf")
 _DASHES = ("solid", "dot", "dash", "longdash", "dashdot")
+_MISSING = 65535  # uint16 value of a point that was not available
+_GRID = "#EBF0F8"
 
 
 @cache
-def _plotly_js() -> str:
-    return resources.files("plotly").joinpath("package_data", "plotly.min.js").read_text("utf-8")
+def _plotly_js() -> bytes:
+    return resources.files("plotly").joinpath("package_data", "plotly.min.js").read_bytes()
+
+
+class _PlotlyLibrary(ipywidgets.Widget):
+    """A model without a view that carries plotly.js to the page (binary, sent once)."""
+
+    _plotly_js = traitlets.Bytes(b"").tag(sync=True)
+
+
+_library: _PlotlyLibrary | None = None
+_library_lock = threading.Lock()
+
+
+def plotly_library() -> ipywidgets.Widget:
+    """The model that carries plotly.js, created on first use and kept for the kernel's life.
+
+    A page receives it once (again after a reload): closing and opening panes
+    sends no second copy.
+    """
+    global _library
+    with _library_lock:
+        if _library is None or _library.comm is None:
+            _library = _PlotlyLibrary(_plotly_js=_plotly_js())
+        return _library
+
+
+def _scaled(values: np.ndarray, factor: float) -> bytes:
+    """Values times ``factor`` as little-endian uint16, ``_MISSING`` where not available."""
+    scaled = np.clip(np.rint(values * factor), 0, _MISSING - 1)
+    return np.where(np.isnan(values), _MISSING, scaled).astype("<u2").tobytes()
 
 
 def _round(value: float | None, scale: float, digits: int) -> float | None:
@@ -61,37 +102,50 @@ def _glance(reading: Any) -> list:
 class GPUChart(anywidget.AnyWidget):
     """Three panels (utilization, memory, temperature), one line per GPU, grouped by host.
 
+    The run's events are drawn on the same time axis (see :mod:`nbtools.monitor.timeline`)
+    and listed under the panels.
+
     Args:
         history: The history to draw; the chart reads it, the sampler fills it.
         source: ``"NVML"`` or ``"simulated"`` (shown in the chart).
         latest: Samples already in the history whose current values should show at once.
+        feed: Events to draw; None draws none.
     """
 
     _esm = (_HERE / "_chart.js").read_text("utf-8")
     _css = (_HERE / "_chart.css").read_text("utf-8")
-    _plotly_js = traitlets.Unicode("").tag(sync=True)
+    _library = traitlets.Unicode("").tag(sync=True)
     _figure = traitlets.Dict().tag(sync=True)
 
     def __init__(
-        self, history: History, source: str, latest: list[Sample] | tuple[()] = (), **kwargs: Any
+        self,
+        history: History,
+        source: str,
+        latest: list[Sample] | tuple[()] = (),
+        feed: EventFeed | None = None,
+        **kwargs: Any,
     ) -> None:
         self._history = history
         self._source = source
+        self._feed = feed
         self._lock = threading.Lock()
         self._seq = 1
         self._rows: dict[str, tuple[int, list[int]]] = {}  # host -> (first row, gpu indices)
         self._latest: dict[tuple[str, int], Any] = {}  # (host, index) -> last reading
         self._last_time: float | None = None
+        self._told = (0, 0)  # (dropped, not drawn) as the front end last heard them
         for sample in latest:
             self._remember(sample)
         # The figure travels with the comm's opening message, not in a second one.
-        super().__init__(_plotly_js=_plotly_js(), _figure=self._build(), **kwargs)
+        super().__init__(
+            _library=plotly_library().model_id, _figure=self._build(), **kwargs
+        )
         self.on_msg(self._on_front_end)
 
     # --- full figure ------------------------------------------------------------
 
     def rebuild(self) -> None:
-        """Send the whole figure again (all GPUs, the whole history)."""
+        """Send the whole figure again (all GPUs, the whole history, the events kept)."""
         with self._lock:
             self._seq += 1
             self._figure = self._build()
@@ -100,39 +154,48 @@ class GPUChart(anywidget.AnyWidget):
         from plotly.subplots import make_subplots
 
         gpus = self._history.gpus()
+        hosts = self._history.hosts()
         self._rows, row = {}, 0
-        for host in self._history.hosts():
+        for host in hosts:
             indices = [i for h, i, _ in gpus if h == host]
             self._rows[host] = (row, indices)
             row += len(indices)
         fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.07,
                             subplot_titles=_TITLES)
-        hosts = self._history.hosts()
-        for panel, (field, scale, digits) in enumerate(_PANELS):
+        max_mem = max((self._total(h, i) or 0 for h, i, _ in gpus), default=0) / _GIB
+        # Scaled to uint16 on the wire: 0.1 %, 0.01 GiB (0.1 GiB past 650 GiB), 0.1 degC.
+        factors = (10.0, 100.0 if max_mem < 650 else 10.0, 10.0)
+        times: dict[str, list] = {}
+        ys: list[bytes] = []
+        for panel, (field, scale, _digits) in enumerate(_PANELS):
             for host, index, name in gpus:
-                times, values = self._history.series(host, index, field)
+                stamps, values = self._history.series(host, index, field)
+                times.setdefault(host, stamps)
                 label = f"{host} · GPU {index}" if len(hosts) > 1 else f"GPU {index}"
                 fig.add_scatter(
                     row=panel + 1, col=1, mode="lines", name=label, legendgroup=label,
                     showlegend=panel == 0, hovertemplate=f"{name}<br>%{{y}}<extra>{label}</extra>",
                     line={"color": _COLORS[index % len(_COLORS)],
                           "dash": _DASHES[hosts.index(host) % len(_DASHES)], "width": 1.5},
-                    x=[round(t * 1000) for t in times.tolist()],
-                    y=[_round(v, scale, digits) for v in values.tolist()],
                 )
-        max_mem = max((self._total(h, i) or 0 for h, i, _ in gpus), default=0) / _GIB
+                ys.append(_scaled(values * scale, factors[panel]))
         title = "GPU resources" + (" (simulated)" if self._source == "simulated" else "")
         fig.update_layout(
-            template="plotly_white", height=560, margin={"l": 50, "r": 20, "t": 60, "b": 30},
+            paper_bgcolor="white", plot_bgcolor="white", font={"color": "#2a3f5f"},
+            height=560, margin={"l": 50, "r": 20, "t": 60, "b": 30},
             title={"text": title, "x": 0.01, "y": 0.985, "font": {"size": 14}},
             legend={"orientation": "h", "x": 1, "xanchor": "right", "y": 1.07, "yanchor": "bottom"},
             hovermode="x unified", autosize=True,
             uirevision="nbtools-gpu",
         )
+        fig.update_yaxes(gridcolor=_GRID, zerolinecolor=_GRID)
+        fig.update_xaxes(type="date", gridcolor=_GRID)
         fig.update_yaxes(range=[0, 100], row=1, col=1)
         fig.update_yaxes(range=[0, max(max_mem, 1.0) * 1.05], row=2, col=1)
-        fig.update_xaxes(type="date")
         spec = fig.to_plotly_json()
+        feed = self._feed
+        if feed is not None:
+            self._told = (feed.dropped(), feed.not_drawn)
         return {
             "n": self._seq,
             "m": self._history.capacity,
@@ -140,6 +203,11 @@ class GPUChart(anywidget.AnyWidget):
             "hosts": len(hosts),
             "data": spec["data"],
             "layout": spec["layout"],
+            # Epoch milliseconds per host (float64), values per trace (uint16 / factor).
+            "x": [(stamps * 1000.0).astype("<f8").tobytes() for stamps in times.values()],
+            "xi": [list(times).index(h) for h, _, _ in gpus],
+            "y": ys,
+            "f": factors,
             "gpus": [
                 [h, i, name, _round(self._total(h, i), 1.0 / _GIB, 0), self._limit(h, i)]
                 for h, i, name in gpus
@@ -147,6 +215,10 @@ class GPUChart(anywidget.AnyWidget):
             "glance": [_glance(self._latest[(h, i)]) if (h, i) in self._latest else None
                        for h, i, _ in gpus],
             "last": None if self._last_time is None else round(self._last_time * 1000),
+            "ev": [] if feed is None else feed.snapshot(),
+            "h": round(1000 * (feed.horizon_s if feed is not None else 0)),
+            "d": self._told[0],
+            "nd": self._told[1],
         }
 
     def _total(self, host: str, index: int) -> float | None:
@@ -160,7 +232,11 @@ class GPUChart(anywidget.AnyWidget):
     # --- per poll ----------------------------------------------------------------
 
     def push(self, sample: Sample) -> None:
-        """Show a sample that the history already holds: a small message, or a rebuild."""
+        """Show a sample that the history already holds: a small message, or a rebuild.
+
+        Events queued since the last poll ride in the same message, which stays
+        within ``MESSAGE_BUDGET`` bytes; what does not fit waits for the next poll.
+        """
         with self._lock:
             self._remember(sample)
             row = self._rows.get(sample.host)
@@ -169,14 +245,29 @@ class GPUChart(anywidget.AnyWidget):
                 self._figure = self._build()
                 return
             self._seq += 1
-            message = {
+            message: dict[str, Any] = {
                 "k": "s",
                 "n": self._seq,
                 "t": round(sample.time * 1000),
                 "r": row[0],
                 "g": [_glance(r) for r in sample.gpus],
             }
+            self._add_events(message)
             self.send(message)
+
+    def _add_events(self, message: dict[str, Any]) -> None:
+        feed = self._feed
+        if feed is None:
+            return
+        told = (feed.dropped(), feed.not_drawn)
+        if told != self._told:  # said once, whenever a count changes
+            message["d"], message["nd"] = self._told = told
+        if feed.pending:
+            # The comm wraps the content in {"method": "custom", "content": ...}.
+            used = 40 + len(json.dumps(message, ensure_ascii=False)) + len(', "e": []')
+            rows = feed.take(MESSAGE_BUDGET - used)
+            if rows:
+                message["e"] = rows
 
     def _remember(self, sample: Sample) -> None:
         for reading in sample.gpus:

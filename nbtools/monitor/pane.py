@@ -2,7 +2,8 @@
 
 An ipywidgets box with a Refresh button, a Pause/Resume button, the status in
 words, and a plotly chart (:class:`~nbtools.monitor._widget.GPUChart`) with
-utilization, memory and temperature of every GPU, grouped by host. The pane
+utilization, memory and temperature of every GPU, grouped by host, and the
+run's events (:mod:`nbtools.events`) on the same time axis. The pane
 is a view of a shared :class:`~nbtools.monitor.sampler.Sampler`: two panes on
 the same GPUs poll once. Cell execution counts as activity through IPython's
 ``pre_run_cell``/``post_run_cell`` events.
@@ -11,15 +12,18 @@ the same GPUs poll once. Cell execution counts as activity through IPython's
 from __future__ import annotations
 
 import html
+import time
 from typing import Any
 
 import ipywidgets as widgets
 
+from nbtools import events as _events
 from nbtools._internal.log import get_logger
 from nbtools.monitor._widget import GPUChart
 from nbtools.monitor.backends import Backend, NVMLBackend
-from nbtools.monitor.readings import Sample
+from nbtools.monitor.readings import Sample, local_host
 from nbtools.monitor.sampler import Sampler, acquire, release
+from nbtools.monitor.timeline import EVENT_COLUMNS, EventFeed, event_rows
 from nbtools.monitor.timing import DEFAULT_HISTORY_SECONDS, DEFAULT_IDLE_TIMEOUT, DEFAULT_INTERVAL
 
 __all__ = ["GPUPane"]
@@ -38,6 +42,10 @@ def _ipython() -> Any:
 
 class GPUPane:
     """Live utilization, memory and temperature of every GPU, with 2 hours of history.
+
+    The run's events (``nbtools.events``: checkpoint saves, input stalls, failed
+    ranks, restarts, your own ``events.emit``) are drawn on the same time axis
+    and listed under the charts; :meth:`events` returns them.
 
     Creating a pane inside IPython displays it. Polling runs on a background
     thread, pauses after ``idle_timeout`` seconds without a running cell or a
@@ -81,9 +89,11 @@ class GPUPane:
         if self.sampler.last_sample is None and self.sampler.status == "polling":
             self.sampler.refresh()  # a pane never opens empty
         shown = self.sampler.last_sample
+        self._feed = EventFeed(_events.bus(), self.sampler.history_seconds, local_host=local_host())
         try:
             self._build()
         except BaseException:
+            self._feed.close()
             release(self.sampler)
             raise
         self.sampler.add_sink(self._on_sample)
@@ -102,7 +112,9 @@ class GPUPane:
     def _build(self) -> None:
         sampler = self.sampler
         latest = [sampler.last_sample] if sampler.last_sample is not None else []
-        self._chart = GPUChart(sampler.samples, sampler.backend.source, latest=latest)
+        self._chart = GPUChart(
+            sampler.samples, sampler.backend.source, latest=latest, feed=self._feed
+        )
         self._refresh_button = widgets.Button(
             description="Refresh", icon="refresh", tooltip="Sample every GPU now",
             layout=widgets.Layout(width="auto", flex="0 0 auto"),
@@ -161,11 +173,39 @@ class GPUPane:
         frame["time"] = pd.to_datetime(frame["time"], unit="s", utc=True)
         return frame
 
+    def events(self) -> Any:
+        """The run's events of the last ``history`` seconds, oldest first.
+
+        Returns:
+            A pandas DataFrame when pandas is installed, else a list of dicts.
+            Columns: ``time`` (UTC), ``host``, ``rank``, ``kind``, ``message``,
+            ``step``, ``pid``, then one column per field that any event carries.
+
+        Example:
+            >>> pane.events().query("kind == 'checkpoint_saved'")[["time", "step", "blocked_s"]]  # doctest: +SKIP
+        """
+        kept = self._feed.bus.log(since=time.time() - self.sampler.history_seconds)
+        rows = event_rows(kept)
+        try:
+            import pandas as pd
+        except ImportError:
+            return rows
+        fields = list(dict.fromkeys(k for row in rows for k in row if k not in EVENT_COLUMNS))
+        frame = pd.DataFrame(rows, columns=[*EVENT_COLUMNS, *fields])
+        frame["time"] = pd.to_datetime(frame["time"], unit="s", utc=True)
+        return frame
+
+    @property
+    def dropped_events(self) -> int:
+        """Events the ranks dropped because the kernel did not keep up (shown when > 0)."""
+        return self._feed.dropped()
+
     def close(self) -> None:
         """Stop showing and, when no other pane uses it, stop the sampler thread (idempotent)."""
         if self._closed:
             return
         self._closed = True
+        self._feed.close()
         self.sampler.remove_sink(self._on_sample)
         self.sampler.remove_watcher(self._on_status)
         if self._ip is not None:

@@ -32,6 +32,7 @@ from nbtools._internal.log import get_logger
 from nbtools.errors import TrackingError
 from nbtools.runtime import is_main_process
 from nbtools.tracking._batcher import DEFAULT_MAX_PENDING, MetricBatcher
+from nbtools.tracking._events import EventsRecorder
 from nbtools.tracking._run import open_run
 from nbtools.tracking._store import bounded_requests, check_metric_name
 
@@ -90,6 +91,11 @@ class MlflowLogger:
             tracking server never stops training (:meth:`flush` and :meth:`close`
             then raise, saying how many).
         close_timeout: Seconds :meth:`close` waits at most for queued values (default 30).
+        events_to_mlflow: Keep the run's events (``nbtools.events``: launches, failures,
+            restarts, checkpoints, input stalls, your own) that reach this process while
+            the logger is open, and store them in the run as a JSON-lines artifact
+            ``events/events-<start>-<id>.jsonl`` on :meth:`close`. Create the logger
+            in the notebook: ranks send their events to the kernel.
 
     A resumed run (``run_id``, ``MLFLOW_RUN_ID``, or an adopted active run) keeps the
     values it holds: a value at a step the run already holds for that metric (steps
@@ -115,6 +121,7 @@ class MlflowLogger:
         flush_interval: float = 1.0,
         max_pending: int = DEFAULT_MAX_PENDING,
         close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+        events_to_mlflow: bool = False,
     ) -> None:
         if not isinstance(log_every, int) or isinstance(log_every, bool) or log_every < 1:
             raise ValueError(f"log_every must be an integer >= 1, got {log_every!r}")
@@ -141,6 +148,7 @@ class MlflowLogger:
         self.experiment_id: str | None = None
         self._owned = False
         self._batcher: MetricBatcher | None = None
+        self._recorder: EventsRecorder | None = None
         self._skip = rank_zero_only and not is_main_process()
         if self._skip:
             return
@@ -158,6 +166,8 @@ class MlflowLogger:
             resumed=resumed,
         )
         self._put = self._batcher.put
+        if events_to_mlflow:
+            self._recorder = EventsRecorder()
         global _current
         with _lock:
             _open_loggers.add(self)
@@ -216,7 +226,7 @@ class MlflowLogger:
 
         Raises:
             TrackingError: Some metric values were not written (the message says how
-                many), or the run could not be marked ended.
+                many), the events could not be stored, or the run could not be marked ended.
         """
         global _current
         if self._closed:
@@ -229,6 +239,11 @@ class MlflowLogger:
             self._batcher.close(self._close_timeout if timeout is None else timeout)
         except TrackingError as exc:
             lost = exc
+        try:
+            if self._recorder is not None:
+                self._recorder.write(self._client, self._uri, self.run_id)  # type: ignore[arg-type]
+        except TrackingError as exc:
+            lost = exc if lost is None else TrackingError(f"{lost}; and {exc}")
         finally:
             with _lock:
                 _open_loggers.discard(self)

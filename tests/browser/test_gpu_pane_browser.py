@@ -1,10 +1,14 @@
 """The GPU pane in a real JupyterLab, in headless Chromium (Debian's), driven by Playwright.
 
 Starts JupyterLab on loopback with a token in a temporary directory, runs a
-notebook that shows ``GPUPane(backend=SimulatedBackend(num_gpus=4))``, checks
-4 lines per panel and that Refresh moves the last-sample time, saves a
-screenshot (to ``assets/gpu_pane.png`` when ``NBTOOLS_UPDATE_ASSETS=1``, else to
-the test's temporary directory), and stops JupyterLab and the browser.
+notebook that shows ``GPUPane(backend=SimulatedBackend(num_gpus=4))`` and then
+a real 2-rank ``@distributed`` training run that saves checkpoints, waits for a
+slow sample and loses a rank once. Checks 4 lines per panel, the run's events
+drawn on the time axis (bands, lines, markers) and listed under the charts, a
+second pane that opens without a second copy of plotly.js, and that Refresh
+moves the last-sample time; saves a screenshot (to ``assets/gpu_pane.png``
+when ``NBTOOLS_UPDATE_ASSETS=1``, else to the test's temporary directory), and
+stops JupyterLab and the browser.
 """
 
 from __future__ import annotations
@@ -35,6 +39,64 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("anywidget") is None, reason="needs anywidget"),
 ]
 
+# A notebook's training cell: everything defined in the cell, one slow read, one lost rank.
+TRAINING = """\
+import os, pathlib, tempfile
+from nbtools import distributed
+
+work = pathlib.Path(tempfile.mkdtemp(dir="."))
+(work / "volume").mkdir()
+for i in range(48):
+    (work / "volume" / f"{i:03d}.txt").write_text(str(i))
+
+@distributed(processes=2, max_restarts=1, output="none")
+def train(work):
+    import signal, time
+    import torch, torch.distributed as dist
+    from torch.utils.data import IterableDataset
+    from nbtools import events
+    from nbtools.checkpoint import CheckpointManager
+    from nbtools.data import DataLoader, VolumeDataset
+    from nbtools.runtime import get_restart_count
+
+    attempt, rank = get_restart_count(), dist.get_rank()
+
+    class Numbers(IterableDataset):
+        def __init__(self, files):
+            self.files = files
+        def __iter__(self):
+            for position, path in enumerate(self.files):
+                time.sleep(2.0 if position == 9 and attempt == 0 else 0.1)
+                yield torch.tensor([float(open(path).read())])
+        def state_dict(self):
+            return self.files.state_dict()
+        def load_state_dict(self, state):
+            self.files.load_state_dict(state)
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    files = VolumeDataset(f"{work}/volume", cache_dir=f"{work}/cache", shuffle=True, seed=0)
+    loader = DataLoader(Numbers(files), batch_size=2, num_workers=0)
+    with CheckpointManager(f"{work}/ckpt", every=4) as ckpt:
+        step = ckpt.restore(model=model, optimizer=optimizer, data=loader)
+        events.emit("rank_started", message=f"attempt {attempt}", step=step)
+        for batch in loader:
+            loss = model(batch).pow(2).mean()
+            optimizer.zero_grad(); loss.backward(); optimizer.step()
+            ckpt.maybe_save(step, model=model, optimizer=optimizer, data=loader)
+            if step % 5 == 0 and rank == 0:
+                events.emit("eval", message=f"loss {loss.item():.1f}", step=step, value=loss.item())
+            if attempt == 0 and step == 7:
+                ckpt.wait(); events.flush(); dist.barrier()
+                if rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            step += 1
+    return step
+
+print(train.distributed(str(work)))
+"""
+
 NOTEBOOK = {
     "nbformat": 4,
     "nbformat_minor": 5,
@@ -47,7 +109,15 @@ NOTEBOOK = {
             "cell_type": "code", "id": "pane", "metadata": {}, "outputs": [], "execution_count": None,
             "source": "from nbtools.monitor import GPUPane, SimulatedBackend\n"
                       "pane = GPUPane(interval=0.5, backend=SimulatedBackend(num_gpus=4, speed=90))",
-        }
+        },
+        {
+            "cell_type": "code", "id": "train", "metadata": {}, "outputs": [], "execution_count": None,
+            "source": TRAINING,
+        },
+        {
+            "cell_type": "code", "id": "second", "metadata": {}, "outputs": [], "execution_count": None,
+            "source": "second = GPUPane(interval=0.5, backend=SimulatedBackend(num_gpus=4, speed=90))",
+        },
     ],
 }
 
@@ -136,7 +206,7 @@ def test_pane_renders_and_refreshes_in_jupyterlab(tmp_path):
                     timeout=60_000,
                 )
                 page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
-                pane = page.locator(".nbtools-gpu")
+                pane = page.locator(".nbtools-gpu").first
                 pane.wait_for(timeout=60_000)
                 page.wait_for_function(
                     "() => document.querySelectorAll('.nbtools-gpu-plot .trace.scatter').length >= 12",
@@ -144,32 +214,77 @@ def test_pane_renders_and_refreshes_in_jupyterlab(tmp_path):
                 )
                 # Lines actually drawn (an SVG path per trace) in each of the three panels.
                 per_panel = page.evaluate(
-                    "() => Array.from(document.querySelectorAll("
-                    "'.nbtools-gpu-plot .cartesianlayer > .subplot')).map((s) => "
+                    "() => Array.from(document.querySelector('.nbtools-gpu-plot')"
+                    ".querySelectorAll('.cartesianlayer > .subplot')).map((s) => "
                     "s.querySelectorAll('.trace.scatter path.js-line').length)"
                 )
                 assert per_panel == [4, 4, 4], f"lines per panel: {per_panel}"
-                assert "SIMULATED" in page.locator(".nbtools-gpu-source").inner_text()
-                status = page.locator(".nbtools-gpu-status")
+                assert "SIMULATED" in page.locator(".nbtools-gpu-source").first.inner_text()
+                status = page.locator(".nbtools-gpu-status").first
                 assert "polling" in status.inner_text() and "simulated" in status.inner_text()
-                # Let a few polls arrive through extendTraces, then keep a picture.
+                # The run's events reach the pane with its polls: drawn and listed.
+                page.wait_for_function(
+                    "() => Array.from(document.querySelectorAll('.nbtools-gpu-event'))"
+                    ".some((e) => e.dataset.kind === 'checkpoint_restored')",
+                    timeout=240_000,
+                )
+                page.wait_for_function(
+                    "() => document.querySelectorAll('.nbtools-gpu').length === 2",
+                    timeout=120_000,
+                )
+                drawn = page.evaluate(
+                    "() => { const p = document.querySelector('.nbtools-gpu-plot');"
+                    " const ev = p.data[p.data.length - 1];"
+                    " return {shapes: (p.layout.shapes || []).map((s) => s.type), name: ev.name,"
+                    " hover: ev.customdata || [],"
+                    " listed: Array.from(document.querySelector('.nbtools-gpu-events')"
+                    ".querySelectorAll('.nbtools-gpu-event')).map((e) => e.dataset.kind)}; }"
+                )
+                kinds = {text.split("</b>")[0].removeprefix("<b>") for text in drawn["hover"]}
+                assert drawn["name"] == "events", drawn
+                assert {"launch", "checkpoint_saved", "input_stall", "restart",
+                        "checkpoint_restored", "rank_started", "eval"} <= kinds, kinds
+                assert "line" in drawn["shapes"], drawn  # launch, restart
+                assert "rect" in drawn["shapes"], drawn  # the input stalls
+                assert len(drawn["listed"]) == 8, drawn  # the newest events, under the charts
+                # Hovering an event's marker shows its details.
+                marker = pane.locator(".subplot.xy .scatterlayer .trace").last.locator(".points path").last
+                pane.locator(".nbtools-gpu-plot").scroll_into_view_if_needed()
+                box = marker.bounding_box()
+                # The marker sits on the top edge of the plot area: hover its lower half.
+                page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] * 0.8)
+                page.wait_for_function(
+                    "() => /rank|step|attempt/.test(document.querySelector("
+                    "'.nbtools-gpu-plot .hoverlayer').textContent)",
+                    timeout=30_000,
+                )
+                # The second pane reused the page's plotly.js and drew the same events.
+                page.wait_for_function(
+                    "() => { const p = document.querySelectorAll('.nbtools-gpu-plot');"
+                    " return p.length === 2 && p[1].data && p[1].data.length === 13"
+                    " && p[1].data[12].x.length === p[0].data[12].x.length; }",
+                    timeout=60_000,
+                )
                 page.wait_for_function(
                     "() => document.querySelector('.nbtools-gpu-plot').data[0].x.length >= 16",
                     timeout=30_000,
                 )
                 shot.parent.mkdir(parents=True, exist_ok=True)
-                page.locator(".jp-OutputArea-output", has=pane).screenshot(path=str(shot))
+                page.mouse.move(0, 0)  # no hover label in the picture
+                # JupyterLab's notifications (its question about news) stay out of the picture.
+                page.add_style_tag(content=".Toastify, .jp-Notification-Toast { display: none !important; }")
+                page.locator(".jp-OutputArea-output", has=pane).first.screenshot(path=str(shot))
 
                 # Paused, only Refresh can move the last-sample time.
-                page.locator(".widget-button", has_text="Pause").click()
+                page.locator(".widget-button", has_text="Pause").first.click()
                 page.wait_for_function(
                     "() => document.querySelector('.nbtools-gpu-status').dataset.status === 'paused'",
                     timeout=30_000,
                 )
-                last = page.locator(".nbtools-gpu-last")
+                last = page.locator(".nbtools-gpu-last").first
                 before = last.get_attribute("data-time")
                 assert before, "the pane shows no last-sample time"
-                page.locator(".widget-button", has_text="Refresh").click()
+                page.locator(".widget-button", has_text="Refresh").first.click()
                 page.wait_for_function(
                     "(t) => document.querySelector('.nbtools-gpu-last').dataset.time !== t",
                     arg=before, timeout=30_000,

@@ -113,6 +113,7 @@ class RecordingComm:
     def __init__(self, **kwargs: object) -> None:
         self.comm_id = kwargs.get("comm_id") or f"comm-{next(_ids)}"
         self.opened = kwargs.get("data")
+        self.opened_buffers = list(kwargs.get("buffers") or [])
         self.sent: list[dict] = []
         self.handler = None
         self.closed = False
@@ -135,6 +136,26 @@ class RecordingComm:
 
     def custom_messages(self) -> list[dict]:
         return [m["data"]["content"] for m in self.sent if m["data"].get("method") == "custom"]
+
+    def opened_state(self) -> dict:
+        """The state of the opening message with its binary buffers put back in place."""
+        return with_buffers(self.opened["state"], self.opened.get("buffer_paths", []),
+                            self.opened_buffers)
+
+    def open_bytes(self) -> int:
+        """Bytes of the opening message on the wire."""
+        return message_bytes({"data": self.opened, "buffers": self.opened_buffers})
+
+
+def with_buffers(state: dict, paths: list, buffers: list) -> dict:
+    """``state`` with each buffer (as bytes) at its path, as the front end rebuilds it."""
+    state = json.loads(json.dumps(state))
+    for path, buffer in zip(paths, buffers, strict=True):
+        node = state
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = bytes(buffer)
+    return state
 
 
 def message_bytes(message: dict) -> int:

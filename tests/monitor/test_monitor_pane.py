@@ -42,8 +42,8 @@ def test_each_poll_sends_a_small_custom_message(comms, driven, clock):
     try:
         assert pane.sampler is sampler and pane.status == "polling"
         chart = pane._chart.comm
-        opened = chart.opened["state"]
-        assert "extendTraces" in opened["_esm"] and len(opened["_plotly_js"]) > 1_000_000
+        opened = chart.opened_state()
+        assert "extendTraces" in opened["_esm"] and opened["_library"]
         figure = opened["_figure"]
         assert len(figure["data"]) == 24 and figure["source"] == "simulated"
         before = len(chart.sent)

@@ -1,0 +1,246 @@
+"""The pane's view of the run's events: what is drawn, how, and how little is sent.
+
+Events come from :mod:`nbtools.events` (every rank's ``emit`` reaches the
+kernel's bus). :class:`EventFeed` subscribes to a bus and queues new events on
+the thread that delivers them (the collector's reader): appending to a bounded
+queue is all it does there. The pane's chart takes the queued events with each
+poll, encoded as short rows, so events ride in the same small per-poll message
+as the samples and the per-poll budget holds; while polling is paused nothing
+is sent and the queues keep the events (bounded) until the pane resumes.
+
+How each kind is drawn on the shared time axis (:func:`category`):
+
+- ``"save"``: a band for the seconds a checkpoint save blocked the loop
+  (``checkpoint_saved`` with ``blocked_s``; the band ends ``upload_s`` before
+  the event, which is stamped when the upload finished);
+- ``"stall"``: a shaded span for the seconds a rank waited for input
+  (``input_stall`` with ``seconds``);
+- ``"failure"`` and ``"restart"``: a vertical line (``rank_failed``,
+  ``failure``; ``restart``, ``pool_restarted``);
+- ``"run"``: a thin line where a launch started or finished;
+- ``"mark"``: a marker for anything else, user events included.
+
+Every event also gets a marker whose hover text gives its details.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from nbtools.events import Bus, Event
+
+__all__ = [
+    "EventFeed",
+    "category",
+    "encode",
+    "event_rows",
+    "EVENT_COLUMNS",
+    "NOTABLE_KINDS",
+    "MESSAGE_BUDGET",
+    "MAX_DRAWN",
+]
+
+#: Most bytes of one per-poll message (samples and events together).
+MESSAGE_BUDGET = 4096
+#: Most events the chart draws (the newest); the bus keeps more.
+MAX_DRAWN = 400
+#: Events queued (per queue: nbtools' own, users') until a poll sends them; more are counted, not drawn.
+MAX_PENDING = 1000
+#: Characters of detail text sent per event (hover and list).
+TEXT_CHARS = 160
+
+_CATEGORIES = {
+    "checkpoint_saved": "save",
+    "input_stall": "stall",
+    "rank_failed": "failure",
+    "failure": "failure",
+    "restart": "restart",
+    "pool_restarted": "restart",
+    "launch": "run",
+    "finished": "run",
+}
+#: Kinds nbtools emits itself: sent before user events when a poll cannot carry all.
+NOTABLE_KINDS = frozenset(
+    [*_CATEGORIES, "checkpoint_restored", "checkpoint_skipped", "cache_full"]
+)
+
+
+def category(kind: str) -> str:
+    """How events of ``kind`` are drawn: save, stall, failure, restart, run or mark."""
+    return _CATEGORIES.get(kind, "mark")
+
+
+def _seconds(fields: dict[str, Any], name: str) -> float | None:
+    value = fields.get(name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        return None
+    return float(value)
+
+
+def _span_start(event: Event) -> float | None:
+    """Start (seconds since the epoch) of the span an event covers, or None for an instant."""
+    kind = category(event.kind)
+    if kind == "save":
+        blocked = _seconds(event.fields, "blocked_s")
+        if blocked is None:
+            return None
+        end = event.time - (_seconds(event.fields, "upload_s") or 0.0)
+        return end - blocked
+    if kind == "stall":
+        waited = _seconds(event.fields, "seconds")
+        return None if waited is None else event.time - waited
+    return None
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def _text(event: Event, local_host: str | None) -> str:
+    parts = []
+    if local_host is not None and event.host != local_host:
+        parts.append(event.host)
+    if event.message:
+        parts.append(event.message)
+    parts += [f"{name}={_value(value)}" for name, value in event.fields.items()]
+    text = " · ".join(parts)
+    return text if len(text) <= TEXT_CHARS else text[: TEXT_CHARS - 1] + "\u2026"
+
+
+def encode(event: Event, local_host: str | None = None) -> list:
+    """One event as the chart's row: ``[ms, kind, category, rank, step, start ms, text]``."""
+    start = _span_start(event)
+    return [
+        round(event.time * 1000),
+        event.kind,
+        category(event.kind),
+        event.rank,
+        event.step,
+        None if start is None else round(start * 1000),
+        _text(event, local_host),
+    ]
+
+
+def _size(value: Any) -> int:
+    # Jupyter serialises messages with json.dumps' default separators and no ASCII escaping.
+    return len(json.dumps(value, ensure_ascii=False).encode())
+
+
+#: The columns every event has, in order; its fields follow.
+EVENT_COLUMNS = ("time", "host", "rank", "kind", "message", "step", "pid")
+
+
+def event_rows(events: Iterable[Event]) -> list[dict[str, Any]]:
+    """Events as flat rows: time, host, rank, kind, message, step, pid, then every field."""
+    rows = []
+    for event in events:
+        row = {
+            "time": event.time, "host": event.host, "rank": event.rank, "kind": event.kind,
+            "message": event.message, "step": event.step, "pid": event.pid,
+        }
+        row.update(event.fields)  # field names never repeat these (emit refuses them)
+        rows.append(row)
+    return rows
+
+
+class EventFeed:
+    """New events of a bus, queued for the chart; the bus itself keeps the record.
+
+    Args:
+        bus: Where events arrive (``nbtools.events.bus()`` in the kernel).
+        horizon_s: Seconds of events kept for drawing (the pane's history).
+        local_host: Host whose events are shown without a host name.
+        clock: Current time in seconds since the epoch.
+    """
+
+    def __init__(
+        self,
+        bus: Bus,
+        horizon_s: float,
+        local_host: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.bus = bus
+        self.horizon_s = float(horizon_s)
+        self.local_host = local_host
+        self._clock = clock
+        self._notable: deque[Event] = deque(maxlen=MAX_PENDING)
+        self._other: deque[Event] = deque(maxlen=MAX_PENDING)
+        self._lock = threading.Lock()
+        self._overflow = 0  # queued events pushed out before a poll took them
+        self._closed = False
+        bus.subscribe(self._arrived)
+
+    def _arrived(self, events: list[Event]) -> None:
+        # Runs on the delivering thread (the collector's reader): queue and count only.
+        with self._lock:
+            for event in events:
+                queue = self._notable if event.kind in NOTABLE_KINDS else self._other
+                if len(queue) == MAX_PENDING:
+                    self._overflow += 1  # the oldest queued event falls out
+                queue.append(event)
+
+    @property
+    def pending(self) -> int:
+        """Events queued for the next poll."""
+        return len(self._notable) + len(self._other)
+
+    @property
+    def not_drawn(self) -> int:
+        """Events that reached the bus but were never drawn (too many at once)."""
+        with self._lock:
+            return self._overflow
+
+    def dropped(self) -> int:
+        """Events the ranks dropped before they reached the kernel."""
+        return self.bus.dropped()
+
+    def take(self, budget: int) -> list[list]:
+        """Rows of the oldest queued events that fit in ``budget`` bytes of JSON.
+
+        The events nbtools emits go first, then user events; what does not fit
+        waits for the next poll. A queue that overflows between polls loses its
+        oldest events from the drawing (counted in :attr:`not_drawn`; the bus
+        and ``pane.events()`` still have them).
+        """
+        rows: list[list] = []
+        used = 2
+        with self._lock:
+            for queue in (self._notable, self._other):
+                while queue:
+                    row = encode(queue[0], self.local_host)
+                    size = _size(row) + 2
+                    if used + size > budget:
+                        return rows
+                    queue.popleft()
+                    rows.append(row)
+                    used += size
+        return rows
+
+    def snapshot(self) -> list[list]:
+        """Rows of the newest events kept for drawing (at most ``MAX_DRAWN``), oldest first.
+
+        Empties the queue: whatever it held is in the snapshot (a row sent twice
+        is drawn once).
+        """
+        with self._lock:
+            self._notable.clear()
+            self._other.clear()
+        kept = self.bus.log(since=self._clock() - self.horizon_s)
+        return [encode(e, self.local_host) for e in kept[-MAX_DRAWN:]]
+
+    def close(self) -> None:
+        """Stop receiving events (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self.bus.unsubscribe(self._arrived)
+            with self._lock:
+                self._notable.clear()
+                self._other.clear()

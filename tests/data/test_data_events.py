@@ -1,0 +1,72 @@
+"""The data side of the run's timeline: ``input_stall`` and ``cache_full`` events."""
+
+from __future__ import annotations
+
+import time
+import types
+
+import pytest
+import torch
+from torch.utils.data import IterableDataset
+
+from nbtools import events
+from nbtools.data import DataLoader, VolumeDataset, _stream
+from nbtools.data._stalls import MIN_STALL_S, StallWatch
+
+
+@pytest.fixture(autouse=True)
+def clean_bus():
+    events.bus().clear()
+    yield
+    events.bus().clear()
+
+
+def test_a_wait_much_longer_than_usual_is_a_stall():
+    watch = StallWatch()
+    assert not watch.observe(5.0, first=True)  # starting the workers is not a stall
+    assert not watch.observe(2.0)  # nothing known yet about the usual wait
+    for _ in range(5):
+        assert not watch.observe(0.01)
+    assert not watch.observe(MIN_STALL_S / 2)  # long relative to usual, short in absolute terms
+    assert watch.observe(1.5)
+    (stall,) = events.log(kinds=["input_stall"])
+    assert stall.fields["seconds"] == 1.5 and stall.fields["usual_s"] == 0.01
+    assert "waited 1.50 s" in stall.message
+    for _ in range(40):  # a loader that is always this slow is no longer stalling
+        watch.observe(1.5)
+    assert len(events.log(kinds=["input_stall"])) < 10
+
+
+def test_the_loader_reports_a_slow_batch(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(16):
+        (src / f"{i:02d}.txt").write_text(str(i))
+
+    class Numbers(IterableDataset):  # as a notebook cell defines it
+        def __init__(self, files):
+            self.files = files
+
+        def __iter__(self):
+            for position, path in enumerate(self.files):
+                if position == 10:
+                    time.sleep(1.0)  # a slow read on the volume
+                with open(path) as fh:
+                    yield torch.tensor([float(fh.read())])
+
+    files = VolumeDataset(src, cache_dir=tmp_path / "cache")
+    with DataLoader(Numbers(files), batch_size=2, num_workers=0) as loader:
+        batches = list(loader)
+    assert len(batches) == 8
+    (stall,) = events.log(kinds=["input_stall"])
+    assert stall.fields["seconds"] >= 1.0 and stall.fields["seconds"] == pytest.approx(
+        max(loader.wait_times), abs=1e-3)
+
+
+def test_a_shrunken_copy_ahead_window_is_an_event(monkeypatch):
+    monkeypatch.setattr(_stream, "_WARNED", set())
+    cache = types.SimpleNamespace(dir="/cache/dir", capacity=10_000, min_free=1_000)
+    _stream.check_window(cache, budget=3_000, largest=1_000, prefetch=8)
+    _stream.check_window(cache, budget=3_000, largest=1_000, prefetch=8)  # said once
+    (full,) = events.log(kinds=["cache_full"])
+    assert full.fields["cache_dir"] == "/cache/dir" and "copying ahead 2 files" in full.message

@@ -1,0 +1,263 @@
+"""The run's events on the pane: carried by the per-poll messages, bounded, kept while paused.
+
+Events are emitted in this process (the kernel's own bus, as ``events.emit``
+does in a notebook); the front end is a recording comm.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+from _monitor_fakes import message_bytes
+
+import nbtools.monitor._widget as widget_module
+from nbtools import events
+from nbtools.monitor import GPUPane, SimulatedBackend, acquire, release
+from nbtools.monitor.timeline import MESSAGE_BUDGET, category, encode
+
+pytest.importorskip("anywidget", reason="the pane's chart needs anywidget")
+
+
+@pytest.fixture(autouse=True)
+def clean_bus():
+    events.bus().clear()
+    yield
+    events.bus().clear()
+
+
+@pytest.fixture
+def fresh_page(monkeypatch):
+    """No plotly.js library model yet in this kernel (as after a kernel start)."""
+    monkeypatch.setattr(widget_module, "_library", None)
+
+
+@pytest.fixture
+def driven(clock):
+    samplers = []
+
+    def start(num_gpus: int = 2, **options):
+        options.setdefault("interval", 10)
+        options.setdefault("idle_timeout", None)
+        samplers.append(acquire(SimulatedBackend(num_gpus), clock=clock, start=False, **options))
+        return samplers[-1]
+
+    yield start
+    for sampler in samplers:
+        release(sampler)
+
+
+def _carries_plotly(comm) -> bool:
+    return bool(comm.opened) and "_plotly_js" in comm.opened_state()
+
+
+def _poll(sampler, clock, seconds: float = 10) -> None:
+    clock.advance(seconds)
+    sampler.tick()
+
+
+def test_plotly_js_travels_once_per_page_and_a_second_pane_opens_small(
+    comms, driven, clock, fresh_page
+):
+    sampler = driven(num_gpus=8, history_seconds=7200)
+    for _ in range(sampler.samples.capacity):  # two full hours of 8 GPUs on screen
+        _poll(sampler, clock)
+    first = GPUPane(backend=SimulatedBackend(8), display=False)
+    libraries = [c for c in comms if _carries_plotly(c)]
+    assert len(libraries) == 1
+    library = libraries[0]
+    assert len(library.opened_state()["_plotly_js"]) > 1_000_000
+    assert library.open_bytes() > 1_000_000
+    assert first._chart.comm.opened_state()["_library"] == library.comm_id
+    first.close()
+
+    before = len(comms)
+    second = GPUPane(backend=SimulatedBackend(8), display=False)
+    try:
+        new = comms[before:]
+        assert not any(_carries_plotly(c) for c in new)
+        assert not library.closed  # kept for the page, though the first pane closed
+        chart = second._chart.comm
+        assert chart.opened_state()["_library"] == library.comm_id
+        opened = sum(c.open_bytes() for c in new)
+        assert opened < 100_000, f"the second pane opens with {opened} bytes"
+    finally:
+        second.close()
+
+
+def test_the_history_travels_as_binary_arrays_that_decode_to_the_samples(comms, driven, clock):
+    sampler = driven(num_gpus=3)
+    for _ in range(5):
+        _poll(sampler, clock)
+    pane = GPUPane(backend=SimulatedBackend(3), display=False)
+    try:
+        figure = pane._chart.comm.opened_state()["_figure"]
+        assert len(figure["data"]) == 3 * 3 and "x" not in figure["data"][0]
+        times, util = sampler.samples.series("simulated", 1, "utilization")
+        x = np.frombuffer(figure["x"][figure["xi"][1]], "<f8")
+        assert x.tolist() == (times * 1000).tolist()
+        y = np.frombuffer(figure["y"][1], "<u2") / figure["f"][0]  # panel 0, GPU 1
+        assert np.allclose(y, util, atol=0.05)
+        _, memory = sampler.samples.series("simulated", 2, "memory_used")
+        y = np.frombuffer(figure["y"][3 + 2], "<u2") / figure["f"][1]
+        assert np.allclose(y, memory / 1024**3, atol=0.005)
+    finally:
+        pane.close()
+
+
+def test_events_ride_in_the_poll_message_with_their_drawing(comms, driven, clock):
+    sampler = driven()
+    pane = GPUPane(backend=SimulatedBackend(2), display=False)
+    try:
+        chart = pane._chart.comm
+        events.emit("checkpoint_saved", message="saved step_200", step=200, blocked_s=0.4,
+                    upload_s=3.0, bytes=123_456)
+        events.emit("input_stall", rank=1, seconds=2.5)
+        events.emit("rank_failed", message="rank 1 exited with SIGKILL", rank=1)
+        events.emit("eval", message="val loss 1.93", step=200, value=1.93)
+        assert chart.custom_messages() == []  # nothing is sent from the delivering thread
+        _poll(sampler, clock)
+        message = chart.custom_messages()[-1]
+        rows = {row[1]: row for row in message["e"]}
+        assert list(rows) == ["checkpoint_saved", "input_stall", "rank_failed", "eval"]
+        saved = rows["checkpoint_saved"]
+        assert saved[2] == "save" and saved[4] == 200
+        assert saved[0] - saved[5] == pytest.approx(3400, abs=2)  # band ends when the upload began
+        assert rows["input_stall"][2] == "stall" and rows["input_stall"][3] == 1
+        assert rows["input_stall"][0] - rows["input_stall"][5] == pytest.approx(2500, abs=2)
+        assert rows["rank_failed"][2] == "failure" and rows["rank_failed"][5] is None
+        assert rows["eval"][2] == "mark" and "val loss 1.93" in rows["eval"][6]
+        assert "value=1.93" in rows["eval"][6]
+        _poll(sampler, clock)
+        assert "e" not in chart.custom_messages()[-1]  # each event is sent once
+    finally:
+        pane.close()
+
+
+def test_a_burst_of_events_keeps_every_poll_within_the_budget(comms, driven, clock):
+    sampler = driven(num_gpus=8)
+    pane = GPUPane(backend=SimulatedBackend(8), display=False)
+    try:
+        chart = pane._chart.comm
+        for step in range(500):
+            events.emit("eval", message="x" * 100, step=step, value=float(step))
+        for step in range(60):
+            events.emit("checkpoint_saved", message=f"saved step_{step}", step=step, blocked_s=0.1)
+        sent = len(chart.sent)
+        for _ in range(4):
+            _poll(sampler, clock)
+        polls = chart.sent[sent:]
+        assert len(polls) == 4 and all(message_bytes(m) <= MESSAGE_BUDGET for m in polls)
+        rows = [row for m in polls for row in m["data"]["content"].get("e", [])]
+        # nbtools' own events go first, all of them, in order; user events follow,
+        # oldest first, and the rest wait for the next polls.
+        saves = [row[4] for row in rows if row[1] == "checkpoint_saved"]
+        assert saves == list(range(60))
+        evals = [row[4] for row in rows if row[1] == "eval"]
+        assert evals == list(range(len(evals))) and 0 < len(evals) < 500
+        assert pane._feed.pending == 500 - len(evals)
+        assert pane._feed.not_drawn == 0
+        # A flood overflows the bounded queue: the oldest are counted as not drawn.
+        for step in range(2000):
+            events.emit("eval", step=step)
+        _poll(sampler, clock)
+        content = chart.custom_messages()[-1]
+        assert message_bytes(chart.sent[-1]) <= MESSAGE_BUDGET
+        assert content["nd"] == pane._feed.not_drawn == 500 - len(evals) + 2000 - 1000
+        assert len(pane.events()) == 2560  # the bus keeps them all
+    finally:
+        pane.close()
+
+
+def test_events_are_kept_while_paused_and_drawn_on_resume(comms, driven, clock):
+    sampler = driven(idle_timeout=300)
+    pane = GPUPane(backend=SimulatedBackend(2), display=False)
+    try:
+        chart = pane._chart.comm
+        _poll(sampler, clock, 301)
+        assert pane.status == "paused"
+        sent = len(chart.sent)
+        events.emit("restart", message="restarting all 2 ranks", attempt=1)
+        events.emit("eval", step=5, value=1.0)
+        _poll(sampler, clock)
+        assert not [m for m in chart.sent[sent:] if m["data"].get("method") == "custom"]
+        pane.refresh()  # any use resumes
+        rows = chart.custom_messages()[-1]["e"]
+        assert [row[1] for row in rows] == ["restart", "eval"]
+        assert rows[0][2] == "restart"
+    finally:
+        pane.close()
+
+
+def test_dropped_events_are_shown(comms, driven, clock):
+    sampler = driven()
+    pane = GPUPane(backend=SimulatedBackend(2), display=False)
+    try:
+        chart = pane._chart.comm
+        assert chart.opened_state()["_figure"]["d"] == 0
+        events.bus().publish([], dropped=7, source=("node1", 1, 1234))
+        _poll(sampler, clock)
+        assert chart.custom_messages()[-1]["d"] == 7 and pane.dropped_events == 7
+        _poll(sampler, clock)
+        assert "d" not in chart.custom_messages()[-1]  # said once, until it changes
+    finally:
+        pane.close()
+
+
+def test_a_view_that_resynchronises_gets_the_events_kept(comms, driven, clock):
+    driven()
+    events.emit("launch", message="2 ranks (local)", world_size=2)  # before the pane opened
+    pane = GPUPane(backend=SimulatedBackend(2), display=False)
+    try:
+        chart = pane._chart.comm
+        assert [row[1] for row in chart.opened_state()["_figure"]["ev"]] == ["launch"]
+        events.emit("finished", message="done")
+        chart.from_front_end({"method": "custom", "content": {"k": "sync", "n": -1}})
+        update = chart.sent[-1]
+        figure = update["data"]["state"]["_figure"]
+        assert [row[1] for row in figure["ev"]] == ["launch", "finished"]
+        assert pane._feed.pending == 0
+    finally:
+        pane.close()
+
+
+def test_events_as_a_frame_and_as_rows(comms, driven, monkeypatch):
+    driven()
+    pane = GPUPane(backend=SimulatedBackend(2), display=False)
+    try:
+        events.emit("checkpoint_saved", message="saved", step=100, blocked_s=0.25)
+        events.emit("eval", message="val", step=100, value=1.5, split="val")
+        pd = pytest.importorskip("pandas")
+        frame = pane.events()
+        assert list(frame.columns[:7]) == ["time", "host", "rank", "kind", "message", "step", "pid"]
+        assert {"blocked_s", "value", "split"} <= set(frame.columns)
+        assert list(frame["kind"]) == ["checkpoint_saved", "eval"]
+        assert isinstance(frame["time"].dtype, pd.DatetimeTZDtype)
+        assert frame.loc[0, "blocked_s"] == 0.25 and frame.loc[1, "split"] == "val"
+        monkeypatch.setitem(sys.modules, "pandas", None)
+        rows = pane.events()
+        assert isinstance(rows, list) and rows[1]["value"] == 1.5 and rows[0]["step"] == 100
+    finally:
+        pane.close()
+
+
+def test_closing_the_pane_stops_receiving_events(comms, driven):
+    driven()
+    pane = GPUPane(backend=SimulatedBackend(2), display=False)
+    assert pane._feed._arrived in events.bus()._subscribers
+    pane.close()
+    assert pane._feed._arrived not in events.bus()._subscribers
+    events.emit("eval", value=1.0)
+    assert pane._feed.pending == 0
+
+
+def test_kinds_and_spans():
+    assert [category(k) for k in ("checkpoint_saved", "input_stall", "rank_failed", "restart",
+                                  "launch", "finished", "checkpoint_restored", "eval")] == [
+        "save", "stall", "failure", "restart", "run", "run", "mark", "mark"]
+    event = events.Event(100.0, "h", 0, 1, "checkpoint_saved", None, 3, {"blocked_s": "bad"})
+    assert encode(event)[5] is None  # no usable duration: drawn as an instant
+    long = events.Event(100.0, "other", 0, 1, "eval", "m" * 500, None, {})
+    text = encode(long, local_host="here")[6]
+    assert text.startswith("other · ") and len(text) == 160
