@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from nbtools._internal.location import unwritable_reason
+from nbtools.checkpoint._layout import METADATA_NAME
 from nbtools.checkpoint._target import Target
 from nbtools.errors import CheckpointError
 
-__all__ = ["positive", "check_step", "check_extra", "check_writable"]
+__all__ = ["positive", "check_step", "check_extra", "check_writable", "save_verdict"]
 
 
 def positive(name: str, value: int | None) -> int | None:
@@ -47,3 +48,23 @@ def check_writable(target: Target) -> None:
     reason = unwritable_reason(target.local_path)
     if reason is not None:
         raise CheckpointError(f"checkpoint root {target.url} is not writable ({reason})")
+
+
+def save_verdict(target: Target, lease: Any, root: str, name: str, foreign: Any) -> Any:
+    """On rank 0 before a save: an error to raise, ``"exists"``, or None (go ahead).
+
+    Errors are returned, not raised, so that every rank raises the same one
+    instead of the others hanging in the next collective. ``foreign`` tells
+    whether ``name`` under ``target`` is a link or a file (never written through).
+    """
+    try:
+        if lease is not None:
+            lease.acquire()
+        if foreign(target, name):
+            raise CheckpointError(
+                f"{root}/{name} is a symbolic link or a file, not a checkpoint directory "
+                "nbtools wrote; nothing is written through it. Remove it, or save elsewhere"
+            )
+        return "exists" if target.exists(f"{name}/{METADATA_NAME}") else None
+    except Exception as exc:  # noqa: BLE001 - every rank must raise it, not hang
+        return exc

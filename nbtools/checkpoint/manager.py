@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 from typing import Any
@@ -29,13 +30,20 @@ import torch.distributed.checkpoint as dcp
 from nbtools import events, runtime
 from nbtools._internal.log import get_logger
 from nbtools._internal.runinfo import active_mlflow_run_id
-from nbtools.checkpoint import _state
-from nbtools.checkpoint._checks import check_extra, check_step, check_writable, positive
+from nbtools.checkpoint import _report, _state
+from nbtools.checkpoint._checks import (
+    check_extra,
+    check_step,
+    check_writable,
+    positive,
+    save_verdict,
+)
 from nbtools.checkpoint._collective import agree, gather
 from nbtools.checkpoint._errors import unwrap
 from nbtools.checkpoint._layout import METADATA_NAME, step_dir_name
 from nbtools.checkpoint._lease import WriterLease
 from nbtools.checkpoint._quiet import quiet_single_process_warning
+from nbtools.checkpoint._report import SaveTiming
 from nbtools.checkpoint._restore import newest_verified
 from nbtools.checkpoint._retention import RetentionWorker
 from nbtools.checkpoint._stager import ReusableStager
@@ -117,6 +125,7 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._future: Future | None = None
         self._future_step: int | None = None
+        self._future_timing: SaveTiming | None = None
         self._published_step: int | None = None
         self._last_seen: tuple[int, dict[str, Any], dict[str, Any] | None] | None = None
         # The step being saved: retention never deletes it, even when it is older than the
@@ -163,6 +172,7 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
+        started = time.perf_counter()
         kinds = _state.classify(objs)
         if self._pg is None:
             quiet_single_process_warning()
@@ -181,7 +191,12 @@ class CheckpointManager:
         self.mlflow_run_id = blob.get("mlflow_run_id")
         _log.info("restored %s; resuming at step %d", directory.url, step + 1)
         if runtime.get_rank() == 0:
-            events.emit("checkpoint_restored", message=f"restored {directory.url}", step=step)
+            events.emit(
+                "checkpoint_restored",
+                message=f"restored {directory.url}",
+                step=step,
+                seconds=round(time.perf_counter() - started, 4),
+            )
         return step + 1
 
     def _load(
@@ -237,7 +252,12 @@ class CheckpointManager:
         self.wait()
         kinds = _state.classify(objs)
         name = step_dir_name(step)
-        verdict = agree(self._pg, self._prepare(name) if runtime.get_rank() == 0 else None)
+        verdict = agree(
+            self._pg,
+            save_verdict(self._target, self._lease, self.root, name, is_foreign)
+            if runtime.get_rank() == 0
+            else None,
+        )
         if isinstance(verdict, BaseException):
             raise verdict
         if verdict == "exists":
@@ -257,6 +277,7 @@ class CheckpointManager:
         if self._pg is None:
             quiet_single_process_warning()
         self._saving[0] = step
+        started = time.perf_counter()
         try:
             if self._stager is None:
                 dcp.save(state, storage_writer=writer, process_group=self._pg)
@@ -267,27 +288,17 @@ class CheckpointManager:
         except BaseException as exc:
             self._discard(step)
             raise unwrap(exc, f"saving step {step}") from None
+        timing = SaveTiming.now(started, writer)
         if self._stager is None:
-            self._published(step)
+            self._published(step, timing)
         else:
             with self._lock:
                 self._future, self._future_step = future, step
-            future.add_done_callback(lambda f, s=step: f.exception() is None and self._published(s))
+                self._future_timing = timing
+            future.add_done_callback(
+                lambda f, s=step, t=timing: f.exception() is None and self._published(s, t)
+            )
         return True
-
-    def _prepare(self, name: str) -> Any:
-        """On rank 0 before a save: an error to raise, "exists", or None (go ahead)."""
-        try:
-            if self._lease is not None:
-                self._lease.acquire()
-            if is_foreign(self._target, name):
-                raise CheckpointError(
-                    f"{self.root}/{name} is a symbolic link or a file, not a checkpoint directory "
-                    "nbtools wrote; nothing is written through it. Remove it, or save elsewhere"
-                )
-            return "exists" if self._target.exists(f"{name}/{METADATA_NAME}") else None
-        except Exception as exc:  # noqa: BLE001 - every rank must raise it, not hang
-            return exc
 
     def _discard(self, step: int) -> None:
         """Remove what a failed save of ``step`` left (never a published checkpoint)."""
@@ -303,7 +314,7 @@ class CheckpointManager:
         except OSError as exc:
             _log.warning("could not remove %s/%s of a failed save: %s", self.root, name, exc)
 
-    def _published(self, step: int) -> None:
+    def _published(self, step: int, timing: SaveTiming | None = None) -> None:
         # Called from the save's done-callback and from wait(), whichever comes first.
         with self._lock:
             if self._published_step == step:
@@ -313,8 +324,7 @@ class CheckpointManager:
             if self._saving[0] == step:
                 self._saving[0] = None
         if runtime.get_rank() == 0:
-            where = self._target.child(step_dir_name(step)).url
-            events.emit("checkpoint_saved", message=f"saved {where}", step=step)
+            _report.saved(self._target.child(step_dir_name(step)).url, step, timing)
         # A manager that lost the root to another writer deletes nothing of theirs.
         if self._retention is not None and (self._lease is None or self._lease.held):
             self._retention.request()
@@ -342,7 +352,7 @@ class CheckpointManager:
                 raise
             self._discard(step)
             raise unwrap(exc, f"background save of step {step}") from None
-        self._published(step)
+        self._published(step, self._future_timing)
 
     def _save_last_seen(self) -> None:
         """The final save of ``close``: the last step seen by ``maybe_save``, if newer."""

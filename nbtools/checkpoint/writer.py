@@ -271,6 +271,8 @@ class VolumeWriter(StorageWriter):
             storage_md.update({wr.index: wr.storage_data for wr in wr_list})
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
+        #: Bytes of every shard item of this save (what the ``checkpoint_saved`` event reports).
+        self.saved_bytes = sum(int(getattr(info, "length", 0) or 0) for info in storage_md.values())
         self._check_files_kept(storage_md.values())
         data = pickle.dumps(metadata)
         if self.sync_files:
