@@ -23,6 +23,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from nbtools._magics.autoresume import AutoresumeOptions, run_autoresume
+from nbtools._magics.distributed import DistributedMagics
 
 __all__ = ["NbtoolsMagics", "load", "unload"]
 
@@ -73,7 +74,7 @@ class NbtoolsMagics(Magics):
               help="show N simulated GPUs instead of the real ones (demos, no GPU)")
     @argument("--mlflow", action="store_true",
               help="also log every sample as MLflow system metrics (to the active or resumed "
-                   "run, else a new one)")
+                   "run, else a new one), and the run's events as an artifact when the pane closes")
     @argument("--close", action="store_true", help="close the pane and stop polling")
     @line_magic
     def gpu_pane(self, line: str) -> Any:
@@ -106,7 +107,7 @@ class NbtoolsMagics(Magics):
     def _log_pane_to_mlflow(self) -> None:
         from nbtools.tracking import MlflowLogger, SystemMetricsSink, current_run_id
 
-        logger = MlflowLogger(run_id=current_run_id())
+        logger = MlflowLogger(run_id=current_run_id(), events_to_mlflow=True)
         host = getattr(self.pane.sampler.backend, "host", None)
         self._pane_logger = logger
         self.pane.sampler.add_sink(SystemMetricsSink(logger, local_host=host))
@@ -145,6 +146,7 @@ class NbtoolsMagics(Magics):
 def load(ipython: Any) -> None:
     """Register the magics with ``ipython`` (``%load_ext nbtools``)."""
     ipython.register_magics(NbtoolsMagics)
+    ipython.register_magics(DistributedMagics)
 
 
 def unload(ipython: Any) -> None:

@@ -11,6 +11,7 @@ from typing import Any, Generic, TypeVar, overload
 
 from nbtools.errors import DistributedError, LaunchError
 from nbtools.launch import _env, _inrank, _payload, _runner, _sources
+from nbtools.launch._backend import LaunchBackend
 from nbtools.launch._output import OUTPUT_MODES
 
 __all__ = ["distributed", "DistributedFunction"]
@@ -33,6 +34,10 @@ class DistributedFunction(Generic[R]):
         max_restarts: int,
         output: str,
         hang_timeout: float | None = None,
+        cluster: str | None = None,
+        nodes: int | None = None,
+        runtime_env: dict | None = None,
+        keep_alive: bool = False,
     ) -> None:
         functools.update_wrapper(self, fn)
         self._fn = fn
@@ -41,6 +46,10 @@ class DistributedFunction(Generic[R]):
         self.max_restarts = max_restarts
         self.output = output
         self.hang_timeout = hang_timeout
+        self.cluster = cluster
+        self.nodes = nodes
+        self.runtime_env = runtime_env
+        self.keep_alive = keep_alive
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
         """Run the function here, in this process, like the undecorated function."""
@@ -50,6 +59,9 @@ class DistributedFunction(Generic[R]):
         where = f"gpus={self.gpus}" if self.gpus else f"processes={self.processes}"
         if self.gpus is None and self.processes is None:
             where = "all GPUs"
+        if self.cluster is not None:
+            where += f", cluster={self.cluster!r}"
+            where += f", nodes={self.nodes}" if self.nodes is not None else ""
         return f"<distributed function {self.__qualname__} ({where})>"
 
     def distributed(self, *args: Any, **kwargs: Any) -> list[R]:
@@ -75,9 +87,15 @@ class DistributedFunction(Generic[R]):
                 "@distributed call; launches do not nest. This code already runs on every "
                 f"rank: call {self.__qualname__}(...) directly instead."
             )
-        plan = self._plan()
+        if self.keep_alive:
+            from nbtools.launch._pool_kept import call_kept
+
+            return call_kept(self, args, kwargs)
+        backend = self._backend()
+        plan = self._plan(backend)
+        backend.check(plan.world_size, plan.use_cuda)
         payload = _payload.pack(self._fn, args, kwargs)
-        blobs = _runner.run(payload, plan, _sources.localizer(self._fn))
+        blobs = _runner.run(payload, plan, _sources.localizer(self._fn), backend)
         results = []
         for rank, blob in enumerate(blobs):
             try:
@@ -89,11 +107,30 @@ class DistributedFunction(Generic[R]):
                 ) from exc
         return results
 
-    def _plan(self) -> _runner.Plan:
+    def _backend(self) -> LaunchBackend:
+        if self.cluster == "ray":
+            from nbtools.launch._ray import RayBackend
+
+            return RayBackend(nodes=self.nodes, runtime_env=self.runtime_env)
+        from nbtools.launch._local import LocalBackend
+
+        return LocalBackend()
+
+    def _plan(self, backend: LaunchBackend) -> _runner.Plan:
         if self.processes is not None:
             return _runner.Plan(
                 self.processes, False, self.max_restarts, self.output, self.hang_timeout
             )
+        if self.cluster is not None:
+            # The cluster's GPUs, not this machine's: the backend checks what it has.
+            count = self.gpus if self.gpus is not None else backend.gpu_count()
+            if count == 0:
+                raise ValueError(
+                    f"@distributed(cluster={self.cluster!r}) without gpus= or processes= runs one "
+                    "rank per GPU of the cluster, but it has no GPU. Use processes=N for N CPU "
+                    "ranks."
+                )
+            return _runner.Plan(count, True, self.max_restarts, self.output, self.hang_timeout)
         visible = _env.visible_gpu_count()
         if self.gpus is None:
             if visible == 0:
@@ -130,6 +167,10 @@ def distributed(
     max_restarts: int = 0,
     output: str = "all",
     hang_timeout: float | None = None,
+    cluster: str | None = None,
+    nodes: int | None = None,
+    runtime_env: dict | None = None,
+    keep_alive: bool = False,
 ) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
 
 
@@ -141,6 +182,10 @@ def distributed(
     max_restarts: int = 0,
     output: str = "all",
     hang_timeout: float | None = None,
+    cluster: str | None = None,
+    nodes: int | None = None,
+    runtime_env: dict | None = None,
+    keep_alive: bool = False,
 ) -> Any:
     """Decorate a function so that ``fn.distributed(...)`` runs it on N ranks.
 
@@ -163,8 +208,20 @@ def distributed(
             print every rank's Python stack once (the call keeps running).
             ``None`` (default) never does. An interrupt always prints them
             before the ranks are stopped.
+        cluster: ``None`` (default) runs the ranks on this machine; ``"ray"``
+            runs one Ray actor per rank on the Ray cluster this process is
+            connected to (``ray.init``), else the one at ``RAY_ADDRESS`` or
+            ``auto``. Ranks are packed onto as few nodes as Ray can, ordered by
+            node then GPU; ``NODE_RANK`` tells the node. Needs ``nbtools[ray]``.
+        nodes: with ``cluster="ray"``: spread the ranks over exactly this many nodes.
+        runtime_env: with ``cluster="ray"``: Ray's ``runtime_env`` for every rank
+            (``{"pip": [...], "env_vars": {...}, "working_dir": ...}``).
+        keep_alive: ``.distributed()`` runs on ranks kept alive between calls
+            (one ``RankPool`` per configuration): a warm call costs milliseconds.
+            Ranks keep their state between calls; ``distributed.shutdown()``
+            (or the end of the kernel) stops them.
 
-    Neither ``gpus`` nor ``processes``: every visible GPU.
+    Neither ``gpus`` nor ``processes``: every visible GPU (of the cluster, with ``cluster=``).
 
     Example:
         >>> @distributed(processes=2)
@@ -194,6 +251,9 @@ def distributed(
     if output not in OUTPUT_MODES:
         raise ValueError(f"output must be one of {', '.join(OUTPUT_MODES)}; got {output!r}")
     _check_hang_timeout(hang_timeout)
+    _check_cluster(cluster, nodes, runtime_env)
+    if not isinstance(keep_alive, bool):
+        raise TypeError(f"keep_alive must be True or False, got {type(keep_alive).__name__}")
 
     def decorate(target: Callable[..., R]) -> DistributedFunction[R]:
         if isinstance(target, DistributedFunction):
@@ -202,7 +262,7 @@ def distributed(
             raise TypeError(
                 f"@distributed decorates a function, got {type(target).__name__} {target!r:.60}"
             )
-        if multiprocessing.parent_process() is None:
+        if cluster is None and multiprocessing.parent_process() is None:
             # Start the forkserver now, so that torch is loaded in it by the first call.
             # Not in a child (a rank importing the module that defines this function).
             _env.warm_up()
@@ -213,6 +273,10 @@ def distributed(
             max_restarts=max_restarts,
             output=output,
             hang_timeout=hang_timeout,
+            cluster=cluster,
+            nodes=nodes,
+            runtime_env=runtime_env,
+            keep_alive=keep_alive,
         )
 
     if fn is None:
@@ -224,6 +288,19 @@ def distributed(
             f"did you mean distributed(processes={fn!r:.10})?"
         )
     return decorate(fn)
+
+
+def _shutdown() -> None:
+    """Stop every pool this process holds: those of ``keep_alive=True`` and every ``RankPool``.
+
+    Also runs when the kernel exits. Leaves no rank process behind.
+    """
+    from nbtools.launch._pool import shutdown
+
+    shutdown()
+
+
+distributed.shutdown = _shutdown  # type: ignore[attr-defined]
 
 
 def _check_hang_timeout(value: Any) -> None:
@@ -239,6 +316,30 @@ def _check_hang_timeout(value: Any) -> None:
             f"hang_timeout must be a positive, finite number of seconds (or None to turn it "
             f"off), got {value!r}"
         )
+
+
+def _check_cluster(cluster: Any, nodes: Any, runtime_env: Any) -> None:
+    if cluster is not None and not isinstance(cluster, str):
+        raise TypeError(f"cluster must be None or 'ray', got {type(cluster).__name__} {cluster!r:.40}")
+    if cluster not in (None, "ray"):
+        raise ValueError(
+            f"cluster must be None or 'ray' (the engines nbtools can launch on), got {cluster!r}"
+        )
+    _check_count("nodes", nodes)
+    if nodes is not None and cluster is None:
+        raise ValueError(
+            f"nodes= needs cluster='ray': without a cluster every rank runs on this machine. "
+            f"Use @distributed(..., cluster='ray', nodes={nodes})."
+        )
+    if runtime_env is not None:
+        if not isinstance(runtime_env, dict):
+            raise TypeError(
+                f"runtime_env must be a dict (Ray's runtime_env), got {type(runtime_env).__name__}"
+            )
+        if cluster is None:
+            raise ValueError(
+                "runtime_env= needs cluster='ray': ranks on this machine use this environment"
+            )
 
 
 def _check_count(name: str, value: Any) -> None:

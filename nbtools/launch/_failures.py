@@ -31,6 +31,10 @@ class RankFailure:
             formed (before any user code ran), else ``""``.
         collective: the ``torch.distributed`` operation the rank was in when it
             failed (``"all_reduce"``), else ``""``.
+        node: where the rank ran, on a cluster (``"host (1a2b3c4d, 10.0.0.5)"``:
+            host name, start of the Ray node id, IP); ``""`` on this machine.
+            ``exc_type`` is ``"ActorDied"`` when the rank's process died there
+            and ``"NodeLost"`` when its whole node was lost.
 
     ``message`` and ``traceback`` are always complete; the text of a
     ``DistributedError`` shows at most :data:`MESSAGE_LIMIT` and
@@ -46,6 +50,7 @@ class RankFailure:
     time: float | None = None
     phase: str = ""
     collective: str = ""
+    node: str = ""
 
 
 def from_record(record: dict, attempt: int) -> RankFailure:
@@ -123,14 +128,19 @@ def describe(
 
 
 def _headline(failure: RankFailure, verb: str) -> str:
+    who = f"rank {failure.rank}" + (f" on {failure.node}" if failure.node else "")
     if failure.exc_type == "EarlyExit":
-        return f"rank {failure.rank} {failure.message}{verb[len('failed'):]}".rstrip()
-    return f"rank {failure.rank} {verb}: {_summary(failure)}"
+        return f"{who} {failure.message}{verb[len('failed'):]}".rstrip()
+    return f"{who} {verb}: {_summary(failure)}"
+
+
+#: Failures that are how a process ended, not an exception: the message says it all.
+_ENDINGS = ("Signal", "Exit", "EarlyExit", "ActorDied", "NodeLost")
 
 
 def _summary(failure: RankFailure) -> str:
     message = _clip(failure.message, MESSAGE_LIMIT, failure.rank, "message")
-    if failure.exc_type in ("Signal", "Exit", "EarlyExit"):
+    if failure.exc_type in _ENDINGS:
         return message
     return f"{failure.exc_type}: {message}" if message else failure.exc_type
 

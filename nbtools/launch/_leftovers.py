@@ -23,6 +23,7 @@ import time
 import psutil
 
 __all__ = [
+    "LEFTOVER_GRACE_S",
     "end_own_leftovers",
     "end_groups",
     "describe_process",
@@ -31,6 +32,8 @@ __all__ = [
 ]
 
 _STOP_GRACE_S = 1.0
+#: How long what a rank left running may take to end by itself once the rank returned.
+LEFTOVER_GRACE_S = 2.0
 
 
 def lead_own_group() -> None:

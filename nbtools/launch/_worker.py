@@ -24,11 +24,12 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 
 from nbtools.launch import _inrank, _leftovers
 from nbtools.launch._env import settle_forkserver
+from nbtools.launch._leftovers import LEFTOVER_GRACE_S
+from nbtools.launch._records import GROUP_PHASE, failure_record
 
 __all__ = [
     "RankSpec",
@@ -41,12 +42,8 @@ __all__ = [
     "STACK_SIGNAL",
 ]
 
-#: Phase of a failure while the process group was being formed.
-GROUP_PHASE = "group"
 #: Makes a rank print every thread's Python stack to its stderr (``faulthandler``).
 STACK_SIGNAL = signal.SIGUSR2
-#: How long what a rank left running may take to end by itself once every rank returned.
-LEFTOVER_GRACE_S = 2.0
 _RELEASE_POLL_S = 0.02
 
 
@@ -106,12 +103,24 @@ def run_rank(payload: bytes, spec: RankSpec) -> bytes:
             return result
         if not os.path.exists(failure_path(spec.run_dir, spec.rank)):
             _publish_failure(spec, exc)
+        _flush_events()
         sys.stdout.flush()
         sys.stderr.flush()
         # SystemExit passes through torch's wrappers without writing their own error files.
         sys.exit(1)
+    _flush_events()
     _finish(spec)
     return result
+
+
+def _flush_events() -> None:
+    """Send the rank's buffered events to the caller before it reads them."""
+    emit = sys.modules.get("nbtools.events._emit")
+    if emit is not None:
+        try:
+            emit.flush()
+        except Exception:  # noqa: BLE001 - events never turn a result into a failure
+            pass
 
 
 def _run(payload: bytes, spec: RankSpec) -> bytes:
@@ -211,23 +220,7 @@ def _mirror_caller_environment(names: frozenset[str]) -> None:
 
 
 def _publish_failure(spec: RankSpec, exc: BaseException, phase: str = "") -> None:
-    tb = exc.__traceback__
-    # Drop this module's own frames so the remote traceback starts in user code.
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next
-    exc_type = type(exc)
-    name = exc_type.__qualname__
-    if exc_type.__module__ not in ("builtins", "__main__"):
-        name = f"{exc_type.__module__}.{name}"
-    record = {
-        "rank": spec.rank,
-        "exc_type": name,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc_type, exc, tb)),
-        "time": time.time(),
-        "phase": phase,
-        "collective": _collective(exc.__traceback__),
-    }
+    record = failure_record(spec.rank, exc, phase=phase, skip_file=__file__)
     path = failure_path(spec.run_dir, spec.rank)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
@@ -236,17 +229,6 @@ def _publish_failure(spec: RankSpec, exc: BaseException, phase: str = "") -> Non
         os.replace(tmp, path)
     except OSError:
         pass  # the caller still sees the non-zero exit and reports it
-
-
-def _collective(tb) -> str:
-    """Name of the ``torch.distributed`` operation the exception came out of ("" if none)."""
-    name = ""
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_filename.endswith(os.path.join("distributed", "distributed_c10d.py")):
-            name = code.co_name
-        tb = tb.tb_next
-    return name.lstrip("_")
 
 
 def _die_with_parent_chain(caller_pid: int, caller_dir: str) -> None:

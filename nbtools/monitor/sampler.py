@@ -252,9 +252,15 @@ class Sampler:
         return max(0.0, min(delay, _WAIT_FOREVER))
 
     def _poll(self, now: float) -> Sample | None:
+        # A backend that reads several hosts (a cluster) returns one sample per host.
+        read_samples = getattr(self.backend, "read_samples", None)
         with self._read_lock:
             try:
-                readings = self.backend.read(now)
+                if read_samples is not None:
+                    samples = list(read_samples(now))
+                else:
+                    readings = self.backend.read(now)
+                    samples = [Sample(self.backend.host, now, tuple(readings), self.backend.source)]
             except BackendUnavailable as err:
                 self._set_status("unavailable", None, str(err))
                 return None
@@ -262,13 +268,14 @@ class Sampler:
                 _log.exception("reading the GPUs failed")
                 self._set_status("unavailable", None, f"reading the GPUs failed: {err}")
                 return None
-        sample = Sample(self.backend.host, now, tuple(readings), self.backend.source)
         with self._lock:
             self._next_due = now + self.interval
-            self.last_sample = sample
-        self.samples.add(sample)
-        self._emit(sample)
-        return sample
+            if samples:
+                self.last_sample = samples[-1]
+        for sample in samples:
+            self.samples.add(sample)
+            self._emit(sample)
+        return samples[-1] if samples else None
 
     def _run(self) -> None:
         while self._status != "closed":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -57,23 +58,34 @@ def test_bad_arguments_are_one_line(ip, capsys, args, message):
     assert _sampler_threads() == []
 
 
-def test_pane_samples_become_mlflow_system_metrics(ip, tmp_path, monkeypatch):
+def test_pane_samples_become_mlflow_system_metrics_and_events_an_artifact(
+    ip, tmp_path, monkeypatch
+):
     mlflow = pytest.importorskip("mlflow")
+    from nbtools import events
+
     for name in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
         monkeypatch.delenv(name, raising=False)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)  # a sqlite store keeps artifacts in ./mlruns
     pane = ip.run_line_magic("gpu_pane", "--simulated 2 --interval 60 --mlflow")
     try:
         pane.refresh()
+        events.emit("eval", message="val loss 1.93", step=10, value=1.93)
         pane.refresh()
         run_id = ip.magics_manager.registry["NbtoolsMagics"]._pane_logger.run_id
     finally:
-        ip.run_line_magic("gpu_pane", "--close")  # flushes what was sampled
+        ip.run_line_magic("gpu_pane", "--close")  # flushes what was sampled, stores the events
     client = mlflow.MlflowClient(tracking_uri=uri)
     history = client.get_metric_history(run_id, "system/gpu_1_utilization_percentage")
     assert len(history) >= 2  # the two refreshes (the first poll came before the sink)
     assert all(0 <= m.value <= 100 for m in history)
     assert client.get_metric_history(run_id, "system/gpu_0_temperature_celsius")
+    (stored,) = client.list_artifacts(run_id, "events")
+    root = client.get_run(run_id).info.artifact_uri.removeprefix("file://")
+    with open(f"{root}/{stored.path}", encoding="utf-8") as fh:
+        lines = [json.loads(line) for line in fh]
+    assert [(e["kind"], e["step"], e["value"]) for e in lines] == [("eval", 10, 1.93)]
     assert mlflow.active_run() is None
     assert _sampler_threads() == []

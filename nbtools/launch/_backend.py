@@ -1,0 +1,153 @@
+"""The seam between what a launch means and where its ranks run.
+
+A launch is the same everywhere: pack the function, start N ranks, forward
+their output into the cell, wait for every rank's result or the first
+failure, stop the others, restart the group up to ``max_restarts`` times
+(:mod:`nbtools.launch._runner`). Only starting, watching and stopping the
+ranks depends on the engine, and that is all a backend does:
+
+- :class:`LaunchBackend` starts one group of ranks for one attempt;
+- :class:`RankGroup` is that running group: where its output lands on this
+  machine, a non-blocking :meth:`~RankGroup.poll` for the outcome, stacks on
+  demand, and :meth:`~RankGroup.stop` / :meth:`~RankGroup.close`.
+
+Backends: :mod:`nbtools.launch._local` (torch elastic on this machine) and
+:mod:`nbtools.launch._ray` (Ray actors on a cluster). A new engine is one more
+module with these two classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from nbtools.launch._failures import RankFailure
+
+__all__ = ["GroupSpec", "Finished", "Failed", "Outcome", "RankGroup", "LaunchBackend"]
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One attempt of a launch, as every backend receives it.
+
+    Attributes:
+        payload: cloudpickle bytes of ``(fn, args, kwargs)``; or, for a backend
+            that runs a command loop, its entry payload.
+        world_size: number of ranks.
+        use_cuda: one GPU per rank (``cuda:LOCAL_RANK``) instead of CPU ranks.
+        run_id: the same for every attempt of one call (``TORCHELASTIC_RUN_ID``).
+        restart_count: 0 for the first attempt, then the restart number
+            (``TORCHELASTIC_RESTART_COUNT``).
+        max_restarts: the call's ``max_restarts`` (``TORCHELASTIC_MAX_RESTARTS``).
+        attempt_dir: a private, empty directory on this machine for this attempt;
+            the group's output files live here.
+        env: extra environment variables for every rank (events channel, ...).
+    """
+
+    payload: bytes
+    world_size: int
+    use_cuda: bool
+    run_id: str
+    restart_count: int
+    max_restarts: int
+    attempt_dir: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def backend(self) -> str:
+        """The ``torch.distributed`` backend of the default group."""
+        return "cpu:gloo,cuda:nccl" if self.use_cuda else "gloo"
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Every rank returned: ``results[r]`` is rank r's cloudpickled return value."""
+
+    results: list[bytes]
+
+
+@dataclass(frozen=True)
+class Failed:
+    """At least one rank failed.
+
+    Attributes:
+        failures: what each failed rank reported (or how its process ended).
+        first: the rank whose failure came first, the likely cause (None if unknown).
+        returned: ranks whose function had returned before the failure.
+    """
+
+    failures: dict[int, RankFailure]
+    first: int | None
+    returned: frozenset[int] = frozenset()
+
+
+Outcome = Finished | Failed
+
+
+class RankGroup(Protocol):
+    """A running group of ranks, started by :meth:`LaunchBackend.start`.
+
+    ``stdouts``/``stderrs`` map each global rank to a file on this machine
+    that receives its output as it is written (the forwarder tails them).
+    """
+
+    stdouts: dict[int, str]
+    stderrs: dict[int, str]
+
+    def poll(self) -> Outcome | None:
+        """The outcome once every rank returned or one failed; None while running.
+
+        Never blocks for long: the runner calls it in a loop. After a failure
+        the other ranks must already be stopping (not left in a collective).
+        """
+        ...
+
+    def show_stacks(self, last_output: Callable[[], float]) -> None:
+        """Make every running rank print its Python stacks to its stderr.
+
+        ``last_output()`` is when output was last seen; return once the stacks
+        have arrived (output quiet again) or after a few seconds.
+        """
+        ...
+
+    def stop(self) -> None:
+        """Stop every rank now (failure or interrupt); idempotent."""
+        ...
+
+    def close(self) -> dict[int, list[str]]:
+        """Release what the group holds once it has ended; idempotent.
+
+        Returns:
+            ``{rank: [description, ...]}`` of processes ranks left running and
+            that were stopped (rank -1: left by ranks that were stopped).
+        """
+        ...
+
+
+class LaunchBackend(Protocol):
+    """Starts groups of ranks somewhere: this machine, a Ray cluster, ..."""
+
+    #: Shown in messages: "local", "ray".
+    name: str
+
+    def gpu_count(self) -> int:
+        """GPUs this engine can give ranks (``@distributed()`` without sizes uses them all)."""
+        ...
+
+    def check(self, world_size: int, use_cuda: bool) -> None:
+        """Raise a clear error now when this engine cannot provide the ranks."""
+        ...
+
+    def start(self, spec: GroupSpec) -> RankGroup:
+        """Start ``spec.world_size`` ranks running ``spec.payload``; returns at once.
+
+        Raises:
+            nbtools.errors.LaunchError: the ranks could not be started.
+            KeyboardInterrupt: interrupted while starting; what started is stopped.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release what the backend holds across attempts (placement, connections)."""
+        ...

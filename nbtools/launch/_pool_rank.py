@@ -1,0 +1,304 @@
+"""What a pool rank runs: a command loop over the rank's persistent namespace.
+
+:func:`serve` is the function a :class:`~nbtools.launch.RankPool` launches on
+every rank, through the same backend and rank set-up as ``@distributed``: by
+the time it runs, the environment, device and default process group are in
+place. It connects to the kernel (:mod:`nbtools.launch._pool_channel`) and
+executes commands until told to stop, then returns, and the rank ends as a
+``@distributed`` rank does (group destroyed, leftover children ended).
+
+The namespace is a fresh ``__main__`` module, as in a notebook: classes
+defined in cells pickle by value, and code that looks names up in
+``__main__`` finds them.
+
+Interrupts. A reader thread receives every frame; an interrupt for the running
+command raises ``KeyboardInterrupt`` in the thread running user code (a real
+SIGINT in the main thread, so ``time.sleep`` and friends wake up; an
+asynchronous exception in a rank that serves from another thread). Outside
+user code an interrupt is ignored.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import ctypes
+import linecache
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import types
+from typing import Any
+
+from nbtools.launch._pool_channel import ChannelClosed, Link, connect
+from nbtools.launch._records import failure_record
+
+__all__ = ["serve"]
+
+# What a rank's reply says (second element of a reply).
+OK, ERROR, INTERRUPTED = "ok", "error", "interrupted"
+
+
+def serve(address: str | tuple[str, int], key: bytes, use_cuda: bool) -> None:
+    """Serve the pool's commands on this rank until the kernel says stop or goes away."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    hello = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()}
+    link = connect(address, key, hello)
+    server = _Server(link, rank, use_cuda)
+    try:
+        server.loop()
+    finally:
+        server.close()
+
+
+class _Server:
+    def __init__(self, link: Link, rank: int, use_cuda: bool) -> None:
+        self.link = link
+        self.rank = rank
+        self.use_cuda = use_cuda
+        self.main = types.ModuleType("__main__")
+        self.main.__dict__["__builtins__"] = builtins
+        self.ns: dict[str, Any] = self.main.__dict__
+        self.lent: dict[str, Any] = {}  # notebook names a function brought, still unchanged here
+        self._saved_main = sys.modules.get("__main__")
+        sys.modules["__main__"] = self.main
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._running: int | None = None  # seq of the command running user code
+        self._thread = threading.get_ident()
+        self._in_main = threading.current_thread() is threading.main_thread()
+        self._saved_handler: Any = None
+        self._positions: tuple[int, int] = (-1, -1)
+        if self._in_main:
+            self._saved_handler = signal.signal(signal.SIGINT, self._on_sigint)
+        self._reader = threading.Thread(target=self._read, name="nbtools-pool-reader", daemon=True)
+        self._reader.start()
+
+    # --- receiving -------------------------------------------------------------
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.link.recv()
+            except (ChannelClosed, OSError, EOFError):
+                self.inbox.put(None)
+                return
+            if message[1] == "interrupt":
+                self._interrupt(message[0])
+            else:
+                self.inbox.put(message)
+
+    def _interrupt(self, seq: int) -> None:
+        with self._lock:
+            if self._running != seq:
+                return  # already finished: nothing to interrupt
+            if self._in_main:
+                signal.pthread_kill(self._thread, signal.SIGINT)
+            else:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(self._thread), ctypes.py_object(KeyboardInterrupt)
+                )
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self._running is not None:
+            raise KeyboardInterrupt
+
+    # --- the loop ----------------------------------------------------------------
+
+    def loop(self) -> None:
+        while True:
+            try:
+                message = self.inbox.get()
+                if message is None:
+                    return
+                seq, op, arg = message
+                if op == "stop":
+                    self._reply(seq, OK, None)
+                    return
+                self._reply(seq, *self._handle(seq, op, arg))
+            except KeyboardInterrupt:
+                continue  # an interrupt that arrived just after the command ended
+            except (ChannelClosed, OSError):
+                return
+
+    def _handle(self, seq: int, op: str, arg: Any) -> tuple[str, Any]:
+        try:
+            with self._lock:
+                self._running = seq
+            try:
+                value = getattr(self, "_do_" + op)(arg)
+            finally:
+                with self._lock:
+                    self._running = None
+        except KeyboardInterrupt as exc:
+            return INTERRUPTED, failure_record(self.rank, exc, skip_file=__file__)
+        except BaseException as exc:  # noqa: BLE001 - every way out of user code is reported
+            if isinstance(exc, SystemExit) and exc.code in (0, None):
+                return OK, _dumps(None)
+            return ERROR, failure_record(self.rank, exc, skip_file=__file__)
+        return OK, value
+
+    def _reply(self, seq: int, kind: str, data: Any) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()  # the kernel shows this output before the call returns
+            except (OSError, ValueError):
+                pass
+        emit = sys.modules.get("nbtools.events._emit")
+        if emit is not None:
+            try:
+                emit.flush()
+            except Exception:  # noqa: BLE001 - events never turn a result into a failure
+                pass
+        self.link.send((seq, kind, data, self._wrote()))
+
+    def _wrote(self) -> bool:
+        """Whether this rank's output files grew since the last reply (unknown: True)."""
+        try:
+            positions = (os.lseek(1, 0, os.SEEK_CUR), os.lseek(2, 0, os.SEEK_CUR))
+        except OSError:
+            return True
+        wrote = positions != self._positions
+        self._positions = positions
+        return wrote
+
+    # --- commands ------------------------------------------------------------------
+
+    def _do_exec(self, arg: tuple[str, str, str]) -> Any:
+        source, filename, want = arg
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        tree = ast.parse(source, filename, "exec")
+        last = None
+        if want != "none" and tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        exec(compile(tree, filename, "exec"), self.ns)  # noqa: S102 - the user's own cell
+        if last is None:
+            return None if want == "display" else _dumps(None)
+        value = eval(compile(last, filename, "eval"), self.ns)  # noqa: S307
+        if want == "display":
+            return _bundle(value)
+        return _dumps(value)
+
+    def _do_run(self, payload: bytes) -> bytes:
+        import cloudpickle
+
+        fn, args, kwargs = cloudpickle.loads(payload)
+        if isinstance(fn, types.FunctionType) and fn.__module__ == "__main__":
+            fn = self._bind(fn)
+        return _dumps(fn(*args, **kwargs))
+
+    def _do_push(self, blob: bytes) -> bytes:
+        import cloudpickle
+
+        names = cloudpickle.loads(blob)
+        self.ns.update(names)
+        for name in names:
+            self.lent.pop(name, None)  # pushed names belong to the rank now
+        return _dumps(None)
+
+    def _do_pull(self, names: list[str]) -> bytes:
+        missing = [name for name in names if name not in self.ns]
+        if missing:
+            raise NameError(", ".join(repr(n) for n in missing))
+        values = [self.ns[name] for name in names]
+        try:
+            return _dumps(values)
+        except _Unpicklable:
+            for name, value in zip(names, values, strict=True):
+                _dumps(value, f"{name!r} ({type(value).__qualname__})")
+            raise
+
+    def _do_status(self, _: Any) -> dict[str, Any]:
+        import psutil
+
+        proc = psutil.Process()
+        info: dict[str, Any] = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": proc.create_time(),
+            "rss": proc.memory_info().rss,
+        }
+        torch = sys.modules.get("torch")
+        if torch is not None and (self.use_cuda or torch.cuda.is_initialized()):
+            device = torch.cuda.current_device()
+            free, total = torch.cuda.mem_get_info(device)
+            info.update(
+                device=f"cuda:{device}",
+                allocated=torch.cuda.memory_allocated(device),
+                reserved=torch.cuda.memory_reserved(device),
+                device_used=total - free,
+                device_total=total,
+            )
+        return info
+
+    # --- notebook functions ------------------------------------------------------------
+
+    def _bind(self, fn: types.FunctionType) -> types.FunctionType:
+        """``fn`` with this rank's namespace as its globals (ipyparallel's ``interactive``).
+
+        Names the function brought from the notebook fill in what the rank does
+        not define; they stay for later cells, and a later call replaces them
+        with the notebook's newer values unless rank code has rebound them.
+        """
+        for name, value in fn.__globals__.items():
+            if name.startswith("__"):
+                continue
+            lent = self.lent.get(name, _MISSING)
+            if name not in self.ns or (lent is not _MISSING and self.ns[name] is lent):
+                self.ns[name] = value
+                self.lent[name] = value
+        bound = types.FunctionType(
+            fn.__code__, self.ns, fn.__name__, fn.__defaults__, fn.__closure__
+        )
+        bound.__kwdefaults__ = fn.__kwdefaults__
+        bound.__qualname__ = fn.__qualname__
+        bound.__module__ = fn.__module__
+        bound.__doc__ = fn.__doc__
+        bound.__dict__.update(fn.__dict__)
+        return bound
+
+    def close(self) -> None:
+        if self._in_main and self._saved_handler is not None:
+            signal.signal(signal.SIGINT, self._saved_handler)
+        if self._saved_main is not None:
+            sys.modules["__main__"] = self._saved_main
+        self.link.close()
+
+
+_MISSING = object()
+
+
+def _dumps(value: Any, what: str = "") -> bytes:
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps(value)
+    except Exception as exc:
+        what = what or f"the value ({type(value).__qualname__})"
+        raise _Unpicklable(f"{what} cannot be sent to the notebook: {exc}") from exc
+
+
+class _Unpicklable(TypeError):
+    """A value asked for cannot be pickled; the kernel shows it as one line."""
+
+
+def _bundle(value: Any) -> dict[str, str] | None:
+    """What the notebook displays for a cell's last value (formatted here, like ipyparallel)."""
+    if value is None:
+        return None
+    bundle = {"text/plain": repr(value)}
+    html = getattr(value, "_repr_html_", None)
+    if callable(html) and not isinstance(value, type):
+        try:
+            text = html()
+        except Exception:  # noqa: BLE001 - a broken rich repr falls back to text
+            text = None
+        if isinstance(text, str):
+            bundle["text/html"] = text
+    return bundle

@@ -1,0 +1,368 @@
+"""One generation of a pool's ranks: started, commanded, watched and stopped.
+
+The ranks are an ordinary group of the launch backend
+(:mod:`nbtools.launch._backend`) whose function is the pool's command loop
+(:func:`nbtools.launch._pool_rank.serve`): there is no second launcher. This
+module adds the kernel's side of the command channel and the rules for
+waiting on a command:
+
+- Every rank answers: the answers are returned, failures included.
+- A rank's process ends (signal, ``os._exit``, OOM): :class:`RanksLost`.
+- A rank failed while others are still running (likely waiting for it in a
+  collective): after :data:`PEER_GRACE_S`, :class:`RanksStuck`.
+- The kernel is interrupted: every rank is interrupted (``KeyboardInterrupt``
+  in its user code); :class:`RanksInterrupted` says whether all of them came
+  back to idle within :data:`INTERRUPT_GRACE_S`.
+
+Output is forwarded by the waiting thread itself, so every line a command
+prints reaches the cell that runs the command, before the call returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import Any, TextIO
+
+import cloudpickle
+
+from nbtools._internal.log import get_logger
+from nbtools.launch._backend import Failed, Finished, GroupSpec, LaunchBackend, RankGroup
+from nbtools.launch._output import OutputForwarder
+from nbtools.launch._pool_channel import ChannelClosed, Link, Listener, frame, wait_readable
+from nbtools.launch._pool_rank import OK, serve
+
+__all__ = [
+    "Ranks",
+    "RanksLost",
+    "RanksStuck",
+    "RanksInterrupted",
+    "PEER_GRACE_S",
+    "INTERRUPT_GRACE_S",
+]
+
+_log = get_logger("launch")
+
+#: How long ranks may keep running after a peer failed before the pool is restarted.
+PEER_GRACE_S = 3.0
+#: How long interrupted ranks have to come back to idle before they are restarted.
+INTERRUPT_GRACE_S = 5.0
+# How often the backend is asked whether a rank has died while waiting.
+_GROUP_POLL_S = 0.1
+# How often output is forwarded while a command runs (the forwarder's own pace).
+_PUMP_S = 0.02
+# A rank whose channel closed: how long its death may take to reach the backend.
+_DEATH_WAIT_S = 10.0
+# Stopping: how long ranks have to acknowledge and end by themselves.
+_STOP_WAIT_S = 10.0
+# Ranks elsewhere ship their output asynchronously: let it arrive before returning.
+_REMOTE_SETTLE_S = 0.3
+
+
+class RanksLost(Exception):
+    """A rank's process ended; ``outcome`` is the backend's account of it (None if unknown)."""
+
+    def __init__(self, outcome: Failed | None, replies: dict[int, tuple[str, Any]]) -> None:
+        super().__init__("ranks lost")
+        self.outcome = outcome
+        self.replies = replies
+
+
+class RanksStuck(Exception):
+    """Some ranks failed and others did not finish within the grace period."""
+
+    def __init__(self, replies: dict[int, tuple[str, Any]], pending: list[int]) -> None:
+        super().__init__("ranks stuck")
+        self.replies = replies
+        self.pending = pending
+
+
+class RanksInterrupted(Exception):
+    """The call was interrupted; ``kept`` when every rank came back to idle."""
+
+    def __init__(self, kept: bool, replies: dict[int, tuple[str, Any]], pending: list[int]) -> None:
+        super().__init__("interrupted")
+        self.kept = kept
+        self.replies = replies
+        self.pending = pending
+
+
+class _Follow:
+    """A stream that writes to whatever ``sys.<name>`` is at the time: the running cell's."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def write(self, text: str) -> int:
+        return getattr(sys, self.name).write(text)
+
+    def flush(self) -> None:
+        getattr(sys, self.name).flush()
+
+    def isatty(self) -> bool:
+        try:
+            return bool(getattr(sys, self.name).isatty())
+        except (AttributeError, ValueError):
+            return False
+
+
+class Ranks:
+    """The running ranks of one pool generation; made by :meth:`start`."""
+
+    def __init__(
+        self, group: RankGroup, forwarder: OutputForwarder, listener: Listener, world_size: int,
+        remote: bool,
+    ) -> None:
+        self.group = group
+        self.forwarder = forwarder
+        self.listener = listener
+        self.world_size = world_size
+        self.remote = remote
+        self.links: dict[int, Link] = {}
+        self.hellos: dict[int, dict] = {}
+        self._seq = 0
+        self._ended = False
+        self._wrote = False  # whether a rank wrote output during the current command
+
+    @classmethod
+    def start(
+        cls, backend: LaunchBackend, spec: GroupSpec, output: str, stdout: TextIO | None = None,
+        stderr: TextIO | None = None,
+    ) -> Ranks:
+        """Start ``spec.world_size`` ranks serving commands; return once all are connected.
+
+        ``spec.payload`` is ignored: the payload is the command loop.
+
+        Raises:
+            RanksLost: a rank failed before it could connect.
+            KeyboardInterrupt: interrupted; what started is stopped.
+        """
+        remote = backend.name != "local"
+        listener = Listener(host=_driver_address()) if remote else Listener(directory=spec.attempt_dir)
+        payload = cloudpickle.dumps((serve, (listener.address, listener.key, spec.use_cuda), {}))
+        spec = GroupSpec(
+            payload, spec.world_size, spec.use_cuda, spec.run_id, spec.restart_count,
+            spec.max_restarts, spec.attempt_dir, spec.env,
+        )
+        try:
+            group = backend.start(spec)
+        except BaseException:
+            listener.close()
+            raise
+        forwarder = OutputForwarder(
+            group.stdouts, group.stderrs, output, stdout or _Follow("stdout"),
+            stderr or _Follow("stderr"),
+        )
+        ranks = cls(group, forwarder, listener, spec.world_size, remote)
+        try:
+            ranks._connect()
+        except BaseException:
+            ranks.kill()
+            raise
+        return ranks
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.hellos[r]["pid"] for r in range(self.world_size)]
+
+    def _connect(self) -> None:
+        next_poll = 0.0
+        while len(self.links) < self.world_size:
+            wait_readable([], self.listener, _PUMP_S)
+            while True:
+                accepted = self.listener.accept()
+                if accepted is None:
+                    break
+                link, hello = accepted
+                self.links[link.rank] = link
+                self.hellos[link.rank] = hello
+            self.forwarder.poll()
+            if time.monotonic() >= next_poll:
+                outcome = self.group.poll()
+                if outcome is not None:
+                    raise RanksLost(outcome if isinstance(outcome, Failed) else None, {})
+                next_poll = time.monotonic() + _GROUP_POLL_S
+        self.listener.close()  # every rank is in: nothing more may connect
+        self.forwarder.poll(final=True)
+
+    # --- commands --------------------------------------------------------------------
+
+    def call(self, op: str, arg: Any, hang_timeout: float | None = None) -> dict[int, tuple]:
+        """Send one command to every rank; every rank's ``(kind, data)`` answer.
+
+        Raises:
+            RanksLost, RanksStuck, RanksInterrupted: see the module docstring.
+        """
+        self._seq += 1
+        seq = self._seq
+        self._wrote = False
+        data = frame((seq, op, arg))
+        replies: dict[int, tuple] = {}
+        try:
+            for link in self.links.values():
+                link.send_frame(data)
+            self._gather(seq, replies, hang_timeout=hang_timeout)
+        except KeyboardInterrupt:
+            self._interrupted(seq, replies)
+        except ChannelClosed:
+            raise RanksLost(self._death(), replies) from None
+        self._settle()
+        return replies
+
+    def _interrupted(self, seq: int, replies: dict[int, tuple]) -> None:
+        pending = sorted(set(self.links) - set(replies))
+        for rank in pending:
+            with contextlib.suppress(ChannelClosed, OSError):
+                self.links[rank].send((seq, "interrupt", None))
+        try:
+            self._gather(seq, replies, deadline=time.monotonic() + INTERRUPT_GRACE_S)
+        except KeyboardInterrupt:
+            pass  # interrupted again: do not wait any longer
+        except (RanksLost, RanksStuck, ChannelClosed):
+            pass
+        pending = sorted(set(self.links) - set(replies))
+        if pending:
+            _log.warning(
+                "interrupted: rank%s %s did not stop within %.0f s; the Python stack of every "
+                "rank follows", "s" if len(pending) > 1 else "", _ranks_text(pending),
+                INTERRUPT_GRACE_S,
+            )
+            with contextlib.suppress(KeyboardInterrupt):
+                self.group.show_stacks(self._pumped)
+        self._settle()
+        raise RanksInterrupted(not pending, replies, pending)
+
+    def _gather(
+        self, seq: int, replies: dict[int, tuple], *, deadline: float | None = None,
+        hang_timeout: float | None = None,
+    ) -> None:
+        started = time.monotonic()
+        next_poll = started + _GROUP_POLL_S
+        failed_at: float | None = None
+        stacks_shown = False
+        lost = False
+        while len(replies) < len(self.links):
+            pending = [link for rank, link in self.links.items() if rank not in replies]
+            if not lost:
+                wait_readable(pending, None, _PUMP_S)
+            for link in pending:
+                try:
+                    messages = link.frames()
+                except ChannelClosed:
+                    lost = True
+                    continue
+                for message in messages:
+                    if message[0] == seq:
+                        replies[link.rank] = (message[1], message[2])
+                        self._wrote = self._wrote or message[3]
+                        if message[1] != OK and failed_at is None:
+                            failed_at = time.monotonic()
+            now = time.monotonic()
+            self.forwarder.poll()
+            if len(replies) == len(self.links):
+                break
+            if lost:
+                raise RanksLost(self._death(), replies)
+            if now >= next_poll:
+                outcome = self.group.poll()
+                if outcome is not None:
+                    raise RanksLost(outcome if isinstance(outcome, Failed) else None, replies)
+                next_poll = time.monotonic() + _GROUP_POLL_S
+            if deadline is not None and now >= deadline:
+                return
+            if failed_at is not None and now - failed_at > PEER_GRACE_S:
+                raise RanksStuck(replies, sorted(set(self.links) - set(replies)))
+            quiet = now - max(started, self.forwarder.last_output)
+            if hang_timeout is not None and not stacks_shown and quiet > hang_timeout:
+                stacks_shown = True
+                _log.warning(
+                    "no rank has written any output for %.0f s (hang_timeout); the Python stack "
+                    "of every rank follows. The call keeps running; interrupt the kernel to "
+                    "stop it.", quiet,
+                )
+                self.group.show_stacks(self._pumped)
+
+    def _death(self) -> Failed | None:
+        """The backend's account of the rank that closed its channel."""
+        deadline = time.monotonic() + _DEATH_WAIT_S
+        while time.monotonic() < deadline:
+            self.forwarder.poll()
+            outcome = self.group.poll()
+            if isinstance(outcome, Failed):
+                return outcome
+            if isinstance(outcome, Finished):
+                return None
+        return None
+
+    def _pumped(self) -> float:
+        self.forwarder.poll()
+        return self.forwarder.last_output
+
+    def _settle(self) -> None:
+        if self.remote and self._wrote:
+            # The output of ranks elsewhere is shipped here on its own: wait until it
+            # arrived (output seen, then a quiet moment) or the settle time is over.
+            asked = time.monotonic()
+            end = asked + _REMOTE_SETTLE_S
+            while time.monotonic() < end:
+                self.forwarder.poll()
+                seen = self.forwarder.last_output
+                if seen > asked and time.monotonic() - seen > 2 * _PUMP_S:
+                    break
+                time.sleep(_PUMP_S)
+        self.forwarder.poll(final=True)
+
+    # --- ending ----------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask every rank to stop and wait for them to end; stop them by force if need be."""
+        if self._ended:
+            return
+        try:
+            self._seq += 1
+            seq = self._seq
+            replies: dict[int, tuple] = {}
+            with contextlib.suppress(ChannelClosed, OSError, RanksLost, RanksStuck):
+                for link in self.links.values():
+                    link.send((seq, "stop", None))
+                self._gather(seq, replies, deadline=time.monotonic() + _STOP_WAIT_S)
+            deadline = time.monotonic() + _STOP_WAIT_S
+            while time.monotonic() < deadline:
+                self.forwarder.poll()
+                if self.group.poll() is not None:
+                    break
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        """Stop every rank now and release everything; idempotent."""
+        if self._ended:
+            return
+        self._ended = True
+        try:
+            try:
+                self.group.stop()
+            finally:
+                left = self.group.close()
+                from nbtools.launch._runner import _report_leftovers
+
+                _report_leftovers(left)
+        finally:
+            for link in self.links.values():
+                link.close()
+            self.listener.close()
+            with contextlib.suppress(OSError, ValueError):
+                self.forwarder.poll(final=True)
+            self.forwarder.stop()
+
+
+def _driver_address() -> str:
+    """The address ranks on other nodes reach this process at (Ray's view of this node)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)

@@ -1,0 +1,109 @@
+"""RankPool with real CPU ranks: state between calls, execute / push / pull / run, errors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from nbtools import events
+from nbtools.errors import DistributedError, PicklingError, PoolError
+from nbtools.launch import RankPool
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(processes=2) as pool:
+        yield pool
+
+
+def test_state_stays_on_the_ranks_between_calls(pool):
+    pool.execute("import torch\nimport torch.distributed as dist\nw = torch.ones(2) * (dist.get_rank() + 1)")
+    pids = pool.pids
+    assert pool.execute("w.sum().item()") == [2.0, 4.0]
+    assert pool.execute("dist.all_reduce(w)\nw.tolist()") == [[3.0, 3.0], [3.0, 3.0]]
+    assert pool.pull("w")[1].tolist() == [3.0, 3.0]
+    assert pool.pids == pids
+
+
+def test_execute_returns_the_last_expression_or_none(pool):
+    assert pool.execute("a = 5") == [None, None]
+    assert pool.execute("a * 2") == [10, 10]
+    with pytest.raises(SyntaxError):
+        pool.execute("def broken(:")
+
+
+def test_push_then_pull_and_run_sees_the_rank_namespace(pool):
+    pool.push(lr=0.5, steps=3)
+    pool.push({"name": "run-1"})
+    assert pool.pull("lr", "name") == ([0.5, 0.5], ["run-1", "run-1"])
+
+    def scaled(factor):
+        import torch.distributed as dist
+
+        return dist.get_rank(), factor * 2
+
+    assert pool.run(scaled, 3) == [(0, 6), (1, 6)]
+
+
+def test_a_function_from_a_notebook_cell_sees_rank_names_as_globals(pool):
+    # The module of a notebook cell's function is __main__; that is what counts.
+    def step():
+        global counter
+        counter = globals().get("counter", 0) + lr  # noqa: F821 - lr lives on the ranks
+        return counter
+
+    step.__module__ = "__main__"
+    pool.push(lr=0.25)
+    assert pool.run(step) == [0.25, 0.25]
+    assert pool.run(step) == [0.5, 0.5]
+    assert pool.pull("counter") == [0.5, 0.5]
+
+
+def test_an_exception_on_every_rank_keeps_the_pool_and_its_state(pool):
+    pool.execute("kept = 41")
+    pids = pool.pids
+    with pytest.raises(DistributedError) as info:
+        pool.execute("raise ValueError('bad value on ' + str(dist.get_rank()))")
+    message = str(info.value)
+    assert "ValueError: bad value on 0" in message and "rank 1 also failed" in message
+    assert "raise ValueError" in message  # the remote traceback, with the cell's source line
+    assert "the pool and its state were kept" in message
+    assert set(info.value.failures) == {0, 1}
+    assert pool.execute("kept + 1") == [42, 42]
+    assert pool.pids == pids
+
+
+def test_bad_input_is_one_clear_line(pool):
+    with pytest.raises(NameError, match="'missing' is not defined on ranks 0, 1"):
+        pool.pull("missing")
+    with pytest.raises(PicklingError, match="'lock'.*cannot be sent to the ranks"):
+        pool.push(lock=threading.Lock())
+    pool.execute("import threading\nheld = threading.Lock()")
+    with pytest.raises(PicklingError, match="rank 0: 'held' \\(lock\\) cannot be sent to the notebook"):
+        pool.pull("held")
+    with pytest.raises(ValueError, match="not a Python name"):
+        pool.push(**{"not a name": 1})
+    with pytest.raises(TypeError):
+        pool.execute(b"1")
+    assert pool.execute("kept") == [41, 41]  # nothing was lost
+
+
+def test_a_closed_pool_says_so():
+    with RankPool(processes=1, output="none") as small:
+        assert small.execute("1 + 1") == [2]
+    with pytest.raises(PoolError, match="closed"):
+        small.execute("1")
+    small.close()  # idempotent
+
+
+def test_restart_gives_fresh_ranks_and_emits_an_event():
+    with RankPool(processes=2, output="none") as pool:
+        pool.execute("x = 1")
+        pids = pool.pids
+        since = events.log()[-1].time if events.log() else 0.0
+        pool.restart()
+        assert set(pool.pids).isdisjoint(pids)
+        with pytest.raises(NameError):
+            pool.pull("x")
+        assert any(e.kind == "pool_restarted" for e in events.log(since=since))
