@@ -72,6 +72,9 @@ class NbtoolsMagics(Magics):
               help="seconds between samples (default: the pane's)")
     @argument("--simulated", type=_positive_int, default=None, metavar="N",
               help="show N simulated GPUs instead of the real ones (demos, no GPU)")
+    @argument("--cluster", choices=["ray"], default=None,
+              help="every node of the connected Ray cluster (with --simulated: N simulated "
+                   "GPUs on every node)")
     @argument("--mlflow", action="store_true",
               help="also log every sample as MLflow system metrics (to the active or resumed "
                    "run, else a new one), and the run's events as an artifact when the pane closes")
@@ -92,11 +95,8 @@ class NbtoolsMagics(Magics):
         kwargs: dict[str, Any] = {}
         if args.interval is not None:
             kwargs["interval"] = args.interval
-        if args.simulated is not None:
-            from nbtools.monitor import SimulatedBackend
-
-            kwargs["backend"] = SimulatedBackend(num_gpus=args.simulated)
         try:
+            kwargs["backend"] = _pane_backend(args.cluster, args.simulated)
             self.pane = GPUPane(**kwargs)
         except (TypeError, ValueError) as exc:
             raise UsageError(f"gpu_pane: {exc}") from None
@@ -121,6 +121,9 @@ class NbtoolsMagics(Magics):
     @argument("--state", default=None, metavar="NAMES",
               help="comma-separated objects to save and restore (default: every object "
                    "of the notebook with state_dict() and load_state_dict())")
+    @argument("--cluster", choices=["ray"], default=None,
+              help="every node of the connected Ray cluster (with --simulated: N simulated "
+                   "GPUs on every node)")
     @argument("--mlflow", action="store_true",
               help="log to an MLflow run, resumed from the checkpoint, as mlflow_logger")
     @argument("--run-name", default=None, metavar="NAME", help="name of the MLflow run")
@@ -155,7 +158,23 @@ def unload(ipython: Any) -> None:
     instance = manager.registry.pop(NbtoolsMagics.__name__, None)
     if instance is not None:
         instance.close_pane()
-    for name in _LINE_MAGICS:
+    ranks = manager.registry.pop(DistributedMagics.__name__, None)
+    if ranks is not None and ranks.pool is not None:
+        ranks.pool.close()  # the ranks a %distributed start began end with the extension
+    for name in (*_LINE_MAGICS, "distributed"):
         manager.magics["line"].pop(name, None)
-    for name in _CELL_MAGICS:
+    for name in (*_CELL_MAGICS, "distributed"):
         manager.magics["cell"].pop(name, None)
+
+
+def _pane_backend(cluster: str | None, simulated: int | None) -> Any:
+    """The backend ``%gpu_pane`` asks for: a Ray cluster, simulated GPUs, or None (NVML here)."""
+    if cluster is not None:
+        from nbtools.monitor.cluster import cluster_backend
+
+        return cluster_backend(cluster, simulated=simulated)
+    if simulated is not None:
+        from nbtools.monitor import SimulatedBackend
+
+        return SimulatedBackend(num_gpus=simulated)
+    return None

@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,8 +83,7 @@ def run(
     run_id = uuid.uuid4().hex[:12]
     collector = events.Collector(run_dir).start()
     restarts = regroups = 0
-    events.emit("launch", f"{plan.world_size} ranks ({backend.name})",
-                world_size=plan.world_size, cluster=backend.name)
+    began = time.perf_counter()
     try:
         for index in itertools.count():
             spec = GroupSpec(
@@ -97,9 +97,15 @@ def run(
                 env=collector.environment(),
             )
             os.mkdir(spec.attempt_dir)
-            outcome = _attempt(backend, spec, plan, localize)
+            outcome = _attempt(backend, spec, plan, localize, began if index == 0 else None)
             collector.drain()  # the attempt's ranks have ended: everything they sent is here
             if not isinstance(outcome, Failed):
+                events.emit(
+                    "finished",
+                    f"{plan.world_size} ranks returned",
+                    seconds=round(time.perf_counter() - began, 3),
+                    restarts=restarts,
+                )
                 return outcome.results
             cause = outcome.failures[outcome.first] if outcome.first is not None else None
             if cause is not None and cause.phase == GROUP_PHASE and regroups < _REGROUPS:
@@ -110,6 +116,11 @@ def run(
                 continue
             headline = describe(outcome.failures, outcome.first, returned=outcome.returned)
             headline = headline.splitlines()[0]
+            if cause is not None:
+                events.emit(
+                    "rank_failed", headline, rank=cause.rank, reason=cause.exc_type,
+                    node=cause.node or None, attempt=restarts,
+                )
             if restarts >= plan.max_restarts:
                 break
             restarts += 1
@@ -133,9 +144,21 @@ def run(
 
 
 def _attempt(
-    backend: LaunchBackend, spec: GroupSpec, plan: Plan, localize: Callable[[str], str]
+    backend: LaunchBackend,
+    spec: GroupSpec,
+    plan: Plan,
+    localize: Callable[[str], str],
+    began: float | None = None,
 ):
     group = backend.start(spec)
+    if began is not None:  # the first attempt: the launch as the timeline shows it
+        events.emit(
+            "launch",
+            f"{plan.world_size} ranks ({backend.name})",
+            world_size=plan.world_size,
+            cluster=backend.name,
+            startup_s=round(time.perf_counter() - began, 3),
+        )
     forwarder = OutputForwarder(group.stdouts, group.stderrs, plan.output, sys.stdout, sys.stderr)
     forwarder.start()
     try:

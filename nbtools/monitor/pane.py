@@ -60,6 +60,8 @@ class GPUPane:
         idle_timeout: Seconds without activity before polling pauses; None never pauses.
         backend: Source of readings; default :class:`~nbtools.monitor.NVMLBackend`.
             Use ``SimulatedBackend(num_gpus=4)`` for a demo without GPUs.
+        cluster: ``"ray"``: every node of the connected Ray cluster, one small
+            sampler actor per node (``pip install "nbtools[ray]"``). Not with ``backend``.
         display: Show the pane now (inside IPython). False: show it with ``display(pane)``.
 
     Example:
@@ -77,8 +79,18 @@ class GPUPane:
         idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         backend: Backend | None = None,
         *,
+        cluster: str | None = None,
         display: bool = True,
     ) -> None:
+        if cluster is not None:
+            if backend is not None:
+                raise ValueError(
+                    "pass either backend= or cluster=, not both; for simulated GPUs on every "
+                    "node use backend=ClusterBackend(simulated=N)"
+                )
+            from nbtools.monitor.cluster import cluster_backend
+
+            backend = cluster_backend(cluster)
         self.sampler: Sampler = acquire(
             backend if backend is not None else NVMLBackend(),
             interval=interval, history_seconds=history, idle_timeout=idle_timeout,

@@ -230,3 +230,10 @@ def test_the_documented_history_argument_is_seconds_and_history_is_the_samples(c
         assert len(set(times)) == 7  # ceil(60 / 10) + 1 samples
     finally:
         pane.close()
+
+
+def test_cluster_is_checked_before_anything_starts(comms):
+    with pytest.raises(ValueError, match="either backend= or cluster="):
+        GPUPane(cluster="ray", backend=SimulatedBackend(num_gpus=1), display=False)
+    with pytest.raises(ValueError, match="cluster must be 'ray'"):
+        GPUPane(cluster="slurm", display=False)
