@@ -58,7 +58,10 @@ def pytest_configure(config: pytest.Config) -> None:
     """Give this pytest process a private temporary directory."""
     global _SESSION_TMP, _SHM_BEFORE
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    _SESSION_TMP = tempfile.mkdtemp(prefix=f"nbtools-tests-{worker}-")
+    # Workers make their directories beside the controller's, not inside it: nested
+    # paths grow past the 107 bytes a Unix socket path may have (Ray, forkservers).
+    base = os.environ.setdefault("NBTOOLS_TESTS_TMP_BASE", tempfile.gettempdir())
+    _SESSION_TMP = tempfile.mkdtemp(prefix=f"nbtools-tests-{worker}-", dir=base)
     os.environ["TMPDIR"] = _SESSION_TMP
     tempfile.tempdir = None  # re-read TMPDIR
     # torch's first compiled/optimizer use sets this and creates the directory once.

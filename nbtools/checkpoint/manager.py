@@ -89,7 +89,8 @@ class CheckpointManager:
         restored_step: Step of the checkpoint ``restore`` loaded, or None.
         last_saved_step: Step of the last checkpoint completed and published
             (by this manager, or the one restored).
-        mlflow_run_id: MLflow run id recorded in the restored checkpoint, or None.
+        mlflow_run_id: MLflow run id of the restored checkpoint or of the last save
+            (the active run then, else the one before), or None.
         extra: The ``extra`` dict recorded in the restored checkpoint.
         skipped: ``(checkpoint, reason)`` for each newer checkpoint ``restore``
             passed over because its data did not verify.
@@ -263,13 +264,16 @@ class CheckpointManager:
         if verdict == "exists":
             _log.warning("checkpoint %s/%s already exists; not overwriting it", self.root, name)
             return False
+        # The run this training logs to: the active one, else the one last saved or
+        # restored (a logger closed before the final save on close still owns the run).
+        self.mlflow_run_id = active_mlflow_run_id() or self.mlflow_run_id
         state = _state.build_state(
             step,
             kinds,
             runtime.get_rank(),
             runtime.get_world_size(),
             extra or {},
-            active_mlflow_run_id(),
+            self.mlflow_run_id,
         )
         writer = VolumeWriter(
             self._target.child(name), staging_dir=self._staging_dir, sync_files=self._sync_files

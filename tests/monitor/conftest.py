@@ -52,3 +52,16 @@ def comms(monkeypatch):
 
     monkeypatch.setattr(comm_package, "create_comm", create_comm)
     return created
+
+
+@pytest.fixture(autouse=True)
+def outside_a_cell(monkeypatch):
+    """Panes here are built outside a running cell.
+
+    An IPython shell that an earlier test in this process created would
+    otherwise count as a running cell (activity), and no pane would ever idle.
+    Tests about cells patch ``_ipython`` themselves.
+    """
+    import nbtools.monitor.pane as pane_module
+
+    monkeypatch.setattr(pane_module, "_ipython", lambda: None)

@@ -13,6 +13,7 @@ process running fails.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import pytest
@@ -20,6 +21,9 @@ import pytest
 # Read when Ray is imported: without it every node binds to the machine's outward-facing
 # address instead of the node_ip_address given below.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# Ray puts its sockets under its temporary directory; a test session's own TMPDIR can make
+# those paths longer than a Unix socket allows. A short one, removed when the cluster stops.
+_RAY_TMP = f"/tmp/nbtools-ray-{os.getpid()}"
 
 ray = pytest.importorskip("ray", reason='Ray is not installed: pip install "nbtools[ray]"')
 
@@ -80,6 +84,7 @@ class _RayCluster:
 def ray_cluster():
     """The session's local Ray cluster, with this process connected as its driver."""
     before = set(os.environ)
+    os.environ["RAY_TMPDIR"] = _RAY_TMP  # read by every Ray process the cluster starts
     cluster = _RayCluster()
     ray.init(address=cluster.address, log_to_driver=False)
     try:
@@ -90,6 +95,7 @@ def ray_cluster():
         for name in set(os.environ) - before:
             if name.startswith("RAY_") and name != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER":
                 del os.environ[name]
+        shutil.rmtree(_RAY_TMP, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
