@@ -217,6 +217,28 @@ def shutdown_workers(iterator: Any) -> None:
     shutdown()
 
 
+# --- elastic process contexts -----------------------------------------------------------
+
+
+def process_exitcodes(ctx: Any) -> dict[int, int | None]:
+    """Exit codes of a ``MultiprocessContext``'s processes by local rank (None: running).
+
+    torch's own ``wait`` reports one failed process (the first it finds), which
+    may be a peer that failed in a collective after the process that really
+    died; the launcher reads every exit code to name the right one. ``{}`` where
+    torch keeps its processes elsewhere (the launcher then goes by torch's report).
+    """
+    processes = getattr(getattr(ctx, "_pc", None), "processes", None)
+    if processes is None:
+        _fallback_note(
+            "MultiprocessContext._pc.processes",
+            "a rank that died is named only when torch reports it first",
+            logging.INFO,
+        )
+        return {}
+    return {rank: process.exitcode for rank, process in enumerate(processes)}
+
+
 # --- DCP file format --------------------------------------------------------------------
 
 

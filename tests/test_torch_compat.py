@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import io
 import logging
+import os
 import pickle
 import sys
 import zipfile
@@ -263,3 +264,23 @@ def test_private_torch_names_only_in_the_boundary_module():
             continue
         offenders += [f"{path.relative_to(ROOT)}: {use}" for use in _private_torch_uses(path)]
     assert offenders == [], "private torch names outside nbtools/_torch_compat.py"
+
+
+def test_process_exitcodes_of_an_elastic_context(no_fallback, tmp_path):
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    ctx = start_processes(
+        name="exitcodes",
+        entrypoint=os._exit,  # a function entry point: torch's MultiprocessContext
+        args={0: (0,), 1: (3,)},
+        envs={0: {}, 1: {}},
+        logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
+        start_method="fork",
+    )
+    try:
+        while ctx.wait(0.2) is None:
+            pass
+        codes = compat.process_exitcodes(ctx)
+    finally:
+        ctx.close()
+    assert codes == {0: 0, 1: 3}

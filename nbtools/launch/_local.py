@@ -32,6 +32,7 @@ from torch.distributed.elastic.multiprocessing import (
     Std,
 )
 
+from nbtools import _torch_compat
 from nbtools.errors import LaunchError
 from nbtools.launch import _env, _leftovers
 from nbtools.launch._backend import Failed, Finished, GroupSpec, Outcome
@@ -153,8 +154,10 @@ class LocalGroup:
             world = self._spec.world_size
             self._outcome = Finished([result.return_values[r] for r in range(world)])
             return self._outcome
+        # Before stopping the others: which ranks had already ended, and how.
+        exited = {r: c for r, c in _torch_compat.process_exitcodes(self._ctx).items() if c}
         self.stop()
-        self._outcome = self._failed(result, early)
+        self._outcome = self._failed(result, early, exited)
         return self._outcome
 
     def _vanished(self):
@@ -172,7 +175,7 @@ class LocalGroup:
                 return outcome if outcome is not None else rank
         return None
 
-    def _failed(self, result, early: int | None) -> Failed:
+    def _failed(self, result, early: int | None, exited: dict[int, int]) -> Failed:
         attempt_dir, attempt = self._spec.attempt_dir, self._spec.restart_count
         world = self._spec.world_size
         returned = frozenset(r for r in range(world) if os.path.exists(returned_path(attempt_dir, r)))
@@ -185,12 +188,19 @@ class LocalGroup:
         if early is not None:
             failures[early] = from_early_exit(early, attempt)
             return Failed(failures, early, returned)
-        silent = sorted(r for r in result.failures if r not in failures)
+        codes = {r: f.exitcode for r, f in result.failures.items()}
+        reported = sorted(r for r in codes if r not in failures)
+        # Ranks torch did not report (it names one): they died before the stop, unless
+        # the caller stopped the group itself, and then torch's report comes first.
+        others = sorted(r for r in exited if r not in returned and r not in failures and r not in codes)
+        codes.update((r, exited[r]) for r in others)
+        silent = reported + others
         if silent:
             # Died without raising (a signal, os._exit): that is what the others reacted
-            # to, even when a peer's error in the collective was recorded first.
+            # to, even when a peer's error in the collective was recorded (or reported
+            # by torch) first.
             for rank in silent:
-                failures[rank] = from_exit(rank, result.failures[rank].exitcode, attempt)
+                failures[rank] = from_exit(rank, codes[rank], attempt)
             return Failed(failures, silent[0], returned)
         # Every rank that raised wrote a record; the earliest one is the cause, since
         # peers of a failed rank fail later, in the collective they were waiting in.
