@@ -44,7 +44,8 @@ __all__ = [
 
 #: Makes a rank print every thread's Python stack to its stderr (``faulthandler``).
 STACK_SIGNAL = signal.SIGUSR2
-_RELEASE_POLL_S = 0.02
+# First and longest pause between looks for the caller's release (all ranks returned).
+_RELEASE_POLL_S = (0.0005, 0.05)
 
 
 @dataclass(frozen=True)
@@ -178,8 +179,11 @@ def _mark_returned(spec: RankSpec) -> None:
 def _finish(spec: RankSpec) -> None:
     """Once every rank has returned: end what this rank left running; tell the caller what."""
     release = release_path(spec.run_dir)
+    delay = _RELEASE_POLL_S[0]
     while not os.path.exists(release):
-        time.sleep(_RELEASE_POLL_S)
+        # Peers usually return together: look again soon, then back off for a long wait.
+        time.sleep(delay)
+        delay = min(delay * 2, _RELEASE_POLL_S[1])
     if _leftovers.has_children():
         # Loaders that only a reference cycle keeps alive shut their workers down cleanly now.
         gc.collect()
