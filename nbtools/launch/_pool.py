@@ -19,7 +19,6 @@ Every restart emits a ``pool_restarted`` event.
 
 from __future__ import annotations
 
-import atexit
 import keyword
 import os
 import pickle
@@ -35,7 +34,7 @@ import cloudpickle
 
 from nbtools import events
 from nbtools._internal.log import get_logger
-from nbtools.errors import DistributedError, LaunchError, PicklingError, PoolError
+from nbtools.errors import DistributedError, LaunchError, PicklingError
 from nbtools.launch import _inrank, _payload, _sources
 from nbtools.launch._api import distributed
 from nbtools.launch._backend import GroupSpec
@@ -50,6 +49,7 @@ from nbtools.launch._pool_ranks import (
     RanksLost,
     RanksStuck,
 )
+from nbtools.launch._pool_registry import CallGuard, open_pools, register, shutdown, unregister
 from nbtools.launch._records import GROUP_PHASE
 
 __all__ = ["RankPool", "shutdown", "open_pools"]
@@ -58,10 +58,6 @@ _log = get_logger("launch")
 # Times ranks whose group failed to form are started again before that counts as a failure.
 _REGROUPS = 2
 _LOST = "rank state (names, models, tensors) was lost"
-
-_OPEN: set[RankPool] = set()
-_OPEN_LOCK = threading.Lock()
-
 
 class RankPool:
     """Ranks that stay alive between calls, each with a persistent namespace.
@@ -131,8 +127,7 @@ class RankPool:
         except BaseException:
             self._release()
             raise
-        with _OPEN_LOCK:
-            _OPEN.add(self)
+        register(self)
         events.emit(
             "launch", f"pool of {self.world_size} ranks ({self._backend.name})",
             world_size=self.world_size, cluster=self._backend.name, pool=True,
@@ -267,8 +262,8 @@ class RankPool:
 
     # --- the pool's machinery ----------------------------------------------------------
 
-    def _guard(self, restartable: bool = False) -> _Guard:
-        return _Guard(self, restartable)
+    def _guard(self, restartable: bool = False) -> CallGuard:
+        return CallGuard(self, restartable)
 
     def _live(self) -> Ranks:
         if self._ranks is None:
@@ -398,54 +393,9 @@ class RankPool:
         self._collector.drain()
 
     def _release(self) -> None:
-        with _OPEN_LOCK:
-            _OPEN.discard(self)
+        unregister(self)
         try:
             self._collector.stop()
             self._backend.close()
         finally:
             shutil.rmtree(self._run_dir, ignore_errors=True)
-
-
-class _Guard:
-    """One call at a time, on a pool that is open (and not stopped, unless restarting)."""
-
-    def __init__(self, pool: RankPool, restartable: bool) -> None:
-        self.pool = pool
-        self.restartable = restartable
-
-    def __enter__(self) -> None:
-        pool = self.pool
-        if pool._closed:
-            raise PoolError("this RankPool is closed; create a new one (or %distributed start)")
-        if not pool._lock.acquire(blocking=False):
-            raise PoolError("this RankPool is busy with a call from another thread; one at a time")
-        if pool._closed or (pool._stopped and not self.restartable):
-            pool._lock.release()
-            raise PoolError(
-                f"{pool._stopped or 'this RankPool is closed'}; call pool.restart() "
-                "(%distributed restart) to start fresh ranks"
-            )
-
-    def __exit__(self, *exc: object) -> None:
-        self.pool._lock.release()
-
-
-def shutdown() -> None:
-    """Close every pool this process holds (``distributed.shutdown()``; also at exit)."""
-    with _OPEN_LOCK:
-        pools = list(_OPEN)
-    for pool in pools:
-        try:
-            pool.close()
-        except Exception as exc:  # noqa: BLE001 - close every pool, report each failure
-            _log.warning("closing %r failed: %s", pool, exc)
-
-
-def open_pools() -> list[RankPool]:
-    """The pools of this process that are not closed."""
-    with _OPEN_LOCK:
-        return list(_OPEN)
-
-
-atexit.register(shutdown)

@@ -1,0 +1,75 @@
+"""Which pools this process holds, and one call at a time on each.
+
+``distributed.shutdown()`` and interpreter exit close every pool listed here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from typing import Any
+
+from nbtools._internal.log import get_logger
+from nbtools.errors import PoolError
+
+__all__ = ["CallGuard", "register", "unregister", "shutdown", "open_pools"]
+
+_log = get_logger("launch")
+_OPEN: set[Any] = set()
+_OPEN_LOCK = threading.Lock()
+
+
+def register(pool: Any) -> None:
+    """List an open pool (closed by :func:`shutdown`)."""
+    with _OPEN_LOCK:
+        _OPEN.add(pool)
+
+
+def unregister(pool: Any) -> None:
+    """Forget a pool that has closed."""
+    with _OPEN_LOCK:
+        _OPEN.discard(pool)
+
+
+class CallGuard:
+    """One call at a time, on a pool that is open (and not stopped, unless restarting)."""
+
+    def __init__(self, pool: Any, restartable: bool) -> None:
+        self.pool = pool
+        self.restartable = restartable
+
+    def __enter__(self) -> None:
+        pool = self.pool
+        if pool._closed:
+            raise PoolError("this RankPool is closed; create a new one (or %distributed start)")
+        if not pool._lock.acquire(blocking=False):
+            raise PoolError("this RankPool is busy with a call from another thread; one at a time")
+        if pool._closed or (pool._stopped and not self.restartable):
+            pool._lock.release()
+            raise PoolError(
+                f"{pool._stopped or 'this RankPool is closed'}; call pool.restart() "
+                "(%distributed restart) to start fresh ranks"
+            )
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool._lock.release()
+
+
+def shutdown() -> None:
+    """Close every pool this process holds (``distributed.shutdown()``; also at exit)."""
+    with _OPEN_LOCK:
+        pools = list(_OPEN)
+    for pool in pools:
+        try:
+            pool.close()
+        except Exception as exc:  # noqa: BLE001 - close every pool, report each failure
+            _log.warning("closing %r failed: %s", pool, exc)
+
+
+def open_pools() -> list[Any]:
+    """The pools of this process that are not closed."""
+    with _OPEN_LOCK:
+        return list(_OPEN)
+
+
+atexit.register(shutdown)
