@@ -18,13 +18,22 @@ module with these two classes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from nbtools.launch._failures import RankFailure
 
-__all__ = ["GroupSpec", "Finished", "Failed", "Outcome", "RankGroup", "LaunchBackend"]
+__all__ = [
+    "GroupSpec",
+    "Finished",
+    "Failed",
+    "Outcome",
+    "RankGroup",
+    "LaunchBackend",
+    "wait_for_stacks",
+]
 
 
 @dataclass(frozen=True)
@@ -151,3 +160,23 @@ class LaunchBackend(Protocol):
     def close(self) -> None:
         """Release what the backend holds across attempts (placement, connections)."""
         ...
+
+
+#: Stacks are complete once rank output has been quiet this long after they were asked for.
+STACKS_QUIET_S = 0.3
+#: The longest a backend waits for the stacks it asked for.
+STACKS_LIMIT_S = 3.0
+
+
+def wait_for_stacks(last_output: Callable[[], float], asked: float, poll_s: float) -> None:
+    """Wait until the stacks asked for at ``asked`` (``time.monotonic()``) have been written.
+
+    ``last_output`` gives the monotonic time of the ranks' last output line. Returns
+    once output came after ``asked`` and then stayed quiet for ``STACKS_QUIET_S``, or
+    after ``STACKS_LIMIT_S`` in any case (a rank stuck in C code never writes).
+    """
+    while time.monotonic() - asked < STACKS_LIMIT_S:
+        time.sleep(poll_s)
+        seen = last_output()
+        if seen > asked and time.monotonic() - seen > STACKS_QUIET_S:
+            return

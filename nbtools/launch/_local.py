@@ -35,7 +35,7 @@ from torch.distributed.elastic.multiprocessing import (
 from nbtools import _torch_compat
 from nbtools.errors import LaunchError
 from nbtools.launch import _env, _leftovers
-from nbtools.launch._backend import Failed, Finished, GroupSpec, Outcome
+from nbtools.launch._backend import Failed, Finished, GroupSpec, Outcome, wait_for_stacks
 from nbtools.launch._failures import RankFailure, from_early_exit, from_exit, from_record
 from nbtools.launch._worker import (
     STACK_SIGNAL,
@@ -55,8 +55,6 @@ _STOP_GRACE_S = 2
 # How long a rank that vanished may take to have its exit status reach torch.
 _EXIT_STATUS_WAIT_S = 1.0
 # Stacks are written by the ranks' signal handlers; wait for them to reach the cell.
-_STACKS_QUIET_S = 0.3
-_STACKS_LIMIT_S = 3.0
 # torch's elastic loggers report every closed process; the caller gets one DistributedError instead.
 _ELASTIC_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
 
@@ -217,11 +215,7 @@ class LocalGroup:
         if not sent:
             return
         start = time.monotonic()
-        while time.monotonic() - start < _STACKS_LIMIT_S:
-            time.sleep(_POLL_S * 10)
-            seen = last_output()
-            if seen > start and time.monotonic() - seen > _STACKS_QUIET_S:
-                return
+        wait_for_stacks(last_output, start, _POLL_S * 10)
 
     def stop(self) -> None:
         """SIGTERM every rank, then SIGKILL after a short grace; a second interrupt hurries it."""

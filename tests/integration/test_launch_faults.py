@@ -10,32 +10,10 @@ import threading
 
 import psutil
 import pytest
+from _launch_watch import Watch, forkserver_running  # noqa: F401 - the fixture applies here
 
 from nbtools.errors import DistributedError
-from nbtools.launch import _env, distributed
-
-
-@pytest.fixture(scope="module", autouse=True)
-def forkserver_running():
-    """Start the interpreter-owned forkserver before the per-test leak checks begin."""
-    _env.warm_up()
-
-
-class _Watch:
-    """A stand-in for the notebook's stream that fires an event once all texts appeared."""
-
-    def __init__(self, stream, *texts: str) -> None:
-        self.stream, self.texts, self.seen = stream, texts, threading.Event()
-        self.buffer = ""
-
-    def write(self, data: str) -> int:
-        self.buffer += data
-        if all(text in self.buffer for text in self.texts):
-            self.seen.set()
-        return self.stream.write(data)
-
-    def flush(self) -> None:
-        self.stream.flush()
+from nbtools.launch import distributed
 
 
 def _alive(pid: int) -> bool:
@@ -155,8 +133,8 @@ def test_interrupt_shows_every_ranks_stack_before_stopping_them(tmp_path, monkey
             time.sleep(600)
         dist.all_reduce(torch.ones(1))
 
-    out = _Watch(sys.stdout, "[rank 0] ready", "[rank 1] ready")
-    err = _Watch(sys.stderr, "never")
+    out = Watch(sys.stdout, "[rank 0] ready", "[rank 1] ready")
+    err = Watch(sys.stderr, "never")
     monkeypatch.setattr(sys, "stdout", out)
     monkeypatch.setattr(sys, "stderr", err)
 
@@ -194,7 +172,7 @@ def test_hang_timeout_prints_every_stack_once_and_the_call_goes_on(tmp_path, mon
         dist.all_reduce(t)
         return t.item()
 
-    err = _Watch(sys.stderr, "[rank 0] ", "in all_reduce", "[rank 1] ", "in waits_for_the_caller")
+    err = Watch(sys.stderr, "[rank 0] ", "in all_reduce", "[rank 1] ", "in waits_for_the_caller")
     monkeypatch.setattr(sys, "stderr", err)
 
     def release():

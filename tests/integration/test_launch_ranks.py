@@ -10,32 +10,10 @@ import threading
 
 import psutil
 import pytest
+from _launch_watch import Watch, forkserver_running  # noqa: F401 - the fixture applies here
 
 from nbtools.errors import DistributedError
 from nbtools.launch import _env, distributed
-
-
-@pytest.fixture(scope="module", autouse=True)
-def forkserver_running():
-    """Start the interpreter-owned forkserver before the per-test leak checks begin."""
-    _env.warm_up()
-
-
-class _Watch:
-    """A stand-in for the notebook's output stream that fires an event when a text appears."""
-
-    def __init__(self, stream, *texts: str) -> None:
-        self.stream, self.texts, self.seen = stream, texts, threading.Event()
-        self.buffer = ""
-
-    def write(self, data: str) -> int:
-        self.buffer += data
-        if all(text in self.buffer for text in self.texts):
-            self.seen.set()
-        return self.stream.write(data)
-
-    def flush(self) -> None:
-        self.stream.flush()
 
 
 def test_results_environment_group_and_loopback(capfd):
@@ -108,7 +86,7 @@ def test_output_streams_while_the_function_runs(tmp_path, monkeypatch):
             time.sleep(0.05)
         raise TimeoutError("the caller never saw the output while the ranks were running")
 
-    watch = _Watch(sys.stdout, "[rank 0] waiting")
+    watch = Watch(sys.stdout, "[rank 0] waiting")
     monkeypatch.setattr(sys, "stdout", watch)
 
     def release():
@@ -248,7 +226,7 @@ def test_interrupt_stops_every_rank_and_the_next_call_works(tmp_path, monkeypatc
             time.sleep(600)
         dist.all_reduce(torch.ones(1))  # rank 1 waits in a collective
 
-    watch = _Watch(sys.stdout, "[rank 0] ready", "[rank 1] ready")
+    watch = Watch(sys.stdout, "[rank 0] ready", "[rank 1] ready")
     monkeypatch.setattr(sys, "stdout", watch)
 
     def interrupt():

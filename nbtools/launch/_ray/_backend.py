@@ -25,7 +25,7 @@ from typing import Any
 from nbtools._internal.log import get_logger
 from nbtools.errors import LaunchError
 from nbtools.events import CHANNEL_ENV
-from nbtools.launch._backend import Failed, Finished, GroupSpec, Outcome
+from nbtools.launch._backend import Failed, Finished, GroupSpec, Outcome, wait_for_stacks
 from nbtools.launch._failures import RankFailure, from_record
 from nbtools.launch._ray import _cluster
 from nbtools.launch._ray._pump import OutputPump
@@ -37,8 +37,6 @@ _log = get_logger("launch")
 _POLL_S = 0.05
 # Output a failed attempt's other ranks may still deliver before they are killed.
 _LAST_OUTPUT_S = 1.0
-_STACKS_QUIET_S = 0.3
-_STACKS_LIMIT_S = 3.0
 _actor_class: Any = None
 
 
@@ -305,11 +303,7 @@ class RayGroup:
         start = time.monotonic()
         for actor in running:
             actor.stacks.remote()
-        while time.monotonic() - start < _STACKS_LIMIT_S:
-            time.sleep(_POLL_S * 2)
-            seen = last_output()
-            if seen > start and time.monotonic() - seen > _STACKS_QUIET_S:
-                return
+        wait_for_stacks(last_output, start, _POLL_S * 2)
 
     def stop(self) -> None:
         if self._stopped:
