@@ -237,3 +237,23 @@ def mount_tmpfs(tmp_path):
 
 requires_gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")
 requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+
+@pytest.fixture(scope="session")
+def _shell():
+    """One IPython shell for the session (magics and pool tests), as a notebook kernel has."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    if InteractiveShell.initialized():
+        return InteractiveShell.instance()
+    # The shell replaces a few interpreter hooks; give them back, as IPython's own
+    # test harness does, so that pytest keeps reporting normally.
+    saved = sys.displayhook, sys.excepthook, sys.modules.get("__main__")
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"  # no file, no history thread
+    shell = InteractiveShell.instance(config=config)
+    sys.displayhook, sys.excepthook = saved[0], saved[1]
+    if saved[2] is not None:
+        sys.modules["__main__"] = saved[2]
+    return shell

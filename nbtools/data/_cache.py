@@ -41,7 +41,7 @@ from nbtools._internal.fs import TMP_PREFIX
 from nbtools._internal.log import get_logger
 from nbtools.data._cachedir import ensure_private_dir, min_free_from_env
 from nbtools.data._gate import Gate
-from nbtools.data._pins import Cancelled, Pin, still_linked
+from nbtools.data._pins import Cancelled, Pin, pin_path
 from nbtools.data._sweep import evict_one, scan, sweep_temporaries
 from nbtools.errors import CacheError
 
@@ -129,25 +129,10 @@ class FileCache:
 
     def pin_if_cached(self, key: str, size: int, mtime_ns: int) -> Pin | None:
         """A pin on the complete, up-to-date copy of ``key``, or None on a miss."""
-        path = self.path_for(key)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            st = still_linked(fd)
-            if (
-                st is not None
-                and st.st_size == size
-                and (not mtime_ns or st.st_mtime_ns == mtime_ns)
-            ):
-                return Pin(path, fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
-        return None
+        return pin_path(
+            self.path_for(key),
+            lambda st: st.st_size == size and (not mtime_ns or st.st_mtime_ns == mtime_ns),
+        )
 
     def cached(self, key: str, size: int, mtime_ns: int) -> str | None:
         """The path of the complete, up-to-date copy of ``key``, or None; no pin.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Callable
 
 __all__ = ["Cancelled", "Pin", "pin_path", "still_linked"]
 
@@ -42,15 +43,19 @@ def still_linked(fd: int) -> os.stat_result | None:
     return st if st.st_nlink > 0 else None
 
 
-def pin_path(path: str) -> Pin | None:
-    """A pin on whatever complete file is at ``path`` now, or None when there is none."""
+def pin_path(path: str, accept: Callable[[os.stat_result], bool] | None = None) -> Pin | None:
+    """A pin on whatever complete file is at ``path`` now, or None when there is none.
+
+    ``accept`` may refuse the file by its status (an out-of-date copy): no pin then.
+    """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
-        if still_linked(fd) is not None:
+        st = still_linked(fd)
+        if st is not None and (accept is None or accept(st)):
             return Pin(path, fd)
     except BaseException:
         os.close(fd)

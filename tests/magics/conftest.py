@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
@@ -23,25 +22,6 @@ def _torch_first_use():
     except ImportError:
         return
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-
-
-@pytest.fixture(scope="session")
-def _shell():
-    from IPython.core.interactiveshell import InteractiveShell
-    from traitlets.config import Config
-
-    if InteractiveShell.initialized():
-        return InteractiveShell.instance()
-    # The shell replaces a few interpreter hooks; give them back, as IPython's own
-    # test harness does, so that pytest keeps reporting normally.
-    saved = sys.displayhook, sys.excepthook, sys.modules.get("__main__")
-    config = Config()
-    config.HistoryManager.hist_file = ":memory:"  # no file, no history thread
-    shell = InteractiveShell.instance(config=config)
-    sys.displayhook, sys.excepthook = saved[0], saved[1]
-    if saved[2] is not None:
-        sys.modules["__main__"] = saved[2]
-    return shell
 
 
 @pytest.fixture
