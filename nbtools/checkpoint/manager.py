@@ -40,6 +40,7 @@ from nbtools.checkpoint._checks import (
 )
 from nbtools.checkpoint._collective import agree, gather
 from nbtools.checkpoint._errors import unwrap
+from nbtools.checkpoint._forks import track
 from nbtools.checkpoint._layout import METADATA_NAME, step_dir_name
 from nbtools.checkpoint._lease import WriterLease
 from nbtools.checkpoint._quiet import quiet_single_process_warning
@@ -296,6 +297,7 @@ class CheckpointManager:
         if self._stager is None:
             self._published(step, timing)
         else:
+            track(future)  # a fork (loader workers) waits for it; see _forks
             with self._lock:
                 self._future, self._future_step = future, step
                 self._future_timing = timing
