@@ -184,7 +184,13 @@ class LocalGroup:
                 with open(path) as fh:
                     failures[rank] = from_record(json.load(fh), attempt)
         if early is not None:
-            failures[early] = from_early_exit(early, attempt)
+            # Gone before torch reported it (a busy host): its own record, else its exit
+            # code, says how; "exited with code 0" only when that is what happened.
+            if early not in failures:
+                code = exited.get(early)
+                failures[early] = (
+                    from_exit(early, code, attempt) if code else from_early_exit(early, attempt)
+                )
             return Failed(failures, early, returned)
         codes = {r: f.exitcode for r, f in result.failures.items()}
         reported = sorted(r for r in codes if r not in failures)
