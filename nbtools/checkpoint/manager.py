@@ -38,7 +38,7 @@ from nbtools.checkpoint._checks import (
     positive,
     save_verdict,
 )
-from nbtools.checkpoint._collective import agree, gather
+from nbtools.checkpoint._collective import agree, final_step
 from nbtools.checkpoint._errors import unwrap
 from nbtools.checkpoint._forks import track
 from nbtools.checkpoint._layout import METADATA_NAME, step_dir_name
@@ -363,14 +363,10 @@ class CheckpointManager:
     def _save_last_seen(self) -> None:
         """The final save of ``close``: the last step seen by ``maybe_save``, if newer."""
         seen = self._last_seen
-        step = seen[0] if seen is not None else None
-        if step is not None and self.last_saved_step is not None and step <= self.last_saved_step:
-            step = None
-        steps = gather(self._pg, step)
-        if len(set(steps)) != 1:
-            _log.warning("ranks reached different last steps %s; no final save on close", steps)
-            return
+        step, steps = final_step(self._pg, seen[0] if seen else None, self.last_saved_step)
         if step is None or seen is None:
+            if len(set(steps)) != 1:
+                _log.warning("ranks reached different last steps %s; no final save on close", steps)
             return
         _log.info("saving step %d, the last one reached, on close", step)
         self.save(step, extra=seen[2], **seen[1])

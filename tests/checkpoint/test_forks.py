@@ -23,14 +23,3 @@ def test_a_fork_waits_for_the_background_save_in_flight(tmp_path):
         assert future.done() and os.waitstatus_to_exitcode(status) == 0
     assert os.path.exists(tmp_path / "ckpt" / "step_0" / ".metadata")
 
-
-def test_no_save_in_flight_forks_at_once(tmp_path):
-    model = torch.nn.Linear(4, 4)
-    with CheckpointManager(tmp_path / "ckpt", save_on_close=False) as ckpt:
-        ckpt.save(0, model=model)
-        ckpt.wait()
-        pid = os.fork()
-        if pid == 0:
-            os._exit(0)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
