@@ -12,6 +12,11 @@ Figures are microseconds per call on the calling (training) thread, mean and
 every value is checked to have reached the store, and ``stored_per_s`` is how many
 values per second reach the store (queueing and draining together).
 
+``start`` is what starting a run on a new sqlite store costs the calling thread,
+each try in a fresh process with mlflow and nbtools already imported: the
+baseline ``mlflow.start_run()`` against ``MlflowLogger()``, which opens the store
+in the background (``nbtools_run_open_s``: until its run id is known).
+
 Usage: ``python benchmarks/tracking.py [--sync-calls N] [--calls N]``
 """
 
@@ -47,12 +52,58 @@ def _per_call(fn, n: int) -> dict[str, float]:
     }
 
 
+_START = r"""
+import json, os, sys, tempfile, time
+os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
+import mlflow
+import mlflow.store.tracking.sqlalchemy_store  # imported by both before the clock starts
+from nbtools.tracking import MlflowLogger
+with tempfile.TemporaryDirectory(prefix="nbtools-bench-start-") as tmp:
+    mlflow.set_tracking_uri(f"sqlite:///{tmp}/mlflow.db")
+    t0 = time.perf_counter()
+    if sys.argv[1] == "mlflow":
+        run = mlflow.start_run(experiment_id=mlflow.create_experiment("start"))
+        blocked = opened = time.perf_counter() - t0
+        mlflow.end_run()
+    else:
+        logger = MlflowLogger("start")
+        blocked = time.perf_counter() - t0
+        logger.run_id
+        opened = time.perf_counter() - t0
+        logger.close()
+print(json.dumps([blocked, opened]))
+"""
+
+
+def _start_costs(tries: int) -> dict[str, float]:
+    """Seconds the caller waits to start a run on a new store, medians over fresh processes."""
+    import subprocess
+
+    seen: dict[str, list[list[float]]] = {"mlflow": [], "nbtools": []}
+    for _ in range(tries):
+        for who in seen:  # alternated, so both see the same machine
+            out = subprocess.run(
+                [sys.executable, "-c", _START, who], capture_output=True, text=True, check=True
+            ).stdout
+            seen[who].append(json.loads(out.strip().splitlines()[-1]))
+    median = {who: [statistics.median(t[i] for t in runs) for i in (0, 1)] for who, runs in seen.items()}
+    return {
+        "tries": tries,
+        "mlflow_start_run_s": round(median["mlflow"][0], 3),
+        "nbtools_blocked_s": round(median["nbtools"][0], 4),
+        "nbtools_run_open_s": round(median["nbtools"][1], 3),
+        "blocked_over_mlflow": round(median["nbtools"][0] / median["mlflow"][0], 4),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sync-calls", type=int, default=300, help="calls of the synchronous baseline")
     parser.add_argument("--async-calls", type=int, default=2000, help="calls of MLflow's async mode")
     parser.add_argument("--calls", type=int, default=30_000, help="calls of nbtools' logger")
+    parser.add_argument("--start-tries", type=int, default=3, help="fresh processes per run start measured")
     args = parser.parse_args(argv)
+    start = _start_costs(args.start_tries)
 
     with tempfile.TemporaryDirectory(prefix="nbtools-bench-tracking-") as tmp:
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp}/mlflow.db"
@@ -108,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "all_values_stored": counts == {"mlflow_sync": args.sync_calls, "mlflow_async": args.async_calls, "nbtools": args.calls},
         "ratio_mlflow_sync_over_nbtools": round(results["mlflow_sync"]["mean_us"] / nb, 1),
         "ratio_mlflow_async_over_nbtools": round(results["mlflow_async"]["mean_us"] / nb, 1),
+        "start": start,
         "goal_us": 50,
         "meets_goal": nb <= 50,
     }

@@ -18,10 +18,11 @@ def active_mlflow_run_id() -> str | None:
     if mlflow is not None:
         try:
             run = mlflow.active_run()
+            run_id = None if run is None else run.info.run_id  # a run still opening: waits
         except Exception:  # noqa: BLE001 - a broken tracking setup must not break a save
-            run = None
-        if run is not None:
-            return run.info.run_id
+            run_id = None
+        if run_id:
+            return run_id
     tracker = sys.modules.get("nbtools.tracking.mlflow")
     if tracker is not None:
         run_id = getattr(tracker, "current_run_id", lambda: None)()

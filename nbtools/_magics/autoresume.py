@@ -281,6 +281,8 @@ def _start_logger(manager: Any, run_name: str | None) -> Any:
         logger = MlflowLogger(run_id=manager.mlflow_run_id, run_name=run_name)
     except TrackingError as exc:
         raise UsageError(f"autoresume: {exc}") from None
-    verb = "resumed" if manager.mlflow_run_id else "started"
-    _say(f"{verb} MLflow run {logger.run_id} (mlflow_logger)")
+    if manager.mlflow_run_id:
+        _say(f"resumed MLflow run {manager.mlflow_run_id} (mlflow_logger)")
+    else:  # its id is known once the store is open, which need not hold up the cell
+        _say("started an MLflow run (mlflow_logger; its id is mlflow_logger.run_id)")
     return logger

@@ -6,24 +6,31 @@ checksums (a flipped bit on the volume, a damaged upload), all ranks skip it
 together, with a warning that names it and says why (and a
 ``checkpoint_skipped`` event), and try the next older one. Any other failure (objects that do not match the checkpoint, a crafted
 ``.metadata``) is raised: it would fail on the older ones too, or must not be
-passed over.
+passed over. :func:`restore_newest` puts the chosen one back into the objects.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed.checkpoint as dcp
+
 from nbtools import events, runtime
 from nbtools._internal.log import get_logger
+from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import agree, gather
 from nbtools.checkpoint._errors import unwrap
 from nbtools.checkpoint._layout import step_dir_name
+from nbtools.checkpoint._quiet import quiet_single_process_warning
 from nbtools.checkpoint._target import Target
 from nbtools.checkpoint.discovery import candidates
+from nbtools.checkpoint.reader import VolumeReader
 from nbtools.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["newest_verified"]
+__all__ = ["newest_verified", "restore_newest"]
 
 _log = get_logger("checkpoint")
 
@@ -110,3 +117,64 @@ def newest_verified(
         if runtime.get_rank() == 0:
             events.emit("checkpoint_skipped", message=f"skipped {url}: {reason}", step=step)
         skipped.append((url, reason))
+
+
+def _load(
+    kinds: _state.Objects,
+    directory: Target,
+    metadata: Any,
+    pg: Any,
+    staging_dir: str | os.PathLike[str] | None,
+) -> Loaded:
+    """Load one checkpoint on this rank: its per-rank blob, then model and optimizer state."""
+
+    def reader() -> VolumeReader:
+        return VolumeReader(directory, staging_dir=staging_dir)
+
+    if metadata is None:
+        metadata = reader().read_metadata()
+    blob_state = _state.blob_template(metadata, runtime.get_rank())
+    dcp.load(blob_state, storage_reader=reader(), process_group=pg)
+    blob = _state.decode_blob(blob_state, kinds, directory.url)
+    state = _state.load_template(kinds, metadata, directory.url)
+    if state:
+        dcp.load(state, storage_reader=reader(), process_group=pg)
+    return state, blob
+
+
+def restore_newest(
+    target: Target,
+    objs: dict[str, Any],
+    pg: Any,
+    staging_dir: str | os.PathLike[str] | None,
+) -> tuple[int | None, dict[str, Any], list[tuple[str, str]]]:
+    """``CheckpointManager.restore``: load the newest verified checkpoint into ``objs``.
+
+    Reads through :class:`VolumeReader` (staging in ``staging_dir``), puts
+    everything back into ``objs`` and reports the restore (log and
+    ``checkpoint_restored`` event).
+
+    Returns:
+        ``(step, blob, skipped)``: step is None when the root holds no
+        checkpoint; ``blob`` is this rank's per-rank state (``extra``,
+        ``mlflow_run_id``); ``skipped`` as in :func:`newest_verified`.
+    """
+    started = time.perf_counter()
+    kinds = _state.classify(objs)
+    if pg is None:
+        quiet_single_process_warning()
+    directory, step, state, blob, skipped = newest_verified(
+        target, lambda directory, metadata: _load(kinds, directory, metadata, pg, staging_dir), pg
+    )
+    if directory is None or step is None:
+        return None, {}, skipped
+    _state.apply_state(kinds, state, blob)
+    _log.info("restored %s; resuming at step %d", directory.url, step + 1)
+    if runtime.get_rank() == 0:
+        events.emit(
+            "checkpoint_restored",
+            message=f"restored {directory.url}",
+            step=step,
+            seconds=round(time.perf_counter() - started, 4),
+        )
+    return step, blob, skipped

@@ -27,7 +27,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from nbtools import events, runtime
+from nbtools import runtime
 from nbtools._internal.log import get_logger
 from nbtools._internal.runinfo import active_mlflow_run_id
 from nbtools.checkpoint import _report, _state
@@ -45,12 +45,11 @@ from nbtools.checkpoint._layout import METADATA_NAME, step_dir_name
 from nbtools.checkpoint._lease import WriterLease
 from nbtools.checkpoint._quiet import quiet_single_process_warning
 from nbtools.checkpoint._report import SaveTiming
-from nbtools.checkpoint._restore import newest_verified
+from nbtools.checkpoint._restore import restore_newest
 from nbtools.checkpoint._retention import RetentionWorker
 from nbtools.checkpoint._stager import ReusableStager
 from nbtools.checkpoint._target import Target
 from nbtools.checkpoint.discovery import is_foreign, root_target
-from nbtools.checkpoint.reader import VolumeReader
 from nbtools.checkpoint.writer import VolumeWriter
 from nbtools.errors import CheckpointError
 
@@ -174,48 +173,14 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
-        started = time.perf_counter()
-        kinds = _state.classify(objs)
-        if self._pg is None:
-            quiet_single_process_warning()
-        directory, step, state, blob, self.skipped = newest_verified(
-            self._target,
-            lambda directory, metadata: self._load(kinds, directory, metadata),
-            self._pg,
-        )
-        if directory is None or step is None:
-            self.restored_step = None
-            return 0
-        _state.apply_state(kinds, state, blob)
+        step, blob, self.skipped = restore_newest(self._target, objs, self._pg, self._staging_dir)
         self.restored_step = step
+        if step is None:
+            return 0
         self.last_saved_step = step
         self.extra = dict(blob.get("extra") or {})
         self.mlflow_run_id = blob.get("mlflow_run_id")
-        _log.info("restored %s; resuming at step %d", directory.url, step + 1)
-        if runtime.get_rank() == 0:
-            events.emit(
-                "checkpoint_restored",
-                message=f"restored {directory.url}",
-                step=step,
-                seconds=round(time.perf_counter() - started, 4),
-            )
         return step + 1
-
-    def _load(
-        self, kinds: Any, directory: Target, metadata: Any
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        if metadata is None:
-            metadata = self._reader(directory).read_metadata()
-        blob_state = _state.blob_template(metadata, runtime.get_rank())
-        dcp.load(blob_state, storage_reader=self._reader(directory), process_group=self._pg)
-        blob = _state.decode_blob(blob_state, kinds, directory.url)
-        state = _state.load_template(kinds, metadata, directory.url)
-        if state:
-            dcp.load(state, storage_reader=self._reader(directory), process_group=self._pg)
-        return state, blob
-
-    def _reader(self, directory: Target) -> VolumeReader:
-        return VolumeReader(directory, staging_dir=self._staging_dir)
 
     # --- save ------------------------------------------------------------------
 

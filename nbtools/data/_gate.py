@@ -18,7 +18,8 @@ Protocol (every process on the node, through the cache directory):
 
 So a file a stream protects is covered, at every instant, by the gate or by its
 own pin, and an eviction never waits on an idle stream for longer than the
-watcher's poll interval.
+watcher's poll interval. The watcher is one daemon thread per process, running
+while some holder is watched (:func:`watch`, :func:`unwatch`).
 """
 
 from __future__ import annotations
@@ -26,10 +27,14 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import threading
+import time
+from typing import Protocol
 
-__all__ = ["Gate"]
+__all__ = ["Gate", "Holder", "watch", "unwatch"]
 
 _FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+_POLL_S = 0.01
 
 
 class Gate:
@@ -80,3 +85,58 @@ class Gate:
         """End an eviction started by :meth:`close_for_eviction`."""
         self._flag[0] = 0
         os.close(fd)
+
+
+# --- the watcher --------------------------------------------------------------------------
+
+
+class Holder(Protocol):
+    """What holds a gate and is watched: a stream of ``_stream``."""
+
+    def leave_gate(self) -> None:
+        """Pin every file the gate protects for this holder, then let the gate go."""
+
+
+#: The holders being watched, each with the gate it holds.
+_WATCHED: dict[Holder, Gate] = {}
+_WATCH_LOCK = threading.Lock()
+_WATCHER: list[threading.Thread] = []
+
+
+def _watch_loop() -> None:
+    while True:
+        with _WATCH_LOCK:
+            watched = list(_WATCHED.items())
+            if not watched:
+                _WATCHER.clear()
+                return
+        for holder, gate in watched:
+            if gate.wanted():
+                holder.leave_gate()
+        time.sleep(_POLL_S)
+
+
+def watch(holder: Holder, gate: Gate) -> None:
+    """Call ``holder.leave_gate()`` as soon as an eviction of ``gate`` is wanted, until unwatched."""
+    with _WATCH_LOCK:
+        _WATCHED[holder] = gate
+        if not _WATCHER:
+            thread = threading.Thread(target=_watch_loop, name="nbtools-data-gate", daemon=True)
+            _WATCHER.append(thread)
+            thread.start()
+
+
+def unwatch(holder: Holder) -> None:
+    """Stop watching ``holder`` (idempotent); the watcher ends when none is left."""
+    with _WATCH_LOCK:
+        _WATCHED.pop(holder, None)
+
+
+def _after_fork_in_child() -> None:
+    global _WATCH_LOCK
+    _WATCH_LOCK = threading.Lock()  # the parent's watcher may have held it
+    _WATCHER.clear()
+    _WATCHED.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -36,12 +35,12 @@ from nbtools import events
 from nbtools._internal.log import get_logger
 from nbtools.data import _tags
 from nbtools.data._cache import FileCache
+from nbtools.data._gate import unwatch, watch
 from nbtools.data._pins import Pin, pin_path
 
 __all__ = ["Item", "check_window", "serve"]
 
 _log = get_logger("data.stream")
-_POLL_S = 0.01
 #: Cache directories whose too-small window this process already reported.
 _WARNED: set[str] = set()
 
@@ -293,7 +292,7 @@ class _Stream:
             if self.gate_fd >= 0:
                 os.close(self.gate_fd)
                 self.gate_fd = -1
-        _unwatch(self)
+        unwatch(self)
         for _, guard, _ in held:
             if defer and isinstance(guard, Pin):
                 _DEFERRED.append(guard)
@@ -306,43 +305,10 @@ class _Stream:
 #: Pins of the last batches of finished streams, released when the next stream starts.
 _DEFERRED: list[Pin] = []
 _STREAMS: weakref.WeakSet[_Stream] = weakref.WeakSet()
-_WATCHED: set[_Stream] = set()
-_WATCH_LOCK = threading.Lock()
-_WATCHER: list[threading.Thread] = []
-
-
-def _watch_loop() -> None:
-    while True:
-        with _WATCH_LOCK:
-            streams = list(_WATCHED)
-            if not streams:
-                _WATCHER.clear()
-                return
-        for stream in streams:
-            if stream.cache.gate.wanted():
-                stream.leave_gate()
-        time.sleep(_POLL_S)
-
-
-def _watch(stream: _Stream) -> None:
-    with _WATCH_LOCK:
-        _WATCHED.add(stream)
-        if not _WATCHER:
-            thread = threading.Thread(target=_watch_loop, name="nbtools-data-gate", daemon=True)
-            _WATCHER.append(thread)
-            thread.start()
-
-
-def _unwatch(stream: _Stream) -> None:
-    with _WATCH_LOCK:
-        _WATCHED.discard(stream)
 
 
 def _after_fork_in_child() -> None:
-    global _WATCH_LOCK
-    _WATCH_LOCK = threading.Lock()  # the parent's watcher may have held it
-    _WATCHER.clear()
-    _WATCHED.clear()
+    # The gate's watcher forgets its streams in its own handler (see ``_gate``).
     for stream in list(_STREAMS):
         stream.forget_in_child()
     for pin in _DEFERRED:
@@ -401,5 +367,5 @@ def _serve(
     stream = _Stream(cache, items, prefetch, budget if budget is not None else 1 << 62, hold)
     _STREAMS.add(stream)
     if stream.gate_fd >= 0:
-        _watch(stream)
+        watch(stream, cache.gate)
     yield from stream.run(on_yield)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import functools
 import math
 import multiprocessing
-import pickle
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
-from nbtools.errors import DistributedError, LaunchError
+from nbtools.errors import LaunchError
 from nbtools.launch import _env, _inrank, _payload, _runner, _sources
 from nbtools.launch._backend import LaunchBackend
 from nbtools.launch._output import OUTPUT_MODES
@@ -96,16 +95,7 @@ class DistributedFunction(Generic[R]):
         backend.check(plan.world_size, plan.use_cuda)
         payload = _payload.pack(self._fn, args, kwargs)
         blobs = _runner.run(payload, plan, _sources.localizer(self._fn), backend)
-        results = []
-        for rank, blob in enumerate(blobs):
-            try:
-                results.append(pickle.loads(blob))
-            except Exception as exc:  # noqa: BLE001 - any unpickling error means the same
-                raise DistributedError(
-                    f"the return value of rank {rank} cannot be loaded here: "
-                    f"{type(exc).__name__}: {exc}. Return plain data instead."
-                ) from exc
-        return results
+        return _payload.unpack_values(enumerate(blobs), "the return value of rank")
 
     def _backend(self) -> LaunchBackend:
         if self.cluster == "ray":

@@ -3,24 +3,27 @@
 Everything travels by cloudpickle, so functions, closures, lambdas and classes
 defined in notebook cells work. Packing happens before any process starts; when
 it fails, the closure, globals, defaults and arguments are pickled one by one to
-name the variable that cannot travel.
+name the variable that cannot travel. :func:`pack_push` does the same for the
+names a pool pushes; :func:`unpack_values` loads what the ranks send back.
 """
 
 from __future__ import annotations
 
 import inspect
 import io
+import keyword
+import pickle
 import socket
 import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import cloudpickle
 
-from nbtools.errors import PicklingError
+from nbtools.errors import DistributedError, PicklingError
 
-__all__ = ["pack"]
+__all__ = ["pack", "pack_push", "unpack_values"]
 
 _LOCK_TYPES = (type(threading.Lock()), type(threading.RLock()))
 
@@ -53,6 +56,51 @@ def pack(fn: Callable, args: tuple, kwargs: dict) -> bytes:
             "function and its arguments by cloudpickle; create such objects inside the function "
             "instead, or pass something picklable (a path instead of an open file)."
         ) from exc
+
+
+def pack_push(names: dict[str, Any] | None, values: dict[str, Any]) -> bytes:
+    """Cloudpickle the names ``RankPool.push`` sets: ``names`` merged with ``values``.
+
+    Raises:
+        TypeError: ``names`` is neither None nor a dict.
+        ValueError: a name is not a Python name.
+        PicklingError: a value cannot be pickled; the message names it.
+    """
+    if names is not None and not isinstance(names, dict):
+        raise TypeError(f"push() takes a dict or keyword arguments, got {type(names).__name__}")
+    merged = {**(names or {}), **values}
+    for name in merged:
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+            raise ValueError(f"push(): {name!r} is not a Python name")
+    for name, value in merged.items():
+        try:
+            cloudpickle.dumps(value)
+        except Exception as exc:  # noqa: BLE001 - pickling raises many types
+            raise PicklingError(
+                f"push(): {name!r} ({type(value).__qualname__}) cannot be sent to the ranks: "
+                f"{exc}. Create it on the ranks instead (pool.execute or %%distributed)."
+            ) from None
+    return cloudpickle.dumps(merged)
+
+
+def unpack_values(blobs: Iterable[tuple[int, bytes]], what: str) -> list[Any]:
+    """Unpickle each ``(rank, blob)`` the ranks sent back, in the order given.
+
+    ``what`` names one value in the error, followed by the rank (``"the value from rank"``).
+
+    Raises:
+        DistributedError: a value cannot be loaded here (a class the notebook lacks).
+    """
+    values = []
+    for rank, blob in blobs:
+        try:
+            values.append(pickle.loads(blob))
+        except Exception as exc:  # noqa: BLE001 - any unpickling error means the same
+            raise DistributedError(
+                f"{what} {rank} cannot be loaded here: {type(exc).__name__}: {exc}. "
+                "Return plain data instead."
+            ) from exc
+    return values
 
 
 def _find_culprit(fn: Callable, args: tuple, kwargs: dict) -> tuple[str, Any, str] | None:

@@ -19,9 +19,7 @@ Every restart emits a ``pool_restarted`` event.
 
 from __future__ import annotations
 
-import keyword
 import os
-import pickle
 import shutil
 import tempfile
 import threading
@@ -30,11 +28,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import cloudpickle
-
 from nbtools import events
 from nbtools._internal.log import get_logger
-from nbtools.errors import DistributedError, LaunchError, PicklingError
+from nbtools.errors import DistributedError, LaunchError
 from nbtools.launch import _inrank, _payload, _sources
 from nbtools.launch._api import distributed
 from nbtools.launch._backend import GroupSpec
@@ -58,6 +54,7 @@ _log = get_logger("launch")
 # Times ranks whose group failed to form are started again before that counts as a failure.
 _REGROUPS = 2
 _LOST = "rank state (names, models, tensors) was lost"
+
 
 class RankPool:
     """Ranks that stay alive between calls, each with a persistent namespace.
@@ -184,21 +181,7 @@ class RankPool:
 
     def push(self, names: dict[str, Any] | None = None, /, **values: Any) -> None:
         """Set names in every rank's namespace: ``push(lr=0.1)`` or ``push({"lr": 0.1})``."""
-        if names is not None and not isinstance(names, dict):
-            raise TypeError(f"push() takes a dict or keyword arguments, got {type(names).__name__}")
-        merged = {**(names or {}), **values}
-        for name in merged:
-            if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
-                raise ValueError(f"push(): {name!r} is not a Python name")
-        for name, value in merged.items():
-            try:
-                cloudpickle.dumps(value)
-            except Exception as exc:  # noqa: BLE001 - pickling raises many types
-                raise PicklingError(
-                    f"push(): {name!r} ({type(value).__qualname__}) cannot be sent to the ranks: "
-                    f"{exc}. Create it on the ranks instead (pool.execute or %%distributed)."
-                ) from None
-        self._call("push", cloudpickle.dumps(merged))
+        self._call("push", _payload.pack_push(names, values))
 
     def pull(self, *names: str) -> Any:
         """Values of names in every rank's namespace.
@@ -332,16 +315,8 @@ class RankPool:
         return DistributedError(f"{headline}\n\n{note}", failures)
 
     def _values(self, replies: dict[int, tuple[str, Any]]) -> list[Any]:
-        values = []
-        for rank in sorted(replies):
-            try:
-                values.append(pickle.loads(replies[rank][1]))
-            except Exception as exc:  # noqa: BLE001 - any unpickling error means the same
-                raise DistributedError(
-                    f"the value from rank {rank} cannot be loaded here: {type(exc).__name__}: "
-                    f"{exc}. Return plain data instead."
-                ) from exc
-        return values
+        blobs = ((rank, replies[rank][1]) for rank in sorted(replies))
+        return _payload.unpack_values(blobs, "the value from rank")
 
     def _start(self) -> None:
         regroups = 0

@@ -33,6 +33,7 @@ from typing import Any
 
 from nbtools._internal.log import get_logger
 from nbtools.errors import TrackingError
+from nbtools.tracking._run import RunHandle
 from nbtools.tracking._store import is_rejection, write_metrics
 
 __all__ = ["MetricBatcher", "DEFAULT_MAX_PENDING"]
@@ -61,31 +62,28 @@ class MetricBatcher:
     """Queue of ``(key, value, timestamp_ms, step)`` written to one MLflow run by a thread.
 
     Args:
-        client: An ``mlflow.MlflowClient`` for the run's tracking store.
-        uri: The tracking URI (HTTP stores are written with a bounded retry policy).
-        run_id: The run that receives the metrics.
+        handle: The run that receives the metrics; values queue while it is being
+            opened, and the writer starts writing once it is open.
         interval: Seconds between writes when nobody asks for a flush.
-        name: Thread name (starts with ``nbtools-``).
         max_pending: Values queued before :meth:`put` waits (see the module's invariants).
-        resumed: The run existed before: values at steps it holds are skipped.
+
+    The thread is named ``nbtools-mlflow-<first 8 characters of the run id>`` once
+    the run is open.
     """
 
     def __init__(
         self,
-        client: Any,
-        uri: str,
-        run_id: str,
+        handle: RunHandle,
         interval: float = 1.0,
-        name: str = "nbtools-mlflow",
         *,
         max_pending: int = DEFAULT_MAX_PENDING,
-        resumed: bool = False,
     ) -> None:
         if interval <= 0:
             raise ValueError(f"interval must be positive seconds, got {interval!r}")
-        self._client = client
-        self._uri = uri
-        self._run_id = run_id
+        self._handle = handle
+        self._client: Any = None
+        self._uri = handle.uri
+        self._run_id: str | None = None
         self._interval = float(interval)
         self._high = int(max_pending)
         self._queue: deque[Any] = deque()
@@ -97,7 +95,7 @@ class MetricBatcher:
         self._dropped = 0  # values dropped (refused by the store, or past the bound while failing)
         self._reported = 0  # of those, already reported by flush() or close()
         self._last_drop = ""
-        self._held: dict[str, set[int]] | None = {} if resumed else None
+        self._held: dict[str, set[int]] | None = {} if handle.resumed else None
         self.unchecked: set[str] = set()  # keys whose steps are not checked against the run
         self._skipped = 0
         self._wake = threading.Event()
@@ -105,7 +103,7 @@ class MetricBatcher:
         self._stopping = False
         self._deadline = float("inf")
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="nbtools-mlflow-writer", daemon=True)
         self._thread.start()
 
     # -- caller side ----------------------------------------------------------
@@ -165,7 +163,7 @@ class MetricBatcher:
         self._wake.set()
         deadline = None if timeout is None else time.monotonic() + timeout
         while not done.wait(0.05):
-            if self._failures != failures:
+            if self._failures != failures or not self._thread.is_alive():
                 break  # the store fails: say so now instead of waiting for a retry
             if deadline is not None and time.monotonic() >= deadline:
                 raise TrackingError(
@@ -200,6 +198,13 @@ class MetricBatcher:
         self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
+        failed = self._handle.failed
+        if failed is not None:
+            lost = self._dropped - self._reported + len(self._queue)
+            self._reported = self._dropped
+            raise TrackingError(
+                f"{failed}; the {lost} metric values logged are not in MLflow" if lost else str(failed)
+            ) from failed
         new_drops = self._dropped - self._reported
         if new_drops:
             self._reported = self._dropped
@@ -217,6 +222,8 @@ class MetricBatcher:
     # -- writer thread --------------------------------------------------------
 
     def _run(self) -> None:
+        if not self._open():
+            return
         while True:
             self._wake.wait(self._interval)
             self._wake.clear()
@@ -227,6 +234,24 @@ class MetricBatcher:
             if self._drain() or time.monotonic() + _CLOSE_RETRY_PAUSE >= self._deadline:
                 return
             time.sleep(_CLOSE_RETRY_PAUSE)
+
+    def _open(self) -> bool:
+        """Wait for the run (until close's deadline); False when it could not be opened in time."""
+        handle = self._handle
+        while not handle.ready:
+            if self._stopping and time.monotonic() >= self._deadline:
+                return False
+            handle.settled(0.1)
+        if handle.failed is not None:
+            self._error = handle.failed
+            self._failures += 1
+            with self._room:
+                self._room.notify_all()  # callers waiting for room drop and count instead
+            return False
+        self._client = handle.client
+        self._run_id = handle.wait().info.run_id
+        threading.current_thread().name = f"nbtools-mlflow-{self._run_id[:8]}"
+        return True
 
     def _take(self, limit: int, waiters: list[threading.Event]) -> list[Any]:
         """Move up to ``limit`` queued values into a list of Metric entities."""

@@ -27,12 +27,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from mlflow.exceptions import MlflowException
-from mlflow.utils.validation import (
-    MAX_ENTITY_KEY_LENGTH,
-    bad_character_message,
-    path_not_unique,
-    validate_param_and_metric_name,
-)
 
 from nbtools.errors import TrackingError
 
@@ -41,7 +35,6 @@ __all__ = [
     "REQUEST_TIMEOUT",
     "REQUEST_RETRIES",
     "bounded_requests",
-    "check_metric_name",
     "is_http",
     "is_rejection",
     "probe",
@@ -63,29 +56,6 @@ _ENV_LOCK = threading.Lock()
 def is_http(uri: str) -> bool:
     """True for a tracking server reached over HTTP(S)."""
     return uri.startswith(("http://", "https://"))
-
-
-def check_metric_name(key: object) -> None:
-    """Apply MLflow's rules for metric names (``mlflow.utils.validation``) before a value is queued.
-
-    Raises:
-        TypeError: ``key`` is not a string.
-        ValueError: MLflow would refuse the name.
-    """
-    if not isinstance(key, str):
-        raise TypeError(f"a metric name must be a string, got {type(key).__name__} {key!r}")
-    if not key or not validate_param_and_metric_name(key):
-        raise ValueError(f"invalid metric name {key!r}: {bad_character_message()}")
-    if path_not_unique(key):
-        raise ValueError(
-            f"invalid metric name {key!r}: it must be a relative path without '.', '..', "
-            "a leading '/' or '//' (e.g. 'train/loss')"
-        )
-    if len(key) > MAX_ENTITY_KEY_LENGTH:
-        raise ValueError(
-            f"invalid metric name {key[:40]!r}...: {len(key)} characters, MLflow allows "
-            f"{MAX_ENTITY_KEY_LENGTH}"
-        )
 
 
 def is_rejection(exc: BaseException) -> bool:

@@ -2,8 +2,10 @@
 
 :class:`MlflowLogger` starts (or resumes) an MLflow run and makes it the active
 run, so ``mlflow.log_param`` and ``mlflow.log_artifact`` from user code land in
-the same run. Metric values are handed to a background thread that writes them
-with ``log_batch``; the training thread only appends to a queue.
+the same run. A store in this process (sqlite, files, a database) is opened in
+the background, so the constructor returns at once. Metric values are handed to
+a background thread that writes them with ``log_batch``; the training thread
+only appends to a queue.
 
 Example:
     >>> ckpt = CheckpointManager(root, every=100)                    # doctest: +SKIP
@@ -33,19 +35,20 @@ from nbtools.errors import TrackingError
 from nbtools.runtime import is_main_process
 from nbtools.tracking._batcher import DEFAULT_MAX_PENDING, MetricBatcher
 from nbtools.tracking._events import EventsRecorder
-from nbtools.tracking._run import open_run
-from nbtools.tracking._store import bounded_requests, check_metric_name
+from nbtools.tracking._run import RunHandle, end_run, leave, open_run
+from nbtools.tracking._values import (
+    MAX_STEPS_PER_METRIC,
+    StepLimit,
+    check_metric_name,
+    prepare_value,
+)
 
 __all__ = ["MlflowLogger", "current_run_id", "MAX_STEPS_PER_METRIC"]
 
 _log = get_logger("tracking")
 
-#: MLflow's documented limit on the number of values of one metric in one run.
-MAX_STEPS_PER_METRIC = 10_000_000
 #: Seconds :meth:`MlflowLogger.close` waits at most for the queued values by default.
 DEFAULT_CLOSE_TIMEOUT = 30.0
-# Warn once a metric has this share of the limit, so there is time to react.
-_WARN_SHARE = 0.9
 
 _open_loggers: weakref.WeakSet[MlflowLogger] = weakref.WeakSet()
 _current: MlflowLogger | None = None
@@ -55,7 +58,9 @@ _lock = threading.Lock()
 def current_run_id() -> str | None:
     """Run id of the most recently started :class:`MlflowLogger` still open in this process."""
     current = _current
-    return current.run_id if current is not None and not current.closed else None
+    if current is None or current.closed or current.failed is not None:
+        return None
+    return current.run_id
 
 
 def _status_for(exc_type: type[BaseException] | None) -> str:
@@ -103,9 +108,19 @@ class MlflowLogger:
     MLflow's rules when first logged. A tracking server that does not answer is
     reported within about 15 s, not after MLflow's four minutes of retries.
 
+    A store in this process (a ``sqlite:``, file or database URI) is opened on a
+    background thread: opening it costs 1-10 s (a new sqlite database runs its
+    migrations), which the training loop does not wait for. The run is MLflow's
+    active run in this thread as soon as the constructor returns; what needs the
+    run itself (:attr:`run_id`, :meth:`log_params`, :meth:`flush`, :meth:`close`,
+    ``mlflow.log_param``, ``mlflow.active_run().info``) waits for it, and raises
+    the :class:`~nbtools.errors.TrackingError` if it could not be opened.
+
     Raises:
         TrackingError: The tracking server does not answer, the run to resume does
-            not exist in the tracking store, or another run is active in this thread.
+            not exist on the tracking server, or another run is active in this
+            thread. For a store in this process these come from the first use
+            of the run instead.
     """
 
     def __init__(
@@ -140,31 +155,19 @@ class MlflowLogger:
         self._close_timeout = float(close_timeout)
         self._names: set[str] = set()  # metric names already checked
         self._log_every = log_every
-        self._warn_at = int(MAX_STEPS_PER_METRIC * _WARN_SHARE) * log_every
-        self._warned: set[str] = set()
+        self._limit = StepLimit(log_every, total_steps)
         self._calls: dict[str, int] = {}
         self._closed = False
-        self.run_id: str | None = None
-        self.experiment_id: str | None = None
-        self._owned = False
+        self._handle: RunHandle | None = None
         self._batcher: MetricBatcher | None = None
         self._recorder: EventsRecorder | None = None
         self._skip = rank_zero_only and not is_main_process()
         if self._skip:
             return
         self._uri = mlflow.get_tracking_uri()
-        self._client = mlflow.MlflowClient(tracking_uri=self._uri)
         run_id = run_id or os.environ.get("MLFLOW_RUN_ID") or None
-        run, self._owned, resumed = open_run(
-            self._client, self._uri, experiment_name, run_name, run_id, dict(tags or {})
-        )
-        self.run_id = run.info.run_id
-        self.experiment_id = run.info.experiment_id
-        self._batcher = MetricBatcher(
-            self._client, self._uri, self.run_id, flush_interval,
-            name=f"nbtools-mlflow-{self.run_id[:8]}", max_pending=max_pending,
-            resumed=resumed,
-        )
+        self._handle = open_run(self._uri, experiment_name, run_name, run_id, dict(tags or {}))
+        self._batcher = MetricBatcher(self._handle, flush_interval, max_pending=max_pending)
         self._put = self._batcher.put
         if events_to_mlflow:
             self._recorder = EventsRecorder()
@@ -172,15 +175,27 @@ class MlflowLogger:
         with _lock:
             _open_loggers.add(self)
             _current = self
-        if total_steps is not None and total_steps // log_every > MAX_STEPS_PER_METRIC:
-            _log.warning(
-                "with total_steps=%d and log_every=%d each metric would get %d values, more "
-                "than MLflow's limit of %d per metric; use log_every=%d or more",
-                total_steps, log_every, total_steps // log_every, MAX_STEPS_PER_METRIC,
-                -(-total_steps // MAX_STEPS_PER_METRIC),
-            )
 
     # -- run lifecycle --------------------------------------------------------
+
+    @property
+    def run_id(self) -> str | None:
+        """The run's id (None on ranks that do not log); waits while the run is being opened.
+
+        Raises:
+            TrackingError: The run could not be opened.
+        """
+        return None if self._handle is None else self._handle.wait().info.run_id
+
+    @property
+    def experiment_id(self) -> str | None:
+        """The run's experiment id (None on ranks that do not log); waits like :attr:`run_id`."""
+        return None if self._handle is None else self._handle.wait().info.experiment_id
+
+    @property
+    def failed(self) -> TrackingError | None:
+        """Why the run could not be opened, once known; None while it opens or once open."""
+        return None if self._handle is None else self._handle.failed
 
     @property
     def closed(self) -> bool:
@@ -232,47 +247,39 @@ class MlflowLogger:
         if self._closed:
             return
         self._closed = True
-        if self._batcher is None:
+        handle = self._handle
+        if handle is None or self._batcher is None:
             return
-        lost: TrackingError | None = None
+        errors: list[TrackingError] = []
         try:
-            self._batcher.close(self._close_timeout if timeout is None else timeout)
-        except TrackingError as exc:
-            lost = exc
-        try:
-            if self._recorder is not None:
-                self._recorder.write(self._client, self._uri, self.run_id)  # type: ignore[arg-type]
-        except TrackingError as exc:
-            lost = exc if lost is None else TrackingError(f"{lost}; and {exc}")
+            try:
+                self._batcher.close(self._close_timeout if timeout is None else timeout)
+            except TrackingError as exc:
+                errors.append(exc)
+            handle.settled()
+            if handle.failed is not None:
+                leave(handle)  # no run to end: take its stand-in off MLflow's run stack
+                errors = errors or [handle.failed]
+            else:
+                if self._recorder is not None:
+                    try:
+                        self._recorder.write(handle.client, self._uri, self.run_id)  # type: ignore[arg-type]
+                    except TrackingError as exc:
+                        errors.append(exc)
+                if handle.owned:
+                    try:
+                        end_run(handle, status)
+                    except TrackingError as exc:
+                        errors.append(exc)
         finally:
             with _lock:
                 _open_loggers.discard(self)
                 if _current is self:
                     _current = None
-        if self._owned:
-            try:
-                self._end_run(status)
-            except TrackingError as exc:
-                if lost is None:
-                    raise
-                raise TrackingError(f"{lost}; and {exc}") from lost
-        if lost is not None:
-            raise lost
-
-    def _end_run(self, status: str) -> None:
-        try:
-            with bounded_requests(self._uri):
-                active = mlflow.active_run()
-                if active is not None and active.info.run_id == self.run_id:
-                    mlflow.end_run(status)  # leaves this thread's active runs even when it fails
-                else:  # started in another thread: end it through the client
-                    self._client.set_terminated(self.run_id, status)
-        except MlflowException as exc:
-            raise TrackingError(
-                f"MLflow run {self.run_id} could not be marked {status} at {self._uri} "
-                f"({exc.message}); it stays RUNNING there until set, e.g. with "
-                f"MlflowClient().set_terminated({self.run_id!r})"
-            ) from exc
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise TrackingError("; and ".join(str(e) for e in errors)) from errors[0]
 
     def __enter__(self) -> MlflowLogger:
         return self
@@ -287,8 +294,14 @@ class MlflowLogger:
         )
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else ("disabled" if self._skip else "open")
-        return f"MlflowLogger(run_id={self.run_id!r}, {state})"
+        if self._skip:
+            return "MlflowLogger(disabled)"
+        handle = self._handle
+        if not handle.ready:  # type: ignore[union-attr]
+            return "MlflowLogger(run opening)"
+        if handle.failed is not None:  # type: ignore[union-attr]
+            return f"MlflowLogger(failed: {handle.failed})"  # type: ignore[union-attr]
+        return f"MlflowLogger(run_id={self.run_id!r}, {'closed' if self._closed else 'open'})"
 
     # -- logging --------------------------------------------------------------
 
@@ -319,10 +332,10 @@ class MlflowLogger:
             self._calls[key] = step + 1
         if step % self._log_every:
             return
-        if step >= self._warn_at:
-            self._warn_limit(key, step)
+        if step >= self._limit.warn_at:
+            self._limit.passing(key, step)
         if type(value) is not float:
-            value = self._prepare(key, value)
+            value = prepare_value(key, value)
         self._put((key, value, timestamp or int(time.time() * 1000), step))
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
@@ -352,7 +365,7 @@ class MlflowLogger:
             self._check_open()
             return
         try:
-            self._client.log_batch(self.run_id, **entities)
+            self._handle.client.log_batch(self.run_id, **entities)  # type: ignore[union-attr]
         except MlflowException as exc:
             raise TrackingError(f"MLflow run {self.run_id} refused the values: {exc.message}") from exc
 
@@ -362,34 +375,6 @@ class MlflowLogger:
                 f"MlflowLogger for run {self.run_id} is closed; start a new one with "
                 f"run_id={self.run_id!r} to keep logging into this run"
             )
-
-    @staticmethod
-    def _prepare(key: str, value: Any) -> Any:
-        if isinstance(value, int):
-            return float(value)
-        detach = getattr(value, "detach", None)
-        if detach is not None:
-            tensor = detach()
-            if tensor.numel() != 1:
-                raise ValueError(
-                    f"metric {key!r} must be one number, got a tensor of shape "
-                    f"{tuple(tensor.shape)}; log a reduction such as .mean()"
-                )
-            return tensor.clone()  # the caller may change its tensor in place afterwards
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise TypeError(f"metric {key!r} must be a number, got {type(value).__name__}") from None
-
-    def _warn_limit(self, key: str, step: int) -> None:
-        if key in self._warned:
-            return
-        self._warned.add(key)
-        _log.warning(
-            "metric %r has about %d values at step %d; MLflow allows %d per metric. "
-            "Log it less often (log_every, now %d) before the run passes the limit",
-            key, step // self._log_every, step, MAX_STEPS_PER_METRIC, self._log_every,
-        )
 
 
 @atexit.register

@@ -50,7 +50,7 @@ def test_an_interrupted_cell_continues_the_same_mlflow_run(ip, tmp_path, trackin
     result = ip.run_cell(CELL.format(root=root, name="sgd-demo"))
     assert isinstance(result.error_in_exec, KeyboardInterrupt)
     out = capsys.readouterr().out
-    assert "started MLflow run" in out
+    assert "started an MLflow run" in out
     run_id = ip.user_ns["mlflow_logger"].run_id
     run = tracking.get_run(run_id)
     assert run.info.status == "KILLED" and run.info.run_name == "sgd-demo"

@@ -27,7 +27,8 @@ def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
 
 def test_metrics_reach_the_store_in_the_background_and_the_run_ends(client):
     with MlflowLogger("exp-basic", run_name="baseline") as run:
-        assert _writer_threads() == [f"nbtools-mlflow-{run.run_id[:8]}"]
+        run.flush()  # the writer is named after the run once the run is open
+        assert f"nbtools-mlflow-{run.run_id[:8]}" in _writer_threads()
         for step in range(2500):  # more than one log_batch request
             run.log_metric("loss", 1.0 / (step + 1), step=step)
         run.log_metrics({"lr": 0.1, "acc": 0.5}, step=0)
@@ -120,8 +121,48 @@ def test_a_run_the_user_started_is_adopted_and_left_running(client):
 
 
 def test_resuming_an_unknown_run_says_what_to_do(tracking_uri):
+    import mlflow
+
+    logger = MlflowLogger(run_id="f" * 32)  # a store in this process is opened in the background
+    logger.log_metric("loss", 1.0, step=0)  # logging never waits for the store
     with pytest.raises(TrackingError, match="MLFLOW_TRACKING_URI"):
-        MlflowLogger(run_id="f" * 32)
+        _ = logger.run_id
+    with pytest.raises(TrackingError, match="MLFLOW_TRACKING_URI"):
+        mlflow.log_param("lr", 0.1)  # MLflow's own calls on the active run say the same
+    assert current_run_id() is None and active_mlflow_run_id() is None
+    with pytest.raises(TrackingError, match="the 1 metric values logged are not in MLflow"):
+        logger.close()
+    assert mlflow.active_run() is None  # nothing is left on MLflow's run stack
+
+
+def test_the_logger_returns_while_a_new_store_is_still_being_created(tmp_path, monkeypatch, client):
+    import sqlite3
+
+    import mlflow
+
+    database = tmp_path / "new.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{database}")
+    lock = sqlite3.connect(database, isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")  # nobody can create the store's tables until this ends
+    try:
+        logger = MlflowLogger("exp-locked", run_name="early")
+        logger.log_metric("loss", 0.5, step=0)
+        assert mlflow.active_run() is not None  # already the active run of this thread
+        assert "opening" in repr(logger)
+    finally:
+        lock.rollback()
+        lock.close()
+    mlflow.log_param("lr", 0.1)  # waits for the run, then lands in it
+    mlflow.set_tag("stage", "warmup")
+    run_id = logger.run_id
+    assert mlflow.active_run().info.run_id == run_id
+    logger.close()
+    assert mlflow.active_run() is None
+    store = mlflow.MlflowClient(tracking_uri=f"sqlite:///{database}")
+    run = store.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "early"
+    assert run.data.params == {"lr": "0.1"} and run.data.tags["stage"] == "warmup"
+    assert _history(store, run_id, "loss") == [(0, 0.5)]
 
 
 def test_warns_before_a_metric_passes_mlflows_limit(client, caplog):
