@@ -30,6 +30,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 __all__ = ["OutputForwarder", "OUTPUT_MODES"]
@@ -46,6 +47,8 @@ _CURSOR_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-HJKSTfhlsu]")
 _MOVED_BAR = re.compile(r"(\n+)([^\n\x1b]*)\x1b\[(\d*)A")
 # A trailing newline run that may be the start of such a positioned bar.
 _MAYBE_MOVE = re.compile(r"\n+(?:\r[^\n]*)?$")
+# The file name of code sent by value (see ``_sources``).
+_DYNAMIC = '"<dynamic-code>"'
 
 
 class _Sink:
@@ -82,7 +85,8 @@ class _Sink:
 
 
 class _Tail:
-    def __init__(self, path: str, rank: int, sink: _Sink, shown: bool) -> None:
+    def __init__(self, path: str, rank: int, sink: _Sink, shown: bool, owner: OutputForwarder) -> None:
+        self.owner = owner
         self.path = path
         self.rank = rank
         self.prefix = f"[rank {rank}] "
@@ -146,7 +150,11 @@ class _Tail:
         return self.sink.line(line)
 
     def _prefixed(self, body: str) -> str:
-        return self.prefix + self.torch_prefix.sub("", body, count=1)
+        body = self.torch_prefix.sub("", body, count=1)
+        localize = self.owner.localize
+        if localize is not None and _DYNAMIC in body:  # a frame of a stack dump
+            return "\n".join(self.prefix + line for line in localize(body).split("\n"))
+        return self.prefix + body
 
     def close(self) -> None:
         if self.fh is not None:
@@ -170,6 +178,8 @@ class OutputForwarder:
         mode: one of :data:`OUTPUT_MODES`.
         stdout: where stdout lines go (the caller's ``sys.stdout``).
         stderr: where stderr lines go.
+        localize: rewrites a line of a stack dump that names ``<dynamic-code>``
+            (see ``_sources.localizer``); settable while forwarding.
 
     Attributes:
         last_output: ``time.monotonic()`` of the last output seen from any rank
@@ -183,11 +193,13 @@ class OutputForwarder:
         mode: str,
         stdout: TextIO,
         stderr: TextIO,
+        localize: Callable[[str], str] | None = None,
     ) -> None:
         shown = {"all": set(stdouts), "rank0": {0}, "none": set()}[mode]
         out, err = _Sink(stdout), _Sink(stderr)
-        self._tails = [_Tail(p, r, out, r in shown) for r, p in sorted(stdouts.items()) if p]
-        self._tails += [_Tail(p, r, err, r in shown) for r, p in sorted(stderrs.items()) if p]
+        self.localize = localize
+        self._tails = [_Tail(p, r, out, r in shown, self) for r, p in sorted(stdouts.items()) if p]
+        self._tails += [_Tail(p, r, err, r in shown, self) for r, p in sorted(stderrs.items()) if p]
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_output = time.monotonic()

@@ -260,6 +260,7 @@ class RankPool:
         __tracebackhide__ = True
         with self._guard():
             ranks = self._live()
+            ranks.forwarder.localize = localize  # stack dumps name this call's cell code
             try:
                 replies = ranks.call(op, arg, self._plan.hang_timeout)
             except RanksInterrupted as exc:

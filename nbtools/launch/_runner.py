@@ -159,7 +159,9 @@ def _attempt(
             cluster=backend.name,
             startup_s=round(time.perf_counter() - began, 3),
         )
-    forwarder = OutputForwarder(group.stdouts, group.stderrs, plan.output, sys.stdout, sys.stderr)
+    forwarder = OutputForwarder(
+        group.stdouts, group.stderrs, plan.output, sys.stdout, sys.stderr, localize
+    )
     forwarder.start()
     try:
         outcome = _watch.watch(group, forwarder, plan.hang_timeout)

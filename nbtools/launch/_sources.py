@@ -15,11 +15,12 @@ from collections.abc import Callable, Iterator
 
 __all__ = ["localizer"]
 
-_FRAME = re.compile(r'^(\s*)File "<dynamic-code>", line (\d+), in (\S+)$')
+# A traceback writes 'line N, in name'; faulthandler's stack dumps 'line N in name'.
+_FRAME = re.compile(r'^(\s*)File "<dynamic-code>", line (\d+)(,?) in (\S+)$')
 
 
 def localizer(fn: Callable) -> Callable[[str], str]:
-    """A function that rewrites ``<dynamic-code>`` frames of a traceback for ``fn``'s code."""
+    """A function that rewrites ``<dynamic-code>`` frames of a traceback or stack dump for ``fn``'s code."""
     codes: dict[str, list[types.CodeType]] = {}
     for code in _reachable_code(fn):
         codes.setdefault(code.co_name, []).append(code)
@@ -28,12 +29,12 @@ def localizer(fn: Callable) -> Callable[[str], str]:
         out = []
         for line in text.splitlines():
             match = _FRAME.match(line)
-            found = _find(codes, match.group(3), int(match.group(2))) if match else None
+            found = _find(codes, match.group(4), int(match.group(2))) if match else None
             if found is None:
                 out.append(line)
                 continue
-            indent, lineno = match.group(1), int(match.group(2))
-            out.append(f'{indent}File "{found.co_filename}", line {lineno}, in {match.group(3)}')
+            indent, lineno, comma, name = match.group(1), int(match.group(2)), match.group(3), match.group(4)
+            out.append(f'{indent}File "{found.co_filename}", line {lineno}{comma} in {name}')
             source = linecache.getline(found.co_filename, lineno).strip()
             if source:
                 out.append(f"{indent}  {source}")

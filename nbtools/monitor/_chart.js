@@ -274,7 +274,7 @@ async function render({ model, el }) {
   }
 
   function onMessage(msg) {
-    if (!msg || msg.k !== "s" || msg.n <= seq) return;
+    if (!msg || (msg.k !== "s" && msg.k !== "e") || msg.n <= seq) return;
     if (msg.n !== seq + 1) {
       // A message was missed (e.g. the page was reloaded): ask for the whole figure.
       seq = msg.n;
@@ -282,6 +282,13 @@ async function render({ model, el }) {
       return;
     }
     seq = msg.n;
+    if (msg.k === "e") {
+      // Events on their own: a pane with no GPU to poll.
+      if (msg.d !== undefined) counts = { d: msg.d, nd: msg.nd };
+      if (msg.e) keepEvents(msg.e);
+      drawEvents();
+      return;
+    }
     const x = local(msg.t);
     const indices = [];
     const xs = [];

@@ -255,6 +255,20 @@ class GPUChart(anywidget.AnyWidget):
             self._add_events(message)
             self.send(message)
 
+    def push_events(self) -> bool:
+        """Send the events queued since the last message on their own; True when any were sent.
+
+        For a pane with no GPU to poll: without samples, events would wait for a rebuild.
+        """
+        with self._lock:
+            message: dict[str, Any] = {"k": "e", "n": self._seq + 1}
+            self._add_events(message)
+            if "e" not in message and "d" not in message:
+                return False
+            self._seq += 1
+            self.send(message)
+            return True
+
     def _add_events(self, message: dict[str, Any]) -> None:
         feed = self._feed
         if feed is None:

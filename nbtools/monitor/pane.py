@@ -12,6 +12,7 @@ the same GPUs poll once. Cell execution counts as activity through IPython's
 from __future__ import annotations
 
 import html
+import threading
 import time
 from typing import Any
 
@@ -30,6 +31,8 @@ __all__ = ["GPUPane"]
 
 _log = get_logger("monitor")
 _ICONS = {"polling": "●", "paused": "⏸", "unavailable": "⚠", "closed": "■"}
+#: Seconds between looks for new events while no GPU can be polled.
+EVENTS_TICK_S = 1.0
 
 
 def _ipython() -> Any:
@@ -45,7 +48,8 @@ class GPUPane:
 
     The run's events (``nbtools.events``: checkpoint saves, input stalls, failed
     ranks, restarts, your own ``events.emit``) are drawn on the same time axis
-    and listed under the charts; :meth:`events` returns them.
+    and listed under the charts; :meth:`events` returns them. With no GPU to
+    read, the pane still lists them as they arrive.
 
     Creating a pane inside IPython displays it. Polling runs on a background
     thread, pauses after ``idle_timeout`` seconds without a running cell or a
@@ -108,8 +112,11 @@ class GPUPane:
             self._feed.close()
             release(self.sampler)
             raise
+        self._events_stop = threading.Event()
+        self._events_thread: threading.Thread | None = None
         self.sampler.add_sink(self._on_sample)
         self.sampler.add_watcher(self._on_status)
+        self._follow_events(self.sampler.status)
         if self.sampler.last_sample is not shown:  # a poll slipped in while the chart was built
             self._chart.rebuild()
         self._ip = _ipython()
@@ -217,6 +224,7 @@ class GPUPane:
         if self._closed:
             return
         self._closed = True
+        self._stop_events()
         self._feed.close()
         self.sampler.remove_sink(self._on_sample)
         self.sampler.remove_watcher(self._on_status)
@@ -281,6 +289,32 @@ class GPUPane:
     def _on_status(self, status: str, message: str) -> None:
         if not self._closed:
             self._show_status(status, message)
+            self._follow_events(status)
+
+    def _follow_events(self, status: str) -> None:
+        """Without GPUs to poll, send the run's events on their own (they usually ride on polls)."""
+        if status != "unavailable":
+            self._stop_events()
+        elif self._events_thread is None:
+            self._events_stop.clear()
+            self._events_thread = threading.Thread(
+                target=self._pump_events, name="nbtools-pane-events", daemon=True
+            )
+            self._events_thread.start()
+
+    def _pump_events(self) -> None:
+        while not self._events_stop.wait(EVENTS_TICK_S):
+            try:
+                self._chart.push_events()
+            except Exception:  # noqa: BLE001 - a closed comm must not end in a traceback
+                _log.debug("could not send the pane's events", exc_info=True)
+
+    def _stop_events(self) -> None:
+        thread, self._events_thread = self._events_thread, None
+        if thread is not None:
+            self._events_stop.set()
+            if thread is not threading.current_thread():
+                thread.join()
 
     def _show_status(self, status: str, message: str) -> None:
         sampler = self.sampler

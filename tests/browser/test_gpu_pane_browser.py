@@ -118,6 +118,10 @@ NOTEBOOK = {
             "cell_type": "code", "id": "second", "metadata": {}, "outputs": [], "execution_count": None,
             "source": "second = GPUPane(interval=0.5, backend=SimulatedBackend(num_gpus=4, speed=90))",
         },
+        {
+            "cell_type": "code", "id": "nvml", "metadata": {}, "outputs": [], "execution_count": None,
+            "source": "third = GPUPane(interval=0.5)  # NVML: no GPU on a machine without one",
+        },
     ],
 }
 
@@ -229,7 +233,7 @@ def test_pane_renders_and_refreshes_in_jupyterlab(tmp_path):
                     timeout=240_000,
                 )
                 page.wait_for_function(
-                    "() => document.querySelectorAll('.nbtools-gpu').length === 2",
+                    "() => document.querySelectorAll('.nbtools-gpu').length >= 2",
                     timeout=120_000,
                 )
                 drawn = page.evaluate(
@@ -261,7 +265,7 @@ def test_pane_renders_and_refreshes_in_jupyterlab(tmp_path):
                 # The second pane reused the page's plotly.js and drew the same events.
                 page.wait_for_function(
                     "() => { const p = document.querySelectorAll('.nbtools-gpu-plot');"
-                    " return p.length === 2 && p[1].data && p[1].data.length === 13"
+                    " return p.length >= 2 && p[1].data && p[1].data.length === 13"
                     " && p[1].data[12].x.length === p[0].data[12].x.length; }",
                     timeout=60_000,
                 )
@@ -291,6 +295,21 @@ def test_pane_renders_and_refreshes_in_jupyterlab(tmp_path):
                 )
                 assert int(last.get_attribute("data-time")) > int(before)
                 assert status.get_attribute("data-status") == "paused"
+
+                # A pane with no GPU to poll lists events emitted after it is on the page.
+                third = page.locator(".nbtools-gpu-status").nth(2)
+                third.wait_for(timeout=60_000)
+                if third.get_attribute("data-status") == "unavailable":
+                    page.evaluate(
+                        "() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
+                        ".requestExecute({code: 'from nbtools import events; "
+                        "events.emit(\"note\", message=\"after the pane\")'})"
+                    )
+                    page.wait_for_function(
+                        "() => Array.from(document.querySelectorAll('.nbtools-gpu')[2]"
+                        ".querySelectorAll('.nbtools-gpu-event')).some((e) => e.dataset.kind === 'note')",
+                        timeout=60_000,
+                    )
             finally:
                 browser.close()
     finally:

@@ -25,3 +25,10 @@ def test_dynamic_code_frames_point_back_to_the_source():
     assert 'raise ValueError("x")' in out
     assert '"<dynamic-code>", line 99999, in unknown' in out  # left alone when not found
     assert out.endswith("ValueError: x\n")
+
+
+def test_stack_dump_frames_point_back_to_the_source():
+    line = _helper.__code__.co_firstlineno + 1
+    dump = f'  File "<dynamic-code>", line {line} in _helper'  # faulthandler's format
+    out = localizer(_helper)(dump)
+    assert out.splitlines() == [f'  File "{__file__}", line {line} in _helper', '    raise ValueError("x")']

@@ -261,3 +261,33 @@ def test_kinds_and_spans():
     long = events.Event(100.0, "other", 0, 1, "eval", "m" * 500, None, {})
     text = encode(long, local_host="here")[6]
     assert text.startswith("other · ") and len(text) == 160
+
+
+def test_a_pane_with_no_gpu_still_lists_events_as_they_arrive(comms, fake_pynvml, monkeypatch):
+    import threading
+    import time
+
+    import nbtools.monitor.pane as pane_module
+
+    monkeypatch.setattr(pane_module, "EVENTS_TICK_S", 0.05)
+    fake_pynvml([], init_error="NVMLError_DriverNotLoaded")
+    pane = GPUPane(display=False)
+    try:
+        assert pane.status == "unavailable"
+        chart = pane._chart.comm
+        first = chart.opened_state()["_figure"]["n"]
+        events.emit("checkpoint_saved", message="saved step_10", step=10, blocked_s=0.1)
+        events.emit("rank_failed", message="rank 1 exited with SIGKILL", rank=1)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            kinds = [row[1] for m in chart.custom_messages() for row in m.get("e", [])]
+            if len(kinds) == 2:
+                break
+            time.sleep(0.02)
+        messages = chart.custom_messages()
+        assert kinds == ["checkpoint_saved", "rank_failed"]
+        assert {m["k"] for m in messages} == {"e"}  # events on their own: no GPU sample
+        assert [m["n"] for m in messages] == list(range(first + 1, first + 1 + len(messages)))
+    finally:
+        pane.close()
+    assert not [t for t in threading.enumerate() if t.name == "nbtools-pane-events"]
