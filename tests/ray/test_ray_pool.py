@@ -1,0 +1,59 @@
+"""``RankPool(cluster="ray")``: ranks that stay alive between calls, on Ray actors over two nodes."""
+
+from __future__ import annotations
+
+import pytest
+from _ray_helpers import live_placement_groups
+
+from nbtools import DistributedError
+from nbtools.launch import RankPool
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_pool_on_two_nodes_keeps_its_state_and_group_between_calls(ray_cluster):
+    with RankPool(processes=4, cluster="ray", nodes=2, output="none") as pool:
+        assert pool.world_size == 4
+        pool.execute(
+            "import os, torch, torch.distributed as dist\n"
+            "node = os.environ['NBTOOLS_NODE_ID']\n"
+            "w = torch.full((2,), float(dist.get_rank() + 1))"
+        )
+        pool.push(scale=10.0)
+
+        def reduce_scaled():  # a function as a cell defines it: sent by value
+            import torch.distributed as dist
+
+            t = w * scale  # noqa: F821 - names of the pool's namespace
+            dist.all_reduce(t)
+            return t.tolist()
+
+        reduce_scaled.__module__ = "__main__"  # as for a function of a notebook cell
+        assert pool.run(reduce_scaled) == [[100.0, 100.0]] * 4  # (1+2+3+4) * 10
+        nodes = pool.pull("node")
+        assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2]
+        assert pool.execute("int(os.environ['NODE_RANK'])") == [0, 0, 1, 1]
+
+        with pytest.raises(DistributedError, match="ValueError: bad on rank 2"):
+            pool.execute("if dist.get_rank() == 2:\n    raise ValueError('bad on rank 2')")
+        # A failure in user code keeps the ranks and their state.
+        assert pool.restarts == 0
+        assert pool.execute("w.sum().item()") == [2.0, 4.0, 6.0, 8.0]
+    assert pool.closed
+    assert live_placement_groups() == []
+
+
+def test_a_rank_that_dies_on_ray_is_replaced_by_fresh_actors(ray_cluster):
+    with RankPool(processes=2, cluster="ray", max_restarts=1, output="none") as pool:
+        pool.execute("import os, torch.distributed as dist\nx = 1")
+        pids = pool.pids
+        with pytest.raises(DistributedError) as info:
+            pool.execute("if dist.get_rank() == 1:\n    os._exit(3)\ndist.barrier()")
+        message = str(info.value)
+        assert message.startswith("rank 1 on ") and "its actor process died" in message, message
+        assert "restarted with 2 fresh ranks" in message, message
+        assert set(pool.pids).isdisjoint(pids) and pool.restarts == 1
+        with pytest.raises(DistributedError, match="NameError"):
+            pool.execute("x")  # the state went with the old ranks
+        assert pool.execute("import torch.distributed as dist\ndist.get_world_size()") == [2, 2]
+    assert live_placement_groups() == []
