@@ -39,7 +39,10 @@ from nbtools.data import DataLoader, VolumeDataset
 __all__ = ["main"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_REPEAT = 5
+_REPEAT = 7
+# An epoch of 2,000 cached files takes tens of milliseconds, about a scheduler's
+# hiccup on a shared machine: each timed try of the cached figures is 3 epochs.
+_EPOCHS_PER_TRY = 3
 
 
 def _read(path: str) -> int:
@@ -182,9 +185,12 @@ def _measure(args: argparse.Namespace, work: str) -> dict:
             # The machine is shared: epochs of the two loaders alternate, so that a
             # busy spell slows both, and each figure is the best of its epochs.
             epoch2 = local_loader = 0.0
+            tries = _EPOCHS_PER_TRY
             for _ in range(_REPEAT):
-                epoch2 = max(epoch2, _rate(n, lambda: _count(loader)))
-                local_loader = max(local_loader, _rate(n, lambda: _count(local)))
+                epoch2 = max(epoch2, _rate(tries * n, lambda: sum(_count(loader) for _ in range(tries))))
+                local_loader = max(
+                    local_loader, _rate(tries * n, lambda: sum(_count(local) for _ in range(tries)))
+                )
             waits = round(sum(loader.wait_times), 3)
     finally:
         _unmount(server, mnt)
@@ -202,7 +208,7 @@ def _measure(args: argparse.Namespace, work: str) -> dict:
         "volume_epoch1_files_s": epoch1,
         "volume_epoch2_files_s": epoch2,
         "epoch2_loop_wait_s": waits,
-        "fast_figures": f"best of {_REPEAT} alternating epochs (epoch 2+, local loader)",
+        "fast_figures": f"best of {_REPEAT} alternating tries of {_EPOCHS_PER_TRY} epochs (epoch 2+, local loader)",
         "plain_loader_files_s": plain_mount,
         "threads_ceiling_files_s": threads,
         "local_loader_files_s": local_loader,

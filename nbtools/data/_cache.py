@@ -20,6 +20,10 @@ Invariants:
   at the same time, by any process on the node.
 * The cached file's modification time is the source's, so a changed source is
   copied again; its ``ctime`` is the time of download, which orders eviction.
+* Only eviction deletes complete files, and it counts itself in the gate: a
+  process remembers which files it saw complete until the count moves, and
+  serves those without a ``stat`` (so a file deleted by hand from a cache in
+  use is an error in the reader, not a new copy, until the next eviction).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from typing import IO
 from nbtools._internal.fs import TMP_PREFIX
 from nbtools._internal.log import get_logger
 from nbtools.data._cachedir import ensure_private_dir, min_free_from_env
-from nbtools.data._gate import Gate
+from nbtools.data._gate import Gate, KnownFiles
 from nbtools.data._pins import Cancelled, Pin, pin_path
 from nbtools.data._sweep import evict_one, scan, sweep_temporaries
 from nbtools.errors import CacheError
@@ -112,6 +116,7 @@ class FileCache:
         self.min_free = int(min_free_bytes)
         self._total = usage.total
         self.gate = Gate(locks)
+        self.known = KnownFiles(self.gate)
         if self.dir not in _SWEPT:
             _SWEPT.add(self.dir)
             self.sweep()
@@ -129,22 +134,29 @@ class FileCache:
 
     def pin_if_cached(self, key: str, size: int, mtime_ns: int) -> Pin | None:
         """A pin on the complete, up-to-date copy of ``key``, or None on a miss."""
-        return pin_path(
+        pin = pin_path(
             self.path_for(key),
             lambda st: st.st_size == size and (not mtime_ns or st.st_mtime_ns == mtime_ns),
         )
+        if pin is not None:
+            self.known.add(key, size, mtime_ns)
+        return pin
 
     def cached(self, key: str, size: int, mtime_ns: int) -> str | None:
         """The path of the complete, up-to-date copy of ``key``, or None; no pin.
 
-        Only for a caller that holds the gate (:mod:`nbtools.data._gate`).
+        Only for a caller that holds the gate (:mod:`nbtools.data._gate`). A file
+        this process saw complete since the last eviction is not looked at again.
         """
         path = self.path_for(key)
+        if self.known.has(key, size, mtime_ns):
+            return path
         try:
             st = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):
             return None
         if st.st_size == size and (not mtime_ns or st.st_mtime_ns == mtime_ns):
+            self.known.add(key, size, mtime_ns)
             return path
         return None
 
@@ -184,7 +196,9 @@ class FileCache:
             if room is None:
                 return None
             try:
-                return self._copy(key, mtime_ns, opener, cancel, room)
+                pin = self._copy(key, mtime_ns, opener, cancel, room)
+                self.known.add(key, size, mtime_ns)
+                return pin
             finally:
                 if room.counted:
                     with _RESERVED_LOCK:

@@ -31,10 +31,12 @@ import threading
 import time
 from typing import Protocol
 
-__all__ = ["Gate", "Holder", "watch", "unwatch"]
+__all__ = ["Gate", "Holder", "KnownFiles", "watch", "unwatch"]
 
 _FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
 _POLL_S = 0.01
+# Bytes of the shared mapping: [0] the wanted flag, [8:16] evictions ended (a native uint64).
+_GENERATION = slice(8, 16)
 
 
 class Gate:
@@ -47,6 +49,7 @@ class Gate:
             if os.fstat(fd).st_size < mmap.PAGESIZE:
                 os.ftruncate(fd, mmap.PAGESIZE)  # idempotent: every opener asks the same size
             self._flag = mmap.mmap(fd, mmap.PAGESIZE)
+            self._generation = memoryview(self._flag)[_GENERATION].cast("Q")  # native order
         finally:
             os.close(fd)  # the mapping keeps its own reference
 
@@ -81,10 +84,54 @@ class Gate:
             return -1
         return fd
 
+    def generation(self) -> int:
+        """How many evictions have ended on this cache, by any process."""
+        return self._generation[0]
+
     def reopen(self, fd: int) -> None:
-        """End an eviction started by :meth:`close_for_eviction`."""
+        """End an eviction started by :meth:`close_for_eviction`, counting it."""
+        # Still exclusive here: no gate holder reads the counter while it changes.
+        self._generation[0] = (self._generation[0] + 1) % (1 << 64)
         self._flag[0] = 0
         os.close(fd)
+
+
+class KnownFiles:
+    """Cached files this process saw complete since the last eviction: hits without a ``stat``.
+
+    Only an eviction deletes a complete file, and every eviction moves the gate's
+    generation, which empties the memo. An entry is added only while its file is
+    pinned or the gate is held, and read only while the gate is held (no eviction
+    can run then), so an entry never outlives its file.
+    """
+
+    #: Entries kept at most; past it the memo starts again (hits ``stat`` once more).
+    MAX_ENTRIES = 1 << 20
+
+    def __init__(self, gate: Gate) -> None:
+        self._gate = gate
+        self._entries: dict[str, tuple[int, int]] = {}
+        self._generation = gate.generation()
+
+    def _current(self) -> dict[str, tuple[int, int]]:
+        generation = self._gate.generation()
+        if generation != self._generation:
+            self._entries = {}
+            self._generation = generation
+        return self._entries
+
+    def has(self, key: str, size: int, mtime_ns: int) -> bool:
+        """True when ``key`` was seen complete and up to date since the last eviction."""
+        if self._gate.generation() != self._generation:
+            return False  # ``add`` starts the memo again
+        return self._entries.get(key) == (size, mtime_ns)
+
+    def add(self, key: str, size: int, mtime_ns: int) -> None:
+        """Remember that ``key`` is complete and up to date (its file pinned, or the gate held)."""
+        entries = self._current()
+        if len(entries) >= self.MAX_ENTRIES:
+            entries.clear()
+        entries[key] = (size, mtime_ns)
 
 
 # --- the watcher --------------------------------------------------------------------------

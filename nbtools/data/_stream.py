@@ -28,8 +28,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import IO, Union
+from typing import IO, NamedTuple, Union
 
 from nbtools import events
 from nbtools._internal.log import get_logger
@@ -76,12 +75,14 @@ def check_window(cache: FileCache, budget: int, largest: int, prefetch: int) -> 
         )
 
 
+#: Files handed out under the gate between two looks for ones to let go.
+_GATED_RELEASE = 16
+
 #: How a file is protected: a pin, the gate (its path), or not yet (None / a copy).
 _Guard = Union[Pin, str, None]
 
 
-@dataclass(frozen=True)
-class Item:
+class Item(NamedTuple):
     """One file to serve: its cache key, listed size and mtime, and how to open its source."""
 
     key: str
@@ -270,10 +271,16 @@ class _Stream:
 
     def _hand_out(self, item: Item, guard: Pin | str) -> str:
         """Record ``guard`` as handed out and drop what is no longer needed (locked)."""
-        self.held.append((_tags.batches(), guard, item.size))
+        held = self.held
+        held.append((_tags.batches(), guard, item.size))
         self.held_bytes += item.size
+        if type(guard) is str:
+            # Under the gate nothing is pinned, so served files are let go in groups.
+            if len(held) % _GATED_RELEASE == 0:
+                self._release_served()
+            return guard
         self._release_served()
-        return guard if isinstance(guard, str) else guard.path
+        return guard.path
 
     def close(self) -> None:
         self.cancel.set()

@@ -78,6 +78,8 @@ def _count_batch(data: Any) -> None:
     if _CARRIES or not _PREFIXES:
         return
     samples = data if isinstance(data, (list, tuple)) else (data,)
+    if _CARRIES is False and len(samples) > 2:
+        samples = (samples[0], samples[-1])  # the samples of one loader share their shape
     carried = any(_has_cached_path(s) for s in samples)
     _CARRIES = carried or bool(_CARRIES)
 

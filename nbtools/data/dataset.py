@@ -332,15 +332,14 @@ class VolumeDataset(IterableDataset):
             from fsspec.core import url_to_fs
 
             self._fs = url_to_fs(files.root)[0]
-        order = epoch_order(len(files), self.seed, plan.epoch, self.shuffle)
-        namespace = self._namespace(files)
+        order = epoch_order(len(files), self.seed, plan.epoch, self.shuffle).tolist()
+        prefix = self._namespace(files) + "/"
+        relpaths, sizes, mtimes, fs = files.relpaths, files.sizes, files.mtimes, self._fs
         for position in slot_positions(plan.base, len(files), plan.stride, slot):
-            index = int(order[position])
+            index = order[position]
             yield Item(
-                key=f"{namespace}/{files.relpaths[index]}",
-                size=files.sizes[index],
-                mtime_ns=files.mtimes[index],
-                opener=Opener(files.source(index), self._fs),
+                prefix + relpaths[index], sizes[index], mtimes[index],
+                Opener(files.source(index), fs),
             )
 
     def _open_cache(self) -> FileCache:

@@ -142,3 +142,28 @@ def test_an_idle_stream_yields_to_eviction_and_keeps_its_file(tmp_path, mount_tm
     assert not all(os.path.exists(p) for p in cached)
     rest = [index_of(p) for p in it]
     assert sorted(rest + [index_of(held)]) == list(range(12))
+
+
+def _evict_everything(cache_dir: str) -> None:
+    cache = FileCache(cache_dir)
+    cache.evict(shutil.disk_usage(cache_dir).total + 1)  # more free space than there can be
+
+
+def test_files_another_process_evicted_are_copied_again_not_trusted_from_memory(tmp_path):
+    make_tree(tmp_path / "src", 9, size=4096)
+    cache_dir = str(tmp_path / "cache")
+    files = VolumeDataset(tmp_path / "src", cache_dir=cache_dir, prefetch=2)
+    for _ in range(2):  # copied, then served as hits: this process knows every file is there
+        assert sorted(index_of(p) for p in files) == list(range(9))
+    generation = FileCache(cache_dir).gate.generation()
+    proc = multiprocessing.get_context("fork").Process(target=_evict_everything, args=(cache_dir,))
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == 0
+    assert FileCache(cache_dir).gate.generation() == generation + 1  # the eviction is counted
+    seen = []
+    for path in files:  # FileNotFoundError if a hit were trusted past the eviction
+        with open(path, "rb") as fh:
+            assert fh.read() == content(index_of(path), 4096)
+        seen.append(index_of(path))
+    assert sorted(seen) == list(range(9))
