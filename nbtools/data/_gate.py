@@ -110,6 +110,7 @@ class KnownFiles:
 
     def __init__(self, gate: Gate) -> None:
         self._gate = gate
+        self._counter = gate._generation  # read per lookup: the shared counter itself
         self._entries: dict[str, tuple[int, int]] = {}
         self._generation = gate.generation()
 
@@ -122,7 +123,7 @@ class KnownFiles:
 
     def has(self, key: str, size: int, mtime_ns: int) -> bool:
         """True when ``key`` was seen complete and up to date since the last eviction."""
-        if self._gate.generation() != self._generation:
+        if self._counter[0] != self._generation:
             return False  # ``add`` starts the memo again
         return self._entries.get(key) == (size, mtime_ns)
 
