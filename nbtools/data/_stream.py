@@ -28,53 +28,19 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import IO, NamedTuple, Union
 
-from nbtools import events
 from nbtools._internal.log import get_logger
 from nbtools.data import _tags
 from nbtools.data._cache import FileCache
 from nbtools.data._gate import unwatch, watch
 from nbtools.data._pins import Pin, pin_path
+from nbtools.data._window import warn_once
 
-__all__ = ["Item", "check_window", "serve"]
+__all__ = ["Item", "serve"]
 
 _log = get_logger("data.stream")
-#: Cache directories whose too-small window this process already reported.
-_WARNED: set[str] = set()
-
-
-def _warn_once(cache_dir: str, message: str, *args: object) -> None:
-    """Log a warning about the copy-ahead window of ``cache_dir``, once per process.
-
-    The same goes to the run's timeline as a ``cache_full`` event.
-    """
-    if cache_dir not in _WARNED:
-        _WARNED.add(cache_dir)
-        _log.warning(message, *args)
-        events.emit("cache_full", message=message % args, cache_dir=cache_dir[-200:])
-
-
-def check_window(cache: FileCache, budget: int, largest: int, prefetch: int) -> None:
-    """Warn (once) when ``budget`` bytes per stream hold fewer than ``prefetch`` files ahead."""
-    fits = budget // max(1, largest) - 1  # less the path handed out last
-    if fits < prefetch:
-        _warn_once(
-            cache.dir,
-            "the cache at %s holds about %d files of up to %d bytes for each of the streams "
-            "on this node (%d bytes usable, %d kept free); copying ahead %d files instead "
-            "of prefetch=%d. A larger cache filesystem, a lower min_free_bytes or fewer "
-            "workers let it copy further ahead",
-            cache.dir,
-            max(0, fits + 1),
-            largest,
-            cache.capacity,
-            cache.min_free,
-            max(1, fits),
-            prefetch,
-        )
-
-
 #: Files handed out under the gate between two looks for ones to let go.
 _GATED_RELEASE = 16
 
@@ -83,12 +49,15 @@ _Guard = Union[Pin, str, None]
 
 
 class Item(NamedTuple):
-    """One file to serve: its cache key, listed size and mtime, and how to open its source."""
+    """One file to serve: its cache key, listed size and mtime, and its index in the listing.
+
+    The stream opens the source (``open_source(index)``) only when it copies the file.
+    """
 
     key: str
     size: int
     mtime_ns: int
-    opener: Callable[[], IO[bytes]]
+    index: int
 
 
 def _drop(guard: _Guard) -> None:
@@ -113,8 +82,10 @@ class _Stream:
         prefetch: int,
         budget: int,
         hold: int | None,
+        open_source: Callable[[int], IO[bytes]],
     ) -> None:
         self.cache = cache
+        self.open_source = open_source
         self.source = iter(items)
         self.lookahead: Item | None = None
         self.window = max(1, prefetch)
@@ -183,7 +154,7 @@ class _Stream:
                     guard.release()
                     entry[1] = None
                     self.window = max(1, min(self.window, len(self.pending)) - 1)
-                    _warn_once(
+                    warn_once(
                         self.cache.dir,
                         "the cache at %s is full of files in use; copying ahead at most "
                         "%d files from now on (use a larger cache or fewer workers)",
@@ -229,7 +200,7 @@ class _Stream:
                 item.key,
                 item.size,
                 item.mtime_ns,
-                item.opener,
+                partial(self.open_source, item.index),
                 self.cancel,
                 False,
             )
@@ -238,32 +209,65 @@ class _Stream:
 
     # --- serving ----------------------------------------------------------------------
 
+    def _take_hit(self) -> tuple[str | None, bool]:
+        """The usual step of a cached epoch, in few calls (locked).
+
+        When the next file is a hit under the gate, hand it out and look one file
+        ahead, adding that one too when it is a hit within the budget. Returns
+        ``(path, refilled)``: ``(None, False)`` when the general path must serve
+        the next file; ``refilled`` False when :meth:`fill` must look ahead.
+        """
+        pending = self.pending
+        item, state = pending[0]
+        if type(state) is not str:
+            return None, False
+        pending.popleft()
+        self.pending_bytes -= item.size
+        self._hand_out(item, state)
+        if self.gate_fd < 0 or self.lookahead is not None or len(pending) >= self.window:
+            return state, False
+        ahead = next(self.source, None)
+        if ahead is None:
+            return state, True
+        if not pending or self.pending_bytes + self.held_bytes + ahead.size <= self.budget:
+            path = self.cache.cached(ahead.key, ahead.size, ahead.mtime_ns)
+            if path is not None:
+                pending.append([ahead, path])
+                self.pending_bytes += ahead.size
+                return state, True
+        self.lookahead = ahead  # fill() takes it from here
+        return state, False
+
     def run(self, on_yield: Callable[[], None]) -> Iterator[str]:
         try:
             self.fill()
-            while self.pending:
-                with self.lock:
-                    item, state = self.pending.popleft()
-                    self.pending_bytes -= item.size
-                    if not isinstance(state, Future) and state is not None:
-                        # Moved under the lock: a file is always in ``pending`` or
-                        # ``held`` where leaving the gate finds it.
-                        path = self._hand_out(item, state)
-                if isinstance(state, Future) or state is None:
+            pending, lock = self.pending, self.lock
+            while pending:
+                with lock:
+                    path, refilled = self._take_hit()
+                    if path is None:
+                        item, state = pending.popleft()
+                        self.pending_bytes -= item.size
+                        if not isinstance(state, Future) and state is not None:
+                            # Moved under the lock: a file is always in ``pending`` or
+                            # ``held`` where leaving the gate finds it.
+                            path = self._hand_out(item, state)
+                if path is None:  # a copy ahead still running, given up, or not started
                     pin = state.result() if isinstance(state, Future) else None
                     if pin is None:
                         pin = self.cache.fetch(
                             item.key,
                             item.size,
                             item.mtime_ns,
-                            item.opener,
+                            partial(self.open_source, item.index),
                             self.cancel,
                             True,
                             self.shed,
                         )
-                    with self.lock:
+                    with lock:
                         path = self._hand_out(item, pin)
-                self.fill()
+                if not refilled:
+                    self.fill()
                 on_yield()
                 yield path
         finally:
@@ -335,6 +339,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def serve(
     cache: FileCache,
     items: Iterable[Item],
+    open_source: Callable[[int], IO[bytes]],
     prefetch: int,
     on_yield: Callable[[], None],
     budget: int | None = None,
@@ -345,6 +350,7 @@ def serve(
     Args:
         cache: The cache to serve from.
         items: The files, in the order to serve them.
+        open_source: Opens the source of the file with an item's ``index``, to copy it.
         prefetch: Most files copied ahead of the consumer.
         on_yield: Called just before each path is handed out.
         budget: Most bytes the stream protects at once (one file in flight is
@@ -356,12 +362,13 @@ def serve(
     Closing the generator (or an exception, or Ctrl+C) cancels the copies in
     flight, waits for the copy threads, and removes their temporary files.
     """
-    return _serve(cache, items, prefetch, on_yield, budget, hold)
+    return _serve(cache, items, open_source, prefetch, on_yield, budget, hold)
 
 
 def _serve(
     cache: FileCache,
     items: Iterable[Item],
+    open_source: Callable[[int], IO[bytes]],
     prefetch: int,
     on_yield: Callable[[], None],
     budget: int | None,
@@ -371,7 +378,9 @@ def _serve(
     while _DEFERRED:
         _DEFERRED.pop().release()
     _tags.watch_prefix(cache.dir + os.sep)
-    stream = _Stream(cache, items, prefetch, budget if budget is not None else 1 << 62, hold)
+    stream = _Stream(
+        cache, items, prefetch, budget if budget is not None else 1 << 62, hold, open_source
+    )
     _STREAMS.add(stream)
     if stream.gate_fd >= 0:
         watch(stream, cache.gate)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import IO, Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -18,7 +18,8 @@ from nbtools.data._cachedir import default_cache_dir
 from nbtools.data._listing import FileList, Opener, list_files
 from nbtools.data._plan import Plan, check_same_workers, dist_info, gather
 from nbtools.data._positions import Consumed, advance, epoch_order, slot_length, slot_positions
-from nbtools.data._stream import Item, check_window, serve
+from nbtools.data._stream import Item, serve
+from nbtools.data._window import check_window
 from nbtools.errors import DataError
 
 __all__ = ["VolumeDataset"]
@@ -328,19 +329,21 @@ class VolumeDataset(IterableDataset):
 
     def _items(self, plan: Plan, slot: int) -> Iterator[Item]:
         files = self._listing()
+        order = epoch_order(len(files), self.seed, plan.epoch, self.shuffle).tolist()
+        prefix = self._namespace(files) + "/"
+        relpaths, sizes, mtimes = files.relpaths, files.sizes, files.mtimes
+        for position in slot_positions(plan.base, len(files), plan.stride, slot):
+            index = order[position]
+            yield Item(prefix + relpaths[index], sizes[index], mtimes[index], index)
+
+    def _open_source(self, index: int) -> IO[bytes]:
+        """Open the source of file ``index`` of the listing (to copy it into the cache)."""
+        files = self._listing()
         if self._fs is None and is_url(files.root):
             from fsspec.core import url_to_fs
 
             self._fs = url_to_fs(files.root)[0]
-        order = epoch_order(len(files), self.seed, plan.epoch, self.shuffle).tolist()
-        prefix = self._namespace(files) + "/"
-        relpaths, sizes, mtimes, fs = files.relpaths, files.sizes, files.mtimes, self._fs
-        for position in slot_positions(plan.base, len(files), plan.stride, slot):
-            index = order[position]
-            yield Item(
-                prefix + relpaths[index], sizes[index], mtimes[index],
-                Opener(files.source(index), fs),
-            )
+        return Opener(files.source(index), self._fs)()
 
     def _open_cache(self) -> FileCache:
         if self._cache is None:
@@ -375,7 +378,8 @@ class VolumeDataset(IterableDataset):
 
         _tags.note(self._uid, plan.plan_id, slot, 0)
         return serve(
-            self._open_cache(), self._items(plan, slot), self.prefetch, on_yield, budget, plan.hold
+            self._open_cache(), self._items(plan, slot), self._open_source, self.prefetch,
+            on_yield, budget, plan.hold,
         )
 
     def __getstate__(self) -> dict[str, Any]:

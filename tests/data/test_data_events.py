@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from nbtools import events
-from nbtools.data import DataLoader, VolumeDataset, _stream
+from nbtools.data import DataLoader, VolumeDataset, _window
 from nbtools.data._stalls import MIN_STALL_S, StallWatch
 
 
@@ -64,9 +64,9 @@ def test_the_loader_reports_a_slow_batch(tmp_path):
 
 
 def test_a_shrunken_copy_ahead_window_is_an_event(monkeypatch):
-    monkeypatch.setattr(_stream, "_WARNED", set())
+    monkeypatch.setattr(_window, "_WARNED", set())
     cache = types.SimpleNamespace(dir="/cache/dir", capacity=10_000, min_free=1_000)
-    _stream.check_window(cache, budget=3_000, largest=1_000, prefetch=8)
-    _stream.check_window(cache, budget=3_000, largest=1_000, prefetch=8)  # said once
+    _window.check_window(cache, budget=3_000, largest=1_000, prefetch=8)
+    _window.check_window(cache, budget=3_000, largest=1_000, prefetch=8)  # said once
     (full,) = events.log(kinds=["cache_full"])
     assert full.fields["cache_dir"] == "/cache/dir" and "copying ahead 2 files" in full.message
