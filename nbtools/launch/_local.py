@@ -196,7 +196,13 @@ class LocalGroup:
         reported = sorted(r for r in codes if r not in failures)
         # Ranks torch did not report (it names one): they died before the stop, unless
         # the caller stopped the group itself, and then torch's report comes first.
-        others = sorted(r for r in exited if r not in returned and r not in failures and r not in codes)
+        # torch's own wait also stops the others (SIGTERM) once it sees one fail: a rank
+        # ended so without a record of its own was stopped, and is not a cause.
+        others = sorted(
+            r for r in exited
+            if r not in returned and r not in failures and r not in codes
+            and exited[r] != -signal.SIGTERM
+        )
         codes.update((r, exited[r]) for r in others)
         silent = reported + others
         if silent:

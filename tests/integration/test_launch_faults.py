@@ -120,6 +120,23 @@ def test_a_peer_that_returned_is_named_when_the_other_waits_in_a_collective():
     assert info.value.failures[0].collective == "all_reduce"
 
 
+def test_a_rank_that_raises_is_the_cause_not_the_peer_the_launcher_stopped():
+    @distributed(processes=2, output="none")
+    def raises_while_the_peer_works():
+        import time
+
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            raise ValueError("boom on rank 0")
+        time.sleep(60)  # not in a collective: stopped once rank 0 failed
+
+    with pytest.raises(DistributedError) as info:
+        raises_while_the_peer_works.distributed()
+    assert str(info.value).startswith("rank 0 failed: ValueError: boom on rank 0"), str(info.value)
+    assert list(info.value.failures) == [0]  # the stopped peer did not fail
+
+
 def test_interrupt_shows_every_ranks_stack_before_stopping_them(tmp_path, monkeypatch):
     @distributed(processes=2)
     def stuck():
