@@ -24,6 +24,7 @@ import time
 
 import psutil
 import pytest
+from _leaks import env_problems, process_group_problems
 
 # MLflow's telemetry thread sets and clears an environment variable of its own.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -161,24 +162,8 @@ def no_leaks(request: pytest.FixtureRequest):
     if extra:
         problems.append("threads left running: " + ", ".join(sorted(t.name for t in extra)))
 
-    # Environment.
-    env_after = dict(os.environ)
-    changed = sorted(
-        k for k in set(env_before) | set(env_after)
-        if k not in _IGNORED_ENV and env_before.get(k) != env_after.get(k)
-    )
-    if changed:
-        problems.append("environment variables changed: " + ", ".join(changed))
-        os.environ.clear()
-        os.environ.update(env_before)
-
-    # Process group.
-    if "torch" in sys.modules:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            problems.append("a torch.distributed process group is still initialised")
-            dist.destroy_process_group()
+    problems += env_problems(env_before, _IGNORED_ENV)
+    problems += process_group_problems()
 
     # Temporary files.
     new_tmp = sorted(e for e in _tmp_entries() - tmp_before if not e.startswith(("pytest-", "pymp-")))
@@ -205,6 +190,16 @@ def cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+@pytest.fixture
+def clean_bus():
+    """The kernel's event bus (``nbtools.events.bus()``) empty before and after the test."""
+    from nbtools import events
+
+    events.bus().clear()
+    yield
+    events.bus().clear()
 
 
 @pytest.fixture

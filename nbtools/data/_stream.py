@@ -171,20 +171,29 @@ class _Stream:
             item = self.lookahead if self.lookahead is not None else next(self.source, None)
             if item is None:
                 return
-            used = self.pending_bytes + self.held_bytes + item.size
-            if self.pending and used > self.budget:
-                self.lookahead = item  # one file in flight is always allowed
+            if not self._fits(item):
+                self.lookahead = item
                 return
             self.lookahead = None
             self.submit(item)
 
+    def _fits(self, item: Item) -> bool:
+        """Whether ``item`` fits the byte budget; one file in flight is always allowed."""
+        return not self.pending or self.pending_bytes + self.held_bytes + item.size <= self.budget
+
+    def _add_gated_hit(self, item: Item) -> bool:
+        """Queue ``item`` as a hit under the gate (its path); False when it is not one (locked)."""
+        path = self.cache.cached(item.key, item.size, item.mtime_ns)
+        if path is None:
+            return False
+        self.pending.append([item, path])
+        self.pending_bytes += item.size
+        return True
+
     def submit(self, item: Item) -> None:
         with self.lock:
             if self.gate_fd >= 0:
-                path = self.cache.cached(item.key, item.size, item.mtime_ns)
-                if path is not None:
-                    self.pending.append([item, path])
-                    self.pending_bytes += item.size
+                if self._add_gated_hit(item):
                     return
             else:
                 # A cached file is pinned right here: a thread hand-off costs more than the lookup.
@@ -229,12 +238,8 @@ class _Stream:
         ahead = next(self.source, None)
         if ahead is None:
             return state, True
-        if not pending or self.pending_bytes + self.held_bytes + ahead.size <= self.budget:
-            path = self.cache.cached(ahead.key, ahead.size, ahead.mtime_ns)
-            if path is not None:
-                pending.append([ahead, path])
-                self.pending_bytes += ahead.size
-                return state, True
+        if self._fits(ahead) and self._add_gated_hit(ahead):
+            return state, True
         self.lookahead = ahead  # fill() takes it from here
         return state, False
 

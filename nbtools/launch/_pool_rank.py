@@ -34,7 +34,7 @@ import types
 from typing import Any
 
 from nbtools.launch._pool_channel import ChannelClosed, Link, connect
-from nbtools.launch._records import failure_record
+from nbtools.launch._records import failure_record, flush_events
 
 __all__ = ["serve"]
 
@@ -149,12 +149,7 @@ class _Server:
                 stream.flush()  # the kernel shows this output before the call returns
             except (OSError, ValueError):
                 pass
-        emit = sys.modules.get("nbtools.events._emit")
-        if emit is not None:
-            try:
-                emit.flush()
-            except Exception:  # noqa: BLE001 - events never turn a result into a failure
-                pass
+        flush_events()
         self.link.send((seq, kind, data, self._wrote()))
 
     def _wrote(self) -> bool:

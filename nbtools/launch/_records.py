@@ -1,17 +1,19 @@
-"""The failure record a rank sends when its function raises: plain JSON-able data.
+"""What a rank sends back besides its result: its failure record and its buffered events.
 
-Local ranks publish it as a file; Ray ranks return it from their actor call.
-The caller turns it into a :class:`~nbtools.launch._failures.RankFailure`.
+The failure record is plain JSON-able data: local ranks publish it as a file;
+Ray ranks return it from their actor call. The caller turns it into a
+:class:`~nbtools.launch._failures.RankFailure`.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 from types import TracebackType
 
-__all__ = ["failure_record", "GROUP_PHASE"]
+__all__ = ["failure_record", "flush_events", "GROUP_PHASE"]
 
 #: Phase of a failure while the process group was being formed (before any user code ran).
 GROUP_PHASE = "group"
@@ -56,3 +58,13 @@ def _collective(tb: TracebackType | None) -> str:
             name = code.co_name
         tb = tb.tb_next
     return name.lstrip("_")
+
+
+def flush_events() -> None:
+    """Send the rank's buffered events to the caller before it reads a result or failure."""
+    emit = sys.modules.get("nbtools.events._emit")
+    if emit is not None:
+        try:
+            emit.flush()
+        except Exception:  # noqa: BLE001 - events never turn a result into a failure
+            pass

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from nbtools.launch import _inrank, _leftovers
 from nbtools.launch._env import settle_forkserver
 from nbtools.launch._leftovers import LEFTOVER_GRACE_S
-from nbtools.launch._records import GROUP_PHASE, failure_record
+from nbtools.launch._records import GROUP_PHASE, failure_record, flush_events
 
 __all__ = [
     "RankSpec",
@@ -104,24 +104,14 @@ def run_rank(payload: bytes, spec: RankSpec) -> bytes:
             return result
         if not os.path.exists(failure_path(spec.run_dir, spec.rank)):
             _publish_failure(spec, exc)
-        _flush_events()
+        flush_events()
         sys.stdout.flush()
         sys.stderr.flush()
         # SystemExit passes through torch's wrappers without writing their own error files.
         sys.exit(1)
-    _flush_events()
+    flush_events()
     _finish(spec)
     return result
-
-
-def _flush_events() -> None:
-    """Send the rank's buffered events to the caller before it reads them."""
-    emit = sys.modules.get("nbtools.events._emit")
-    if emit is not None:
-        try:
-            emit.flush()
-        except Exception:  # noqa: BLE001 - events never turn a result into a failure
-            pass
 
 
 def _run(payload: bytes, spec: RankSpec) -> bytes:

@@ -16,10 +16,16 @@ LEAKY = {
 }
 
 
+def _copy_conftest(tmp_path) -> None:
+    """The session's conftest and the leak checks it imports, beside a test written here."""
+    tests = __file__.replace("_infra/test_hygiene.py", "")
+    for name in ("conftest.py", "_leaks.py"):
+        (tmp_path / name).write_text(open(tests + name).read())
+
+
 @pytest.mark.parametrize("kind", sorted(LEAKY))
 def test_fixture_fails_a_leaking_test(kind, tmp_path):
-    conftest = open(__file__.replace("_infra/test_hygiene.py", "conftest.py")).read()
-    (tmp_path / "conftest.py").write_text(conftest)
+    _copy_conftest(tmp_path)
     (tmp_path / "test_leak.py").write_text(textwrap.dedent(LEAKY[kind]))
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(tmp_path)],
@@ -30,8 +36,7 @@ def test_fixture_fails_a_leaking_test(kind, tmp_path):
 
 
 def test_fixture_passes_a_clean_test(tmp_path):
-    conftest = open(__file__.replace("_infra/test_hygiene.py", "conftest.py")).read()
-    (tmp_path / "conftest.py").write_text(conftest)
+    _copy_conftest(tmp_path)
     (tmp_path / "test_clean.py").write_text("def test_x(tmp_path):\n    (tmp_path / 'a').write_text('x')\n")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(tmp_path)],

@@ -13,12 +13,7 @@ from nbtools import events
 from nbtools.data import DataLoader, VolumeDataset, _window
 from nbtools.data._stalls import MIN_STALL_S, StallWatch
 
-
-@pytest.fixture(autouse=True)
-def clean_bus():
-    events.bus().clear()
-    yield
-    events.bus().clear()
+pytestmark = pytest.mark.usefixtures("clean_bus")
 
 
 def test_a_wait_much_longer_than_usual_is_a_stall():

@@ -20,11 +20,7 @@ from nbtools.monitor.timeline import MESSAGE_BUDGET, category, encode
 pytest.importorskip("anywidget", reason="the pane's chart needs anywidget")
 
 
-@pytest.fixture(autouse=True)
-def clean_bus():
-    events.bus().clear()
-    yield
-    events.bus().clear()
+pytestmark = pytest.mark.usefixtures("clean_bus")
 
 
 @pytest.fixture

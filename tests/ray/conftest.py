@@ -27,6 +27,7 @@ _RAY_TMP = f"/tmp/nbtools-ray-{os.getpid()}"
 
 ray = pytest.importorskip("ray", reason='Ray is not installed: pip install "nbtools[ray]"')
 
+from _leaks import env_problems, process_group_problems  # noqa: E402
 from _ray_helpers import our_processes, wait_until_clean  # noqa: E402
 
 WORKER_NODES = 3
@@ -121,22 +122,8 @@ def no_leaks(request):
         problems.append(f"temporary files left in {tempfile.gettempdir()}: {new_tmp[:10]}")
     for proc in our_processes():
         proc.kill()
-    changed = sorted(
-        k for k in set(env_before) | set(os.environ)
-        if k != "PYTEST_CURRENT_TEST" and env_before.get(k) != os.environ.get(k)
-    )
-    if changed:
-        problems.append(f"environment variables changed: {changed}")
-        os.environ.clear()
-        os.environ.update(env_before)
-    import sys
-
-    if "torch" in sys.modules:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            problems.append("a torch.distributed process group is still initialised")
-            dist.destroy_process_group()
+    problems += env_problems(env_before, {"PYTEST_CURRENT_TEST"})
+    problems += process_group_problems()
     import threading
 
     leftover = [t.name for t in threading.enumerate() if t.name.startswith("nbtools")]

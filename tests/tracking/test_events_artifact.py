@@ -12,12 +12,7 @@ import pytest
 from nbtools import events
 from nbtools.tracking import MlflowLogger
 
-
-@pytest.fixture(autouse=True)
-def clean_bus():
-    events.bus().clear()
-    yield
-    events.bus().clear()
+pytestmark = pytest.mark.usefixtures("clean_bus")
 
 
 @pytest.fixture
