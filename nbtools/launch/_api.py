@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import multiprocessing
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
@@ -252,9 +251,10 @@ def distributed(
             raise TypeError(
                 f"@distributed decorates a function, got {type(target).__name__} {target!r:.60}"
             )
-        if cluster is None and multiprocessing.parent_process() is None:
+        if cluster is None and _env.may_start_processes():
             # Start the forkserver now, so that torch is loaded in it by the first call.
-            # Not in a child (a rank importing the module that defines this function).
+            # Not in a child (a rank, or a spawn/forkserver child importing the module
+            # that defines this function): starting processes there is unsafe.
             _env.warm_up()
         return DistributedFunction(
             target,

@@ -27,6 +27,7 @@ __all__ = [
     "free_port",
     "rank_environment",
     "warm_up",
+    "may_start_processes",
     "main_module_hidden",
     "signal_handlers_kept",
     "caller_environment",
@@ -128,6 +129,21 @@ def rank_environment(
         # As torchrun does: N ranks each using every core would oversubscribe the CPU.
         env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+def may_start_processes() -> bool:
+    """Whether this process may start the forkserver now, as a side effect of decorating.
+
+    Not in a child of ``multiprocessing`` (a rank, a pool or loader worker), and
+    above all not while a spawn or forkserver child is still bootstrapping, that
+    is importing the user's script again: multiprocessing refuses to start a
+    process then, and a spawn pool would replace its dying workers forever.
+    """
+    if multiprocessing.parent_process() is not None:
+        return False
+    # Set by multiprocessing while a child prepares (imports ``__mp_main__``); the
+    # same flag its own ``_check_not_importing_main`` reads.
+    return not getattr(multiprocessing.current_process(), "_inheriting", False)
 
 
 def warm_up() -> None:

@@ -185,13 +185,22 @@ def _attempt(
 
 
 def _report_leftovers(left: dict[int, list[str]]) -> None:
-    """Tell the user what ranks left running after the call (already stopped)."""
+    """Tell the user what ranks left running after the call (already stopped).
+
+    ``left[rank]`` is what a rank's code left behind after its function returned:
+    a warning, with advice that applies. ``left[-1]`` is what was still running
+    in the groups of ranks nbtools itself stopped (after a failure, an interrupt
+    or a restart): nbtools ended it as part of stopping them, so the user's code
+    did nothing wrong, and only the debug log says so.
+    """
     for rank, commands in sorted(left.items()):
-        who = f"rank {rank}" if rank >= 0 else "the stopped ranks"
+        what = "a process" if len(commands) == 1 else f"{len(commands)} processes"
+        named = "; ".join(commands[:5]) + ("; ..." if len(commands) > 5 else "")
+        if rank < 0:
+            _log.debug("stopped %s the stopped ranks had started: %s", what, named)
+            continue
         _log.warning(
-            "%s left %s running after the call ended; stopped: %s. End what a rank starts "
-            "before it returns (join processes, close loaders).",
-            who,
-            "a process" if len(commands) == 1 else f"{len(commands)} processes",
-            "; ".join(commands[:5]) + ("; ..." if len(commands) > 5 else ""),
+            "rank %d left %s running after its function returned; stopped: %s. End what a "
+            "rank starts before it returns (join processes, close loaders).",
+            rank, what, named,
         )

@@ -226,3 +226,31 @@ def test_a_huge_exception_message_is_cut_in_the_text_and_kept_on_the_failure():
     assert len(text) < 100_000
     assert "DistributedError.failures[1].message" in text
     assert len(info.value.failures[1].message) == 20_000_000
+
+
+def test_processes_of_ranks_stopped_after_a_failure_raise_no_advice(tmp_path, caplog):
+    # nbtools stops the group when a rank fails; what the other rank started ends with
+    # it, and the user's code did nothing the leftover advice could mend.
+    caplog.set_level(logging.DEBUG, logger="nbtools")
+
+    @distributed(processes=2, output="none")
+    def fails_while_a_child_runs(marker):
+        import subprocess
+        import time
+
+        import torch.distributed as dist
+
+        subprocess.Popen(["sleep", "1000"])
+        open(f"{marker}-{dist.get_rank()}", "w").close()
+        if dist.get_rank() == 1:
+            while not os.path.exists(f"{marker}-0"):
+                time.sleep(0.05)
+            raise ValueError("boom")
+        time.sleep(1000)
+
+    with pytest.raises(DistributedError, match="ValueError"):
+        fails_while_a_child_runs.distributed(str(tmp_path / "up"))
+    left = [r for r in caplog.records if "sleep 1000" in r.getMessage()]
+    assert left, "the stopped ranks' child was not found and stopped"
+    assert all(r.levelno < logging.WARNING for r in left), [r.getMessage() for r in left]
+    assert not any("End what a rank starts" in r.getMessage() for r in caplog.records)

@@ -110,3 +110,66 @@ def test_ranks_and_helpers_end_when_the_caller_is_killed(tmp_path):
     for pid in survivors:
         psutil.Process(pid).kill()
     assert not survivors
+
+
+# A module-level decorator in a script that also uses spawn/forkserver pools, and in a
+# module whose dataset spawn loader workers import inside a rank: each child imports the
+# module again while it bootstraps, where starting a process is refused.
+HELPERS = textwrap.dedent(
+    """
+    import torch
+    from torch.utils.data import Dataset
+    from nbtools import distributed
+
+    class Squares(Dataset):
+        def __len__(self):
+            return 4
+        def __getitem__(self, i):
+            return torch.tensor(float(i * i))
+
+    @distributed(processes=2)
+    def load():
+        from torch.utils.data import DataLoader
+        loader = DataLoader(Squares(), batch_size=2, num_workers=2,
+                            multiprocessing_context="spawn")
+        return sorted(float(x) for batch in loader for x in batch)
+    """
+)
+
+POOLS = textwrap.dedent(
+    """
+    import multiprocessing as mp
+    import helpers
+    from nbtools import distributed
+
+    @distributed(processes=2)
+    def world():
+        import torch.distributed as dist
+        return dist.get_world_size()
+
+    if __name__ == "__main__":
+        with mp.get_context("spawn").Pool(2) as pool:
+            print("SPAWN", pool.map(abs, [-1, -2]), flush=True)
+        with mp.get_context("forkserver").Pool(2) as pool:
+            print("FORKSERVER", pool.map(abs, [-3, -4]), flush=True)
+        print("RANKS", world.distributed(), flush=True)
+        print("LOADED", helpers.load.distributed()[0], flush=True)
+    """
+)
+
+
+def test_decorating_in_a_script_with_spawn_children_starts_nothing_in_them(tmp_path):
+    (tmp_path / "helpers.py").write_text(HELPERS)
+    script = tmp_path / "pools.py"
+    script.write_text(POOLS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+        cwd=tmp_path, env=env,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "bootstrapping phase" not in out
+    assert "SPAWN [1, 2]" in proc.stdout and "FORKSERVER [3, 4]" in proc.stdout, out
+    assert "RANKS [2, 2]" in proc.stdout, out
+    assert "LOADED [0.0, 1.0, 4.0, 9.0]" in proc.stdout, out
