@@ -46,6 +46,16 @@ class DistributedError(NbtoolsError, RuntimeError):
         super().__init__(message)
         self.failures = dict(failures or {})
 
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows: the caller's own frames and the ranks' story, not the launcher's.
+
+        The complete traceback and chain stay on the exception (``__traceback__``,
+        ``__cause__``), as Python's own traceback module prints them.
+        """
+        from nbtools._internal.tracebacks import user_traceback
+
+        return user_traceback(self)
+
 
 class LaunchError(NbtoolsError, RuntimeError):
     """Ranks could not be started (bad environment, rendezvous failure)."""

@@ -2,7 +2,8 @@
 
 cloudpickle sends code by value under the file name ``<dynamic-code>``, so a
 rank cannot show where a notebook function lives. The caller still has the
-original code objects and (for cells) their source in ``linecache``.
+original code objects and (for cells) their source in ``linecache``. Frames of
+cells are named as IPython names them (``Cell In[3], line 5``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import linecache
 import re
 import types
 from collections.abc import Callable, Iterator
+
+from nbtools._internal.tracebacks import cell_label
 
 __all__ = ["localizer"]
 
@@ -34,7 +37,8 @@ def localizer(fn: Callable) -> Callable[[str], str]:
                 out.append(line)
                 continue
             indent, lineno, comma, name = match.group(1), int(match.group(2)), match.group(3), match.group(4)
-            out.append(f'{indent}File "{found.co_filename}", line {lineno}{comma} in {name}')
+            where = cell_label(found.co_filename) or f'File "{found.co_filename}"'
+            out.append(f"{indent}{where}, line {lineno}{comma} in {name}")
             source = linecache.getline(found.co_filename, lineno).strip()
             if source:
                 out.append(f"{indent}  {source}")
