@@ -1,6 +1,8 @@
 """Launch latency on 2 CPU ranks: nbtools first and warm calls against spawn and accelerate.
 
 Each launcher runs the same work: initialise the group, one all_reduce, return.
+Then large results: each of the 2 ranks returns a 200 MB tensor, against a
+forkserver ``multiprocessing.Pool`` returning the same (median of paired tries).
 Prints one JSON line. Run: ``python benchmarks/launch.py``.
 """
 
@@ -22,6 +24,12 @@ import torch.multiprocessing as mp
 
 WORLD = 2
 WARM_CALLS = 7
+RESULT_FLOATS = 50_000_000  # 200 MB of float32 per rank
+RESULT_TRIES = 3
+
+
+def _result_tensor(rank: int) -> torch.Tensor:
+    return torch.full((RESULT_FLOATS,), float(rank))
 
 
 def _all_reduce() -> float:
@@ -70,6 +78,31 @@ def _time_accelerate() -> float | None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def _time_large_results(distributed) -> tuple[float, float]:
+    """Median seconds for 2 ranks to return 200 MB each: nbtools, then a forkserver Pool."""
+    import multiprocessing
+
+    @distributed(processes=WORLD, output="none")
+    def large() -> torch.Tensor:
+        return _result_tensor(dist.get_rank())
+
+    large.distributed()  # warm
+    ctx = multiprocessing.get_context("forkserver")
+    ours, theirs = [], []
+    with ctx.Pool(WORLD) as pool:
+        pool.map(_result_tensor, range(WORLD))  # warm
+        for _ in range(RESULT_TRIES):
+            start = time.perf_counter()
+            values = large.distributed()
+            ours.append(time.perf_counter() - start)
+            assert float(values[1][0]) == 1.0
+            start = time.perf_counter()
+            values = pool.map(_result_tensor, range(WORLD))
+            theirs.append(time.perf_counter() - start)
+            del values
+    return statistics.median(ours), statistics.median(theirs)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -93,6 +126,7 @@ def main() -> None:
         reduce_once.distributed()
         warm.append(time.perf_counter() - start)
     warm_s = statistics.median(warm)
+    result_s, pool_s = _time_large_results(distributed)
     spawn_s = _time_spawn()
     accelerate_s = _time_accelerate()
     figures = {
@@ -106,6 +140,10 @@ def main() -> None:
         "first_over_spawn": round(first / spawn_s, 3),
         "warm_over_spawn": round(warm_s / spawn_s, 3),
         "warm_over_accelerate": None if accelerate_s is None else round(warm_s / accelerate_s, 3),
+        "result_mb_per_rank": RESULT_FLOATS * 4 // 10**6,
+        "nbtools_large_result_s": round(result_s, 4),
+        "mp_forkserver_pool_large_result_s": round(pool_s, 4),
+        "large_result_over_pool": round(result_s / pool_s, 3),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
     }

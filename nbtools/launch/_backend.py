@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from nbtools.launch._failures import RankFailure
+from nbtools.launch._results import Framed
 
 __all__ = [
     "GroupSpec",
@@ -71,9 +72,12 @@ class GroupSpec:
 
 @dataclass(frozen=True)
 class Finished:
-    """Every rank returned: ``results[r]`` is rank r's cloudpickled return value."""
+    """Every rank returned: ``results[r]`` is rank r's return value, pickled.
 
-    results: list[bytes]
+    Pickle bytes, or a pickle with its out-of-band buffers (a local rank's result file).
+    """
+
+    results: list[bytes | Framed]
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from torch.distributed.elastic.multiprocessing import (
 
 from nbtools import _torch_compat
 from nbtools.errors import LaunchError
-from nbtools.launch import _env, _leftovers
+from nbtools.launch import _env, _leftovers, _results
 from nbtools.launch._backend import Failed, Finished, GroupSpec, Outcome, wait_for_stacks
 from nbtools.launch._failures import RankFailure, from_early_exit, from_exit, from_record
 from nbtools.launch._worker import (
@@ -150,13 +150,17 @@ class LocalGroup:
         if early is None and not result.is_failed():
             self._groups = []  # ranks that returned ended their own leftovers
             world = self._spec.world_size
-            self._outcome = Finished([result.return_values[r] for r in range(world)])
+            self._outcome = Finished([self._result(r) for r in range(world)])
             return self._outcome
         # Before stopping the others: which ranks had already ended, and how.
         exited = {r: c for r, c in _torch_compat.process_exitcodes(self._ctx).items() if c}
         self.stop()
         self._outcome = self._failed(result, early, exited)
         return self._outcome
+
+    def _result(self, rank: int) -> _results.Framed:
+        """The return value rank ``rank`` left in its result file, read once."""
+        return _results.load(_results.result_path(self._spec.attempt_dir, rank))
 
     def _vanished(self):
         """Release ranks once all returned; a rank gone before returning: its result or rank."""

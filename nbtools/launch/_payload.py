@@ -22,6 +22,7 @@ from typing import Any
 import cloudpickle
 
 from nbtools.errors import DistributedError, PicklingError
+from nbtools.launch._results import Framed
 
 __all__ = ["pack", "pack_push", "unpack_values"]
 
@@ -83,8 +84,11 @@ def pack_push(names: dict[str, Any] | None, values: dict[str, Any]) -> bytes:
     return cloudpickle.dumps(merged)
 
 
-def unpack_values(blobs: Iterable[tuple[int, bytes]], what: str) -> list[Any]:
+def unpack_values(blobs: Iterable[tuple[int, bytes | Framed]], what: str) -> list[Any]:
     """Unpickle each ``(rank, blob)`` the ranks sent back, in the order given.
+
+    A blob is pickle bytes, or a :class:`~nbtools.launch._results.Framed` pickle
+    with its out-of-band buffers (a local rank's return value).
 
     ``what`` names one value in the error, followed by the rank (``"the value from rank"``).
 
@@ -94,7 +98,7 @@ def unpack_values(blobs: Iterable[tuple[int, bytes]], what: str) -> list[Any]:
     values = []
     for rank, blob in blobs:
         try:
-            values.append(pickle.loads(blob))
+            values.append(blob.loads() if isinstance(blob, Framed) else pickle.loads(blob))
         except Exception as exc:  # noqa: BLE001 - any unpickling error means the same
             raise DistributedError(
                 f"{what} {rank} cannot be loaded here: {type(exc).__name__}: {exc}. "

@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from nbtools.launch import _inrank, _leftovers
+from nbtools.launch import _inrank, _leftovers, _results
 from nbtools.launch._env import settle_forkserver
 from nbtools.launch._leftovers import LEFTOVER_GRACE_S
 from nbtools.launch._records import GROUP_PHASE, failure_record, flush_events
@@ -82,8 +82,13 @@ def leftovers_path(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, f"leftovers-rank{rank}.json")
 
 
-def run_rank(payload: bytes, spec: RankSpec) -> bytes:
-    """Run the user's function in this rank and return its result as cloudpickle bytes."""
+def run_rank(payload: bytes, spec: RankSpec) -> None:
+    """Run the user's function in this rank; its return value goes to the rank's result file.
+
+    torch's elastic result queue carries ``None``: the value itself is pickled
+    once, with its large buffers out of band, and the caller reads it from the
+    file (:func:`nbtools.launch._results.load`).
+    """
     _die_with_parent_chain(spec.caller_pid, os.path.dirname(spec.run_dir))
     _mirror_caller_environment(spec.env_names)
     _leftovers.lead_own_group()
@@ -95,13 +100,13 @@ def run_rank(payload: bytes, spec: RankSpec) -> bytes:
             reconfigure(line_buffering=True)
     faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
     try:
-        result = _run(payload, spec)
+        _run(payload, spec)
     except BaseException as exc:  # noqa: BLE001 - every way out of user code is reported
         if isinstance(exc, SystemExit) and exc.code in (0, None):
-            result = _dumps(None, spec.rank)
+            _publish_result(None, spec)
             _mark_returned(spec)
             _finish(spec)
-            return result
+            return None
         if not os.path.exists(failure_path(spec.run_dir, spec.rank)):
             _publish_failure(spec, exc)
         flush_events()
@@ -111,10 +116,10 @@ def run_rank(payload: bytes, spec: RankSpec) -> bytes:
         sys.exit(1)
     flush_events()
     _finish(spec)
-    return result
+    return None
 
 
-def _run(payload: bytes, spec: RankSpec) -> bytes:
+def _run(payload: bytes, spec: RankSpec) -> None:
     import cloudpickle
     import torch
     import torch.distributed as dist
@@ -151,9 +156,8 @@ def _run(payload: bytes, spec: RankSpec) -> bytes:
         if not (isinstance(exc, SystemExit) and exc.code in (0, None)):
             _publish_failure(spec, exc)
         raise
-    blob = _dumps(result, spec.rank)
+    _publish_result(result, spec)
     _mark_returned(spec)
-    return blob
 
 
 def _mark_returned(spec: RankSpec) -> None:
@@ -192,14 +196,13 @@ def _finish(spec: RankSpec) -> None:
             json.dump(left, fh)
 
 
-def _dumps(result: object, rank: int) -> bytes:
-    import cloudpickle
-
+def _publish_result(result: object, spec: RankSpec) -> None:
+    """Leave the return value for the caller, pickled once (see :mod:`._results`)."""
     try:
-        return cloudpickle.dumps(result)
+        _results.dump(result, _results.result_path(spec.run_dir, spec.rank))
     except Exception as exc:
         raise TypeError(
-            f"the return value of rank {rank} ({type(result).__qualname__}) cannot be sent back "
+            f"the return value of rank {spec.rank} ({type(result).__qualname__}) cannot be sent back "
             f"to the caller: {exc}. Return plain data (numbers, lists, dicts, tensors on CPU)."
         ) from exc
 

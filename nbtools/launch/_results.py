@@ -1,0 +1,146 @@
+"""A rank's return value, serialized once: pickle protocol 5 with out-of-band buffers in a file.
+
+The rank pickles its value once, writing the large buffers (CPU tensors and
+NumPy arrays) beside the pickle instead of inside it, to a file in the launch's
+private run directory; the caller reads that file once and unpickles with the
+buffers in place. Neither side copies a large value through a pipe, and torch's
+elastic result queue carries only a small marker.
+
+File layout: ``NBR1``, the number of parts (8 bytes), each part's length (8
+bytes each), then the parts, each at an offset aligned to 64 bytes: the pickle
+first, then the buffers in order.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import os
+import pickle
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Framed", "dump", "load", "result_path"]
+
+_MAGIC = b"NBR1"
+_LEN = struct.Struct("<Q")
+# Smaller buffers stay in the pickle: framing them costs more than it saves.
+_MIN_OUT_OF_BAND = 64 * 1024
+_ALIGN = 64
+
+
+def _padding(offset: int) -> int:
+    return -offset % _ALIGN
+
+
+@dataclass(frozen=True)
+class Framed:
+    """A pickle and its out-of-band buffers, as read back from a rank's result file."""
+
+    data: bytes | memoryview
+    buffers: list[memoryview] = field(default_factory=list)
+
+    def loads(self) -> Any:
+        """The value (``pickle.loads`` with the buffers)."""
+        return pickle.loads(self.data, buffers=self.buffers)
+
+
+def result_path(run_dir: str, rank: int) -> str:
+    """Where rank ``rank`` leaves its return value for the caller."""
+    return os.path.join(run_dir, f"result-rank{rank}.pkl")
+
+
+def _rebuild_tensor(buffer: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
+    import torch
+
+    flat = torch.frombuffer(buffer, dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape)
+
+
+def _reduce_tensor(tensor: Any) -> Any:
+    import torch
+
+    if (
+        type(tensor) is not torch.Tensor
+        or tensor.device.type != "cpu"
+        or tensor.layout != torch.strided
+        or tensor.requires_grad
+        or tensor.is_quantized
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or tensor.nbytes < _MIN_OUT_OF_BAND
+    ):
+        return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return _rebuild_tensor, (pickle.PickleBuffer(raw.numpy()), tensor.dtype, tuple(tensor.shape))
+
+
+def _pickler_class() -> type:
+    import cloudpickle
+
+    class _ResultPickler(cloudpickle.Pickler):
+        # Keyed by exact type: a Parameter or another subclass keeps torch's own reduction.
+        dispatch_table = copyreg.dispatch_table.copy()
+
+    try:
+        import torch
+
+        _ResultPickler.dispatch_table[torch.Tensor] = _reduce_tensor
+    except ImportError:  # pragma: no cover - ranks always have torch
+        pass
+    return _ResultPickler
+
+
+def dump(value: Any, path: str) -> None:
+    """Pickle ``value`` once into ``path``, large buffers out of band (created 0600)."""
+    buffers: list[pickle.PickleBuffer] = []
+
+    def keep(buffer: pickle.PickleBuffer) -> bool:
+        view = buffer.raw()
+        if view.nbytes < _MIN_OUT_OF_BAND:
+            return True  # in band
+        buffers.append(buffer)
+        return False
+
+    head = io.BytesIO()
+    _pickler_class()(head, protocol=5, buffer_callback=keep).dump(value)
+    parts = [head.getbuffer(), *(b.raw() for b in buffers)]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        header = _MAGIC + _LEN.pack(len(parts)) + b"".join(_LEN.pack(p.nbytes) for p in parts)
+        out.write(header)
+        offset = len(header)
+        for part in parts:
+            pad = _padding(offset)
+            out.write(b"\0" * pad)
+            out.write(part)
+            offset += pad + part.nbytes
+
+
+def load(path: str) -> Framed:
+    """Read what :func:`dump` wrote (one read into one buffer); the value is not unpickled yet."""
+    with open(path, "rb") as src:
+        size = os.fstat(src.fileno()).st_size
+        whole = bytearray(size)
+        view = memoryview(whole)
+        got = 0
+        while got < size:
+            n = src.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    if got != size or bytes(view[:4]) != _MAGIC:
+        raise ValueError(f"{path} is not a complete result file ({got} of {size} bytes)")
+    (count,) = _LEN.unpack_from(view, 4)
+    offset = 4 + _LEN.size
+    lengths = [_LEN.unpack_from(view, offset + i * _LEN.size)[0] for i in range(count)]
+    offset += count * _LEN.size
+    parts = []
+    for length in lengths:
+        offset += _padding(offset)
+        parts.append(view[offset : offset + length])
+        offset += length
+    if offset != size or not parts:
+        raise ValueError(f"{path} is not a complete result file (parts do not add up)")
+    return Framed(parts[0], parts[1:])

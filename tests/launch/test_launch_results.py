@@ -1,0 +1,84 @@
+"""A rank's return value pickled once, large buffers out of band, and read back exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nbtools import distributed
+from nbtools.launch import _results
+
+
+def _roundtrip(value, tmp_path):
+    path = str(tmp_path / "result.pkl")
+    _results.dump(value, path)
+    framed = _results.load(path)
+    return framed, framed.loads()
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
+              torch.uint8, torch.bool, torch.complex64]
+)
+def test_large_tensors_travel_out_of_band_and_come_back_equal(tmp_path, dtype):
+    source = (torch.arange(300_000) % 7).to(dtype)
+    framed, back = _roundtrip({"t": source, "n": 3}, tmp_path)
+    assert len(framed.buffers) == 1  # the tensor's bytes are not inside the pickle
+    assert len(framed.data) < 10_000
+    assert back["n"] == 3 and back["t"].dtype == dtype and torch.equal(back["t"], source)
+    back["t"][0] = back["t"][1]  # writable, like any tensor the caller owns
+
+
+def test_views_parameters_and_small_values_keep_their_meaning(tmp_path):
+    base = torch.randn(400, 300)
+    param = torch.nn.Parameter(torch.randn(200, 200))
+    array = np.arange(100_000, dtype=np.float32)
+    value = {"t": base.t(), "p": param, "a": array, "small": torch.arange(3), "empty": torch.empty(0, 5)}
+    framed, back = _roundtrip(value, tmp_path)
+    assert torch.equal(back["t"], base.t())
+    assert isinstance(back["p"], torch.nn.Parameter) and torch.equal(back["p"], param)
+    assert back["p"].requires_grad
+    assert np.array_equal(back["a"], array)
+    assert torch.equal(back["small"], torch.arange(3)) and back["empty"].shape == (0, 5)
+    assert len(framed.buffers) >= 2  # the transposed tensor and the array
+
+
+def test_a_truncated_result_file_is_an_error_not_a_value(tmp_path):
+    path = str(tmp_path / "result.pkl")
+    _results.dump(torch.zeros(100_000), path)
+    with open(path, "r+b") as fh:
+        fh.truncate(1000)
+    with pytest.raises(ValueError, match="not a complete result file"):
+        _results.load(path)
+
+
+def test_ranks_return_1_mib_and_large_tensors_exactly():
+    @distributed(processes=2, output="none")
+    def tensors(n):
+        import torch
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        return {"mib": torch.full((262_144,), float(rank)), "big": torch.arange(n) + rank}
+
+    n = 64 * 1024 * 1024 // 8  # 64 MiB of int64 per rank
+    results = tensors.distributed(n)
+    for rank, value in enumerate(results):
+        assert value["mib"].nbytes == 1024 * 1024 and bool((value["mib"] == rank).all())
+        assert torch.equal(value["big"], torch.arange(n) + rank)
+
+
+@pytest.mark.slow
+def test_a_1_gib_return_value_arrives_whole():
+    @distributed(processes=2, output="none")
+    def one_gib():
+        import torch
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            return torch.ones(1024**3 // 4)
+        return None
+
+    first, second = one_gib.distributed()
+    assert second is None and first.nbytes == 1024**3 and float(first.sum()) == 1024**3 // 4
