@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+import nbtools
 
 FRONT_ENDS = ("IPython", "ipywidgets", "plotly", "mlflow")
 
@@ -110,3 +114,83 @@ def test_ruff_bans_front_end_imports_in_core(tmp_path):
         bad.unlink()
     assert out.returncode != 0
     assert "TID251" in out.stdout
+
+
+def _nbtools_imports() -> dict[str, set[str]]:
+    """``{module: nbtools modules it imports}``, lazy (function-level) imports included."""
+    import ast
+
+    root = Path(nbtools.__file__).parent
+    paths = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        paths[name] = path
+    edges: dict[str, set[str]] = {name: set() for name in paths}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges[name] |= {a.name for a in node.names if a.name in paths}
+            elif isinstance(node, ast.ImportFrom):
+                target = node.module or ""
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    if sub in paths:
+                        edges[name].add(sub)
+                    elif target in paths and target != name:
+                        edges[name].add(target)
+    return edges
+
+
+def test_no_import_circle_inside_nbtools():
+    edges = _nbtools_imports()
+    circles = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for other in sorted(edges[module]):
+            if state.get(other) == 1:
+                circles.append(path[path.index(other):] + [other])
+            elif other not in state:
+                visit(other, path + [other])
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def test_the_import_circle_check_sees_a_lazy_circle(tmp_path, monkeypatch):
+    # The check must see what a maintainer sees: an import inside a function counts too.
+    fake = tmp_path / "nbtools"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "a.py").write_text("def f():\n    from nbtools import b\n")
+    (fake / "b.py").write_text("from nbtools.a import f\n")
+    monkeypatch.setattr(nbtools, "__file__", str(fake / "__init__.py"))
+    with pytest.raises(AssertionError, match="nbtools.a -> nbtools.b -> nbtools.a"):
+        test_no_import_circle_inside_nbtools()
+
+
+def test_no_upward_lookup_through_sys_modules():
+    # A lower layer that finds a higher one in sys.modules depends on it as surely as
+    # an import does: the base layer may look up only itself, core packages only the base.
+    lower = {"_internal", "events", "errors", "runtime"}
+    root = Path(nbtools.__file__).parent
+    found = []
+    for path in root.rglob("*.py"):
+        package = path.relative_to(root).parts[0].removesuffix(".py")
+        text = path.read_text()
+        for looked_up in re.findall(r"sys\.modules(?:\.get\(|\[)\s*['\"](nbtools\.[\w.]+)", text):
+            target = looked_up.split(".")[1]
+            if target == package:
+                continue
+            if package in lower or target not in lower:
+                found.append(f"{path.relative_to(root)} looks up {looked_up}")
+    assert not found, found

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
 from nbtools.errors import LaunchError
 from nbtools.launch import _env, _inrank, _payload, _runner, _sources
-from nbtools.launch._backend import LaunchBackend
-from nbtools.launch._output import OUTPUT_MODES
+from nbtools.launch._config import LaunchConfig
 
 __all__ = ["distributed", "DistributedFunction"]
 
@@ -20,47 +18,27 @@ R = TypeVar("R")
 class DistributedFunction(Generic[R]):
     """A function that runs in-process when called and on N ranks via :meth:`distributed`.
 
-    Created by :func:`distributed`; see there for the options.
+    Created by :func:`distributed`; see there for the options, which
+    :attr:`config` holds (also readable as attributes: ``fn.processes``, ...).
     """
 
-    def __init__(
-        self,
-        fn: Callable[..., R],
-        *,
-        gpus: int | None,
-        processes: int | None,
-        max_restarts: int,
-        output: str,
-        hang_timeout: float | None = None,
-        cluster: str | None = None,
-        nodes: int | None = None,
-        runtime_env: dict | None = None,
-        keep_alive: bool = False,
-    ) -> None:
+    def __init__(self, fn: Callable[..., R], config: LaunchConfig) -> None:
         functools.update_wrapper(self, fn)
         self._fn = fn
-        self.gpus = gpus
-        self.processes = processes
-        self.max_restarts = max_restarts
-        self.output = output
-        self.hang_timeout = hang_timeout
-        self.cluster = cluster
-        self.nodes = nodes
-        self.runtime_env = runtime_env
-        self.keep_alive = keep_alive
+        self.config = config
+
+    def __getattr__(self, name: str) -> Any:
+        # The options as attributes (``fn.gpus``, ``fn.hang_timeout``), read from the config.
+        if name in LaunchConfig.__dataclass_fields__:
+            return getattr(self.__dict__["config"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
         """Run the function here, in this process, like the undecorated function."""
         return self._fn(*args, **kwargs)
 
     def __repr__(self) -> str:
-        where = f"gpus={self.gpus}" if self.gpus else f"processes={self.processes}"
-        if self.gpus is None and self.processes is None:
-            where = "all GPUs"
-        if self.cluster is not None:
-            where += f", cluster={self.cluster!r}"
-            where += f", nodes={self.nodes}" if self.nodes is not None else ""
-        return f"<distributed function {self.__qualname__} ({where})>"
+        return f"<distributed function {self.__qualname__} ({self.config.describe()})>"
 
     def distributed(self, *args: Any, **kwargs: Any) -> list[R]:
         """Run the function on every rank with these arguments; one result per global rank.
@@ -77,6 +55,7 @@ class DistributedFunction(Generic[R]):
             nbtools.errors.LaunchError: called inside a rank (nested launch).
             KeyboardInterrupt: the caller was interrupted; all ranks are stopped.
         """
+        __tracebackhide__ = True
         if _inrank.in_rank():
             # A rank's ranks would share its forkserver state and multiply the world;
             # the caller's launcher stays untouched because nothing starts here.
@@ -85,62 +64,16 @@ class DistributedFunction(Generic[R]):
                 "@distributed call; launches do not nest. This code already runs on every "
                 f"rank: call {self.__qualname__}(...) directly instead."
             )
-        if self.keep_alive:
+        if self.config.keep_alive:
             from nbtools.launch._pool_kept import call_kept
 
-            return call_kept(self, args, kwargs)
-        backend = self._backend()
-        plan = self._plan(backend)
+            return call_kept(self._fn, self.config, args, kwargs)
+        backend = self.config.backend()
+        plan = self.config.plan(backend)
         backend.check(plan.world_size, plan.use_cuda)
         payload = _payload.pack(self._fn, args, kwargs)
         blobs = _runner.run(payload, plan, _sources.localizer(self._fn), backend)
         return _payload.unpack_values(enumerate(blobs), "the return value of rank")
-
-    def _backend(self) -> LaunchBackend:
-        if self.cluster == "ray":
-            from nbtools.launch._ray import RayBackend
-
-            return RayBackend(nodes=self.nodes, runtime_env=self.runtime_env)
-        from nbtools.launch._local import LocalBackend
-
-        return LocalBackend()
-
-    def _plan(self, backend: LaunchBackend) -> _runner.Plan:
-        if self.processes is not None:
-            return _runner.Plan(
-                self.processes, False, self.max_restarts, self.output, self.hang_timeout
-            )
-        if self.cluster is not None:
-            # The cluster's GPUs, not this machine's: the backend checks what it has.
-            count = self.gpus if self.gpus is not None else backend.gpu_count()
-            if count == 0:
-                raise ValueError(
-                    f"@distributed(cluster={self.cluster!r}) without gpus= or processes= runs one "
-                    "rank per GPU of the cluster, but it has no GPU. Use processes=N for N CPU "
-                    "ranks."
-                )
-            return _runner.Plan(count, True, self.max_restarts, self.output, self.hang_timeout)
-        visible = _env.visible_gpu_count()
-        if self.gpus is None:
-            if visible == 0:
-                raise ValueError(
-                    "@distributed() runs one rank per visible GPU, but torch sees no GPU here. "
-                    "Use @distributed(processes=N) for N CPU ranks."
-                )
-            return _runner.Plan(
-                visible, True, self.max_restarts, self.output, self.hang_timeout
-            )
-        if visible == 0:
-            raise ValueError(
-                f"gpus={self.gpus} needs CUDA, but torch sees no GPU here. "
-                f"Use processes={self.gpus} for {self.gpus} CPU ranks with gloo."
-            )
-        if self.gpus > visible:
-            raise ValueError(
-                f"gpus={self.gpus} asks for more GPUs than the {visible} visible here. "
-                f"Use gpus={visible} or fewer (check CUDA_VISIBLE_DEVICES)."
-            )
-        return _runner.Plan(self.gpus, True, self.max_restarts, self.output, self.hang_timeout)
 
 
 @overload
@@ -221,28 +154,11 @@ def distributed(
         [6, 6]
         >>> world(3)  # doctest: +SKIP  (in-process, no group)
     """
-    _check_count("gpus", gpus)
-    _check_count("processes", processes)
-    if gpus is not None and processes is not None:
-        raise ValueError("pass either gpus= (one rank per GPU) or processes= (CPU ranks), not both")
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int):
-        raise TypeError(
-            f"max_restarts must be an integer >= 0, got {type(max_restarts).__name__} "
-            f"{max_restarts!r:.40}"
-        )
-    if max_restarts < 0:
-        raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
-    if not isinstance(output, str):
-        raise TypeError(
-            f"output must be a string ({', '.join(OUTPUT_MODES)}), got "
-            f"{type(output).__name__} {output!r:.40}"
-        )
-    if output not in OUTPUT_MODES:
-        raise ValueError(f"output must be one of {', '.join(OUTPUT_MODES)}; got {output!r}")
-    _check_hang_timeout(hang_timeout)
-    _check_cluster(cluster, nodes, runtime_env)
-    if not isinstance(keep_alive, bool):
-        raise TypeError(f"keep_alive must be True or False, got {type(keep_alive).__name__}")
+    config = LaunchConfig(
+        gpus=gpus, processes=processes, max_restarts=max_restarts, output=output,
+        hang_timeout=hang_timeout, cluster=cluster, nodes=nodes, runtime_env=runtime_env,
+        keep_alive=keep_alive,
+    )
 
     def decorate(target: Callable[..., R]) -> DistributedFunction[R]:
         if isinstance(target, DistributedFunction):
@@ -256,18 +172,7 @@ def distributed(
             # Not in a child (a rank, or a spawn/forkserver child importing the module
             # that defines this function): starting processes there is unsafe.
             _env.warm_up()
-        return DistributedFunction(
-            target,
-            gpus=gpus,
-            processes=processes,
-            max_restarts=max_restarts,
-            output=output,
-            hang_timeout=hang_timeout,
-            cluster=cluster,
-            nodes=nodes,
-            runtime_env=runtime_env,
-            keep_alive=keep_alive,
-        )
+        return DistributedFunction(target, config)
 
     if fn is None:
         return decorate
@@ -291,51 +196,3 @@ def _shutdown() -> None:
 
 
 distributed.shutdown = _shutdown  # type: ignore[attr-defined]
-
-
-def _check_hang_timeout(value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(
-            f"hang_timeout must be a number of seconds or None, got {type(value).__name__} "
-            f"{value!r:.40}"
-        )
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(
-            f"hang_timeout must be a positive, finite number of seconds (or None to turn it "
-            f"off), got {value!r}"
-        )
-
-
-def _check_cluster(cluster: Any, nodes: Any, runtime_env: Any) -> None:
-    if cluster is not None and not isinstance(cluster, str):
-        raise TypeError(f"cluster must be None or 'ray', got {type(cluster).__name__} {cluster!r:.40}")
-    if cluster not in (None, "ray"):
-        raise ValueError(
-            f"cluster must be None or 'ray' (the engines nbtools can launch on), got {cluster!r}"
-        )
-    _check_count("nodes", nodes)
-    if nodes is not None and cluster is None:
-        raise ValueError(
-            f"nodes= needs cluster='ray': without a cluster every rank runs on this machine. "
-            f"Use @distributed(..., cluster='ray', nodes={nodes})."
-        )
-    if runtime_env is not None:
-        if not isinstance(runtime_env, dict):
-            raise TypeError(
-                f"runtime_env must be a dict (Ray's runtime_env), got {type(runtime_env).__name__}"
-            )
-        if cluster is None:
-            raise ValueError(
-                "runtime_env= needs cluster='ray': ranks on this machine use this environment"
-            )
-
-
-def _check_count(name: str, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")

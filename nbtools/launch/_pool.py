@@ -32,11 +32,10 @@ from nbtools import events
 from nbtools._internal.log import get_logger
 from nbtools.errors import DistributedError, LaunchError
 from nbtools.launch import _inrank, _payload, _sources
-from nbtools.launch._api import distributed
 from nbtools.launch._backend import GroupSpec
+from nbtools.launch._config import LaunchConfig, check_restarts
 from nbtools.launch._failures import RankFailure, describe
 from nbtools.launch._pool_errors import failures_of, first, plural, rank_errors, ranks_text
-from nbtools.launch._pool_rank import serve
 from nbtools.launch._pool_ranks import (
     INTERRUPT_GRACE_S,
     PEER_GRACE_S,
@@ -101,13 +100,34 @@ class RankPool:
                 "runs on every rank."
             )
         # The same checks and sizes as @distributed with these options.
-        self._config = distributed(
-            processes=processes, gpus=gpus, max_restarts=max_restarts or 0, output=output,
-            hang_timeout=hang_timeout, cluster=cluster, nodes=nodes, runtime_env=runtime_env,
-        )(serve)
+        config = LaunchConfig(
+            processes=processes, gpus=gpus, output=output, hang_timeout=hang_timeout,
+            cluster=cluster, nodes=nodes, runtime_env=runtime_env,
+        )
+        self._open(config, max_restarts)
+
+    @classmethod
+    def from_config(cls, config: LaunchConfig, max_restarts: int | None = 3) -> RankPool:
+        """A pool for a launch configuration already built (``@distributed(keep_alive=True)``).
+
+        The configuration's own ``max_restarts`` (restarts of a plain call's group)
+        does not apply: a pool replaces dead ranks up to ``max_restarts`` times.
+        """
+        if _inrank.in_rank():
+            raise LaunchError(
+                "RankPool() was called inside a rank; pools do not nest. This code already "
+                "runs on every rank."
+            )
+        pool = cls.__new__(cls)
+        pool._open(config, max_restarts)
+        return pool
+
+    def _open(self, config: LaunchConfig, max_restarts: int | None) -> None:
+        check_restarts(max_restarts, allow_none=True)
+        self._config = config
         self.max_restarts = max_restarts
-        self._backend = self._config._backend()
-        self._plan = self._config._plan(self._backend)
+        self._backend = self._config.backend()
+        self._plan = self._config.plan(self._backend)
         self._backend.check(self._plan.world_size, self._plan.use_cuda)
         self._lock = threading.Lock()
         self._ranks: Ranks | None = None

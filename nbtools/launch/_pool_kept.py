@@ -10,11 +10,13 @@ replaced by the pool itself whenever that happens.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from nbtools import events
 from nbtools._internal.log import get_logger
 from nbtools.errors import DistributedError
+from nbtools.launch._config import LaunchConfig
 from nbtools.launch._pool import RankPool
 
 __all__ = ["call_kept"]
@@ -24,37 +26,32 @@ _KEPT: dict[tuple, RankPool] = {}
 _KEPT_LOCK = threading.Lock()
 
 
-def call_kept(function: Any, args: tuple, kwargs: dict) -> list[Any]:
-    """Run a ``DistributedFunction`` on the kept pool of its configuration."""
-    pool = _pool_for(function)
+def call_kept(fn: Callable[..., Any], config: LaunchConfig, args: tuple, kwargs: dict) -> list[Any]:
+    """Run ``fn`` on the kept pool of ``config``; run it again after a failure, up to
+    ``config.max_restarts`` times."""
+    __tracebackhide__ = True
+    pool = _pool_for(config)
     attempt = 0
     while True:
         try:
-            return pool.run(function._fn, *args, **kwargs)
+            return pool.run(fn, *args, **kwargs)
         except DistributedError as exc:
-            if attempt >= function.max_restarts:
+            if attempt >= config.max_restarts:
                 raise
             attempt += 1
             headline = str(exc).splitlines()[0]
-            events.emit("restart", headline, attempt=attempt, max_restarts=function.max_restarts)
+            events.emit("restart", headline, attempt=attempt, max_restarts=config.max_restarts)
             _log.warning(
                 "%s; running the call again (restart %d of %d)",
-                headline, attempt, function.max_restarts,
+                headline, attempt, config.max_restarts,
             )
 
 
-def _pool_for(function: Any) -> RankPool:
-    key = (
-        function.gpus, function.processes, function.cluster, function.nodes,
-        repr(function.runtime_env), function.output, function.hang_timeout,
-    )
+def _pool_for(config: LaunchConfig) -> RankPool:
     with _KEPT_LOCK:
-        pool = _KEPT.get(key)
+        pool = _KEPT.get(config.pool_key)
         if pool is None or pool.closed:
-            pool = RankPool(
-                processes=function.processes, gpus=function.gpus, max_restarts=None,
-                output=function.output, hang_timeout=function.hang_timeout,
-                cluster=function.cluster, nodes=function.nodes, runtime_env=function.runtime_env,
-            )
-            _KEPT[key] = pool
+            # The ranks of a kept pool are replaced whenever they die: no limit.
+            pool = RankPool.from_config(config, max_restarts=None)
+            _KEPT[config.pool_key] = pool
         return pool

@@ -31,6 +31,7 @@ from mlflow.entities import Param, RunTag
 from mlflow.exceptions import MlflowException
 
 from nbtools._internal.log import get_logger
+from nbtools._internal.runinfo import register_run_id_provider
 from nbtools.errors import TrackingError
 from nbtools.runtime import is_main_process
 from nbtools.tracking._batcher import DEFAULT_MAX_PENDING, MetricBatcher
@@ -61,6 +62,9 @@ def current_run_id() -> str | None:
     if current is None or current.closed or current.failed is not None:
         return None
     return current.run_id
+
+
+register_run_id_provider(current_run_id)
 
 
 def _status_for(exc_type: type[BaseException] | None) -> str:

@@ -1,0 +1,197 @@
+"""One launch configuration: validated once, frozen, handed down from the call to the ranks.
+
+``@distributed(...)`` and ``RankPool(...)`` both build a :class:`LaunchConfig`;
+everything below them (the backend, the plan, the kept pool of a
+configuration) reads it and never re-checks or re-copies its options.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from nbtools.launch import _env
+from nbtools.launch._backend import LaunchBackend
+from nbtools.launch._output import OUTPUT_MODES
+from nbtools.launch._runner import Plan
+
+__all__ = ["LaunchConfig", "check_restarts"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """Where and how ranks run; see :func:`nbtools.distributed` for each option.
+
+    Raises (on construction):
+        TypeError: an option of the wrong type.
+        ValueError: an option out of range, or options that do not go together.
+    """
+
+    gpus: int | None = None
+    processes: int | None = None
+    max_restarts: int = 0
+    output: str = "all"
+    hang_timeout: float | None = None
+    cluster: str | None = None
+    nodes: int | None = None
+    runtime_env: dict | None = None
+    keep_alive: bool = False
+
+    def __post_init__(self) -> None:
+        _check_count("gpus", self.gpus)
+        _check_count("processes", self.processes)
+        if self.gpus is not None and self.processes is not None:
+            raise ValueError(
+                "pass either gpus= (one rank per GPU) or processes= (CPU ranks), not both"
+            )
+        check_restarts(self.max_restarts)
+        if not isinstance(self.output, str):
+            raise TypeError(
+                f"output must be a string ({', '.join(OUTPUT_MODES)}), got "
+                f"{type(self.output).__name__} {self.output!r:.40}"
+            )
+        if self.output not in OUTPUT_MODES:
+            raise ValueError(
+                f"output must be one of {', '.join(OUTPUT_MODES)}; got {self.output!r}"
+            )
+        _check_hang_timeout(self.hang_timeout)
+        _check_cluster(self.cluster, self.nodes, self.runtime_env)
+        if not isinstance(self.keep_alive, bool):
+            raise TypeError(
+                f"keep_alive must be True or False, got {type(self.keep_alive).__name__}"
+            )
+
+    @property
+    def pool_key(self) -> tuple:
+        """What makes two configurations share one kept pool (restarts and keep_alive aside)."""
+        return (
+            self.gpus, self.processes, self.cluster, self.nodes, repr(self.runtime_env),
+            self.output, self.hang_timeout,
+        )
+
+    def describe(self) -> str:
+        """``processes=2``, ``gpus=8, cluster='ray'``: where the ranks run, for reprs."""
+        where = f"gpus={self.gpus}" if self.gpus else f"processes={self.processes}"
+        if self.gpus is None and self.processes is None:
+            where = "all GPUs"
+        if self.cluster is not None:
+            where += f", cluster={self.cluster!r}"
+            where += f", nodes={self.nodes}" if self.nodes is not None else ""
+        return where
+
+    def backend(self) -> LaunchBackend:
+        """A new backend for this configuration: torch elastic here, or Ray actors."""
+        if self.cluster == "ray":
+            from nbtools.launch._ray import RayBackend
+
+            return RayBackend(nodes=self.nodes, runtime_env=self.runtime_env)
+        from nbtools.launch._local import LocalBackend
+
+        return LocalBackend()
+
+    def plan(self, backend: LaunchBackend) -> Plan:
+        """How many ranks on which device, checked against what ``backend`` can offer.
+
+        Raises:
+            ValueError: GPUs asked for that the machine (or cluster) does not have.
+        """
+        world = self._world_size(backend)
+        use_cuda = self.processes is None
+        return Plan(world, use_cuda, self.max_restarts, self.output, self.hang_timeout)
+
+    def _world_size(self, backend: LaunchBackend) -> int:
+        if self.processes is not None:
+            return self.processes
+        if self.cluster is not None:
+            # The cluster's GPUs, not this machine's: the backend checks what it has.
+            count = self.gpus if self.gpus is not None else backend.gpu_count()
+            if count == 0:
+                raise ValueError(
+                    f"@distributed(cluster={self.cluster!r}) without gpus= or processes= runs "
+                    "one rank per GPU of the cluster, but it has no GPU. Use processes=N for N "
+                    "CPU ranks."
+                )
+            return count
+        visible = _env.visible_gpu_count()
+        if self.gpus is None:
+            if visible == 0:
+                raise ValueError(
+                    "@distributed() runs one rank per visible GPU, but torch sees no GPU here. "
+                    "Use @distributed(processes=N) for N CPU ranks."
+                )
+            return visible
+        if visible == 0:
+            raise ValueError(
+                f"gpus={self.gpus} needs CUDA, but torch sees no GPU here. "
+                f"Use processes={self.gpus} for {self.gpus} CPU ranks with gloo."
+            )
+        if self.gpus > visible:
+            raise ValueError(
+                f"gpus={self.gpus} asks for more GPUs than the {visible} visible here. "
+                f"Use gpus={visible} or fewer (check CUDA_VISIBLE_DEVICES)."
+            )
+        return self.gpus
+
+
+def check_restarts(value: Any, *, allow_none: bool = False) -> None:
+    """``max_restarts``: an integer >= 0 (or ``None``, "no limit", where ``allow_none``)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"max_restarts must be an integer >= 0{' or None' if allow_none else ''}, got "
+            f"{type(value).__name__} {value!r:.40}"
+        )
+    if value < 0:
+        raise ValueError(f"max_restarts must be an integer >= 0, got {value!r}")
+
+
+def _check_hang_timeout(value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"hang_timeout must be a number of seconds or None, got {type(value).__name__} "
+            f"{value!r:.40}"
+        )
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"hang_timeout must be a positive, finite number of seconds (or None to turn it "
+            f"off), got {value!r}"
+        )
+
+
+def _check_cluster(cluster: Any, nodes: Any, runtime_env: Any) -> None:
+    if cluster is not None and not isinstance(cluster, str):
+        raise TypeError(
+            f"cluster must be None or 'ray', got {type(cluster).__name__} {cluster!r:.40}"
+        )
+    if cluster not in (None, "ray"):
+        raise ValueError(
+            f"cluster must be None or 'ray' (the engines nbtools can launch on), got {cluster!r}"
+        )
+    _check_count("nodes", nodes)
+    if nodes is not None and cluster is None:
+        raise ValueError(
+            f"nodes= needs cluster='ray': without a cluster every rank runs on this machine. "
+            f"Use @distributed(..., cluster='ray', nodes={nodes})."
+        )
+    if runtime_env is not None:
+        if not isinstance(runtime_env, dict):
+            raise TypeError(
+                f"runtime_env must be a dict (Ray's runtime_env), got {type(runtime_env).__name__}"
+            )
+        if cluster is None:
+            raise ValueError(
+                "runtime_env= needs cluster='ray': ranks on this machine use this environment"
+            )
+
+
+def _check_count(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
