@@ -5,7 +5,15 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
-__all__ = ["RankFailure", "from_record", "from_exit", "from_early_exit", "describe"]
+from nbtools._internal.log import get_logger
+from nbtools.launch._records import GROUP_PHASE
+
+__all__ = [
+    "RankFailure", "from_record", "from_exit", "from_early_exit", "describe", "REGROUPS",
+    "forms_again",
+]
+
+_log = get_logger("launch")
 
 #: A message longer than this is cut in the text shown; the failure keeps it whole.
 MESSAGE_LIMIT = 2_000
@@ -165,3 +173,20 @@ def _clip_traceback(failure: RankFailure) -> str:
         f"[... {cut:,} characters cut; the whole traceback is in "
         f"DistributedError.failures[{failure.rank}].traceback]\n{text[cut:]}"
     )
+
+
+#: Times a group that failed to form is formed again before its failure counts.
+REGROUPS = 2
+
+
+def forms_again(cause: RankFailure | None, regroups: int) -> bool:
+    """Whether ranks whose group failed to form are simply started again (and says so).
+
+    gloo occasionally fails to connect on a busy host. No user code has run
+    then, so forming the group again is invisible to the user; after
+    :data:`REGROUPS` tries the failure is reported like any other.
+    """
+    if cause is None or cause.phase != GROUP_PHASE or regroups >= REGROUPS:
+        return False
+    _log.info("the process group did not form (%s); forming it again", cause.message)
+    return True

@@ -34,7 +34,7 @@ from nbtools.errors import DistributedError, LaunchError
 from nbtools.launch import _inrank, _payload, _sources
 from nbtools.launch._backend import GroupSpec
 from nbtools.launch._config import LaunchConfig, check_restarts
-from nbtools.launch._failures import RankFailure, describe
+from nbtools.launch._failures import RankFailure, describe, forms_again
 from nbtools.launch._pool_errors import failures_of, first, plural, rank_errors, ranks_text
 from nbtools.launch._pool_ranks import (
     INTERRUPT_GRACE_S,
@@ -45,13 +45,10 @@ from nbtools.launch._pool_ranks import (
     RanksStuck,
 )
 from nbtools.launch._pool_registry import CallGuard, open_pools, register, shutdown, unregister
-from nbtools.launch._records import GROUP_PHASE
 
 __all__ = ["RankPool", "shutdown", "open_pools"]
 
 _log = get_logger("launch")
-# Times ranks whose group failed to form are started again before that counts as a failure.
-_REGROUPS = 2
 _LOST = "rank state (names, models, tensors) was lost"
 
 
@@ -362,8 +359,8 @@ class RankPool:
                 outcome = exc.outcome
                 failures = outcome.failures if outcome is not None else {}
                 first = failures.get(outcome.first) if outcome and outcome.first is not None else None
-                if first is not None and first.phase == GROUP_PHASE and regroups < _REGROUPS:
-                    regroups += 1  # gloo occasionally fails to connect on a busy host
+                if forms_again(first, regroups):
+                    regroups += 1
                     continue
                 text = describe(failures, outcome.first) if failures else "the ranks ended"
                 raise LaunchError(f"the pool's ranks could not start: {text}") from None

@@ -31,15 +31,12 @@ from nbtools._internal.log import get_logger
 from nbtools.errors import DistributedError
 from nbtools.launch import _watch
 from nbtools.launch._backend import Failed, GroupSpec, LaunchBackend
-from nbtools.launch._failures import describe
+from nbtools.launch._failures import describe, forms_again
 from nbtools.launch._output import OutputForwarder
-from nbtools.launch._records import GROUP_PHASE
 
 __all__ = ["Plan", "run"]
 
 _log = get_logger("launch")
-# Times a group that failed to form is formed again before the failure counts.
-_REGROUPS = 2
 
 
 @dataclass(frozen=True)
@@ -108,11 +105,8 @@ def run(
                 )
                 return outcome.results
             cause = outcome.failures[outcome.first] if outcome.first is not None else None
-            if cause is not None and cause.phase == GROUP_PHASE and regroups < _REGROUPS:
-                # gloo occasionally fails to connect on a busy host; no user code
-                # has run yet, so forming the group again is invisible to the user.
+            if forms_again(cause, regroups):
                 regroups += 1
-                _log.info("the process group did not form (%s); forming it again", cause.message)
                 continue
             headline = describe(outcome.failures, outcome.first, returned=outcome.returned)
             headline = headline.splitlines()[0]
