@@ -31,6 +31,11 @@ Names and what stands in for them:
 - ``DataLoader._iterator`` and ``_shutdown_workers`` (a loader's live worker
   iterator, and stopping its workers): no iterator is seen (workers are then
   stopped by dropping it, as torch's own finaliser does).
+- ``torch.distributed.init_process_group`` (and ``distributed_c10d``'s), replaced
+  in a rank by a shim that skips a user's own call once the group is up: no
+  stand-in needed, the shim wraps whatever torch has.
+- ``multiprocessing.context._default_context`` (not torch's: the interpreter's
+  own default start method, read without fixing it): ``fork`` is assumed.
 - torch's restricted unpickler of ``.metadata``
   (``torch.distributed.checkpoint.filesystem._restricted_metadata_load``, with
   ``add_safe_metadata_globals``): used where torch has it; else nbtools' own.
@@ -65,6 +70,8 @@ __all__ = [
     "take_loader_iterator",
     "shutdown_workers",
     "torch_metadata_loader",
+    "guard_init_process_group",
+    "restore_fork_start_method",
 ]
 
 #: torch versions the test suite runs on (CPU in CI); the first is the declared minimum.
@@ -237,6 +244,98 @@ def process_exitcodes(ctx: Any) -> dict[int, int | None]:
         )
         return {}
     return {rank: process.exitcode for rank, process in enumerate(processes)}
+
+
+# --- a rank's process --------------------------------------------------------------------
+
+
+def guard_init_process_group(active_backend: str, on_skip: Callable[[str, str], None]) -> None:
+    """Make ``torch.distributed.init_process_group`` a no-op once the default group is up.
+
+    The first call that asks for a backend ``active_backend`` does not cover
+    (``nccl`` in CPU ranks) calls ``on_skip(requested, active_backend)`` once.
+    Before the group exists the call goes to torch's own function, unchanged.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    original = c10d.init_process_group
+    if getattr(original, "_nbtools_guard", False):
+        return
+    told = []
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        if not c10d.is_initialized():
+            return original(*args, **kwargs)
+        requested = kwargs.get("backend", args[0] if args else None)
+        if requested and not told and not _backends_covered(str(requested), active_backend):
+            told.append(True)
+            on_skip(str(requested), active_backend)
+        return None
+
+    init_process_group._nbtools_guard = True  # type: ignore[attr-defined]
+    c10d.init_process_group = init_process_group
+    dist.init_process_group = init_process_group
+
+
+def _backends_covered(requested: str, active: str) -> bool:
+    """Whether every backend in ``requested`` ("nccl", "cuda:nccl,cpu:gloo") is active."""
+
+    def names(spec: str) -> set[str]:
+        return {part.split(":")[-1].strip().lower() for part in spec.split(",") if part.strip()}
+
+    return names(requested) <= names(active)
+
+
+def restore_fork_start_method() -> None:
+    """Make ``multiprocessing``'s default start method in this process what a notebook has: fork.
+
+    The forkserver sets its children's start method to ``forkserver`` for good
+    (``set_start_method(..., force=True)``), which makes every process a rank's
+    code starts (DataLoader workers above all, also those built by HF Trainer,
+    accelerate or Lightning) pickle its target: a dataset class from a notebook
+    cell then fails with "Can't pickle <class '__main__.X'>".
+
+    The choice is reset rather than forced, so a user's own
+    ``multiprocessing.set_start_method("spawn")`` (or torch's hint
+    ``set_start_method("fork")``) still works as in a notebook. Where the
+    interpreter's own default is not ``fork`` (Python 3.14 and later), ``fork``
+    is chosen explicitly, because that is what notebook users of torch's loader
+    workers rely on.
+
+    Why forking here is CUDA-safe enough: the rank itself never forks its
+    parent's CUDA state (it was started from the forkserver); what forks now are
+    the rank's own children. Forked loader workers that never touch CUDA are
+    the configuration torch users run every day on GPU ranks under torchrun; a
+    worker that does need CUDA must ask for ``spawn`` explicitly, as it would in
+    any torchrun script.
+    """
+    import multiprocessing
+    import multiprocessing.context
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return  # not Linux/Unix: keep what the platform does
+    multiprocessing.set_start_method(None, force=True)
+    if _platform_start_method() != "fork":
+        multiprocessing.set_start_method("fork", force=True)
+
+
+def _platform_start_method() -> str:
+    # The default context's own choice, read without fixing it (get_start_method would).
+    import multiprocessing.context
+
+    ctx = getattr(multiprocessing.context, "_default_context", None)
+    default = getattr(ctx, "_default_context", None)
+    name = getattr(default, "_name", None)
+    if name is None:
+        _fallback_note(
+            "multiprocessing.context._default_context",
+            "fork is assumed to be the platform's start method",
+            logging.INFO,
+        )
+        return "fork"
+    return name
 
 
 # --- DCP file format --------------------------------------------------------------------

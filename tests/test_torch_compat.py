@@ -232,9 +232,41 @@ _PRIVATE_MEMBERS = {
 _PRIVATE_ATTRIBUTES = _PRIVATE_MEMBERS | {"_StorageInfo"}
 
 
+def _torch_bound_names(tree: ast.AST) -> set[str]:
+    """Names a module binds to torch modules or objects (``dist``, ``c10d``, ``torch``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("torch")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("torch"):
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def _torch_assignments(tree: ast.AST) -> list[ast.Attribute]:
+    """``x.attr = ...`` (and ``setattr(x, ...)``) where ``x`` is rooted at a torch name."""
+    bound = _torch_bound_names(tree)
+    targets = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets += node.targets if isinstance(node, ast.Assign) else [node.target]
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and node.args:
+            targets.append(ast.Attribute(value=node.args[0], attr="<setattr>", lineno=node.lineno))
+    found = []
+    for target in targets:
+        if not isinstance(target, ast.Attribute):
+            continue
+        inner = target.value
+        while isinstance(inner, ast.Attribute):
+            inner = inner.value
+        if isinstance(inner, ast.Name) and inner.id in bound:
+            found.append(target)
+    return found
+
+
 def _private_torch_uses(path: Path) -> list[str]:
     tree = ast.parse(path.read_text())
-    found = []
+    found = [f"{path.name}:{t.lineno} assigns .{t.attr}" for t in _torch_assignments(tree)]
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("torch"):
             parts = node.module.split(".")
@@ -264,6 +296,55 @@ def test_private_torch_names_only_in_the_boundary_module():
             continue
         offenders += [f"{path.relative_to(ROOT)}: {use}" for use in _private_torch_uses(path)]
     assert offenders == [], "private torch names outside nbtools/_torch_compat.py"
+
+
+def test_the_boundary_check_sees_assignments_to_torch_attributes(tmp_path):
+    module = tmp_path / "shim.py"
+    module.write_text(
+        "import torch.distributed as dist\n"
+        "from torch.distributed import distributed_c10d as c10d\n"
+        "def patch(f):\n"
+        "    dist.init_process_group = f\n"
+        "    setattr(c10d, 'init_process_group', f)\n"
+        "    local = object()\n"
+        "    local.attr = f\n"
+    )
+    uses = _private_torch_uses(module)
+    assert uses == ["shim.py:4 assigns .init_process_group", "shim.py:5 assigns .<setattr>"]
+
+
+def test_init_process_group_guard_skips_a_second_group_once_and_keeps_torch_first(tmp_path):
+    import torch.distributed as dist
+
+    skipped = []
+    saved = dist.init_process_group, dist.distributed_c10d.init_process_group
+    try:
+        compat.guard_init_process_group("gloo", lambda req, active: skipped.append((req, active)))
+        compat.guard_init_process_group("gloo", lambda req, active: skipped.append("twice"))
+        dist.init_process_group(
+            "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+        )  # torch's own call: the group forms
+        assert dist.is_initialized()
+        assert dist.init_process_group("nccl") is None
+        assert dist.init_process_group(backend="nccl") is None
+        assert dist.init_process_group("gloo") is None
+        assert skipped == [("nccl", "gloo")]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group, dist.distributed_c10d.init_process_group = saved
+
+
+def test_fork_start_method_is_restored_from_a_forced_choice(no_fallback):
+    import multiprocessing
+
+    before = multiprocessing.get_start_method(allow_none=True)
+    try:
+        multiprocessing.set_start_method("forkserver", force=True)
+        compat.restore_fork_start_method()
+        assert multiprocessing.get_start_method() == "fork"
+    finally:
+        multiprocessing.set_start_method(before, force=True)
 
 
 def test_process_exitcodes_of_an_elastic_context(no_fallback, tmp_path):
