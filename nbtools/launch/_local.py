@@ -22,12 +22,14 @@ import pickle
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import psutil
 from torch.distributed.elastic.multiprocessing import (
     DefaultLogsSpecs,
     MultiprocessContext,
     PContext,
+    RunProcsResult,
     SignalException,
     Std,
 )
@@ -116,6 +118,18 @@ class LocalBackend:
         """Nothing is held between attempts."""
 
 
+@dataclass(frozen=True)
+class _Vanished:
+    """A rank that ended without returning, and torch's report of the group where it has one.
+
+    ``report`` is ``None`` when torch has not seen the end yet (a busy host):
+    the launcher then goes by the rank's own record or exit code.
+    """
+
+    rank: int
+    report: RunProcsResult | None
+
+
 class LocalGroup:
     """One attempt's ranks; implements :class:`~nbtools.launch._backend.RankGroup`."""
 
@@ -139,12 +153,14 @@ class LocalGroup:
             result = self._ctx.wait(0)
             early = None
             if result is None:
-                early = self._vanished()
-                if early is None:
+                gone = self._vanished()
+                if gone is None:
                     time.sleep(_POLL_S)
                     return None
-                if not isinstance(early, int):
-                    result, early = early, None
+                if gone.report is not None:
+                    result = gone.report
+                else:
+                    early = gone.rank
         except SignalException as exc:
             raise KeyboardInterrupt from exc
         if early is None and not result.is_failed():
@@ -162,8 +178,8 @@ class LocalGroup:
         """The return value rank ``rank`` left in its result file, read once."""
         return _results.load(_results.result_path(self._spec.attempt_dir, rank))
 
-    def _vanished(self):
-        """Release ranks once all returned; a rank gone before returning: its result or rank."""
+    def _vanished(self) -> _Vanished | None:
+        """Release ranks once all returned; say which rank is gone before returning, if any."""
         attempt_dir = self._spec.attempt_dir
         returned = {r for r in self._procs if os.path.exists(returned_path(attempt_dir, r))}
         if not self._released and len(returned) == len(self._procs):
@@ -173,8 +189,7 @@ class LocalGroup:
             self._released = True
         for rank, proc in self._procs.items():
             if rank not in returned and not _running(proc):
-                outcome = _exit_status(self._ctx)
-                return outcome if outcome is not None else rank
+                return _Vanished(rank, _exit_status(self._ctx))
         return None
 
     def _failed(self, result, early: int | None, exited: dict[int, int]) -> Failed:
@@ -309,7 +324,7 @@ def _running(proc: psutil.Process | None) -> bool:
         return False
 
 
-def _exit_status(ctx: PContext):
+def _exit_status(ctx: PContext) -> RunProcsResult | None:
     """torch's failure result if the vanished rank exited non-zero; None for exit code 0."""
     deadline = time.monotonic() + _EXIT_STATUS_WAIT_S
     while time.monotonic() < deadline:
