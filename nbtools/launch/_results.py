@@ -2,8 +2,8 @@
 
 The rank pickles its value once, writing the large buffers (CPU tensors and
 NumPy arrays) beside the pickle instead of inside it, to a file in the launch's
-private run directory; the caller reads that file once and unpickles with the
-buffers in place. Neither side copies a large value through a pipe, and torch's
+private run directory; the caller maps that file and unpickles with the buffers
+in place. Neither side copies a large value through a pipe, and torch's
 elastic result queue carries only a small marker.
 
 File layout: ``NBR1``, the number of parts (8 bytes), each part's length (8
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copyreg
 import io
+import mmap
 import os
 import pickle
 import struct
@@ -28,6 +29,8 @@ _LEN = struct.Struct("<Q")
 # Smaller buffers stay in the pickle: framing them costs more than it saves.
 _MIN_OUT_OF_BAND = 64 * 1024
 _ALIGN = 64
+# Files at least this large are mapped instead of read.
+_MAP_AT_LEAST = 1024 * 1024
 
 
 def _padding(offset: int) -> int:
@@ -119,17 +122,25 @@ def dump(value: Any, path: str) -> None:
 
 
 def load(path: str) -> Framed:
-    """Read what :func:`dump` wrote (one read into one buffer); the value is not unpickled yet."""
+    """Read what :func:`dump` wrote; the value is not unpickled yet.
+
+    A large file is mapped copy-on-write rather than read: the value's tensors
+    then use the pages the rank wrote, without a copy (the mapping outlives the
+    file, which the launcher removes after the call).
+    """
     with open(path, "rb") as src:
         size = os.fstat(src.fileno()).st_size
-        whole = bytearray(size)
-        view = memoryview(whole)
-        got = 0
-        while got < size:
-            n = src.readinto(view[got:])
-            if not n:
-                break
-            got += n
+        if size >= _MAP_AT_LEAST:
+            view = memoryview(mmap.mmap(src.fileno(), size, access=mmap.ACCESS_COPY))
+            got = size
+        else:
+            view = memoryview(bytearray(size))
+            got = 0
+            while got < size:
+                n = src.readinto(view[got:])
+                if not n:
+                    break
+                got += n
     if got != size or bytes(view[:4]) != _MAGIC:
         raise ValueError(f"{path} is not a complete result file ({got} of {size} bytes)")
     (count,) = _LEN.unpack_from(view, 4)
