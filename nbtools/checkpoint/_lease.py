@@ -298,8 +298,9 @@ class WriterLease:
                     self._start_watch()
                     raise self._pending(record)
                 if self._takeover:
-                    _log.warning("taking over %s from %s (takeover=True)", self.path,
-                                 _describe(record))
+                    _log.warning(
+                        "taking over %s from %s (takeover=True)", self.path, _describe(record)
+                    )
                 else:
                     _log.info("taking over %s from %s, which is gone", self.path, _describe(record))
             self._target.makedirs()

@@ -30,15 +30,28 @@ def _holder(root) -> dict:
 def _other_machine(**extra) -> dict:
     """A lease another machine wrote 40 s ago: neither fresh nor old enough to drop unseen."""
     now = time.time()
-    return dict(pid=4321, machine="node-7/boot/ns", host="node-7", since=now - 40,
-                time=now - 40, beat=3, **extra)
+    return dict(
+        pid=4321,
+        machine="node-7/boot/ns",
+        host="node-7",
+        since=now - 40,
+        time=now - 40,
+        beat=3,
+        **extra,
+    )
 
 
 @pytest.mark.parametrize("started", ["missing", "pid 1's own"])
 def test_a_month_old_lease_naming_pid_1_is_taken_over_at_once(tmp_path, started):
     root = tmp_path / "root"
-    record = dict(pid=1, machine=_machine(), host="here", since=time.time() - MONTH_S,
-                  time=time.time() - MONTH_S, beat=7)
+    record = dict(
+        pid=1,
+        machine=_machine(),
+        host="here",
+        since=time.time() - MONTH_S,
+        time=time.time() - MONTH_S,
+        beat=7,
+    )
     if started != "missing":  # the right start time, but no heartbeat for a month
         record["started"] = psutil.Process(1).create_time()
     _plant(root, **record)
@@ -143,8 +156,16 @@ def test_a_lease_of_this_machine_not_renewed_for_minutes_is_taken_over(tmp_path)
     # The holder's process is alive and its start time matches, but it stopped renewing.
     root = tmp_path / "root"
     me = psutil.Process(os.getppid())
-    _plant(root, pid=me.pid, started=me.create_time(), machine=_machine(), host="here",
-           since=time.time() - 600, time=time.time() - 600, beat=2)
+    _plant(
+        root,
+        pid=me.pid,
+        started=me.create_time(),
+        machine=_machine(),
+        host="here",
+        since=time.time() - 600,
+        time=time.time() - 600,
+        beat=2,
+    )
     with CheckpointManager(root, async_save=False) as ckpt:
         assert ckpt.save(1, model=Net())
     assert sorted(os.listdir(root)) == ["step_1"]
