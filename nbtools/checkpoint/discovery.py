@@ -5,7 +5,8 @@ unpickler and every shard file it names is present and long enough, so a save
 killed at any point is never picked. With ``verify``, every item's recorded
 CRC-32 is checked as well (this reads all the data).
 
-Only real directories count: nbtools never creates links, so a ``step_<N>``
+Only the user's own checkpoints count: one another user wrote (or can write) is
+skipped with a warning (see ``_roots``). Only real directories count: nbtools never creates links, so a ``step_<N>``
 that is a symbolic link (or holds one) was put there by someone else and is
 never followed, read or deleted through; the link leads out of the root.
 """
@@ -18,6 +19,7 @@ from typing import Any, NamedTuple
 
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint._layout import METADATA_NAME, parse_step_dir, step_dir_name
+from nbtools.checkpoint._roots import skip_untrusted
 from nbtools.checkpoint._shards import verify_items
 from nbtools.checkpoint._target import Target, open_target
 from nbtools.checkpoint.reader import read_metadata
@@ -72,12 +74,13 @@ def is_foreign(target: Target, name: str) -> bool:
 def list_steps(target: Target) -> list[tuple[int, bool]]:
     """``(step, has_metadata)`` for every ``step_<N>`` directory, newest first.
 
-    Symbolic links and files named like steps are left out (see :func:`is_foreign`).
+    Symbolic links and files named like steps are left out (see :func:`is_foreign`),
+    and so are checkpoints another user wrote or can write (see ``_roots``).
     """
     out = []
     for name in target.listdir():
         step = parse_step_dir(name)
-        if step is not None and not is_foreign(target, name):
+        if step is not None and not is_foreign(target, name) and not skip_untrusted(target, name):
             out.append((step, target.exists(f"{name}/{METADATA_NAME}")))
     return sorted(out, reverse=True)
 

@@ -47,6 +47,7 @@ from nbtools.checkpoint._quiet import quiet_single_process_warning
 from nbtools.checkpoint._report import SaveTiming
 from nbtools.checkpoint._restore import restore_newest
 from nbtools.checkpoint._retention import RetentionWorker
+from nbtools.checkpoint._roots import check_root
 from nbtools.checkpoint._stager import ReusableStager
 from nbtools.checkpoint._target import Target
 from nbtools.checkpoint.discovery import is_foreign, root_target
@@ -123,6 +124,7 @@ class CheckpointManager:
             raise TypeError(f"save_on_close must be a bool, not {type(save_on_close).__name__}")
         self._target: Target = root_target(root)
         check_writable(self._target)
+        check_root(self._target)  # a root other users can write: planted checkpoints
         self.root = self._target.url
         self.async_save = async_save
         self.save_on_close = save_on_close
