@@ -2,20 +2,27 @@
 
 Two runs saving into one root would delete each other's checkpoints (retention)
 and could write into the same step directory, so they are refused. The first
-manager to save writes the lease (process id, host, a token) and renews it from
-a heartbeat thread until it closes. Another manager that finds a lease:
+manager to save writes the lease (process id and start time, host, a token) and
+renews it from a heartbeat thread every :data:`HEARTBEAT_S` until it closes.
 
-- takes it over when the holder is this very process (a notebook cell run again
-  while the previous manager was never closed) or a process of this machine that
-  no longer exists (a crashed or killed run);
-- is refused at once when the holder is a live process of this machine;
-- for a holder on another machine, watches the lease for a few heartbeats: a
-  renewed lease is held (refused), one left unchanged was left by a writer that
-  is gone and is taken over. Watching the lease change, rather than comparing
-  timestamps, does not depend on the two machines' clocks agreeing.
+What makes a lease live (anything else is taken over at once):
 
-Writers confirm the lease before each save, so one that lost it stops saving
-with a clear error instead of racing the new holder.
+- a holder on this machine (same boot and pid namespace): its process exists,
+  started when the lease says (a reused pid does not count), and the lease was
+  renewed within :data:`EXPIRE_S` by this machine's clock. A lease without a
+  start time or a heartbeat is no evidence of anything;
+- a holder on another machine: the lease changes (its heartbeat advances).
+  Watching for a change, rather than comparing timestamps, does not depend on
+  the two machines' clocks agreeing; only a lease older than :data:`MAX_AGE_S`
+  by its own timestamp is abandoned without watching.
+
+Watching takes :data:`WATCH_S` and never runs on the training thread: the
+manager starts it in the background when it is created, and a save due before
+the verdict is deferred (``maybe_save`` saves at the first step after it) rather
+than blocked. A live holder makes every save raise a ``CheckpointError`` naming
+it and saying how to take over: ``CheckpointManager(..., takeover=True)``, or
+deleting the lease file. Writers confirm the lease before each save, so one that
+lost it stops saving with a clear error instead of racing the new holder.
 """
 
 from __future__ import annotations
@@ -34,17 +41,29 @@ from nbtools._internal.log import get_logger
 from nbtools.checkpoint._target import Target
 from nbtools.errors import CheckpointError
 
-__all__ = ["LEASE_NAME", "WriterLease"]
+__all__ = ["LEASE_NAME", "LeasePending", "WriterLease"]
 
 LEASE_NAME = ".nbtools-writer"
 #: Seconds between renewals of a held lease.
 HEARTBEAT_S = 10.0
-#: A lease of another machine left unchanged this long (by our clock) is abandoned.
+#: A lease of this machine not renewed for this long (this machine's clock) is abandoned.
+EXPIRE_S = 6 * HEARTBEAT_S
+#: A lease of another machine seen unchanged this long (by our clock) is abandoned.
 WATCH_S = 3 * HEARTBEAT_S
 #: A lease older than this by its own timestamp is abandoned whatever the clocks say.
 MAX_AGE_S = 3600.0
+#: How often the background watch reads a lease of another machine.
+_POLL_S = 1.0
 
 _log = get_logger("checkpoint")
+
+
+class LeasePending(CheckpointError):
+    """The root's lease belongs to another machine and is still being watched.
+
+    The save is deferred, not refused: ``maybe_save`` saves at the first step
+    after the watch ends with the lease abandoned.
+    """
 
 
 def _machine() -> str:
@@ -67,28 +86,63 @@ def _started(pid: int) -> float | None:
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return None
     except psutil.Error:
-        return -1.0  # exists but cannot be inspected: treat as alive
+        return -1.0  # exists but cannot be inspected
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
 
 
 def _describe(record: dict[str, Any]) -> str:
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.get("since", 0)))
+    since = _number(record.get("since")) or _number(record.get("time")) or 0.0
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since))
     return f"pid {record.get('pid')} on host {record.get('host')} (writing since {when})"
 
 
-class WriterLease:
-    """The lease of one manager on one root (used on the saving rank only)."""
+def _local_verdict(record: dict[str, Any]) -> bool:
+    """Whether a lease written on this machine is held by a live writer."""
+    pid = record.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid == os.getpid():
+        return False  # no holder, or an earlier manager of this process: superseded
+    renewed = _number(record.get("time"))
+    if renewed is None or time.time() - renewed > EXPIRE_S:
+        return False  # no heartbeat, or not renewed: its writer stopped
+    recorded = _number(record.get("started"))
+    started = _started(pid)
+    if recorded is None or started is None:
+        return False
+    return started == -1.0 or abs(started - recorded) < 1.0
 
-    def __init__(self, target: Target) -> None:
+
+class WriterLease:
+    """The lease of one manager on one root (used on the saving rank only).
+
+    Args:
+        target: The checkpoint root.
+        takeover: Take the lease whatever its state (the other writer, if alive,
+            stops saving at its next heartbeat or save).
+    """
+
+    def __init__(self, target: Target, takeover: bool = False) -> None:
         self._target = target
+        self._takeover = takeover
         self._token = uuid.uuid4().hex
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watcher: threading.Thread | None = None
         self._beat = 0
         self._since = time.time()
         self.held = False
         self.lost_to: dict[str, Any] | None = None
         self._pid = os.getpid()
+        # The other machine's lease being watched: its content, when (monotonic) it was
+        # first seen, and when it was last seen to change (None: not yet).
+        self._watched: dict[str, Any] | None = None
+        self._seen_at = 0.0
+        self._changed_at: float | None = None
 
     @property
     def path(self) -> str:
@@ -122,7 +176,7 @@ class WriterLease:
         }
         self._target.publish_bytes(LEASE_NAME, json.dumps(record).encode())
 
-    # --- taking it --------------------------------------------------------------
+    # --- judging another writer's lease ----------------------------------------------
 
     def _refuse(self, record: dict[str, Any]) -> CheckpointError:
         if record.get("machine") == _machine() and record.get("pid") == os.getpid():
@@ -132,56 +186,102 @@ class WriterLease:
             )
         return CheckpointError(
             f"another run is saving checkpoints under {self._target.url}: "
-            f"{_describe(record)}. Two runs writing one root would delete each other's "
-            "checkpoints, so this one does not save. Stop the other run (or close its "
-            "CheckpointManager), or give this run its own root. If no such run exists, "
-            f"delete {self.path}"
+            f"{_describe(record)}, and its lease {self.path} is being renewed. Two runs "
+            "writing one root would delete each other's checkpoints, so this one does not "
+            "save. Stop the other run (or close its CheckpointManager), or give this run "
+            "its own root. If that run is gone, take over with "
+            f"CheckpointManager(..., takeover=True) or delete {self.path}"
         )
 
-    def _abandoned(self, record: dict[str, Any]) -> bool:
-        """Whether the writer of ``record`` is gone (may watch the lease for WATCH_S)."""
+    def _observe(self, record: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if self._watched is None or self._watched.get("token") != record.get("token"):
+            self._watched, self._seen_at, self._changed_at = record, now, None
+        elif record != self._watched:
+            self._watched, self._changed_at = record, now
+
+    def _verdict(self, record: dict[str, Any]) -> str:
+        """``"gone"``, ``"live"`` or ``"pending"`` for a lease that is not ours."""
+        if self._takeover:
+            return "gone"
         if record.get("machine") == _machine():
-            pid = record.get("pid")
-            if pid == os.getpid():
-                return True  # an earlier manager of this process: superseded
-            started = _started(pid) if isinstance(pid, int) else None
-            alive = started is not None and (
-                started == -1.0
-                or record.get("started") is None
-                or abs(started - float(record["started"])) < 1.0
-            )
-            return not alive
-        try:
-            age = time.time() - float(record.get("time", 0))
-        except (TypeError, ValueError):
-            return True  # not a lease nbtools wrote
-        if age > MAX_AGE_S:
-            return True
-        _log.warning(
-            "%s holds a lease of %s; watching it for %.0f s to see whether that writer is alive",
-            self._target.url,
-            _describe(record),
-            WATCH_S,
+            return "live" if _local_verdict(record) else "gone"
+        renewed = _number(record.get("time"))
+        if renewed is None or time.time() - renewed > MAX_AGE_S:
+            return "gone"  # no heartbeat, or one stopped long ago whatever the clocks say
+        self._observe(record)
+        now = time.monotonic()
+        if self._changed_at is not None and now - self._changed_at < WATCH_S:
+            return "live"
+        if now - max(self._seen_at, self._changed_at or 0.0) >= WATCH_S:
+            return "gone"  # unchanged for several heartbeats
+        return "pending"
+
+    def _pending(self, record: dict[str, Any]) -> LeasePending:
+        left = max(0.0, WATCH_S - (time.monotonic() - self._seen_at))
+        return LeasePending(
+            f"{self._target.url} holds the writer lease of {_describe(record)}, on another "
+            f"machine; watching it for {left:.0f} s more to learn whether that run is alive, "
+            "so this save is deferred (the first step after that is saved). To take over at "
+            f"once, use CheckpointManager(..., takeover=True) or delete {self.path}"
         )
-        deadline = time.monotonic() + WATCH_S
-        while time.monotonic() < deadline:
-            time.sleep(min(1.0, HEARTBEAT_S / 4))
-            now = self._read()
-            if now is None:
-                return True
-            if now != record:
-                return False
-        return True
+
+    def _watch(self) -> None:
+        while not self._stop.wait(_POLL_S):
+            with self._lock:
+                if self.held:
+                    return
+                try:
+                    record = self._read()
+                except OSError as exc:  # a storage hiccup: the next poll tries again
+                    _log.warning("could not read %s: %s", self.path, exc)
+                    continue
+                if record is None or self._verdict(record) != "pending":
+                    self._watcher = None
+                    return
+
+    def _start_watch(self) -> None:
+        if self._watcher is None:
+            self._stop.clear()
+            self._watcher = threading.Thread(
+                target=self._watch, name="nbtools-ckpt-lease-watch", daemon=True
+            )
+            self._watcher.start()
+
+    def probe(self) -> None:
+        """Start watching the root's lease in the background when another machine holds it.
+
+        Called when the manager is created, so that a verdict is usually known
+        by the first save. Errors reading the lease are left to the first save.
+        """
+        with self._lock:
+            try:
+                record = self._read()
+            except OSError:
+                return
+            if record is not None and not self.held and self._verdict(record) == "pending":
+                self._start_watch()
+
+    def settle(self) -> None:
+        """Wait (at most :data:`WATCH_S`) until a watch in progress has a verdict."""
+        watcher = self._watcher
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(WATCH_S + 2 * _POLL_S)
+
+    # --- taking it --------------------------------------------------------------
 
     def acquire(self) -> None:
-        """Take the lease, or confirm it is still ours.
+        """Take the lease, or confirm it is still ours; never waits.
 
         Raises:
+            LeasePending: Another machine's lease is still being watched.
             CheckpointError: Another live writer holds it, or took it from us.
         """
         with self._lock:
             if self.lost_to is not None:
                 raise self._refuse(self.lost_to)
+            if self._watcher is not None and self._watched is not None:
+                raise self._pending(self._watched)  # the watch reads the file meanwhile
             record = self._read()
             if self.held:
                 if record is not None and record.get("token") != self._token:
@@ -190,10 +290,19 @@ class WriterLease:
                 if record is None:
                     self._write()  # deleted by hand while held: put it back
                 return
-            if record is not None and not self._abandoned(record):
-                raise self._refuse(record)
-            if record is not None:
-                _log.info("taking over %s from %s, which is gone", self.path, _describe(record))
+            if record is not None and record.get("token") != self._token:
+                verdict = self._verdict(record)
+                if verdict == "live":
+                    raise self._refuse(record)
+                if verdict == "pending":
+                    self._start_watch()
+                    raise self._pending(record)
+                if self._takeover:
+                    _log.warning(
+                        "taking over %s from %s (takeover=True)", self.path, _describe(record)
+                    )
+                else:
+                    _log.info("taking over %s from %s, which is gone", self.path, _describe(record))
             self._target.makedirs()
             self._pid = os.getpid()
             self._write()
@@ -201,6 +310,7 @@ class WriterLease:
             if mine is None or mine.get("token") != self._token:  # lost a race to another writer
                 raise self._refuse(mine or {})
             self.held = True
+            self._watched = None
             self._thread = threading.Thread(
                 target=self._heartbeat, name="nbtools-ckpt-lease", daemon=True
             )
@@ -233,7 +343,7 @@ class WriterLease:
     # --- giving it back -------------------------------------------------------------
 
     def release(self) -> None:
-        """Stop renewing and delete the lease file if it is still ours (idempotent).
+        """Stop renewing and watching, and delete the lease file if it is still ours (idempotent).
 
         A forked child (a loader worker) shares the token but never releases the
         lease of the process that took it.
@@ -241,9 +351,11 @@ class WriterLease:
         if os.getpid() != self._pid:
             return
         self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        for name in ("_thread", "_watcher"):
+            thread = getattr(self, name)
+            setattr(self, name, None)
+            if thread is not None and thread is not threading.current_thread():
+                thread.join()
         with self._lock:
             if not self.held:
                 return

@@ -4,9 +4,12 @@ Rank 0 walks the complete checkpoints newest first; every rank tries to load
 the one rank 0 names. When the data of any rank does not match its recorded
 checksums (a flipped bit on the volume, a damaged upload), all ranks skip it
 together, with a warning that names it and says why (and a
-``checkpoint_skipped`` event), and try the next older one. Any other failure (objects that do not match the checkpoint, a crafted
-``.metadata``) is raised: it would fail on the older ones too, or must not be
-passed over. :func:`restore_newest` puts the chosen one back into the objects.
+``checkpoint_skipped`` event), and try the next older one. A checkpoint deleted
+while it is read (the retention of a run saving into the root, with a small
+``keep``) is no fault either: the ranks look again and load the newest one,
+which is newer. Any other failure (objects that do not match the checkpoint, a
+saved value of a type ``weights_only`` refuses) is raised: it would fail on the
+older ones too. :func:`restore_newest` puts the chosen one back into the objects.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import agree, gather
 from nbtools.checkpoint._errors import unwrap
-from nbtools.checkpoint._layout import step_dir_name
+from nbtools.checkpoint._layout import METADATA_NAME, step_dir_name
 from nbtools.checkpoint._quiet import quiet_single_process_warning
 from nbtools.checkpoint._target import Target
 from nbtools.checkpoint.discovery import candidates
@@ -34,7 +37,18 @@ __all__ = ["newest_verified", "restore_newest"]
 
 _log = get_logger("checkpoint")
 
+#: Checkpoints one restore may lose to retention before it gives up.
+MAX_LOST = 50
+
 Loaded = tuple[dict[str, Any], dict[str, Any]]
+
+
+def _lost(directory: Target) -> bool:
+    """Whether ``directory`` lost its ``.metadata`` (retention deletes it first)."""
+    try:
+        return not directory.exists(METADATA_NAME)
+    except OSError:
+        return False
 
 
 def _kind(error: BaseException | None) -> str:
@@ -71,6 +85,8 @@ def newest_verified(
     """
     found = candidates(target) if runtime.get_rank() == 0 else None
     skipped: list[tuple[str, str]] = []
+    passed: set[int] = set()  # steps skipped as corrupt
+    lost = 0
     while True:
         verdict, metadata = None, None
         if found is not None:
@@ -107,6 +123,17 @@ def newest_verified(
         outcomes = gather(pg, (_kind(error), str(error) if error is not None else ""))
         if all(kind == "ok" for kind, _ in outcomes):
             return directory, step, state, blob, skipped
+        if agree(pg, _lost(directory) if runtime.get_rank() == 0 else None):
+            lost += 1
+            if lost > MAX_LOST:
+                raise CheckpointError(
+                    f"{lost} checkpoints under {target.url} were deleted while this restore "
+                    "read them (the retention of a run saving there): keep more of them "
+                    "(keep=2 or more), or restore from a copy"
+                )
+            _log.info("%s was deleted while it was read; loading the newest one", url)
+            found = candidates(target, skip=passed) if runtime.get_rank() == 0 else None
+            continue
         if any(kind == "error" for kind, _ in outcomes):
             if error is not None:
                 raise error
@@ -117,6 +144,7 @@ def newest_verified(
         if runtime.get_rank() == 0:
             events.emit("checkpoint_skipped", message=f"skipped {url}: {reason}", step=step)
         skipped.append((url, reason))
+        passed.add(step)
 
 
 def _load(

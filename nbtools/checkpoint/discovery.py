@@ -5,7 +5,8 @@ unpickler and every shard file it names is present and long enough, so a save
 killed at any point is never picked. With ``verify``, every item's recorded
 CRC-32 is checked as well (this reads all the data).
 
-Only real directories count: nbtools never creates links, so a ``step_<N>``
+Only the user's own checkpoints count: one another user wrote (or can write) is
+skipped with a warning (see ``_roots``). Only real directories count: nbtools never creates links, so a ``step_<N>``
 that is a symbolic link (or holds one) was put there by someone else and is
 never followed, read or deleted through; the link leads out of the root.
 """
@@ -13,11 +14,12 @@ never followed, read or deleted through; the link leads out of the root.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any, NamedTuple
 
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint._layout import METADATA_NAME, parse_step_dir, step_dir_name
+from nbtools.checkpoint._roots import skip_untrusted
 from nbtools.checkpoint._shards import verify_items
 from nbtools.checkpoint._target import Target, open_target
 from nbtools.checkpoint.reader import read_metadata
@@ -72,12 +74,13 @@ def is_foreign(target: Target, name: str) -> bool:
 def list_steps(target: Target) -> list[tuple[int, bool]]:
     """``(step, has_metadata)`` for every ``step_<N>`` directory, newest first.
 
-    Symbolic links and files named like steps are left out (see :func:`is_foreign`).
+    Symbolic links and files named like steps are left out (see :func:`is_foreign`),
+    and so are checkpoints another user wrote or can write (see ``_roots``).
     """
     out = []
     for name in target.listdir():
         step = parse_step_dir(name)
-        if step is not None and not is_foreign(target, name):
+        if step is not None and not is_foreign(target, name) and not skip_untrusted(target, name):
             out.append((step, target.exists(f"{name}/{METADATA_NAME}")))
     return sorted(out, reverse=True)
 
@@ -136,8 +139,9 @@ def find_latest_valid(root: str | os.PathLike[str], *, verify: bool = False) -> 
 
     Directories without ``.metadata`` (saves that did not finish) are ignored; a
     ``.metadata`` that cannot be read or names missing or short shards is skipped
-    with a warning, and the previous checkpoint is used. Symbolic links named
-    like checkpoints are ignored.
+    with a warning, and the previous checkpoint is used; so is a ``.metadata``
+    that asks to unpickle a type outside DCP metadata (someone crafted it;
+    nothing from it runs). Symbolic links named like checkpoints are ignored.
 
     Example:
         >>> find_latest_valid("/mnt/vol/run1/checkpoints")  # doctest: +SKIP
@@ -154,8 +158,6 @@ def find_latest_valid(root: str | os.PathLike[str], *, verify: bool = False) -> 
     Raises:
         ValueError: ``root`` is a file.
         TypeError: ``verify`` is not a bool.
-        UnsafeCheckpointError: A ``.metadata`` asks to unpickle a type outside DCP
-            metadata (someone crafted it); nothing from it was run.
     """
     found = latest_checkpoint(root, verify=verify)
     return found.path if found is not None else None
@@ -181,8 +183,6 @@ def latest_checkpoint(
     Raises:
         ValueError: ``root`` is a file.
         TypeError: ``verify`` is not a bool.
-        UnsafeCheckpointError: A ``.metadata`` asks to unpickle a type outside DCP
-            metadata (someone crafted it); nothing from it was run.
     """
     if not isinstance(verify, bool):
         raise TypeError(f"verify must be a bool, not {type(verify).__name__}")
@@ -190,23 +190,50 @@ def latest_checkpoint(
     return FoundCheckpoint(found[0], found[1].url) if found is not None else None
 
 
-def candidates(target: Target, verify: bool = False) -> Iterator[tuple[int, Target, Any]]:
+def _vanished(directory: Target) -> bool:
+    """Whether a checkpoint that was listed as complete has lost its ``.metadata`` since."""
+    try:
+        return not directory.exists(METADATA_NAME)
+    except OSError:
+        return False
+
+
+def candidates(
+    target: Target, verify: bool = False, skip: Collection[int] = ()
+) -> Iterator[tuple[int, Target, Any]]:
     """``(step, directory, metadata)`` of each complete checkpoint under ``target``, newest first.
 
-    Checkpoints that fail validation are skipped with a warning.
+    Checkpoints that fail validation are skipped with a warning saying why: damaged
+    ones, and unsafe ones (a ``.metadata`` the restricted unpickler refuses, which
+    someone crafted; nothing from it ran). One deleted while it is validated (the
+    retention of a run saving there) is no fault: the root is listed again, so a
+    newer checkpoint published meanwhile is found.
 
-    Raises:
-        UnsafeCheckpointError: A crafted ``.metadata`` (not skipped: someone planted it).
+    Args:
+        target: The checkpoint root.
+        verify: Also check every item's checksum.
+        skip: Steps not to yield (already tried).
     """
-    for step, complete in list_steps(target):
-        if not complete:
-            continue
-        child = target.child(step_dir_name(step))
-        try:
-            metadata = validate(child, child.url, verify)
-        except UnsafeCheckpointError:
-            raise
-        except (CorruptCheckpointError, OSError) as exc:
-            _log.warning("skipping checkpoint %s: %s", child.url, exc)
-            continue
-        yield step, child, metadata
+    tried = set(skip)
+    while True:
+        relist = False
+        for step, complete in list_steps(target):
+            if not complete or step in tried:
+                continue
+            tried.add(step)
+            child = target.child(step_dir_name(step))
+            try:
+                metadata = validate(child, child.url, verify)
+            except (CorruptCheckpointError, OSError) as exc:
+                if _vanished(child):
+                    _log.info(
+                        "%s was deleted while it was read; looking for a newer one", child.url
+                    )
+                    relist = True
+                    break
+                unsafe = " as unsafe" if isinstance(exc, UnsafeCheckpointError) else ""
+                _log.warning("skipping checkpoint %s%s: %s", child.url, unsafe, exc)
+                continue
+            yield step, child, metadata
+        if not relist:
+            return

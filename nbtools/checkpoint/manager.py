@@ -42,11 +42,12 @@ from nbtools.checkpoint._collective import agree, final_step
 from nbtools.checkpoint._errors import unwrap
 from nbtools.checkpoint._forks import track
 from nbtools.checkpoint._layout import METADATA_NAME, step_dir_name
-from nbtools.checkpoint._lease import WriterLease
+from nbtools.checkpoint._lease import LeasePending, WriterLease
 from nbtools.checkpoint._quiet import quiet_single_process_warning
 from nbtools.checkpoint._report import SaveTiming
 from nbtools.checkpoint._restore import restore_newest
 from nbtools.checkpoint._retention import RetentionWorker
+from nbtools.checkpoint._roots import check_root
 from nbtools.checkpoint._stager import ReusableStager
 from nbtools.checkpoint._target import Target
 from nbtools.checkpoint.discovery import is_foreign, root_target
@@ -69,7 +70,13 @@ class CheckpointManager:
     (``root/.nbtools-writer``, renewed in the background and removed by
     ``close``), and a second run saving into the same root gets a
     ``CheckpointError`` naming the first, instead of the two deleting each
-    other's checkpoints.
+    other's checkpoints. A lease is live while its writer renews it: on this
+    machine, its process (pid and start time) still runs and renewed it within a
+    minute; on another machine, it changes within 30 s. That is watched in the
+    background from the moment the manager is created: a save due before the
+    verdict is deferred (``maybe_save`` saves at the first step after it), never
+    blocked. Take a root over from a run known to be gone with
+    ``takeover=True``, or by deleting ``root/.nbtools-writer``.
 
     Args:
         root: Directory (local, NFS, FUSE) or fsspec URL holding the checkpoints.
@@ -84,6 +91,9 @@ class CheckpointManager:
             exception) saves the last step given to ``maybe_save`` when it is
             newer than the last checkpoint, so a finished run never repeats its
             tail. The objects are saved as they are at that moment.
+        takeover: Take the root's writer lease even when its holder looks alive
+            (it stops saving at its next heartbeat or save). For a root whose
+            previous writer is known to be gone.
 
     Attributes:
         restored_step: Step of the checkpoint ``restore`` loaded, or None.
@@ -106,6 +116,7 @@ class CheckpointManager:
         staging_dir: str | os.PathLike[str] | None = None,
         sync_files: bool = True,
         save_on_close: bool = True,
+        takeover: bool = False,
     ) -> None:
         self.every = positive("every", every)
         self.keep = positive("keep", keep)
@@ -113,6 +124,7 @@ class CheckpointManager:
             raise TypeError(f"save_on_close must be a bool, not {type(save_on_close).__name__}")
         self._target: Target = root_target(root)
         check_writable(self._target)
+        check_root(self._target)  # a root other users can write: planted checkpoints
         self.root = self._target.url
         self.async_save = async_save
         self.save_on_close = save_on_close
@@ -143,7 +155,12 @@ class CheckpointManager:
             if self.keep and main
             else None
         )
-        self._lease = WriterLease(self._target) if main else None
+        if not isinstance(takeover, bool):
+            raise TypeError(f"takeover must be a bool, not {type(takeover).__name__}")
+        self._lease = WriterLease(self._target, takeover) if main else None
+        if self._lease is not None:
+            self._lease.probe()  # another machine's lease: watch it in the background now
+        self._deferred = False  # a due save waits for the lease's verdict
         # A manager dropped without close() (a notebook cell run again) frees the root.
         self._release = weakref.finalize(self, self._lease.release if self._lease else _noop)
         self._closed = False
@@ -196,7 +213,7 @@ class CheckpointManager:
         check_extra(extra)
         self._raise_failed()
         self._last_seen = (step, dict(objs), extra)
-        if self.every is None or step % self.every != 0:
+        if not self._deferred and (self.every is None or step % self.every != 0):
             return False
         return self.save(step, extra=extra, **objs)
 
@@ -207,7 +224,9 @@ class CheckpointManager:
         returns, the objects may be changed: the checkpoint holds their values
         at the moment of the call. Returns False when ``step`` already has a
         complete checkpoint under root (it is never overwritten). A save that
-        fails leaves no ``step_<N>`` directory behind.
+        fails leaves no ``step_<N>`` directory behind. Also returns False, with
+        a warning, while another machine's lease on the root is still being
+        watched: the save is deferred to the next ``maybe_save`` (or ``close``).
 
         Raises:
             CheckpointError: The save failed, or another run is saving into
@@ -225,6 +244,13 @@ class CheckpointManager:
             if runtime.get_rank() == 0
             else None,
         )
+        if isinstance(verdict, LeasePending):
+            if not self._deferred:
+                _log.warning("not saving step %d yet: %s", step, verdict)
+            self._deferred = True
+            self._last_seen = (step, dict(objs), extra)  # close() saves it if nothing later does
+            return False
+        self._deferred = False
         if isinstance(verdict, BaseException):
             raise verdict
         if verdict == "exists":
@@ -334,6 +360,8 @@ class CheckpointManager:
                 _log.warning("ranks reached different last steps %s; no final save on close", steps)
             return
         _log.info("saving step %d, the last one reached, on close", step)
+        if self._lease is not None:
+            self._lease.settle()  # a watch of the lease in progress: close may wait for it
         self.save(step, extra=seen[2], **seen[1])
         self.wait()
 

@@ -7,14 +7,13 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import pytest
 import torch
 from ckpt_training import Net
 
-from nbtools.checkpoint import CheckpointManager, _lease, find_latest_valid
+from nbtools.checkpoint import CheckpointManager, find_latest_valid
 from nbtools.checkpoint._lease import LEASE_NAME, _machine
 from nbtools.errors import CheckpointError
 
@@ -120,34 +119,6 @@ def test_a_live_process_of_this_machine_holds_the_root(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
-
-
-def test_another_machine_holds_the_root_while_it_renews_its_lease(tmp_path, monkeypatch):
-    monkeypatch.setattr(_lease, "WATCH_S", 1.0)
-    root = tmp_path / "root"
-    record = dict(pid=1234, machine="elsewhere", host="node-7", since=time.time(), beat=1)
-    _plant(root, time=time.time(), **record)
-    stop = threading.Event()
-
-    def renew() -> None:  # the other machine's heartbeat
-        beat = 1
-        while not stop.wait(0.1):
-            beat += 1
-            _plant(root, time=time.time(), **{**record, "beat": beat})
-
-    heart = threading.Thread(target=renew)
-    heart.start()
-    try:
-        with CheckpointManager(root) as ckpt:
-            with pytest.raises(CheckpointError, match="pid 1234 on host node-7"):
-                ckpt.save(1, model=Net())
-    finally:
-        stop.set()
-        heart.join()
-    # Left unchanged for the watch, the same lease is abandoned and taken over.
-    with CheckpointManager(root) as ckpt:
-        assert ckpt.save(1, model=Net())
-    assert sorted(os.listdir(root)) == ["step_1"]
 
 
 def test_a_manager_superseded_in_the_same_process_stops_saving(tmp_path):
