@@ -108,6 +108,7 @@ class FetchPool:
     ) -> Future[Any]:
         """Run ``fn(progress)``; ``what`` is ``(file, start, end)`` for a stall error."""
         task = _Task(fn, what)
+        task.future.nbtools_what = what  # type: ignore[attr-defined]
         self._queue.put(task)
         return task.future
 
@@ -151,8 +152,9 @@ class FetchPool:
             with self._lock:
                 quiet = now - max(self._last, begun)
                 running = sorted(self._running, key=lambda t: t.last)
-            if quiet >= self.read_timeout:
-                name, start, end = running[0].what if running else ("a file", 0, 0)
+            if quiet >= self.read_timeout and not future.done():
+                stuck = running[0].what if running else getattr(future, "nbtools_what", None)
+                name, start, end = stuck or ("a file", 0, 0)
                 raise CheckpointStallError(
                     stall_message(self.rank, name, start, end, self.where, self.read_timeout)
                 )
