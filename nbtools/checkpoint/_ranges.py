@@ -147,7 +147,8 @@ class FetchPool:
             try:
                 return future.result(timeout=min(1.0, self.read_timeout))
             except TimeoutError:
-                pass
+                if future.done():  # the fetch's own error (a stall error is a TimeoutError)
+                    raise
             now = time.monotonic()
             with self._lock:
                 quiet = now - max(self._last, begun)
