@@ -13,7 +13,7 @@ the cap (size / bandwidth). Per restore: ``served_x`` (bytes served /
 checkpoint size), ``wall_s``, and for nbtools ``mem_x``: the largest extra
 peak RSS of a rank during the load over (its own state + 2 chunks).
 
-    python benchmarks/restore.py [--mbps 100] [--worlds 2,4,8] [--chunk-mib 16]
+    python benchmarks/restore.py [--mbps 100] [--worlds 2,4,8] [--chunk-mib 32]
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mbps", type=float, default=100.0)
     parser.add_argument("--worlds", default="2,4,8")
-    parser.add_argument("--chunk-mib", type=int, default=16)
+    parser.add_argument("--chunk-mib", type=int, default=32)
     args = parser.parse_args()
     import s3fs
 
@@ -210,7 +210,9 @@ def main() -> None:
     if four:
         result["dp_4_wall_over_one_read"] = round(four["wall_s"] / result["one_read_at_cap_s"], 2)
     result["max_served_x"] = max(
-        v["nbtools"]["served_x"] for k, v in result.items() if isinstance(v, dict) and "nbtools" in v
+        v["nbtools"]["served_x"]
+        for k, v in result.items()
+        if isinstance(v, dict) and "nbtools" in v
     )
     print(json.dumps(result))
 

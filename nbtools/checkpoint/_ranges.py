@@ -32,8 +32,10 @@ from nbtools.errors import CheckpointStallError
 
 __all__ = ["split", "FetchPool", "fetch_range", "stall_message"]
 
-#: Bytes moved per request or system call, so that progress is seen often.
+#: Bytes moved per system call on a mount, so that progress is seen often.
 _BLOCK = 8 << 20
+#: Bytes per ranged request to an object store (fewer, larger requests cost less there).
+_REQUEST = 64 << 20
 
 
 def split(length: int, chunk_size: int, min_chunk_size: int) -> list[tuple[int, int]]:
@@ -212,7 +214,7 @@ def fetch_range(
             return
         path = f"{target.root}/{name}" if getattr(target, "root", "") else name
         while done < length:
-            n = min(_BLOCK, length - done)
+            n = min(_REQUEST, length - done)
             data = _fsspec_range(target, path, start + done, start + done + n, timeout)
             if len(data) != n:
                 raise EOFError(f"{name} ends before byte {start + length}")

@@ -159,11 +159,21 @@ class StagedFetch:
                 verified.add(key)
 
         try:
+            # Records that follow each other in a file are fetched as one range.
+            spans: list[tuple[str, int, int, list[Key]]] = []
             for key in fetch:
-                pieces[key] = [
-                    self._submit(pool, key, start, n, staged)
-                    for start, n in split(key[2], self.chunk_size, self.min_chunk_size)
+                last = spans[-1] if spans else None
+                if last is not None and last[0] == key[0] and last[1] + last[2] == key[1]:
+                    spans[-1] = (last[0], last[1], last[2] + key[2], [*last[3], key])
+                else:
+                    spans.append((key[0], key[1], key[2], [key]))
+            for name, offset, length, keys in spans:
+                futures = [
+                    self._submit(pool, (name, offset, length), start, n, staged)
+                    for start, n in split(length, self.chunk_size, self.min_chunk_size)
                 ]
+                for key in keys:
+                    pieces[key] = futures
             if coop:
                 group = _coop_read.group_of(self.process_group)
                 _coop_read.exchange(
