@@ -1,9 +1,12 @@
 """``VolumeReader``: a DCP storage reader that verifies before it loads.
 
-Metadata is read with a restricted unpickler. Each rank fetches the shard files
-it needs (in parallel, into local staging when the target is remote: a URL or
-a network/FUSE mount; in place otherwise), checks every needed item against
-its recorded CRC-32, and only then loads it. Non-tensor values are checked to
+Metadata is read with a restricted unpickler. Where the target is remote (a
+URL, a network or FUSE mount) the byte ranges of the items a rank's plan names
+are fetched into local staging, each range several ranks need by one rank only
+and handed to the others over the process group, checked against its recorded
+CRC-32 where it was fetched (:mod:`nbtools.checkpoint._staged_read`); a local
+directory is read in place, each item checked as it is read. Only then is an
+item loaded. Non-tensor values are checked to
 be loadable with ``torch.load(weights_only=True)`` before DCP's planner
 unpickles them. Loading with another world size works as with any DCP reader.
 
