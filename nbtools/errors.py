@@ -20,6 +20,7 @@ __all__ = [
     "CorruptCheckpointError",
     "UnsafeCheckpointError",
     "StagingSpaceError",
+    "CheckpointStallError",
     "DataError",
     "CacheError",
     "MonitorError",
@@ -98,6 +99,10 @@ class UnsafeCheckpointError(CorruptCheckpointError):
 
 class StagingSpaceError(CheckpointError, OSError):
     """Not enough free space on the local staging filesystem."""
+
+
+class CheckpointStallError(CheckpointError, TimeoutError):
+    """A checkpoint read made no progress for ``read_timeout`` seconds."""
 
 
 # --- data --------------------------------------------------------------------

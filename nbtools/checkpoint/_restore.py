@@ -153,11 +153,12 @@ def _load(
     metadata: Any,
     pg: Any,
     staging_dir: str | os.PathLike[str] | None,
+    planner: Any = None,
 ) -> Loaded:
     """Load one checkpoint on this rank: its per-rank blob, then model and optimizer state."""
 
     def reader() -> VolumeReader:
-        return VolumeReader(directory, staging_dir=staging_dir)
+        return VolumeReader(directory, staging_dir=staging_dir, process_group=pg)
 
     if metadata is None:
         metadata = reader().read_metadata()
@@ -166,7 +167,7 @@ def _load(
     blob = _state.decode_blob(blob_state, kinds, directory.url)
     state = _state.load_template(kinds, metadata, directory.url)
     if state:
-        dcp.load(state, storage_reader=reader(), process_group=pg)
+        dcp.load(state, storage_reader=reader(), process_group=pg, planner=planner)
     return state, blob
 
 
@@ -175,10 +176,12 @@ def restore_newest(
     objs: dict[str, Any],
     pg: Any,
     staging_dir: str | os.PathLike[str] | None,
+    planner: Any = None,
 ) -> tuple[int | None, dict[str, Any], list[tuple[str, str]]]:
     """``CheckpointManager.restore``: load the newest verified checkpoint into ``objs``.
 
-    Reads through :class:`VolumeReader` (staging in ``staging_dir``), puts
+    Reads through :class:`VolumeReader` (staging in ``staging_dir``; model and
+    optimizer state through ``planner``, DCP's default when None), puts
     everything back into ``objs`` and reports the restore (log and
     ``checkpoint_restored`` event).
 
@@ -192,7 +195,9 @@ def restore_newest(
     if pg is None:
         quiet_single_process_warning()
     directory, step, state, blob, skipped = newest_verified(
-        target, lambda directory, metadata: _load(kinds, directory, metadata, pg, staging_dir), pg
+        target,
+        lambda directory, metadata: _load(kinds, directory, metadata, pg, staging_dir, planner),
+        pg,
     )
     if directory is None or step is None:
         return None, {}, skipped

@@ -171,14 +171,20 @@ class CheckpointManager:
 
     # --- restore -------------------------------------------------------------
 
-    def restore(self, **objs: Any) -> int:
+    def restore(self, *, planner: Any = None, **objs: Any) -> int:
         """Load the newest checkpoint that verifies into ``objs``; return the next step to run.
 
         A checkpoint whose data does not match its recorded checksums is skipped
         with a warning naming it and the reason (also listed in ``skipped``), and
         the next older one is tried.
 
+        Each stored byte range that several ranks need is read from the volume
+        once per job and handed to them over the process group (see
+        :class:`~nbtools.checkpoint.VolumeReader`).
+
         Args:
+            planner: A DCP ``LoadPlanner`` for the model and optimizer state
+                (None: ``DefaultLoadPlanner``).
             **objs: Models, optimizers and stateful objects by name, as given to ``save``.
 
         Returns:
@@ -190,7 +196,9 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
-        step, blob, self.skipped = restore_newest(self._target, objs, self._pg, self._staging_dir)
+        step, blob, self.skipped = restore_newest(
+            self._target, objs, self._pg, self._staging_dir, planner
+        )
         self.restored_step = step
         if step is None:
             return 0

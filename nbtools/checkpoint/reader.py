@@ -1,9 +1,12 @@
 """``VolumeReader``: a DCP storage reader that verifies before it loads.
 
-Metadata is read with a restricted unpickler. Each rank fetches the shard files
-it needs (in parallel, into local staging when the target is remote: a URL or
-a network/FUSE mount; in place otherwise), checks every needed item against
-its recorded CRC-32, and only then loads it. Non-tensor values are checked to
+Metadata is read with a restricted unpickler. Where the target is remote (a
+URL, a network or FUSE mount) the byte ranges of the items a rank's plan names
+are fetched into local staging, each range several ranks need by one rank only
+and handed to the others over the process group, checked against its recorded
+CRC-32 where it was fetched (:mod:`nbtools.checkpoint._staged_read`); a local
+directory is read in place, each item checked as it is read. Only then is an
+item loaded. Non-tensor values are checked to
 be loadable with ``torch.load(weights_only=True)`` before DCP's planner
 unpickles them. Loading with another world size works as with any DCP reader.
 
@@ -33,9 +36,11 @@ from torch.futures import Future
 
 from nbtools import _torch_compat
 from nbtools.checkpoint import _staging
+from nbtools.checkpoint._coop_read import NOTE
 from nbtools.checkpoint._layout import METADATA_NAME, RANK_METADATA_RE, rank_metadata_name
 from nbtools.checkpoint._safe_pickle import check_weights_only, load_metadata
 from nbtools.checkpoint._shards import item_checksum, read_item_into, verify_items
+from nbtools.checkpoint._staged_read import StagedFetch
 from nbtools.checkpoint._target import Target, can_open, open_target
 from nbtools.checkpoint._transforms import StreamTransforms, descriptors_of
 from nbtools.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -118,9 +123,19 @@ class VolumeReader(StorageReader):
             ``NBTOOLS_STAGING_DIR`` or the system temp dir.
         stage: Download to local staging before reading. None: only for network
             or FUSE mounts. URLs are always staged.
-        thread_count: Files downloaded and verified in parallel.
+        thread_count: Ranged reads (and verifications) run in parallel per rank.
         verify: Check item checksums before loading (checkpoints written by
             PyTorch's ``FileSystemWriter`` carry none and load unchecked).
+        read_once: Where files are staged, fetch each stored range that several
+            ranks need on one rank only and hand it to the others over the
+            process group (False: every rank fetches all it needs itself).
+        process_group: The group of the ranks loading (the one given to
+            ``dcp.load``); None: the default group.
+        chunk_size: Bytes per hand-off message, and the size of the parallel
+            ranged pieces a large item is fetched in (default 64 MiB).
+        min_chunk_size: No ranged piece is smaller (default 8 MiB).
+        read_timeout: Seconds a fetch may go without receiving a byte before
+            the load fails on every rank (default 600).
         _extension_registry: A ``torch.distributed.checkpoint._extension.ExtensionRegistry``
             to decode stream extensions with, as ``FileSystemReader`` takes it;
             None: PyTorch's default registry (``ZStandard``).
@@ -132,16 +147,37 @@ class VolumeReader(StorageReader):
         *,
         staging_dir: str | os.PathLike[str] | None = None,
         stage: bool | None = None,
-        thread_count: int = 2,
+        thread_count: int = 4,
         verify: bool = True,
+        read_once: bool = True,
+        process_group: Any = None,
+        chunk_size: int = 64 << 20,
+        min_chunk_size: int = 8 << 20,
+        read_timeout: float = 600.0,
         _extension_registry: Any = None,
     ) -> None:
         super().__init__()
+        if chunk_size <= 0 or min_chunk_size <= 0 or min_chunk_size > chunk_size:
+            raise ValueError(
+                f"chunk_size ({chunk_size}) and min_chunk_size ({min_chunk_size}) must be "
+                "positive, min_chunk_size no larger than chunk_size"
+            )
+        if not read_timeout > 0:
+            raise ValueError(
+                f"read_timeout must be a positive number of seconds, not {read_timeout}"
+            )
+        self._fetch_settings = dict(
+            read_once=read_once,
+            process_group=process_group,
+            chunk_size=int(chunk_size),
+            min_chunk_size=int(min_chunk_size),
+            read_timeout=float(read_timeout),
+        )
         self._staging_base = _staging.staging_base(staging_dir)
         self._stage_choice = stage
         self._open(path)
-        self.thread_count = max(1, thread_count)
-        self.verify = verify
+        self.thread_count = self._fetch.thread_count = max(1, thread_count)
+        self.verify = self._fetch.verify = verify
         self.storage_data: dict[Any, Any] = {}
         self.load_id = str(uuid.uuid4())
         self.is_coordinator = True
@@ -156,6 +192,13 @@ class VolumeReader(StorageReader):
         self._local_dir = self._target.local_path
         self._stage = self._local_dir is None or (
             self._target.remote if self._stage_choice is None else self._stage_choice
+        )
+        self._fetch = StagedFetch(
+            self._target,
+            self.path,
+            thread_count=getattr(self, "thread_count", 4),
+            verify=getattr(self, "verify", True),
+            **self._fetch_settings,
         )
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -183,12 +226,14 @@ class VolumeReader(StorageReader):
         if self.storage_data is None:
             raise CorruptCheckpointError(f"{self.path}/{METADATA_NAME} has no storage data")
         self._transforms.check(self.storage_data.values(), self.path)
+        self._fetch.thread_count, self._fetch.verify = self.thread_count, self.verify
+        self._fetch.set_up(self.storage_data, self.use_collectives)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return self._fetch.local_note(plan) if self._stage else plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        return self._fetch.global_notes(plans) if self._stage else plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[Any]] = {}
@@ -197,54 +242,42 @@ class VolumeReader(StorageReader):
                 item
             )
         if self._stage:
-            needed = sum(self._target.size(name) for name in per_file)
-            _staging.check_space(self._staging_base, needed, f"loading {self.path}")
+            note = plan.storage_data.get(NOTE) if isinstance(plan.storage_data, dict) else None
             with _staging.staging_area(self._staging_base) as stage:
-                self._fetch_and_load(per_file, planner, stage)
+                # Checksums are verified where the bytes are fetched, not again here.
+                self._fetch.run(plan, note or {}, planner, stage)
+                self._load_all(per_file, planner, stage, verify=False)
         else:
-            self._fetch_and_load(per_file, planner, None)
+            assert self._local_dir is not None  # no local directory means always staged
+            self._load_all(per_file, planner, self._local_dir, verify=self.verify)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _fetch_and_load(
-        self, per_file: dict[str, list[Any]], planner: LoadPlanner, stage: str | None
+    def _load_all(
+        self, per_file: dict[str, list[Any]], planner: LoadPlanner, where: str, verify: bool
     ) -> None:
-        where = stage if stage is not None else self._local_dir
-        assert where is not None  # no local directory means always staged
-
         def local_path(name: str) -> str:
             return os.path.join(where, name)
 
-        def fetch(name: str) -> None:
-            if stage is not None:
-                self._target.download(name, local_path(name))
-
-        def verify(name: str, info: Any) -> None:
+        def check(name: str, info: Any) -> None:
             with open(local_path(name), "rb") as fh:
                 verify_items(fh, [info], self.path)
 
         def offset(item: Any) -> int:
             return self.storage_data[item.storage_index].offset
 
-        total = sum(
-            self.storage_data[i.storage_index].length for items in per_file.values() for i in items
-        )
-        bar = _staging.progress(total, "checkpoint download", self.is_coordinator)
-        # Fetching, verifying and direct reads run on worker threads, planned item by item
-        # in file order. A tensor whose destination is a matching contiguous CPU tensor is
-        # read straight into it, its checksum computed as it arrives (no intermediate copy);
+        # Verifying and direct reads run on worker threads, planned item by item in file
+        # order. A tensor whose destination is a matching contiguous CPU tensor is read
+        # straight into it, its checksum computed as it arrives (no intermediate copy);
         # any other item is verified before this thread loads it. Planner calls stay here.
         with (
             ThreadPoolExecutor(self.thread_count, thread_name_prefix="nbtools-ckpt-io") as pool,
             contextlib.ExitStack() as files,
         ):
-            fetched = {name: pool.submit(fetch, name) for name in per_file}
             jobs: list[Any] = []
             checks: dict[tuple[str, int], Any] = {}
             try:
-                for job in fetched.values():
-                    job.result()
                 plan: list[tuple[Any, Any, Any]] = []
                 for name, items in per_file.items():
                     with open(local_path(name), "rb") as fh:
@@ -261,14 +294,14 @@ class VolumeReader(StorageReader):
                                     info,
                                     at,
                                     _writable_view(target),
-                                    self.verify,
+                                    verify,
                                     self.path,
                                 )
-                            elif self.verify and item_checksum(info) is not None:
+                            elif verify and item_checksum(info) is not None:
                                 # Items read in parts (resharding) are verified once.
                                 key = (name, info.offset)
                                 if key not in checks:
-                                    checks[key] = pool.submit(verify, name, info)
+                                    checks[key] = pool.submit(check, name, info)
                                     jobs.append(checks[key])
                                 job, target = checks[key], None
                             else:
@@ -287,13 +320,10 @@ class VolumeReader(StorageReader):
                         if name not in handles:
                             handles[name] = files.enter_context(open(local_path(name), "rb"))
                         self._load_item(handles[name], item, planner)
-                    bar.update(self.storage_data[item.storage_index].length)
             except BaseException:
-                for job in [*fetched.values(), *jobs]:
+                for job in jobs:
                     job.cancel()
                 raise
-            finally:
-                bar.close()
 
     def _direct(self, fh: Any, item: Any, planner: LoadPlanner) -> tuple[torch.Tensor, int] | None:
         """The destination of a tensor item and the file offset of its data, when the saved

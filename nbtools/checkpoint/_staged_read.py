@@ -1,0 +1,259 @@
+"""Staging the byte ranges of a load: fetched once per job, verified where fetched.
+
+:class:`StagedFetch` is the part of :class:`~nbtools.checkpoint.VolumeReader`
+that runs when files are staged (object stores, network and FUSE mounts). It
+notes each rank's group rank in its local plan, decides on the coordinator
+who fetches which record (:func:`~nbtools.checkpoint._coop_read.plan_reads`)
+or why each rank reads for itself, and on every rank fetches its records into
+the load's staging directory, hands shared ones over and verifies checksums,
+before the reader loads anything from there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import zlib
+from concurrent.futures import Future
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+
+from nbtools import runtime
+from nbtools._internal.log import get_logger
+from nbtools.checkpoint import _coop_read, _staging
+from nbtools.checkpoint._coop_read import NOTE, Key
+from nbtools.checkpoint._ranges import FetchPool, fetch_range, split, stall_message
+from nbtools.checkpoint._shards import item_checksum, verify_items
+from nbtools.checkpoint._target import Target
+from nbtools.errors import CheckpointError, CheckpointStallError, CorruptCheckpointError
+
+__all__ = ["StagedFetch"]
+
+_log = get_logger("checkpoint")
+_VERIFY_BLOCK = 4 << 20
+#: A restore shorter than this shows no progress bar.
+_BAR_DELAY_S = 3.0
+
+
+def _bar(total: int, main: bool) -> Any:
+    """Rank 0's progress bar (bytes, MB/s), shown once a restore has run a few seconds."""
+    interactive = "ipykernel" in sys.modules or sys.stderr.isatty()
+    if not (main and interactive and total):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total, desc="restore", unit="B", unit_scale=True, delay=_BAR_DELAY_S, leave=False
+    )
+
+
+@dataclasses.dataclass
+class StagedFetch:
+    """Fetch settings of one reader (see :class:`~nbtools.checkpoint.VolumeReader`)."""
+
+    target: Target
+    where: str
+    read_once: bool
+    process_group: Any
+    chunk_size: int
+    min_chunk_size: int
+    read_timeout: float
+    thread_count: int
+    verify: bool
+    storage_data: Any = None
+    infos: dict[Key, Any] = dataclasses.field(default_factory=dict)
+    use_collectives: bool = True
+
+    def set_up(self, storage_data: Any, use_collectives: bool) -> None:
+        """Take the checkpoint's storage data (``MetadataIndex`` -> ``_StorageInfo``)."""
+        self.storage_data = storage_data
+        self.use_collectives = use_collectives
+        self.infos = {self.key(info): info for info in storage_data.values()}
+
+    def key(self, info: Any) -> Key:
+        return (info.relative_path, int(info.offset), int(info.length))
+
+    # --- planning -----------------------------------------------------------------
+
+    def local_note(self, plan: LoadPlan) -> LoadPlan:
+        """The local plan with this rank's place in the hand-off group noted."""
+        group = _coop_read.group_of(self.process_group)
+        note = None if group is None else _coop_read.describe_group(group)
+        if plan.storage_data is not None:
+            return plan  # a planner's own storage data is left alone
+        return dataclasses.replace(plan, storage_data={NOTE: {"group": note}})
+
+    def _why_not(self, plans: list[LoadPlan]) -> str | None:
+        if not self.read_once:
+            return "read_once=False"
+        if not self.use_collectives:
+            return "a rank-local checkpoint (saved with use_collectives=False)"
+        notes = [
+            p.storage_data.get(NOTE) if isinstance(p.storage_data, dict) else None for p in plans
+        ]
+        if len(plans) == 1:
+            group = (notes[0] or {}).get("group")
+            if group is None:
+                return "no process group (no_dist=True, or torch.distributed not initialized)"
+            return "one rank" if group[1] == 1 else "no_dist=True"
+        if any(n is None for n in notes):
+            return "the load planner replaced the reader's storage data in the plans"
+        if any(n.get("group") != (rank, len(plans)) for rank, n in enumerate(notes)):
+            return (
+                "VolumeReader's process_group= does not cover the ranks of this load in their "
+                "order (pass the group given to dcp.load as VolumeReader(process_group=...))"
+            )
+        return None
+
+    def global_notes(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """On the coordinator: who fetches what, or why every rank reads for itself."""
+        why = self._why_not(plans)
+        if why is not None:
+            _log.info(
+                "loading %s: every rank reads the ranges it needs itself: %s", self.where, why
+            )
+            return [dataclasses.replace(p, storage_data={NOTE: {"why": why}}) for p in plans]
+        needs = [[self.key(self.infos_of(i)) for i in p.items] for p in plans]
+        fetch, messages, shared = _coop_read.plan_reads(needs, self.chunk_size)
+        return [
+            dataclasses.replace(
+                p, storage_data={NOTE: {"fetch": fetch[r], "messages": messages, "shared": shared}}
+            )
+            for r, p in enumerate(plans)
+        ]
+
+    def infos_of(self, item: Any) -> Any:
+        return self.storage_data[item.storage_index]
+
+    # --- fetching -------------------------------------------------------------------
+
+    def run(self, plan: LoadPlan, note: dict[str, Any], planner: LoadPlanner, stage: str) -> None:
+        """Stage every record ``plan`` reads under ``stage``, fetched or handed over, verified."""
+        needed = {self.key(self.infos_of(i)) for i in plan.items}
+        coop = "messages" in note
+        fetch: list[Key] = list(note["fetch"]) if coop else sorted(needed)
+        messages = note.get("messages", []) if coop else []
+        handed = {k for _, segs in messages for k, _, _ in segs}
+        fetch += sorted(needed - set(fetch) - handed)  # items a planner added late
+        staged_bytes = sum(k[2] for k in set(fetch) | needed)
+        _staging.check_space(os.path.dirname(stage), staged_bytes, f"loading {self.where}")
+        rank = runtime.get_rank()
+        own = sum(k[2] for k in fetch if k not in handed)
+        bar = _bar(own + (note.get("shared", 0) if coop else 0), rank == 0)
+        on_bytes = bar.update if bar is not None else (lambda n: None)
+        pool = FetchPool(self.thread_count, self.read_timeout, rank, self.where, on_bytes)
+        pieces: dict[Key, list[Future[Any]]] = {}
+        verified: set[Key] = set()
+
+        def staged(name: str) -> str:
+            return os.path.join(stage, name)
+
+        def ready(key: Key) -> None:
+            for future in pieces[key]:
+                pool.wait(future)
+            if key not in verified:
+                self._verify(key, staged(key[0]), rank)
+                verified.add(key)
+
+        try:
+            # Records that follow each other in a file are fetched as one range.
+            spans: list[tuple[str, int, int, list[Key]]] = []
+            for key in fetch:
+                last = spans[-1] if spans else None
+                if last is not None and last[0] == key[0] and last[1] + last[2] == key[1]:
+                    spans[-1] = (last[0], last[1], last[2] + key[2], [*last[3], key])
+                else:
+                    spans.append((key[0], key[1], key[2], [key]))
+            for name, offset, length, keys in spans:
+                futures = [
+                    self._submit(pool, (name, offset, length), start, n, staged)
+                    for start, n in split(length, self.chunk_size, self.min_chunk_size)
+                ]
+                for key in keys:
+                    pieces[key] = futures
+            if coop:
+                group = _coop_read.group_of(self.process_group)
+                _coop_read.exchange(
+                    group,
+                    dist.get_rank(group),
+                    messages,
+                    needed,
+                    ready,
+                    staged,
+                    self.chunk_size,
+                    lambda: _cuda_destinations(plan, planner),
+                    on_bytes,
+                )
+            for key in fetch:
+                ready(key)
+        finally:
+            pool.close()
+            if bar is not None:
+                bar.close()
+
+    def _submit(self, pool: FetchPool, key: Key, start: int, n: int, staged: Any) -> Future[Any]:
+        name, offset, _ = key
+        begin, end = offset + start, offset + start + n
+        rank = runtime.get_rank()
+
+        def job(progress: Any) -> None:
+            try:
+                fetch_range(self.target, name, begin, n, staged(name), self.read_timeout, progress)
+            except TimeoutError as exc:
+                raise CheckpointStallError(
+                    stall_message(rank, name, begin, end, self.where, self.read_timeout)
+                ) from exc
+            except EOFError as exc:
+                raise CorruptCheckpointError(
+                    f"{self.where}: {name} ends before byte {end} (file truncated), as read by "
+                    f"rank {rank} (host {_coop_read.host()}); restore from another checkpoint"
+                ) from exc
+            except OSError as exc:
+                raise CheckpointError(
+                    f"reading {name} bytes {begin}..{end} of {self.where} on rank {rank} "
+                    f"(host {_coop_read.host()}) failed: {exc}. Check the volume from that "
+                    "host, then load again"
+                ) from exc
+
+        return pool.submit(job, (name, begin, end))
+
+    def _verify(self, key: Key, path: str, rank: int) -> None:
+        """Check a staged record against its recorded CRC-32 (when there is one)."""
+        info = self.infos.get(key)
+        expected = item_checksum(info) if (self.verify and info is not None) else None
+        if expected is None:
+            return
+        name, offset, length = key
+        crc = 0
+        with open(path, "rb", buffering=0) as fh:
+            fh.seek(offset)
+            left = length
+            while left:
+                data = fh.read(min(_VERIFY_BLOCK, left))
+                if not data:
+                    break
+                crc = zlib.crc32(data, crc)
+                left -= len(data)
+        if f"crc32:{crc:08x}" == expected:
+            return
+        by = f"as read by rank {rank} (host {_coop_read.host()})"
+        try:  # damage on the volume, or a file another save wrote again: read it there
+            with self.target.open_read(name) as fh:
+                verify_items(fh, [info], self.where)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"{exc} ({by})") from None
+        raise CorruptCheckpointError(
+            f"{self.where}: bytes {offset}..{offset + length} of {name} {by} do not match their "
+            "checksum, though they do on the volume (damaged in transfer); load again"
+        )
+
+
+def _cuda_destinations(plan: LoadPlan, planner: LoadPlanner) -> bool:
+    """Whether any tensor of this rank's plan loads into a CUDA tensor."""
+    for item in plan.items:
+        if item.type == LoadItemType.TENSOR:
+            return planner.resolve_tensor(item).device.type == "cuda"
+    return False
