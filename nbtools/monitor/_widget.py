@@ -55,6 +55,14 @@ def _plotly_js() -> bytes:
     return resources.files("plotly").joinpath("package_data", "plotly.min.js").read_bytes()
 
 
+#: Pushes of plotly.js that no view asked for, per kernel: the first chart shown gets two (the
+#: first may come before its page can take it); later charts on that page share its copy, and
+#: a page opened later (a reload) asks, and gets its answer once the kernel is free.
+PUSHES = 2
+_pushes = {"left": PUSHES}
+_pushes_lock = threading.Lock()
+
+
 @cache
 def plotly_js_gzip() -> bytes:
     """plotly.min.js as the front end receives it: gzip-compressed (computed once)."""
@@ -291,16 +299,28 @@ class GPUChart(anywidget.AnyWidget):
         """True until a view of this chart said its page holds plotly.js."""
         return not self.library_held
 
-    def push_library(self) -> None:
-        """Send plotly.js (gzip) in a custom message: not part of the state, not saved."""
-        if self.comm is not None:
-            self.send({"k": "lib"}, buffers=[plotly_js_gzip()])
+    def push_library(self, *, unasked: bool = True) -> bool:
+        """Send plotly.js (gzip) in a custom message: not part of the state, not saved.
+
+        Args:
+            unasked: A push no view asked for; sent only while the kernel's
+                budget (``PUSHES``) lasts. True when sent.
+        """
+        if self.comm is None:
+            return False
+        if unasked:
+            with _pushes_lock:
+                if _pushes["left"] <= 0:
+                    return False
+                _pushes["left"] -= 1
+        self.send({"k": "lib"}, buffers=[plotly_js_gzip()])
+        return True
 
     def _on_front_end(self, _widget: Any, content: Any, _buffers: Any) -> None:
         if not isinstance(content, dict):
             return
         if content.get("k") == "lib":  # a page without plotly.js asks for it
-            self.push_library()
+            self.push_library(unasked=False)
         elif content.get("k") == "have":
             self.library_held = True
         elif content.get("k") == "sync":

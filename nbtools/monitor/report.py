@@ -162,6 +162,7 @@ def write_html(
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(page)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a report is for sharing
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
