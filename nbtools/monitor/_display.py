@@ -7,13 +7,17 @@ of text per host (``text/plain``). A front end with the widget manager shows
 the live pane; nbconvert without widget state, GitHub, nbviewer and any viewer
 without JavaScript show the picture; a terminal shows the text.
 
-The picture is refreshed by :meth:`PaneDisplay.refresh` (an explicit
-``pane.snapshot()``, pause, close) and, while the pane runs, by a worker
-thread every ``SNAPSHOT_EVERY_S`` seconds when new samples came in: never on
-the sampler's thread, so a poll never waits for a drawing. Each refresh
-updates the output in place (``update_display_data``) and the chart's
-``_snapshot`` trait (what a live-less view of saved widget state shows). When
-the pane closes, the output keeps the picture and the text only.
+The picture is redrawn by :meth:`PaneDisplay.refresh` (an explicit
+``pane.snapshot()``, close) and by a worker thread when the pane pauses and
+every ``SNAPSHOT_EVERY_S`` seconds while new samples come in: never on the
+sampler's thread, so a poll never waits for a drawing. Each drawing goes to
+the chart's ``_snapshot`` trait (what a view of saved widget state shows
+without a kernel). The output itself is updated in place
+(``update_display_data``) on ``snapshot()`` and close, and when the pane
+pauses while no live view has spoken to the kernel (nbclient, a headless
+run); never by the minute: a front end re-renders an output it is told to
+update, which would redraw the live view the user is looking at. When the
+pane closes, the output keeps the picture and the text only.
 
 The same worker pushes plotly.js to the chart a moment after it is shown (see
 :meth:`~nbtools.monitor._widget.GPUChart.push_library`).
@@ -63,6 +67,7 @@ class PaneDisplay:
         self._live = True
         self.last: Snapshot | None = None
         self._dirty = False
+        self._stopped = False  # the pane paused since the worker's last drawing
         self._lock = threading.Lock()  # one drawing at a time
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -112,6 +117,7 @@ class PaneDisplay:
     def soon(self) -> None:
         """Refresh on the worker as soon as it can (the pane paused or stopped)."""
         self._dirty = True
+        self._stopped = True
         self._wake.set()
 
     def close(self) -> None:
@@ -147,7 +153,8 @@ class PaneDisplay:
             if not woke:
                 due = time.monotonic() + self._every
             if self._dirty:
+                stopped, self._stopped = self._stopped, False
                 try:
-                    self.refresh()
+                    self.refresh(publish=stopped and not self._chart.library_held)
                 except Exception:  # noqa: BLE001 - the next refresh tries again
                     _log.debug("could not refresh the GPU pane's picture", exc_info=True)

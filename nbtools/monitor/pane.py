@@ -67,8 +67,13 @@ class GPUPane:
     JavaScript or widget state show. The picture is redrawn when the pane
     pauses or closes, on :meth:`snapshot`, and every ``SNAPSHOT_EVERY_S``
     seconds (60) while new samples arrive, on a thread of its own (never on
-    the polling thread). After :meth:`close` the output keeps the picture.
-    :meth:`to_html` writes the curves and events to a standalone HTML file.
+    the polling thread). The minute's drawings go to the widget state (what
+    a view shows without a kernel); the output's own picture is replaced on
+    :meth:`snapshot`, :meth:`close`, and a pause when no live view is open,
+    so a live view is never redrawn under the user's eyes. Call
+    :meth:`snapshot` before saving to put the latest in the output; after
+    :meth:`close` the output keeps the last picture. :meth:`to_html` writes
+    the curves and events to a standalone HTML file.
 
     Args:
         interval: Seconds between polls.

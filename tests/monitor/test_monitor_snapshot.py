@@ -129,12 +129,16 @@ def test_polls_never_draw_the_picture_the_worker_does(comms, driven, clock, outp
         pane._display._every = 0.2
         pane._display.show()
         assert len(drawn) == 1
+        first = pane._chart._snapshot
         for _ in range(20):
             clock.advance(10)
             sampler.tick()  # the poll path: reading, history, the chart's message
         assert len(drawn) == 1
-        outputs.wait(2)
+        deadline = time.monotonic() + 30
+        while pane._chart._snapshot == first and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert drawn[1:] and set(drawn[1:]) == {display_module.THREAD_NAME}
+        assert [c[0] for c in outputs.calls] == ["display"]  # a live view is not redrawn
     finally:
         pane.close()
 
@@ -208,5 +212,28 @@ def test_to_html_writes_the_curves_the_events_and_the_readings(comms, driven, cl
         with pytest.raises(FileNotFoundError, match="does not exist"):
             pane.to_html(tmp_path / "missing" / "gpus.html")
         assert sorted(p.name for p in tmp_path.iterdir()) == ["gpus.html"]
+    finally:
+        pane.close()
+
+
+def test_with_a_live_view_the_worker_redraws_the_picture_but_leaves_the_output(
+    comms, driven, clock, outputs
+):
+    driven()
+    pane = GPUPane(backend=SimulatedBackend(2), display=False)
+    try:
+        pane._display.show()
+        first = pane._chart._snapshot
+        # A front end re-renders an output it is told to update: a live view would be redrawn.
+        pane._chart.comm.from_front_end({"method": "custom", "content": {"k": "have"}})
+        events.emit("note", message="while someone watches")
+        pane.pause()
+        deadline = time.monotonic() + 30
+        while pane._chart._snapshot == first and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pane._chart._snapshot != first  # the picture a kernel-less view shows is new
+        assert [c[0] for c in outputs.calls] == ["display"]
+        pane.snapshot()  # asked for: the output is updated too
+        assert [c[0] for c in outputs.calls] == ["display", "update"]
     finally:
         pane.close()
