@@ -100,6 +100,7 @@ def test_demo_refuses_a_directory_it_did_not_make(tmp_path, capsys):
     assert run_demo(str(tmp_path)) == 2
     assert "was not made by the demo" in capsys.readouterr().err
     assert (tmp_path / "precious.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["precious.txt"]
 
 
 def test_train_runs_in_process_and_continues_its_mlflow_run(tmp_path):
@@ -126,3 +127,22 @@ def test_train_runs_in_process_and_continues_its_mlflow_run(tmp_path):
     assert again["run_id"] == first["run_id"]
     assert sorted(loss_curve(uri, first["run_id"])) == [0, 1, 2, 3]
     assert MlflowClient(tracking_uri=uri).get_run(first["run_id"]).info.status == "FINISHED"
+
+
+def test_the_demo_writes_the_pane_timeline_of_its_run(tmp_path, clean_bus):
+    pytest.importorskip("anywidget")
+    from nbtools import events
+    from nbtools._demo.cli import _MARKER, _close_pane, _open_pane
+
+    (tmp_path / _MARKER).write_text("made by the demo")
+    pane = _open_pane()  # as the demo does: this machine's GPUs (none here), not shown
+    events.emit("checkpoint_saved", message="saved step_8", step=8, blocked_s=0.2)
+    events.emit("rank_failed", message="rank 1 exited with SIGKILL (signal 9)", rank=1)
+    events.emit("restart", message="restarting all 2 ranks (restart 1 of 2)", attempt=1)
+    path = _close_pane(pane, str(tmp_path / "timeline.html"))
+    assert pane.status == "closed"
+    assert path == str(tmp_path / "timeline.html")
+    text = (tmp_path / "timeline.html").read_text()
+    for kind in ("checkpoint_saved", "rank_failed", "restart"):
+        assert kind in text
+    assert "Plotly.newPlot" in text  # plotly.js inside: opens without a network

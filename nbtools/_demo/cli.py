@@ -9,6 +9,8 @@ Layout of the output directory::
     OUT/recovered/records/      per-rank JSONL: sample ids consumed at every step
     OUT/uninterrupted/...       the same for the reference run
     OUT/recovery.html           the recovered loss curve over the uninterrupted one
+    OUT/timeline.html           the GPU pane's timeline of both runs: GPUs (when there are
+                                any), checkpoint saves, the kill, the restart
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def _claim(out: str) -> None:
     with open(marker, "w") as fh:
         fh.write("made by python -m nbtools demo; safe to delete\n")
     # A fresh start: old checkpoints would make the recovered run resume at its end.
-    for name in ("volume", "cache", *_RUN_DIRS, "mlflow.db", "mlartifacts", "recovery.html"):
+    for name in ("volume", "cache", *_RUN_DIRS, "mlflow.db", "mlartifacts", "recovery.html",
+                 "timeline.html"):
         path = os.path.join(out, name)
         if os.path.isdir(path):
             shutil.rmtree(path)
@@ -172,12 +175,34 @@ def report(outcome: DemoOutcome, html: str | None = None) -> list[str]:
     return problems
 
 
+def _open_pane() -> Any:
+    """A GPU pane (not shown) that watches the runs: this machine's GPUs and the run's events."""
+    try:
+        from nbtools.monitor import GPUPane
+    except ImportError:  # the notebook extra is not installed: no timeline
+        return None
+    return GPUPane(interval=2.0, idle_timeout=None, display=False)
+
+
+def _close_pane(pane: Any, path: str) -> str | None:
+    """Write the pane's timeline to ``path`` and close it; the path, or None without a pane."""
+    if pane is None:
+        return None
+    try:
+        if not os.path.exists(os.path.join(os.path.dirname(path), _MARKER)):
+            return None  # the demo refused the directory: write nothing into it
+        return pane.to_html(path)
+    finally:
+        pane.close()
+
+
 def run_demo(out: str = "nbtools-demo") -> int:
     """Run the demo into ``out``; 0 when the recovered run equals the uninterrupted one."""
     out = os.path.abspath(out)
     print(
         f"nbtools demo: 2 CPU ranks; rank 1 is killed mid-run and the group recovers. Output: {out}"
     )
+    pane = _open_pane()
     try:
         outcome = run_pair(out)
     except FileExistsError as exc:
@@ -186,6 +211,8 @@ def run_demo(out: str = "nbtools-demo") -> int:
     except DistributedError as exc:
         print(f"nbtools demo: FAILED: the run did not recover: {exc}", file=sys.stderr)
         return 1
+    finally:
+        timeline = _close_pane(pane, os.path.join(out, "timeline.html"))
     html = os.path.join(out, "recovery.html")
     problems = report(outcome, html)
     first = outcome.recovered_results[0]
@@ -199,6 +226,8 @@ def run_demo(out: str = "nbtools-demo") -> int:
     print(f"MLflow:        {outcome.recovered.tracking_uri}  run id {first['run_id']}")
     print(f"               (mlflow ui --backend-store-uri {outcome.recovered.tracking_uri})")
     print(f"figure:        {html}")
+    if timeline:
+        print(f"timeline:      {timeline}  (GPU pane: saves, the kill, the restart)")
     if problems:
         print("FAILED: the recovered run differs from the uninterrupted one:", file=sys.stderr)
         for problem in problems:

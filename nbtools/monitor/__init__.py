@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from nbtools.monitor.backends import Backend, BackendUnavailable, NVMLBackend
+from nbtools.monitor.cluster import ClusterBackend
 from nbtools.monitor.history import History
 from nbtools.monitor.readings import FIELDS, GPUReading, Sample, describe_throttle
 from nbtools.monitor.sampler import Sampler, SampleSink, acquire, release
@@ -34,6 +35,7 @@ __all__ = [
     "BackendUnavailable",
     "NVMLBackend",
     "SimulatedBackend",
+    "ClusterBackend",
     "History",
     "Sampler",
     "SampleSink",

@@ -3,8 +3,8 @@
 // the same time axis, a table of the current values and a list of the last events.
 // The whole figure travels only in the `_figure` trait, which the kernel rebuilds
 // when the set of GPUs changes or a view asks to resynchronise; its history comes
-// as binary arrays. plotly.js itself is held by one library model per kernel
-// (`_library`) and loaded into the page once, by the first chart drawn.
+// as binary arrays. Without a kernel to send plotly.js (a saved notebook opened
+// later), the chart shows the pane's last still picture (`_snapshot`, a PNG).
 
 const PANELS = 3; // utilization, memory, temperature; trace index = panel * gpus + row
 const CONFIG = { displaylogo: false, displayModeBar: false };
@@ -21,30 +21,55 @@ const STYLE = {
   mark: { color: "#7c3aed", symbol: "triangle-down" },
 };
 
-function plotlyFor(model) {
-  const g = globalThis;
-  if (g.__nbtoolsPlotly) return Promise.resolve(g.__nbtoolsPlotly);
-  if (g.Plotly && typeof g.Plotly.extendTraces === "function") {
-    g.__nbtoolsPlotly = g.Plotly;
-    return Promise.resolve(g.Plotly);
+// plotly.js, once per page: every chart on the page shares one copy, kept on globalThis.
+// The kernel pushes it (gzip, a binary buffer of a custom message) when a chart is new, and
+// answers a chart that asks ({k: "lib"}) when it is free; neither is part of the widget state.
+const g = globalThis;
+const shared = () => {
+  if (!g.__nbtoolsPlotlyShared) {
+    let resolve;
+    const promise = new Promise((r) => (resolve = r));
+    const state = { promise, installing: null, ready: null };
+    state.resolve = (plotly) => {
+      state.ready = plotly;
+      resolve(plotly);
+    };
+    g.__nbtoolsPlotlyShared = state;
+    if (g.Plotly && typeof g.Plotly.extendTraces === "function") state.resolve(g.Plotly);
   }
-  if (!g.__nbtoolsPlotlyLoading) {
-    const loading = (async () => {
-      const library = await model.widget_manager.get_model(model.get("_library"));
-      const code = new TextDecoder().decode(library.get("_plotly_js"));
-      // plotly.min.js is a UMD bundle: hand it a CommonJS module object to fill,
-      // so it neither needs a loader nor touches an AMD `define` on the page.
-      const module = { exports: {} };
-      new Function("module", "exports", code)(module, module.exports);
-      g.__nbtoolsPlotly = module.exports;
-      return module.exports;
-    })();
-    loading.catch(() => {
-      if (g.__nbtoolsPlotlyLoading === loading) g.__nbtoolsPlotlyLoading = null;
-    });
-    g.__nbtoolsPlotlyLoading = loading;
-  }
-  return g.__nbtoolsPlotlyLoading;
+  return g.__nbtoolsPlotlyShared;
+};
+
+async function install(buffer) {
+  const state = shared();
+  if (state.installing) return state.installing;
+  state.installing = (async () => {
+    const bytes = buffer instanceof DataView ? buffer : new DataView(buffer.buffer || buffer);
+    const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
+    const code = await new Response(stream).text();
+    // plotly.min.js is a UMD bundle: hand it a CommonJS module object to fill,
+    // so it neither needs a loader nor touches an AMD `define` on the page.
+    const module = { exports: {} };
+    new Function("module", "exports", code)(module, module.exports);
+    state.resolve(module.exports);
+    return module.exports;
+  })();
+  state.installing.catch(() => (state.installing = null));
+  return state.installing;
+}
+
+function listen(model) {
+  const state = shared();
+  const onLibrary = (msg, buffers) => {
+    if (!msg || msg.k !== "lib" || !buffers || !buffers.length) return;
+    install(buffers[0]).then(() => model.send({ k: "have" }), (err) => console.error(err));
+  };
+  model.on("msg:custom", onLibrary);
+  state.promise.then(() => model.off("msg:custom", onLibrary));
+}
+
+function initialize({ model }) {
+  listen(model);  // a push may come before any view of this chart is drawn
 }
 
 // plotly draws numeric x values as UTC; shift epoch milliseconds to the browser's zone.
@@ -133,15 +158,28 @@ async function render({ model, el }) {
   const early = [];
   const hold = (msg) => early.push(msg);
   model.on("msg:custom", hold);
-  let Plotly;
-  try {
-    Plotly = await plotlyFor(model);
-  } catch (err) {
-    model.off("msg:custom", hold);
-    last.textContent = `plotly.js could not be loaded (${err}); run the cell again`;
-    return () => {};
+  const still = element("img", "nbtools-gpu-still");
+  still.alt = "GPU pane (still picture)";
+  let Plotly = shared().ready;
+  if (!Plotly) {
+    last.textContent = "loading plotly.js from the kernel…";
+    model.send({ k: "lib" });
+    // No kernel answers (a saved notebook): show the last still picture meanwhile.
+    const timer = setTimeout(() => {
+      const png = model.get("_snapshot");
+      if (png && png.byteLength) {
+        still.src = URL.createObjectURL(new Blob([png], { type: "image/png" }));
+        root.append(still);
+      }
+      last.textContent = "the live chart needs its kernel: run the cell again";
+    }, 8000);
+    Plotly = await shared().promise;
+    clearTimeout(timer);
+    still.remove();
+    if (still.src) URL.revokeObjectURL(still.src);
   }
   model.off("msg:custom", hold);
+  model.send({ k: "have" }); // the kernel pushes no more copies to this page
 
   let seq = -1;
   let gpus = [];
@@ -326,4 +364,4 @@ async function render({ model, el }) {
   };
 }
 
-export default { render };
+export default { initialize, render };

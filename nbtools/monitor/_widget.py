@@ -6,15 +6,20 @@ per trace) only when the set of GPUs changes or a view asks for it; every poll
 after that is a custom message of a few hundred bytes, events included, that
 the front end appends with ``Plotly.extendTraces``.
 
-plotly.js (about 4.8 MB) comes from the plotly Python package, so no
-JupyterLab extension beyond anywidget's is needed. It travels once per page:
-one model without a view (:func:`plotly_library`) holds it for the life of the
-kernel, and every chart names that model; the first chart drawn on a page
-loads it into the page, later charts reuse it.
+plotly.js (about 4.8 MB, 1.5 MB gzip) comes from the plotly Python package,
+so no JupyterLab extension beyond anywidget's is needed, and it is never part
+of the widget state (a saved notebook stays small). It travels as the binary
+buffer of a custom message, gzip-compressed: pushed to a chart shown while no
+view of it has said its page holds a copy (:meth:`GPUChart.push_library`,
+called by the pane's display worker a moment after the pane is shown, since
+a front end's request waits while a cell runs), and sent to any view that
+asks. The page keeps one copy for every chart on it; on an idle kernel the
+view's "I have it" arrives first and nothing is pushed.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import threading
@@ -24,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import anywidget
-import ipywidgets
 import numpy as np
 import traitlets
 
@@ -32,7 +36,7 @@ from nbtools.monitor.history import History
 from nbtools.monitor.readings import Sample, describe_throttle
 from nbtools.monitor.timeline import MESSAGE_BUDGET, EventFeed
 
-__all__ = ["GPUChart", "plotly_library"]
+__all__ = ["GPUChart", "plotly_js_gzip"]
 
 _GIB = 1024**3
 _HERE = Path(__file__).parent
@@ -51,27 +55,18 @@ def _plotly_js() -> bytes:
     return resources.files("plotly").joinpath("package_data", "plotly.min.js").read_bytes()
 
 
-class _PlotlyLibrary(ipywidgets.Widget):
-    """A model without a view that carries plotly.js to the page (binary, sent once)."""
-
-    _plotly_js = traitlets.Bytes(b"").tag(sync=True)
-
-
-_library: _PlotlyLibrary | None = None
-_library_lock = threading.Lock()
+#: Pushes of plotly.js that no view asked for, per kernel: the first chart shown gets two (the
+#: first may come before its page can take it); later charts on that page share its copy, and
+#: a page opened later (a reload) asks, and gets its answer once the kernel is free.
+PUSHES = 2
+_pushes = {"left": PUSHES}
+_pushes_lock = threading.Lock()
 
 
-def plotly_library() -> ipywidgets.Widget:
-    """The model that carries plotly.js, created on first use and kept for the kernel's life.
-
-    A page receives it once (again after a reload): closing and opening panes
-    sends no second copy.
-    """
-    global _library
-    with _library_lock:
-        if _library is None or _library.comm is None:
-            _library = _PlotlyLibrary(_plotly_js=_plotly_js())
-        return _library
+@cache
+def plotly_js_gzip() -> bytes:
+    """plotly.min.js as the front end receives it: gzip-compressed (computed once)."""
+    return gzip.compress(_plotly_js(), compresslevel=6, mtime=0)
 
 
 def _scaled(values: np.ndarray, factor: float) -> bytes:
@@ -114,8 +109,9 @@ class GPUChart(anywidget.AnyWidget):
 
     _esm = (_HERE / "_chart.js").read_text("utf-8")
     _css = (_HERE / "_chart.css").read_text("utf-8")
-    _library = traitlets.Unicode("").tag(sync=True)
     _figure = traitlets.Dict().tag(sync=True)
+    #: The pane's last still picture (PNG): what a view shows when no kernel sends plotly.js.
+    _snapshot = traitlets.Bytes(b"").tag(sync=True)
 
     def __init__(
         self,
@@ -137,9 +133,8 @@ class GPUChart(anywidget.AnyWidget):
         for sample in latest:
             self._remember(sample)
         # The figure travels with the comm's opening message, not in a second one.
-        super().__init__(
-            _library=plotly_library().model_id, _figure=self._build(), **kwargs
-        )
+        self.library_held = False  # a view of this chart said its page holds plotly.js
+        super().__init__(_figure=self._build(), **kwargs)
         self.on_msg(self._on_front_end)
 
     # --- full figure ------------------------------------------------------------
@@ -288,8 +283,47 @@ class GPUChart(anywidget.AnyWidget):
             self._latest[(sample.host, reading.index)] = reading
         self._last_time = sample.time
 
+    def set_snapshot(self, png: bytes) -> None:
+        """Keep the pane's latest still picture in the state (shown when no kernel answers)."""
+        self._snapshot = png
+
+    def glance(self) -> dict[tuple[str, int], Any]:
+        """The latest reading of every GPU, ``(host, index) -> GPUReading``."""
+        with self._lock:
+            return dict(self._latest)
+
+    # --- plotly.js -------------------------------------------------------------------
+
+    @property
+    def needs_library(self) -> bool:
+        """True until a view of this chart said its page holds plotly.js."""
+        return not self.library_held
+
+    def push_library(self, *, unasked: bool = True) -> bool:
+        """Send plotly.js (gzip) in a custom message: not part of the state, not saved.
+
+        Args:
+            unasked: A push no view asked for; sent only while the kernel's
+                budget (``PUSHES``) lasts. True when sent.
+        """
+        if self.comm is None:
+            return False
+        if unasked:
+            with _pushes_lock:
+                if _pushes["left"] <= 0:
+                    return False
+                _pushes["left"] -= 1
+        self.send({"k": "lib"}, buffers=[plotly_js_gzip()])
+        return True
+
     def _on_front_end(self, _widget: Any, content: Any, _buffers: Any) -> None:
-        if isinstance(content, dict) and content.get("k") == "sync":
+        if not isinstance(content, dict):
+            return
+        if content.get("k") == "lib":  # a page without plotly.js asks for it
+            self.push_library(unasked=False)
+        elif content.get("k") == "have":
+            self.library_held = True
+        elif content.get("k") == "sync":
             with self._lock:
                 current = content.get("n") == self._seq
             if not current:

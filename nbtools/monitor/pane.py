@@ -6,12 +6,15 @@ utilization, memory and temperature of every GPU, grouped by host, and the
 run's events (:mod:`nbtools.events`) on the same time axis. The pane
 is a view of a shared :class:`~nbtools.monitor.sampler.Sampler`: two panes on
 the same GPUs poll once. Cell execution counts as activity through IPython's
-``pre_run_cell``/``post_run_cell`` events.
+``pre_run_cell``/``post_run_cell`` events. Its output also holds a still
+picture and a line of text per host (:mod:`nbtools.monitor._display`), which
+saved, exported and shared notebooks show without a kernel.
 """
 
 from __future__ import annotations
 
 import html
+import os
 import threading
 import time
 from typing import Any
@@ -20,11 +23,13 @@ import ipywidgets as widgets
 
 from nbtools import events as _events
 from nbtools._internal.log import get_logger
+from nbtools.monitor._display import SNAPSHOT_EVERY_S, PaneDisplay
 from nbtools.monitor._widget import GPUChart
 from nbtools.monitor.backends import Backend, NVMLBackend
 from nbtools.monitor.readings import Sample, local_host
 from nbtools.monitor.sampler import Sampler, acquire, release
-from nbtools.monitor.timeline import EVENT_COLUMNS, EventFeed, event_rows
+from nbtools.monitor.snapshot import Snapshot, render_png, summary
+from nbtools.monitor.timeline import EVENT_COLUMNS, MAX_DRAWN, EventFeed, encode, event_rows
 from nbtools.monitor.timing import DEFAULT_HISTORY_SECONDS, DEFAULT_IDLE_TIMEOUT, DEFAULT_INTERVAL
 
 __all__ = ["GPUPane"]
@@ -55,6 +60,20 @@ class GPUPane:
     thread, pauses after ``idle_timeout`` seconds without a running cell or a
     click, and stops for good on :meth:`close`. Defaults: 10 s, 2 h and 5 min
     (:mod:`nbtools.monitor.timing`).
+
+    Saved and shared notebooks: the pane's output also holds a still picture
+    (PNG: the latest readings, the curves and the events) and one line of
+    text per host, which GitHub, nbviewer, nbconvert and any viewer without
+    JavaScript or widget state show. The picture is redrawn when the pane
+    pauses or closes, on :meth:`snapshot`, and every ``SNAPSHOT_EVERY_S``
+    seconds (60) while new samples arrive, on a thread of its own (never on
+    the polling thread). The minute's drawings go to the widget state (what
+    a view shows without a kernel); the output's own picture is replaced on
+    :meth:`snapshot`, :meth:`close`, and a pause when no live view is open,
+    so a live view is never redrawn under the user's eyes. Call
+    :meth:`snapshot` before saving to put the latest in the output; after
+    :meth:`close` the output keeps the last picture. :meth:`to_html` writes
+    the curves and events to a standalone HTML file.
 
     Args:
         interval: Seconds between polls.
@@ -90,7 +109,8 @@ class GPUPane:
             if backend is not None:
                 raise ValueError(
                     "pass either backend= or cluster=, not both; for simulated GPUs on every "
-                    "node use backend=ClusterBackend(simulated=N)"
+                    "node use backend=ClusterBackend(simulated=N) "
+                    "(from nbtools.monitor import ClusterBackend)"
                 )
             from nbtools.monitor.cluster import cluster_backend
 
@@ -149,6 +169,7 @@ class GPUPane:
         self.widget = widgets.VBox([bar, self._chart])
         # Closing the widget itself (``pane.widget.close()``) closes the pane and its polling.
         self.widget.observe(self._widget_closed, names="comm")
+        self._display = PaneDisplay(self.widget, self._chart, self._draw, every=SNAPSHOT_EVERY_S)
         self._show_status(sampler.status, sampler.message)
 
     # --- public API -----------------------------------------------------------------
@@ -198,7 +219,9 @@ class GPUPane:
         Returns:
             A pandas DataFrame when pandas is installed, else a list of dicts.
             Columns: ``time`` (UTC), ``host``, ``rank``, ``kind``, ``message``,
-            ``step``, ``pid``, then one column per field that any event carries.
+            ``step``, ``pid`` (``rank``, ``step`` and ``pid`` as pandas ``Int64``:
+            whole numbers, ``<NA>`` where an event has none), then one column
+            per field that any event carries.
 
         Example:
             >>> pane.events().query("kind == 'checkpoint_saved'")[["time", "step", "blocked_s"]]  # doctest: +SKIP
@@ -212,6 +235,8 @@ class GPUPane:
         fields = list(dict.fromkeys(k for row in rows for k in row if k not in EVENT_COLUMNS))
         frame = pd.DataFrame(rows, columns=[*EVENT_COLUMNS, *fields])
         frame["time"] = pd.to_datetime(frame["time"], unit="s", utc=True)
+        for name in ("rank", "step", "pid"):  # whole numbers, missing = <NA>
+            frame[name] = frame[name].astype("Int64")
         return frame
 
     @property
@@ -219,11 +244,42 @@ class GPUPane:
         """Events the ranks dropped because the kernel did not keep up (shown when > 0)."""
         return self._feed.dropped()
 
+    def snapshot(self) -> Snapshot:
+        """Draw the still picture now and put it in the pane's output (saved with the notebook).
+
+        Returns:
+            The :class:`~nbtools.monitor.snapshot.Snapshot` (``.png`` bytes,
+            ``.text``); shown in a cell, it is the picture.
+        """
+        if self._closed:
+            return self._display.last or self._draw()
+        return self._display.refresh()
+
+    def to_html(self, path: str | os.PathLike[str]) -> str:
+        """Write the curves, the events and the latest readings to one standalone HTML file.
+
+        The file carries plotly.js (no network needed to open it), e.g. for a
+        run's MLflow artifacts: ``mlflow.log_artifact(pane.to_html("gpus.html"))``.
+
+        Returns:
+            The path written.
+        """
+        from nbtools.monitor.report import write_html
+
+        return write_html(
+            path, self.sampler.samples, self._event_rows(), self._chart.glance(),
+            self.sampler.backend.source, status=self._status_text(),
+        )
+
     def close(self) -> None:
-        """Stop showing and, when no other pane uses it, stop the sampler thread (idempotent)."""
+        """Stop showing and, when no other pane uses it, stop the sampler thread (idempotent).
+
+        The pane's output keeps its last picture (drawn now) and its text.
+        """
         if self._closed:
             return
         self._closed = True
+        self._display.close()
         self._stop_events()
         self._feed.close()
         self.sampler.remove_sink(self._on_sample)
@@ -256,10 +312,8 @@ class GPUPane:
         count = getattr(self._ip, "execution_count", None)
         if count is not None and count == self._shown_in:
             return  # already shown by the constructor of this very cell
-        from IPython.display import display
-
         self._shown_in = count
-        display(self.widget)
+        self._display.show()
 
     def __repr__(self) -> str:
         return f"<GPUPane {self.status} {self.sampler.backend.key}>"
@@ -285,11 +339,38 @@ class GPUPane:
     def _on_sample(self, sample: Sample) -> None:
         if not self._closed:
             self._chart.push(sample)
+            self._display.sampled()
 
     def _on_status(self, status: str, message: str) -> None:
         if not self._closed:
             self._show_status(status, message)
             self._follow_events(status)
+            if status != "polling":
+                self._display.soon()  # a paused pane's picture shows where it stopped
+
+    # --- the still picture -----------------------------------------------------------
+
+    def _event_rows(self) -> list[list]:
+        kept = self._feed.bus.log(since=time.time() - self.sampler.history_seconds)
+        return [encode(e, self._feed.local_host) for e in kept[-MAX_DRAWN:]]
+
+    def _status_text(self) -> str:
+        status = self.status
+        if status == "polling":
+            return f"polling every {self.sampler.interval:g} s"
+        if status == "closed":
+            return "closed"
+        return self.sampler.message or status
+
+    def _draw(self) -> Snapshot:
+        rows = self._event_rows()
+        latest = self._chart.glance()
+        history, source = self.sampler.samples, self.sampler.backend.source
+        status = self._status_text()
+        png = render_png(history, rows, latest, source, status=status)
+        text = summary(history, latest, source, events=len(rows),
+                       status="" if self.status == "polling" else status)
+        return Snapshot(png=png, text=text, time=time.time())
 
     def _follow_events(self, status: str) -> None:
         """Without GPUs to poll, send the run's events on their own (they usually ride on polls)."""

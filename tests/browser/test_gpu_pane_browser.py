@@ -4,8 +4,10 @@ Starts JupyterLab on loopback with a token in a temporary directory, runs a
 notebook that shows ``GPUPane(backend=SimulatedBackend(num_gpus=4))`` and then
 a real 2-rank ``@distributed`` training run that saves checkpoints, waits for a
 slow sample and loses a rank once. Checks 4 lines per panel, the run's events
-drawn on the time axis (bands, lines, markers) and listed under the charts, a
-second pane that opens without a second copy of plotly.js, and that Refresh
+drawn on the time axis (bands, lines, markers) and listed under the charts
+while the training cell still runs (plotly.js reaches the page in a custom
+message the kernel pushes, not in the widget state), a second pane that
+reuses the page's copy, and that Refresh
 moves the last-sample time; saves a screenshot (to ``assets/gpu_pane.png``
 when ``NBTOOLS_UPDATE_ASSETS=1``, else to the test's temporary directory), and
 stops JupyterLab and the browser.

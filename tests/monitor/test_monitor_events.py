@@ -6,13 +6,14 @@ does in a notebook); the front end is a recording comm.
 
 from __future__ import annotations
 
+import gzip
 import sys
+from importlib import resources
 
 import numpy as np
 import pytest
 from _monitor_fakes import message_bytes
 
-import nbtools.monitor._widget as widget_module
 from nbtools import events
 from nbtools.monitor import GPUPane, SimulatedBackend, acquire, release
 from nbtools.monitor.timeline import MESSAGE_BUDGET, category, encode
@@ -21,12 +22,6 @@ pytest.importorskip("anywidget", reason="the pane's chart needs anywidget")
 
 
 pytestmark = pytest.mark.usefixtures("clean_bus")
-
-
-@pytest.fixture
-def fresh_page(monkeypatch):
-    """No plotly.js library model yet in this kernel (as after a kernel start)."""
-    monkeypatch.setattr(widget_module, "_library", None)
 
 
 @pytest.fixture
@@ -44,42 +39,35 @@ def driven(clock):
         release(sampler)
 
 
-def _carries_plotly(comm) -> bool:
-    return bool(comm.opened) and "_plotly_js" in comm.opened_state()
-
-
 def _poll(sampler, clock, seconds: float = 10) -> None:
     clock.advance(seconds)
     sampler.tick()
 
 
-def test_plotly_js_travels_once_per_page_and_a_second_pane_opens_small(
-    comms, driven, clock, fresh_page
-):
+def test_plotly_js_is_no_widget_state_and_travels_in_a_custom_message(comms, driven, clock):
     sampler = driven(num_gpus=8, history_seconds=7200)
     for _ in range(sampler.samples.capacity):  # two full hours of 8 GPUs on screen
         _poll(sampler, clock)
-    first = GPUPane(backend=SimulatedBackend(8), display=False)
-    libraries = [c for c in comms if _carries_plotly(c)]
-    assert len(libraries) == 1
-    library = libraries[0]
-    assert len(library.opened_state()["_plotly_js"]) > 1_000_000
-    assert library.open_bytes() > 1_000_000
-    assert first._chart.comm.opened_state()["_library"] == library.comm_id
-    first.close()
-
-    before = len(comms)
-    second = GPUPane(backend=SimulatedBackend(8), display=False)
+    pane = GPUPane(backend=SimulatedBackend(8), display=False)
     try:
-        new = comms[before:]
-        assert not any(_carries_plotly(c) for c in new)
-        assert not library.closed  # kept for the page, though the first pane closed
-        chart = second._chart.comm
-        assert chart.opened_state()["_library"] == library.comm_id
-        opened = sum(c.open_bytes() for c in new)
-        assert opened < 100_000, f"the second pane opens with {opened} bytes"
+        # Nothing a notebook saves (the models' state) holds plotly.js.
+        opened = sum(c.open_bytes() for c in comms)
+        assert opened < 150_000, f"the pane opens with {opened} bytes of widget state"
+        chart = pane._chart.comm
+        assert chart.sent == [] or all(m["buffers"] == [] for m in chart.sent)
+        # A page without plotly.js asks; the answer is a custom message with one gzip buffer.
+        chart.from_front_end({"method": "custom", "content": {"k": "lib"}})
+        answer = chart.sent[-1]
+        assert answer["data"] == {"method": "custom", "content": {"k": "lib"}}
+        shipped = resources.files("plotly").joinpath("package_data", "plotly.min.js").read_bytes()
+        assert gzip.decompress(bytes(answer["buffers"][0])) == shipped
+        assert len(answer["buffers"][0]) < len(shipped) / 2
+        # Once a view says its page holds it, nothing more is pushed to this chart.
+        assert pane._chart.needs_library
+        chart.from_front_end({"method": "custom", "content": {"k": "have"}})
+        assert not pane._chart.needs_library
     finally:
-        second.close()
+        pane.close()
 
 
 def test_the_history_travels_as_binary_arrays_that_decode_to_the_samples(comms, driven, clock):

@@ -43,7 +43,7 @@ def test_each_poll_sends_a_small_custom_message(comms, driven, clock):
         assert pane.sampler is sampler and pane.status == "polling"
         chart = pane._chart.comm
         opened = chart.opened_state()
-        assert "extendTraces" in opened["_esm"] and opened["_library"]
+        assert "extendTraces" in opened["_esm"] and "_library" not in opened
         figure = opened["_figure"]
         assert len(figure["data"]) == 24 and figure["source"] == "simulated"
         before = len(chart.sent)

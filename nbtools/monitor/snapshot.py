@@ -1,0 +1,238 @@
+"""A still picture of the GPU pane, for saved, shared and exported notebooks.
+
+:func:`render_png` draws what the live pane shows (the latest readings, the
+utilization, memory and temperature curves of every GPU, the run's events on
+the same time axis) as one PNG at reduced resolution (at most
+``MAX_POINTS`` points per line), drawn with Pillow: no browser, no display,
+no JavaScript to show it. :func:`summary` is the same state as plain text,
+one line per host.
+
+Why Pillow: plotly's static export (kaleido) drives a headless browser, which
+a training image seldom has; matplotlib takes about a second for this figure
+on a busy machine, Pillow well under 200 ms. A PNG renders everywhere a
+notebook is shown (GitHub, nbviewer, nbconvert, VS Code), where inline SVG in
+HTML may be sanitised away.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from nbtools.monitor.history import History
+
+__all__ = ["Snapshot", "render_png", "summary", "MAX_POINTS", "STYLE"]
+
+#: Most points drawn per line (bucket means of the history).
+MAX_POINTS = 360
+_GIB = 1024**3
+_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+           "#7f7f7f", "#bcbd22", "#17becf")
+_DASHES = ("-", ":", "--", "-.")
+_PANELS = (("utilization", 1.0, "Utilization (%)"), ("memory_used", 1.0 / _GIB, "Memory used (GiB)"),
+           ("temperature", 1.0, "Temperature (°C)"))
+#: How each category of event is drawn (the live chart uses the same colours):
+#: colour, marker, band opacity (a span) or line style (a vertical line).
+STYLE: dict[str, dict[str, Any]] = {
+    "save": {"color": "#2563eb", "marker": "s", "band": 0.22},
+    "stall": {"color": "#d97706", "marker": "D", "band": 0.18},
+    "failure": {"color": "#dc2626", "marker": "x", "line": "-"},
+    "restart": {"color": "#ea580c", "marker": "^", "line": "--"},
+    "run": {"color": "#6b7280", "marker": "o", "line": ":"},
+    "mark": {"color": "#7c3aed", "marker": "v"},
+}
+_LISTED = 6
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One still picture of a pane: the PNG, its one-line-per-host text, when it was taken.
+
+    Shown in a notebook cell, it is the picture.
+    """
+
+    png: bytes
+    text: str
+    time: float
+
+    def _repr_png_(self) -> bytes:
+        return self.png
+
+    def __repr__(self) -> str:
+        return f"<Snapshot {len(self.png)} bytes PNG · {self.text.splitlines()[0] if self.text else ''}>"
+
+
+def _clock(seconds: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(seconds))
+
+
+def _reduced(stamps: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """At most ``MAX_POINTS`` bucket means; a bucket with no value stays a gap (NaN)."""
+    n = len(stamps)
+    if n <= MAX_POINTS:
+        return stamps, values
+    edges = np.linspace(0, n, MAX_POINTS + 1).astype(int)
+    times = np.add.reduceat(stamps, edges[:-1]) / np.diff(edges)
+    ok = ~np.isnan(values)
+    sums = np.add.reduceat(np.where(ok, values, 0.0), edges[:-1])
+    counts = np.add.reduceat(ok.astype(float), edges[:-1])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return times, np.where(counts > 0, sums / counts, np.nan)
+
+
+def _fmt(value: float | None, digits: int = 0) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{value:.{digits}f}"
+
+
+def _readings_table(gpus: Sequence[tuple[str, int, str]], latest: dict) -> list[tuple[str, ...]]:
+    rows: list[tuple[str, ...]] = [("GPU", "Util %", "Memory GiB", "Temp °C", "Power W", "")]
+    for host, index, name in gpus:
+        r = latest.get((host, index))
+        if r is None:
+            continue
+        used = None if r.memory_used is None else r.memory_used / _GIB
+        total = None if r.memory_total is None else r.memory_total / _GIB
+        power = _fmt(r.power) + (f" / {_fmt(r.power_limit)}" if r.power_limit else "")
+        rows.append((f"{host} · {index}", _fmt(r.utilization), f"{_fmt(used, 1)} / {_fmt(total)}",
+                     _fmt(r.temperature), power, name))
+    return rows
+
+
+def render_png(
+    history: History,
+    events: Sequence[Sequence[Any]],
+    latest: dict,
+    source: str,
+    *,
+    status: str = "",
+) -> bytes:
+    """The pane as a PNG: readings table, three panels of curves, the events, the newest listed.
+
+    Args:
+        history: The samples to draw.
+        events: Event rows as the chart gets them (``[ms, kind, category, rank,
+            step, start ms, text]``, see :func:`nbtools.monitor.timeline.encode`).
+        latest: ``(host, index) -> GPUReading``: the values of the table.
+        source: ``"NVML"`` or ``"simulated"`` (said in the title).
+        status: The pane's status in words (under the title).
+
+    Returns:
+        The PNG's bytes: 1000 pixels wide, a palette of at most 64 colours
+        (tens of KB).
+    """
+    from nbtools.monitor._still import Canvas
+
+    gpus = history.gpus()
+    hosts = history.hosts()
+    series = {}
+    for host, index, _name in gpus:
+        for field, scale, _label in _PANELS:
+            stamps, values = history.series(host, index, field)
+            series[(host, index, field)] = _reduced(stamps, values * scale)
+    table = _readings_table(gpus, latest)
+    listed = list(events)[-_LISTED:]
+    canvas = Canvas(width=1000, rows=len(table), listed=len(listed) + 1)
+    simulated = source == "simulated"
+    canvas.title("GPU resources" + (" · SIMULATED GPUs (made-up numbers)" if simulated else
+                                     f" · {source}"), warn=simulated)
+    canvas.status(status)
+    canvas.table(table)
+    span = _span([x for x, _ in series.values() if len(x)], events)
+    canvas.legend([(f"{h} · GPU {i}" if len(hosts) > 1 else f"GPU {i}", _COLORS[i % len(_COLORS)],
+                    hosts.index(h) % 2 == 1) for h, i, _ in gpus])
+    memory_top = max([_GIB] + [getattr(latest.get((h, i)), "memory_total", 0) or 0
+                               for h, i, _ in gpus]) / _GIB
+    for panel, (field, _scale, label) in enumerate(_PANELS):
+        if field == "utilization":
+            low, high = 0.0, 105.0
+        elif field == "memory_used":
+            low, high = 0.0, memory_top * 1.05
+        else:
+            low, high = _range([y for (_h, _i, f), (_x, y) in series.items() if f == field])
+        box = canvas.panel(panel, label, span, (low, high), empty=not gpus)
+        for e in events:
+            style = STYLE.get(e[2], STYLE["mark"])
+            if style.get("band") and e[5] is not None:
+                box.band(e[5] / 1000, e[0] / 1000, style["color"], style["band"])
+            elif style.get("line"):
+                box.vline(e[0] / 1000, style["color"], style["line"])
+        for host, index, _name in gpus:
+            x, y = series[(host, index, field)]
+            box.line(x, y, _COLORS[index % len(_COLORS)], dashed=hosts.index(host) % 2 == 1)
+        if panel == 0:
+            for e in events:
+                style = STYLE.get(e[2], STYLE["mark"])
+                box.marker(e[0] / 1000, style["color"], style["marker"])
+    canvas.time_axis(span)
+    lines = []
+    for e in reversed(listed):
+        detail = " · ".join(p for p in (None if e[3] is None else f"rank {e[3]}",
+                                        None if e[4] is None else f"step {e[4]}", e[6]) if p)
+        lines.append((_clock(e[0] / 1000), e[1], detail, STYLE.get(e[2], STYLE["mark"])["color"]))
+    canvas.events(lines, total=len(events))
+    return canvas.png()
+
+
+def _span(times: list[np.ndarray], events: Sequence[Sequence[Any]]) -> tuple[float, float]:
+    """The time axis: the samples' span, stretched to later events (a paused pane still hears)."""
+    stamps = np.concatenate(times) if times else np.array([])
+    stamps = stamps[~np.isnan(stamps)]
+    marks = [e[0] / 1000 for e in events]
+    if len(stamps):
+        low, high = float(stamps.min()), float(stamps.max())
+        high = max([high] + [t for t in marks if t > high])
+    elif marks:
+        low, high = min(marks + [e[5] / 1000 for e in events if e[5] is not None]), max(marks)
+    else:
+        high = time.time()
+        low = high - 60.0
+    return min(low, high - 60.0), high
+
+
+def _range(columns: list[np.ndarray]) -> tuple[float, float]:
+    values = np.concatenate(columns) if columns else np.array([])
+    values = values[~np.isnan(values)] if len(values) else values
+    if not len(values):
+        return 0.0, 100.0
+    low = max(0.0, math.floor((values.min() - 5) / 10) * 10)
+    return low, max(low + 10, math.ceil((values.max() + 5) / 10) * 10)
+
+
+def summary(
+    history: History,
+    latest: dict,
+    source: str,
+    *,
+    events: int = 0,
+    status: str = "",
+) -> str:
+    """The pane in plain text, one line per host.
+
+    Example:
+        ``GPU pane · 2 GPUs (simulated) · last sample 12:04:31 · util 94 % / 71 % · 3 events``
+    """
+    gpus = history.gpus()
+    hosts = history.hosts()
+    tail = f" · {events} event{'s' if events != 1 else ''}"
+    if status:
+        tail += f" · {status}"
+    if not gpus:
+        return f"GPU pane · no GPU reading ({source})" + tail
+    lines = []
+    for host in hosts:
+        mine = [(h, i) for h, i, _ in gpus if h == host]
+        readings = [latest.get(key) for key in mine]
+        utils = " / ".join(f"{_fmt(getattr(r, 'utilization', None))} %" for r in readings)
+        stamps, _ = history.series(*mine[0], "utilization")
+        last = f" · last sample {_clock(stamps[-1])}" if len(stamps) else ""
+        where = f" · {host}" if len(hosts) > 1 else ""
+        count = f"{len(mine)} GPU{'s' if len(mine) != 1 else ''}"
+        lines.append(f"GPU pane{where} · {count} ({source}){last} · util {utils}{tail}")
+    return "\n".join(lines)

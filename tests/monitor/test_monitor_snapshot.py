@@ -1,0 +1,239 @@
+"""The pane's output: a still picture and text beside the live view, kept current off the poll path.
+
+IPython's ``display``/``update_display`` are replaced by a recorder (the
+front-end boundary, like the recording comm); the picture is really drawn.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import threading
+import time
+
+import pytest
+
+import nbtools.monitor._display as display_module
+import nbtools.monitor._widget as widget_module
+import nbtools.monitor.pane as pane_module
+from nbtools import events
+from nbtools.monitor import GPUPane, SimulatedBackend, acquire, release
+
+pytest.importorskip("anywidget", reason="the pane's chart needs anywidget")
+pytestmark = pytest.mark.usefixtures("clean_bus")
+
+VIEW = "application/vnd.jupyter.widget-view+json"
+LINE = re.compile(r"^GPU pane · 2 GPUs \(simulated\) · last sample \d\d:\d\d:\d\d · "
+                  r"util \d+ % / \d+ % · \d+ events?")
+
+
+class Outputs:
+    """What the pane put in the notebook: display and update_display calls, by thread."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict, str, str]] = []
+        self.changed = threading.Condition()
+
+    def display(self, data, raw=False, display_id=None, **_kw):
+        assert raw and display_id
+        with self.changed:
+            self.calls.append(("display", data, display_id, threading.current_thread().name))
+            self.changed.notify_all()
+
+    def update_display(self, data, raw=False, display_id=None, **_kw):
+        assert raw and display_id
+        with self.changed:
+            self.calls.append(("update", data, display_id, threading.current_thread().name))
+            self.changed.notify_all()
+
+    def wait(self, count: int, timeout: float = 30) -> None:
+        with self.changed:
+            assert self.changed.wait_for(lambda: len(self.calls) >= count, timeout), self.calls
+
+
+@pytest.fixture
+def outputs(monkeypatch):
+    import IPython.display
+
+    recorder = Outputs()
+    monkeypatch.setattr(IPython.display, "display", recorder.display)
+    monkeypatch.setattr(IPython.display, "update_display", recorder.update_display)
+    return recorder
+
+
+@pytest.fixture
+def driven(clock):
+    samplers = []
+
+    def start(num_gpus: int = 2, **options):
+        options.setdefault("interval", 10)
+        options.setdefault("idle_timeout", None)
+        samplers.append(acquire(SimulatedBackend(num_gpus), clock=clock, start=False, **options))
+        return samplers[-1]
+
+    yield start
+    for sampler in samplers:
+        release(sampler)
+
+
+def _png(data: dict) -> bytes:
+    png = base64.b64decode(data["image/png"])
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) < 200_000
+    return png
+
+
+def test_the_output_holds_the_view_a_picture_and_text_and_keeps_the_picture(
+    comms, driven, clock, outputs
+):
+    sampler = driven()
+    for _ in range(30):
+        clock.advance(10)
+        sampler.tick()
+    pane = GPUPane(backend=SimulatedBackend(2), display=False)
+    try:
+        pane._display.show()
+        kind, data, display_id, _ = outputs.calls[0]
+        assert kind == "display" and set(data) == {VIEW, "image/png", "text/plain"}
+        assert data[VIEW]["model_id"] == pane.widget.model_id
+        assert LINE.match(data["text/plain"]) and data["text/plain"].endswith("0 events")
+        _png(data)
+        assert pane._chart._snapshot == _png(data)  # also what a kernel-less view shows
+        events.emit("rank_failed", message="rank 1 exited with SIGKILL", rank=1)
+        pane.pause()  # a paused pane's picture shows where it stopped, drawn on the worker
+        outputs.wait(2)
+        kind, data, same_id, thread = outputs.calls[1]
+        assert (kind, same_id, thread) == ("update", display_id, display_module.THREAD_NAME)
+        assert VIEW in data and "1 event · paused by the user" in data["text/plain"]
+    finally:
+        pane.close()
+    kind, data, same_id, _ = outputs.calls[-1]
+    assert (kind, same_id) == ("update", display_id)
+    assert set(data) == {"image/png", "text/plain"}  # no live view once closed
+    assert data["text/plain"].endswith("1 event · closed")
+    assert pane.snapshot().png == _png(data)
+
+
+def test_polls_never_draw_the_picture_the_worker_does(comms, driven, clock, outputs, monkeypatch):
+    sampler = driven()
+    drawn: list[str] = []
+    real = pane_module.render_png
+
+    def counting(*args, **kwargs):
+        drawn.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pane_module, "render_png", counting)
+    monkeypatch.setattr(display_module, "PUSH_AFTER_S", ())
+    pane = GPUPane(backend=SimulatedBackend(2), display=False)
+    try:
+        pane._display._every = 0.2
+        pane._display.show()
+        assert len(drawn) == 1
+        first = pane._chart._snapshot
+        for _ in range(20):
+            clock.advance(10)
+            sampler.tick()  # the poll path: reading, history, the chart's message
+        assert len(drawn) == 1
+        deadline = time.monotonic() + 30
+        while pane._chart._snapshot == first and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert drawn[1:] and set(drawn[1:]) == {display_module.THREAD_NAME}
+        assert [c[0] for c in outputs.calls] == ["display"]  # a live view is not redrawn
+    finally:
+        pane.close()
+
+
+def test_plotly_js_is_pushed_twice_per_kernel_and_sent_to_whoever_asks(
+    comms, driven, outputs, monkeypatch
+):
+    driven()
+    monkeypatch.setattr(display_module, "PUSH_AFTER_S", (0.0, 0.01))
+    monkeypatch.setitem(widget_module._pushes, "left", widget_module.PUSHES)
+
+    def pushes(pane) -> int:
+        return sum(1 for m in pane._chart.comm.sent
+                   if m["data"].get("content", {}).get("k") == "lib" and m["buffers"])
+
+    first = GPUPane(backend=SimulatedBackend(2), display=False)
+    second = GPUPane(backend=SimulatedBackend(2), display=False)
+    try:
+        first._display.show()
+        deadline = time.monotonic() + 30
+        while pushes(first) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        second._display.show()
+        time.sleep(0.2)
+        assert pushes(first) == 2 and pushes(second) == 0  # its page has first's copy
+        second._chart.comm.from_front_end({"method": "custom", "content": {"k": "lib"}})
+        assert pushes(second) == 1  # a page without it asked
+    finally:
+        first.close()
+        second.close()
+
+
+def test_event_ranks_steps_and_pids_are_whole_numbers(comms, driven):
+    pd = pytest.importorskip("pandas")
+    driven()
+    pane = GPUPane(backend=SimulatedBackend(2), display=False)
+    try:
+        events.emit("rank_failed", message="rank 1 exited", rank=1)
+        events.emit("note", message="from the kernel")
+        frame = pane.events()
+        for column in ("rank", "step", "pid"):
+            assert str(frame[column].dtype) == "Int64", column
+        assert frame["rank"].iloc[0] == 1 and frame["rank"].iloc[1] is pd.NA
+    finally:
+        pane.close()
+
+
+def test_the_name_the_cluster_error_gives_is_importable(comms):
+    from nbtools.monitor import ClusterBackend  # where the message says it is
+
+    with pytest.raises(ValueError, match=r"from nbtools\.monitor import ClusterBackend") as err:
+        GPUPane(cluster="ray", backend=SimulatedBackend(num_gpus=1), display=False)
+    assert "ClusterBackend(simulated=N)" in str(err.value)
+    assert ClusterBackend.__name__ == "ClusterBackend"
+
+
+def test_to_html_writes_the_curves_the_events_and_the_readings(comms, driven, clock, tmp_path):
+    sampler = driven()
+    for _ in range(10):
+        clock.advance(10)
+        sampler.tick()
+    pane = GPUPane(backend=SimulatedBackend(2), display=False)
+    try:
+        events.emit("checkpoint_saved", message="saved step_8", step=8, blocked_s=0.3)
+        path = pane.to_html(tmp_path / "gpus.html")
+        text = (tmp_path / "gpus.html").read_text()
+        assert path == str(tmp_path / "gpus.html")
+        assert "Plotly.newPlot" in text and "GPU 0" in text and "GPU 1" in text
+        assert "checkpoint_saved" in text and "saved step_8" in text
+        assert "GPU pane · 2 GPUs (simulated) · last sample" in text
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            pane.to_html(tmp_path / "missing" / "gpus.html")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["gpus.html"]
+    finally:
+        pane.close()
+
+
+def test_with_a_live_view_the_worker_redraws_the_picture_but_leaves_the_output(
+    comms, driven, clock, outputs
+):
+    driven()
+    pane = GPUPane(backend=SimulatedBackend(2), display=False)
+    try:
+        pane._display.show()
+        first = pane._chart._snapshot
+        # A front end re-renders an output it is told to update: a live view would be redrawn.
+        pane._chart.comm.from_front_end({"method": "custom", "content": {"k": "have"}})
+        events.emit("note", message="while someone watches")
+        pane.pause()
+        deadline = time.monotonic() + 30
+        while pane._chart._snapshot == first and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pane._chart._snapshot != first  # the picture a kernel-less view shows is new
+        assert [c[0] for c in outputs.calls] == ["display"]
+        pane.snapshot()  # asked for: the output is updated too
+        assert [c[0] for c in outputs.calls] == ["display", "update"]
+    finally:
+        pane.close()
