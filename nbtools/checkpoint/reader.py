@@ -38,6 +38,7 @@ from nbtools import _torch_compat
 from nbtools.checkpoint import _staging
 from nbtools.checkpoint._coop_read import NOTE
 from nbtools.checkpoint._layout import METADATA_NAME, RANK_METADATA_RE, rank_metadata_name
+from nbtools.checkpoint._rank_local import check_rank_local
 from nbtools.checkpoint._safe_pickle import check_weights_only, load_metadata
 from nbtools.checkpoint._shards import item_checksum, read_item_into, verify_items
 from nbtools.checkpoint._staged_read import StagedFetch
@@ -200,6 +201,8 @@ class VolumeReader(StorageReader):
             verify=getattr(self, "verify", True),
             **self._fetch_settings,
         )
+        # dcp.load wraps what is raised inside it: only a check made here leads the error.
+        check_rank_local(self._target, self.path)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}

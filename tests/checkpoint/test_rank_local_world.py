@@ -63,10 +63,6 @@ def test_the_check_raises_the_reason_on_every_rank(two_rank_local):
     assert sorted(failed.value.failures) == [0, 1, 2]  # every rank alike: none left waiting
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="VolumeReader does not call check_rank_local when it opens a directory yet",
-)
 def test_dcp_load_at_another_world_size_leads_with_the_reason(two_rank_local):
     @distributed(processes=3)
     def load(path: str) -> None:
