@@ -124,6 +124,7 @@ class Ranks:
         self._seq = 0
         self._ended = False
         self._wrote = False  # whether a rank wrote output during the current command
+        self._next_check = 0.0  # when a long write next looks at the ranks
 
     @classmethod
     def start(
@@ -215,6 +216,10 @@ class Ranks:
 
     def _while_sending(self) -> None:
         """While a rank is slow to take a big frame: forward output, notice a death."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + _GROUP_POLL_S
         self.forwarder.poll()
         outcome = self.group.poll()
         if outcome is not None:
