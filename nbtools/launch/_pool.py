@@ -45,7 +45,14 @@ from nbtools.launch._pool_ranks import (
     RanksLost,
     RanksStuck,
 )
-from nbtools.launch._pool_registry import CallGuard, open_pools, register, shutdown, unregister
+from nbtools.launch._pool_registry import (
+    CallGuard,
+    open_pools,
+    owned,
+    register,
+    shutdown,
+    unregister,
+)
 from nbtools.launch._records import GROUP_PHASE
 
 __all__ = ["RankPool", "shutdown", "open_pools"]
@@ -110,6 +117,7 @@ class RankPool:
         self._plan = self._config._plan(self._backend)
         self._backend.check(self._plan.world_size, self._plan.use_cuda)
         self._lock = threading.Lock()
+        self._pid = os.getpid()  # the process the ranks belong to (not a forked child)
         self._ranks: Ranks | None = None
         self._closed = False
         self._stopped: str | None = None  # why the pool gave up, after its last restart
@@ -216,8 +224,15 @@ class RankPool:
             _log.warning("the pool restarted %d fresh ranks: %s", self.world_size, _LOST)
 
     def close(self) -> None:
-        """Stop every rank and release everything; idempotent."""
+        """Stop every rank and release everything; idempotent.
+
+        In a process forked from the pool's own, the pool is only marked closed
+        there: the ranks and files belong to the parent.
+        """
         if self._closed:
+            return
+        if not owned(self):
+            self._closed = True
             return
         acquired = self._lock.acquire(timeout=1.0)
         try:
