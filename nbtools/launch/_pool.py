@@ -304,9 +304,16 @@ class RankPool:
             )
             return
         note = self._replace("ranks did not stop after an interrupt")
+        why = ""
+        if self._backend.name != "local":
+            why = (
+                " (on Ray a rank runs your code in an actor thread: an interrupt stops Python code "
+                "there, but not a call blocked in time.sleep, I/O or C code; such cells can "
+                "wait in short steps, e.g. a loop of time.sleep(0.1))"
+            )
         _log.warning(
-            "interrupted: rank%s %s did not stop within %.0f s; %s",
-            plural(exc.pending), ranks_text(exc.pending), INTERRUPT_GRACE_S, note,
+            "interrupted: rank%s %s did not stop within %.0f s%s; %s",
+            plural(exc.pending), ranks_text(exc.pending), INTERRUPT_GRACE_S, why, note,
         )
 
     def _after_loss(self, exc: RanksLost, localize: Callable[[str], str]) -> DistributedError:
