@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -190,6 +191,19 @@ def cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+@pytest.fixture
+def sigint_default():
+    """SIGINT raises ``KeyboardInterrupt`` during the test, as in a kernel, then is restored.
+
+    For tests that send SIGINT: a session started with SIGINT ignored
+    (``nohup pytest ... &``) would otherwise never see it.
+    """
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if before is not None:
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture

@@ -44,7 +44,14 @@ from nbtools.launch._pool_ranks import (
     RanksLost,
     RanksStuck,
 )
-from nbtools.launch._pool_registry import CallGuard, open_pools, register, shutdown, unregister
+from nbtools.launch._pool_registry import (
+    CallGuard,
+    open_pools,
+    owned,
+    register,
+    shutdown,
+    unregister,
+)
 
 __all__ = ["RankPool", "shutdown", "open_pools"]
 
@@ -127,6 +134,7 @@ class RankPool:
         self._plan = self._config.plan(self._backend)
         self._backend.check(self._plan.world_size, self._plan.use_cuda)
         self._lock = threading.Lock()
+        self._pid = os.getpid()  # the process the ranks belong to (not a forked child)
         self._ranks: Ranks | None = None
         self._closed = False
         self._stopped: str | None = None  # why the pool gave up, after its last restart
@@ -233,8 +241,15 @@ class RankPool:
             _log.warning("the pool restarted %d fresh ranks: %s", self.world_size, _LOST)
 
     def close(self) -> None:
-        """Stop every rank and release everything; idempotent."""
+        """Stop every rank and release everything; idempotent.
+
+        In a process forked from the pool's own, the pool is only marked closed
+        there: the ranks and files belong to the parent.
+        """
         if self._closed:
+            return
+        if not owned(self):
+            self._closed = True
             return
         acquired = self._lock.acquire(timeout=1.0)
         try:
@@ -306,9 +321,16 @@ class RankPool:
             )
             return
         note = self._replace("ranks did not stop after an interrupt")
+        why = ""
+        if self._backend.name != "local":
+            why = (
+                " (on Ray a rank runs your code in an actor thread: an interrupt stops Python code "
+                "there, but not a call blocked in time.sleep, I/O or C code; such cells can "
+                "wait in short steps, e.g. a loop of time.sleep(0.1))"
+            )
         _log.warning(
-            "interrupted: rank%s %s did not stop within %.0f s; %s",
-            plural(exc.pending), ranks_text(exc.pending), INTERRUPT_GRACE_S, note,
+            "interrupted: rank%s %s did not stop within %.0f s%s; %s",
+            plural(exc.pending), ranks_text(exc.pending), INTERRUPT_GRACE_S, why, note,
         )
 
     def _after_loss(self, exc: RanksLost, localize: Callable[[str], str]) -> DistributedError:

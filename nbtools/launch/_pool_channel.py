@@ -1,16 +1,24 @@
 """The command channel between a :class:`~nbtools.launch.RankPool` and its ranks.
 
 One stream socket per rank, opened by the rank to the kernel once its process
-group is up. Local ranks use a Unix socket in the attempt's private (0700)
-directory: nothing listens on a TCP port. Ranks on a cluster use TCP on the
-kernel's address. Either way a rank proves it holds the pool's key before the
-kernel accepts it (an HMAC over a random challenge, as ``multiprocessing``'s
-connections do), so nothing else on the network can send commands to ranks.
+group is up. Local ranks use a Unix socket in a private (0700) directory:
+nothing listens on a TCP port. Ranks on a cluster use TCP on the node's
+address.
 
-Frames are a 8-byte big-endian length followed by a pickle. The kernel reads
+Authentication comes before anything else, as in SSH and Jupyter. The kernel
+sends a random challenge; the rank answers with a fixed-size HMAC of it under
+the pool's key and a challenge of its own, which the kernel answers in turn
+(mutual: a rank never talks to an impostor either). Until a peer has proved the
+key, nothing it sent is interpreted beyond comparing a fixed number of bytes
+with :func:`hmac.compare_digest`; only then may it send frames. Connections are
+handshaken side by side without blocking (:meth:`Listener.poll`), so one silent
+or hostile peer neither stalls nor aborts the start.
+
+Frames are an 8-byte big-endian length followed by a pickle. The kernel reads
 without blocking into a per-rank buffer (:meth:`Link.frames`): an interrupt
-between two reads loses nothing. Writes always complete a frame, even when
-interrupted, so the stream never desynchronises.
+between two reads loses nothing. Writes always complete a frame, whatever its
+size, even when interrupted, so the stream never desynchronises; a second
+interrupt while one frame is still being written gives up on the link.
 """
 
 from __future__ import annotations
@@ -19,66 +27,116 @@ import hashlib
 import hmac
 import os
 import pickle
+import select
 import selectors
 import socket
 import struct
+import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Listener", "Link", "connect", "frame", "wait_readable", "ChannelClosed"]
+from nbtools._internal.log import get_logger
 
+__all__ = [
+    "Listener", "Link", "connect", "frame", "wait_readable", "ChannelClosed", "socket_directory",
+]
+
+_log = get_logger("launch")
 _HEADER = struct.Struct("!Q")
 _CHALLENGE_BYTES = 32
+_DIGEST_BYTES = hashlib.sha256().digest_size
+# What a rank sends before it is trusted: its proof, then its own challenge.
+_ANSWER_BYTES = _DIGEST_BYTES + _CHALLENGE_BYTES
+# Each side's proof is bound to its role, so one side's answer never serves as the other's.
+_RANK_PROOF = b"nbtools pool rank\0"
+_KERNEL_PROOF = b"nbtools pool kernel\0"
 _RECV_CHUNK = 1 << 20
+# At most this much is read per call of Link.frames, so output is forwarded during big frames.
+_READ_PER_CALL = 64 << 20
 # A connection that does not complete the handshake in this time is dropped.
 _HANDSHAKE_S = 30.0
+# At most this many connections are handshaken at once; beyond, the oldest is dropped.
+_MAX_PENDING = 64
+# sun_path holds 108 bytes on Linux, the terminating NUL included; macOS 104.
+_MAX_UNIX_PATH = 100
+# How long a blocked write waits before it reports progress to its caller.
+_WRITE_WAIT_S = 0.05
+
+#: One frame, as the two buffers that are written one after the other.
+Frame = tuple[bytes, bytes]
 
 
 class ChannelClosed(ConnectionError):
-    """The other end of a link has gone away."""
+    """The other end of a link has gone away (or the link can no longer be used)."""
 
 
-def frame(message: Any) -> bytes:
+def frame(message: Any) -> Frame:
     """``message`` as one frame: its length, then its pickle."""
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(data)) + data
+    return _HEADER.pack(len(data)), data
 
 
-def _digest(key: bytes, challenge: bytes) -> bytes:
-    return hmac.new(key, challenge, hashlib.sha256).digest()
+def _proof(key: bytes, role: bytes, challenge: bytes) -> bytes:
+    return hmac.new(key, role + challenge, hashlib.sha256).digest()
 
 
 class Link:
     """One rank's end-to-end stream of frames.
 
     Args:
-        sock: a connected stream socket.
+        sock: a connected stream socket (kernel side: non-blocking).
         rank: the rank at the other end (kernel side), or this rank (rank side).
     """
 
     def __init__(self, sock: socket.socket, rank: int = -1) -> None:
         self.sock = sock
         self.rank = rank
-        self._buffer = bytearray()
         self.closed = False
+        self._head = bytearray(_HEADER.size)
+        self._body: bytearray | None = None
+        self._got = 0
 
-    def send(self, message: Any) -> None:
+    def send(self, message: Any, waiting: Callable[[], None] | None = None) -> None:
         """Send one message; an interrupt while sending still completes the frame."""
-        self.send_frame(frame(message))
+        self.send_frame(frame(message), waiting)
 
-    def send_frame(self, frame: bytes) -> None:
-        """Send an already framed message (the same bytes may go to every rank)."""
-        view = memoryview(frame)
-        sent = 0
+    def send_frame(self, data: Frame, waiting: Callable[[], None] | None = None) -> None:
+        """Send an already framed message (the same frame may go to every rank).
+
+        Args:
+            data: from :func:`frame`.
+            waiting: called while the other end is not reading (it may raise to give up).
+
+        Raises:
+            ChannelClosed: the other end went away, or a second interrupt gave up
+                on a frame half written (the link is unusable then).
+        """
+        if self.closed:
+            raise ChannelClosed(f"rank {self.rank}'s channel is closed")
         interrupted: KeyboardInterrupt | None = None
-        while sent < len(view):
-            try:
-                sent += self.sock.send(view[sent:])
-            except KeyboardInterrupt as exc:
-                interrupted = exc  # finish the frame, then let the interrupt through
-            except (BrokenPipeError, ConnectionResetError) as exc:
-                self.closed = True
-                raise ChannelClosed(f"rank {self.rank} closed its channel") from exc
+        for part in data:
+            view = memoryview(part).cast("B")
+            sent = 0
+            while sent < len(view):
+                try:
+                    try:
+                        sent += self.sock.send(view[sent:])
+                    except (BlockingIOError, InterruptedError):
+                        select.select([], [self.sock], [], _WRITE_WAIT_S)
+                        if waiting is not None:
+                            waiting()
+                except KeyboardInterrupt as exc:
+                    if interrupted is not None:
+                        self.close()  # half a frame is out: the stream cannot be used any more
+                        raise
+                    interrupted = exc  # finish the frame, then let the interrupt through
+                except OSError as exc:
+                    self.close()
+                    raise ChannelClosed(f"rank {self.rank}'s channel failed: {exc}") from exc
+                except BaseException:
+                    self.close()  # the caller gave up mid-frame: the stream is out of step
+                    raise
         if interrupted is not None:
             raise interrupted
 
@@ -88,29 +146,31 @@ class Link:
         Raises:
             ChannelClosed: the other end closed the connection (after what it sent).
         """
+        messages = []
         eof = False
-        while True:
+        budget = _READ_PER_CALL
+        while budget > 0:
+            body = self._body
+            buffer = memoryview(self._head if body is None else body)[self._got :]
             try:
-                chunk = self.sock.recv(_RECV_CHUNK, socket.MSG_DONTWAIT)
+                count = self.sock.recv_into(buffer, min(len(buffer), _RECV_CHUNK), socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 break
-            except (ConnectionResetError, OSError):
+            except OSError:
                 eof = True
                 break
-            if not chunk:
+            if count == 0:
                 eof = True
                 break
-            self._buffer += chunk
-            if len(chunk) < _RECV_CHUNK:
-                break
-        messages = []
-        while len(self._buffer) >= _HEADER.size:
-            (size,) = _HEADER.unpack_from(self._buffer)
-            if len(self._buffer) < _HEADER.size + size:
-                break
-            data = bytes(self._buffer[_HEADER.size : _HEADER.size + size])
-            del self._buffer[: _HEADER.size + size]
-            messages.append(pickle.loads(data))
+            budget -= count
+            self._got += count
+            if body is None:
+                if self._got == _HEADER.size:
+                    (size,) = _HEADER.unpack(self._head)
+                    self._body, self._got = bytearray(size), 0
+            if self._body is not None and self._got == len(self._body):
+                messages.append(pickle.loads(self._body))
+                self._body, self._got = None, 0
         if eof:
             self.closed = True
             if not messages:
@@ -119,19 +179,20 @@ class Link:
 
     def recv(self) -> Any:
         """Block until one message arrives (rank side)."""
-        header = self._exactly(_HEADER.size)
-        (size,) = _HEADER.unpack(header)
+        (size,) = _HEADER.unpack(self._exactly(_HEADER.size))
         return pickle.loads(self._exactly(size))
 
-    def _exactly(self, size: int) -> bytes:
-        data = bytearray()
-        while len(data) < size:
-            chunk = self.sock.recv(min(size - len(data), _RECV_CHUNK))
-            if not chunk:
+    def _exactly(self, size: int) -> bytearray:
+        data = bytearray(size)
+        view = memoryview(data)
+        got = 0
+        while got < size:
+            count = self.sock.recv_into(view[got:], min(size - got, _RECV_CHUNK))
+            if count == 0:
                 self.closed = True
-                raise ChannelClosed("the kernel closed the channel")
-            data += chunk
-        return bytes(data)
+                raise ChannelClosed("the other end closed the channel")
+            got += count
+        return data
 
     def close(self) -> None:
         """Close the socket; idempotent."""
@@ -142,20 +203,90 @@ class Link:
             pass
 
 
+class _Handshake:
+    """One connection being authenticated by the kernel, without blocking."""
+
+    def __init__(self, sock: socket.socket, key: bytes, world_size: int) -> None:
+        self.sock = sock
+        self.key = key
+        self.world_size = world_size
+        self.deadline = time.monotonic() + _HANDSHAKE_S
+        self.challenge = os.urandom(_CHALLENGE_BYTES)
+        self.answer = bytearray()
+        self.link: Link | None = None  # once the peer proved the key
+        sock.setblocking(False)
+        sock.send(self.challenge)  # 32 bytes into a fresh socket's buffer
+
+    def step(self) -> dict | None:
+        """Advance; the rank's hello once it is in, None while waiting.
+
+        Raises:
+            ChannelClosed: the peer failed the handshake (or went away).
+        """
+        if self.link is None:
+            try:
+                chunk = self.sock.recv(_ANSWER_BYTES - len(self.answer))
+            except (BlockingIOError, InterruptedError):
+                return None
+            except OSError as exc:
+                raise ChannelClosed(f"the connection failed: {exc}") from exc
+            if not chunk:
+                raise ChannelClosed("the peer closed the connection during the handshake")
+            self.answer += chunk
+            if len(self.answer) < _ANSWER_BYTES:
+                return None
+            digest = bytes(self.answer[:_DIGEST_BYTES])
+            if not hmac.compare_digest(digest, _proof(self.key, _RANK_PROOF, self.challenge)):
+                raise ChannelClosed("the peer did not prove the pool's key")
+            theirs = bytes(self.answer[_DIGEST_BYTES:])
+            self.link = Link(self.sock)
+            # The kernel's proof: raw bytes, like the challenge (written whole, as a frame is).
+            self.link.send_frame((_proof(self.key, _KERNEL_PROOF, theirs), b""))
+        # Authenticated: the first frame is the rank's hello.
+        try:
+            messages = self.link.frames()
+        except (ChannelClosed, pickle.UnpicklingError, EOFError, ValueError) as exc:
+            raise ChannelClosed(f"the rank's introduction failed: {exc}") from exc
+        if not messages:
+            return None
+        hello = messages[0]
+        rank = hello.get("rank") if isinstance(hello, dict) else None
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ChannelClosed(f"the rank's introduction is not valid: {hello!r:.200}")
+        self.link.rank = rank
+        return hello
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
 class Listener:
     """The kernel's end: accepts authenticated rank connections.
 
     Args:
-        directory: for local ranks, where the Unix socket is created.
+        world_size: how many ranks will connect (rank numbers are checked against it).
+        directory: for local ranks, a private directory for the Unix socket
+            (a short one is used instead when its path would be too long).
         host: for ranks elsewhere, the address to listen on (TCP, any free port).
     """
 
-    def __init__(self, *, directory: str | None = None, host: str | None = None) -> None:
+    def __init__(
+        self, world_size: int, *, directory: str | None = None, host: str | None = None
+    ) -> None:
         self.key = os.urandom(32)
+        self.world_size = world_size
+        self._pending: list[_Handshake] = []
+        self._own_directory: str | None = None
         if host is None:
             if directory is None:
                 raise ValueError("a Listener needs a directory (local ranks) or a host")
             path = os.path.join(directory, "pool.sock")
+            if len(os.fsencode(path)) > _MAX_UNIX_PATH:
+                self._own_directory = socket_directory()
+                path = os.path.join(self._own_directory, "pool.sock")
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._sock.bind(path)
             self.address: str | tuple[str, int] = path
@@ -169,54 +300,112 @@ class Listener:
     def fileno(self) -> int:
         return self._sock.fileno()
 
-    def accept(self) -> tuple[Link, dict] | None:
-        """Accept one waiting connection and authenticate it; None if none is waiting.
+    def sockets(self) -> list[Any]:
+        """What to wait on for progress: the listening socket and every handshake."""
+        return [self._sock, *(h.sock for h in self._pending)]
+
+    def poll(self) -> list[tuple[Link, dict]]:
+        """Accept what is waiting and advance every handshake, without blocking.
 
         Returns:
-            The link and the rank's hello message (``{"rank", "pid", "host"}``).
+            The links of ranks that completed the handshake now, each with the
+            rank's hello message (``{"rank", "pid", "host"}``).
         """
-        try:
-            sock, _ = self._sock.accept()
-        except (BlockingIOError, InterruptedError):
-            return None
-        sock.setblocking(True)
-        sock.settimeout(_HANDSHAKE_S)
-        link = Link(sock)
-        try:
-            challenge = os.urandom(_CHALLENGE_BYTES)
-            link.send(challenge)
-            answer = link.recv()
-            if not (isinstance(answer, tuple) and len(answer) == 2):
-                raise ChannelClosed("malformed handshake")
-            digest, hello = answer
-            if not hmac.compare_digest(digest, _digest(self.key, challenge)):
-                raise ChannelClosed("wrong key")
-        except (OSError, ChannelClosed, pickle.UnpicklingError, EOFError):
-            link.close()
-            return None
-        sock.settimeout(None)
-        sock.setblocking(False)
-        if sock.family == socket.AF_INET:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        link.rank = int(hello["rank"])
-        return link, hello
+        while True:
+            try:
+                sock, peer = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:  # out of descriptors, or similar: try again later
+                _log.warning("the pool's channel could not accept a connection: %s", exc)
+                break
+            if len(self._pending) >= _MAX_PENDING:
+                self._drop(self._pending[0], "too many connections waiting")
+            try:
+                self._pending.append(_Handshake(sock, self.key, self.world_size))
+            except OSError:
+                sock.close()
+        ready = []
+        now = time.monotonic()
+        for handshake in list(self._pending):
+            try:
+                hello = handshake.step()
+            except ChannelClosed as exc:
+                self._drop(handshake, str(exc))
+                continue
+            if hello is not None:
+                self._pending.remove(handshake)
+                assert handshake.link is not None
+                if handshake.sock.family == socket.AF_INET:
+                    handshake.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                ready.append((handshake.link, hello))
+            elif now > handshake.deadline:
+                self._drop(handshake, f"no handshake within {_HANDSHAKE_S:.0f} s")
+        return ready
+
+    def _drop(self, handshake: _Handshake, why: str) -> None:
+        self._pending.remove(handshake)
+        handshake.close()
+        _log.warning("the pool's channel refused a connection: %s", why)
 
     def close(self) -> None:
-        """Stop listening (and remove the socket file); idempotent."""
+        """Stop listening (remove the socket file, drop handshakes); idempotent."""
+        for handshake in self._pending:
+            handshake.close()
+        self._pending.clear()
         address = self.address
         try:
             self._sock.close()
         except OSError:
             pass
         if isinstance(address, str):
-            try:
-                os.unlink(address)
-            except OSError:
-                pass
+            for remove, path in ((os.unlink, address), (os.rmdir, self._own_directory)):
+                if path is not None:
+                    try:
+                        remove(path)
+                    except OSError:
+                        pass
+
+
+def socket_directory() -> str:
+    """A new private (0700) directory with a short path, for a Unix socket.
+
+    ``$XDG_RUNTIME_DIR`` (the user's own) when it is short, else ``/tmp``.
+
+    Raises:
+        LaunchError: no short directory can be made; the message says what to set.
+    """
+    from nbtools.errors import LaunchError
+
+    candidates = [os.environ.get("XDG_RUNTIME_DIR", ""), "/tmp", "/dev/shm"]
+    for base in candidates:
+        if not base or len(os.fsencode(base)) > _MAX_UNIX_PATH - 30 or not _private_base(base):
+            continue
+        try:
+            return tempfile.mkdtemp(prefix="nbtools-", dir=base)  # 0700, ours, a fresh name
+        except OSError:
+            continue
+    raise LaunchError(
+        "the pool's socket path would be longer than Unix sockets allow, and no short "
+        "directory (XDG_RUNTIME_DIR, /tmp) can be used: set TMPDIR to a shorter directory"
+    )
+
+
+def _private_base(base: str) -> bool:
+    """Whether a new directory made in ``base`` stays ours (ours, or sticky like /tmp)."""
+    try:
+        info = os.stat(base)
+    except OSError:
+        return False
+    return info.st_uid == os.getuid() or bool(info.st_mode & 0o1000)
 
 
 def connect(address: str | tuple[str, int], key: bytes, hello: dict) -> Link:
-    """Open this rank's link to the kernel (rank side) and introduce it."""
+    """Open this rank's link to the kernel (rank side), authenticate both ends, introduce it.
+
+    Raises:
+        ChannelClosed: the other end did not prove the pool's key.
+    """
     family = socket.AF_UNIX if isinstance(address, str) else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     deadline = time.monotonic() + _HANDSHAKE_S
@@ -226,13 +415,25 @@ def connect(address: str | tuple[str, int], key: bytes, hello: dict) -> Link:
             break
         except (ConnectionRefusedError, FileNotFoundError):
             if time.monotonic() > deadline:
+                sock.close()
                 raise
             time.sleep(0.05)
     if family == socket.AF_INET:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(_HANDSHAKE_S)
     link = Link(sock, int(hello["rank"]))
-    challenge = link.recv()
-    link.send((_digest(key, challenge), hello))
+    try:
+        challenge = bytes(link._exactly(_CHALLENGE_BYTES))
+        mine = os.urandom(_CHALLENGE_BYTES)
+        sock.sendall(_proof(key, _RANK_PROOF, challenge) + mine)
+        theirs = bytes(link._exactly(_DIGEST_BYTES))
+        if not hmac.compare_digest(theirs, _proof(key, _KERNEL_PROOF, mine)):
+            raise ChannelClosed(f"{address} did not prove the pool's key; not the kernel")
+        sock.settimeout(None)
+        link.send(hello)
+    except BaseException:
+        link.close()
+        raise
     return link
 
 
@@ -243,5 +444,6 @@ def wait_readable(links: list[Link], listener: Listener | None, timeout: float) 
             if not link.closed:
                 selector.register(link.sock, selectors.EVENT_READ)
         if listener is not None:
-            selector.register(listener.fileno(), selectors.EVENT_READ)
+            for sock in listener.sockets():
+                selector.register(sock, selectors.EVENT_READ)
         return bool(selector.select(timeout))

@@ -124,6 +124,7 @@ class Ranks:
         self._seq = 0
         self._ended = False
         self._wrote = False  # whether a rank wrote output during the current command
+        self._next_check = 0.0  # when a long write next looks at the ranks
 
     @classmethod
     def start(
@@ -139,7 +140,10 @@ class Ranks:
             KeyboardInterrupt: interrupted; what started is stopped.
         """
         remote = backend.name != "local"
-        listener = Listener(host=_driver_address()) if remote else Listener(directory=spec.attempt_dir)
+        listener = (
+            Listener(spec.world_size, host=_driver_address()) if remote
+            else Listener(spec.world_size, directory=spec.attempt_dir)
+        )
         payload = cloudpickle.dumps((serve, (listener.address, listener.key, spec.use_cuda), {}))
         spec = GroupSpec(
             payload, spec.world_size, spec.use_cuda, spec.run_id, spec.restart_count,
@@ -170,11 +174,11 @@ class Ranks:
         next_poll = 0.0
         while len(self.links) < self.world_size:
             wait_readable([], self.listener, _PUMP_S)
-            while True:
-                accepted = self.listener.accept()
-                if accepted is None:
-                    break
-                link, hello = accepted
+            for link, hello in self.listener.poll():
+                if link.rank in self.links:  # holds the key, yet a rank already in: not ours
+                    _log.warning("a second connection for rank %d was refused", link.rank)
+                    link.close()
+                    continue
                 self.links[link.rank] = link
                 self.hellos[link.rank] = hello
             self.forwarder.poll()
@@ -201,7 +205,7 @@ class Ranks:
         replies: dict[int, tuple] = {}
         try:
             for link in self.links.values():
-                link.send_frame(data)
+                link.send_frame(data, self._while_sending)
             self._gather(seq, replies, hang_timeout=hang_timeout)
         except KeyboardInterrupt:
             self._interrupted(seq, replies)
@@ -209,6 +213,17 @@ class Ranks:
             raise RanksLost(self._death(), replies) from None
         self._settle()
         return replies
+
+    def _while_sending(self) -> None:
+        """While a rank is slow to take a big frame: forward output, notice a death."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + _GROUP_POLL_S
+        self.forwarder.poll()
+        outcome = self.group.poll()
+        if outcome is not None:
+            raise RanksLost(outcome if isinstance(outcome, Failed) else None, {})
 
     def _interrupted(self, seq: int, replies: dict[int, tuple]) -> None:
         pending = sorted(set(self.links) - set(replies))

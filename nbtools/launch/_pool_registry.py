@@ -1,18 +1,23 @@
 """Which pools this process holds, and one call at a time on each.
 
 ``distributed.shutdown()`` and interpreter exit close every pool listed here.
+A pool belongs to the process that created it: a forked child (the kernel's,
+or a library's worker) starts with no pools, so its exit hooks, its shutdown
+and a ``close()`` there leave the parent's ranks and files alone, and a call
+there is refused (it would share the parent's channel).
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 from typing import Any
 
 from nbtools._internal.log import get_logger
 from nbtools.errors import PoolError
 
-__all__ = ["CallGuard", "register", "unregister", "shutdown", "open_pools"]
+__all__ = ["CallGuard", "owned", "register", "unregister", "shutdown", "open_pools"]
 
 _log = get_logger("launch")
 _OPEN: set[Any] = set()
@@ -20,9 +25,21 @@ _OPEN_LOCK = threading.Lock()
 
 
 def register(pool: Any) -> None:
-    """List an open pool (closed by :func:`shutdown`)."""
+    """List an open pool (closed by :func:`shutdown`, in this process only)."""
     with _OPEN_LOCK:
         _OPEN.add(pool)
+
+
+def owned(pool: Any) -> bool:
+    """Whether ``pool`` was created by this process (not inherited through a fork)."""
+    return getattr(pool, "_pid", os.getpid()) == os.getpid()
+
+
+def _forget_in_child() -> None:
+    """After a fork, in the child: the parent's pools are not this process's to close."""
+    global _OPEN_LOCK
+    _OPEN_LOCK = threading.Lock()  # another thread of the parent may have held it
+    _OPEN.clear()
 
 
 def unregister(pool: Any) -> None:
@@ -40,6 +57,11 @@ class CallGuard:
 
     def __enter__(self) -> None:
         pool = self.pool
+        if not owned(pool):
+            raise PoolError(
+                f"this RankPool belongs to process {pool._pid}; this process was forked from it "
+                "and cannot use its ranks. Create a RankPool here if it needs ranks of its own"
+            )
         if pool._closed:
             raise PoolError("this RankPool is closed; create a new one (or %distributed start)")
         if not pool._lock.acquire(blocking=False):
@@ -60,6 +82,8 @@ def shutdown() -> None:
     with _OPEN_LOCK:
         pools = list(_OPEN)
     for pool in pools:
+        if not owned(pool):
+            continue
         try:
             pool.close()
         except Exception as exc:  # noqa: BLE001 - close every pool, report each failure
@@ -73,3 +97,4 @@ def open_pools() -> list[Any]:
 
 
 atexit.register(shutdown)
+os.register_at_fork(after_in_child=_forget_in_child)

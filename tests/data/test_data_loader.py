@@ -108,6 +108,7 @@ def test_resume_with_other_workers_sees_the_rest_exactly_once(tree, before, afte
         assert [_ids(b) for b in resumed] == uninterrupted[1]
 
 
+@pytest.mark.usefixtures("sigint_default")
 def test_loop_interrupted_by_ctrl_c_continues_exactly_and_leaves_nothing(tree):
     src, cache = tree
     shm_before = set(os.listdir("/dev/shm"))

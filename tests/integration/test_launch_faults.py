@@ -137,6 +137,7 @@ def test_a_rank_that_raises_is_the_cause_not_the_peer_the_launcher_stopped():
     assert list(info.value.failures) == [0]  # the stopped peer did not fail
 
 
+@pytest.mark.usefixtures("sigint_default")
 def test_interrupt_shows_every_ranks_stack_before_stopping_them(tmp_path, monkeypatch):
     @distributed(processes=2)
     def stuck():

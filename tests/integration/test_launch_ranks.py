@@ -210,6 +210,7 @@ def test_killed_rank_without_restarts_left_is_a_failure():
     assert info.value.failures[1].attempt == 1
 
 
+@pytest.mark.usefixtures("sigint_default")
 def test_interrupt_stops_every_rank_and_the_next_call_works(tmp_path, monkeypatch):
     shm_before = set(os.listdir("/dev/shm"))
 

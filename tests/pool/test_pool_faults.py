@@ -84,6 +84,7 @@ def test_ranks_stuck_after_a_peer_failed_are_restarted_with_a_plain_message():
             pool.pull("x")  # fresh ranks
 
 
+@pytest.mark.usefixtures("sigint_default")
 def test_an_interrupt_stops_user_code_on_every_rank_and_keeps_the_pool(monkeypatch):
     with RankPool(processes=2) as pool:
         pool.execute(_SETUP)
@@ -105,6 +106,7 @@ def test_an_interrupt_stops_user_code_on_every_rank_and_keeps_the_pool(monkeypat
         assert pool.pull("x") == [1, 1]
 
 
+@pytest.mark.usefixtures("sigint_default")
 def test_an_interrupt_that_ranks_do_not_return_from_restarts_the_pool(monkeypatch, caplog):
     with RankPool(processes=2) as pool:
         pool.execute(_SETUP)

@@ -246,6 +246,7 @@ def test_no_ray_and_no_cluster_are_clear_errors(tmp_path):
     assert "ERROR no Ray cluster is reachable at '127.0.0.1:1'" in out.stdout, out.stderr
 
 
+@pytest.mark.usefixtures("sigint_default")
 def test_sigint_to_the_caller_removes_every_actor(ray_cluster, tmp_path):
     driver = _script(
         f"""

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+
 import pytest
 from _ray_helpers import live_placement_groups
 
@@ -56,4 +61,94 @@ def test_a_rank_that_dies_on_ray_is_replaced_by_fresh_actors(ray_cluster):
         with pytest.raises(DistributedError, match="NameError"):
             pool.execute("x")  # the state went with the old ranks
         assert pool.execute("import torch.distributed as dist\ndist.get_world_size()") == [2, 2]
+    assert live_placement_groups() == []
+
+
+def test_rank_zeros_store_listens_on_the_node_address_only(ray_cluster):
+    with RankPool(processes=2, cluster="ray", output="none") as pool:
+        listening = pool.execute(
+            "import os, psutil\n"
+            "port = int(os.environ['MASTER_PORT'])\n"
+            "sorted({c.laddr.ip for c in psutil.Process().net_connections('tcp')\n"
+            "        if c.status == psutil.CONN_LISTEN and c.laddr.port == port})"
+        )
+        address = pool.execute("os.environ['MASTER_ADDR']")[0]
+    assert listening[0] == [address], listening  # rank 0 hosts the store: not 0.0.0.0 or ::
+    assert live_placement_groups() == []
+
+
+def _when_written(path, action) -> threading.Thread:
+    def wait():
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if path.exists() and path.read_text():
+                action(path.read_text().strip())
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=wait, name="test-trigger")
+    thread.start()
+    return thread
+
+
+@pytest.mark.usefixtures("sigint_default")
+def test_an_interrupt_on_ray_ranks_stops_python_code_and_says_what_it_cannot_stop(
+    ray_cluster, tmp_path, caplog
+):
+    marker = tmp_path / "started"
+    with RankPool(processes=2, cluster="ray", output="none") as pool:
+        pool.execute("import time\nx = 1")
+        pids = pool.pids
+        cell = (
+            f"if dist.get_rank() == 0:\n    open({str(marker)!r}, 'w').write('go')\n"
+            "deadline = time.monotonic() + 600\n"
+            "while time.monotonic() < deadline:\n    sum(range(1000))\n"
+        )
+        pool.execute("import torch.distributed as dist")
+        thread = _when_written(marker, lambda _: os.kill(os.getpid(), signal.SIGINT))
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                pool.execute(cell)
+        finally:
+            thread.join()
+        assert pool.pids == pids and pool.pull("x") == [1, 1]  # Python code stopped: state kept
+
+        marker.unlink()
+        thread = _when_written(marker, lambda _: os.kill(os.getpid(), signal.SIGINT))
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                pool.execute(
+                    f"if dist.get_rank() == 0:\n    open({str(marker)!r}, 'w').write('go')\n"
+                    "time.sleep(600)"
+                )
+        finally:
+            thread.join()
+        assert "time.sleep" in caplog.text and "actor thread" in caplog.text, caplog.text
+        assert pool.execute("1") == [1, 1]
+    assert live_placement_groups() == []
+
+
+def test_a_node_lost_during_a_pool_call_is_named(ray_cluster, tmp_path):
+    marker = tmp_path / "node"
+    try:
+        with RankPool(processes=2, cluster="ray", nodes=2, output="none") as pool:
+            pool.execute("import os, time\nimport torch.distributed as dist")
+            thread = _when_written(marker, ray_cluster.remove)
+            try:
+                with pytest.raises(DistributedError) as info:
+                    pool.execute(
+                        f"if dist.get_rank() == 1:\n"
+                        f"    open({str(marker)!r}, 'w').write(os.environ['NBTOOLS_NODE_ID'])\n"
+                        "time.sleep(600)"
+                    )
+            finally:
+                thread.join()
+            message = str(info.value)
+            lost = marker.read_text().strip()
+            assert "NodeLost" in message or "its node was lost" in message, message
+            assert lost[:8] in message, message
+            assert "actor process died" not in message, message
+            assert info.value.failures[1].exc_type == "NodeLost"
+    finally:
+        ray_cluster.restore()
     assert live_placement_groups() == []

@@ -269,9 +269,8 @@ class RayGroup:
 
     def _died(self, rank: int, exc: Exception) -> RankFailure:
         node = self._where[rank]["node_id"]
-        alive = {n.node_id for n in _cluster.alive_nodes(self._ray)}
         label = self.node_label(rank)
-        if node not in alive:
+        if not _cluster.node_answers(self._ray, node):
             kind, message = "NodeLost", "its node was lost (Ray reports the node dead)"
         else:
             reason = _ray_reason(exc)

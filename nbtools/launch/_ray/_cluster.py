@@ -28,6 +28,7 @@ __all__ = [
     "split",
     "place",
     "PLACEMENT_TIMEOUT_ENV",
+    "node_answers",
 ]
 
 #: Seconds to wait for the cluster to have the ranks' resources free (default 120).
@@ -123,6 +124,28 @@ def alive_nodes(ray: Any) -> list[Node]:
             )
         )
     return nodes
+
+
+def node_answers(ray: Any, node_id: str) -> bool:
+    """Whether the node is alive and its raylet accepts a connection now.
+
+    Ray marks a node dead only after its health checks fail, seconds after its
+    raylet is gone; a refused connection says so at once.
+    """
+    for entry in ray.nodes():
+        if entry.get("NodeID") != node_id:
+            continue
+        if not entry.get("Alive"):
+            return False
+        address, port = entry.get("NodeManagerAddress"), entry.get("NodeManagerPort")
+        if not address or not port:
+            return True  # nothing to ask: trust Ray's view
+        try:
+            with socket.create_connection((address, int(port)), timeout=_PROBE_S):
+                return True
+        except OSError:
+            return False
+    return False
 
 
 def split(world_size: int, nodes: int) -> list[int]:

@@ -5,8 +5,8 @@ placement group bundle. The kernel drives it with a few method calls:
 
 - :meth:`RankActor.where` says on which node it is and which GPUs Ray gave it,
   so that the kernel can order ranks by node, then GPU;
-- rank 0's :meth:`RankActor.host_store` starts the ``TCPStore`` on its node's
-  Ray IP on a port the OS picks (no race for a "free" port);
+- rank 0's :meth:`RankActor.host_store` starts the ``TCPStore`` listening on
+  its node's Ray IP only, on a port the OS picks (no race for a "free" port);
 - :meth:`RankActor.run` sets the rank's environment, joins the default group
   and calls the function; it returns the result, or the failure record, never
   raises;
@@ -81,18 +81,36 @@ class RankActor:
         }
 
     def host_store(self, world_size: int) -> tuple[str, int]:
-        """Start the group's ``TCPStore`` here (rank 0); return its address and port."""
+        """Start the group's ``TCPStore`` here (rank 0); return its address and port.
+
+        The store has no authentication, so it listens on the node's Ray
+        address only (torch's own listener takes every interface): on a socket
+        bound here, handed to the store, which owns it from then on.
+        """
+        import socket
+
         import ray
         from torch.distributed import TCPStore
 
         ip = ray.util.get_node_ip_address()
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        listening = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listening.bind((ip, 0))
+            listening.listen(world_size + 16)
+            port = listening.getsockname()[1]
+        except BaseException:
+            listening.close()
+            raise
         self._store = TCPStore(
             ip,
-            0,
+            port,
             world_size,
             is_master=True,
             timeout=timedelta(seconds=_STORE_TIMEOUT_S),
             wait_for_workers=False,
+            master_listen_fd=listening.detach(),
+            use_libuv=True,
         )
         return ip, self._store.port
 
