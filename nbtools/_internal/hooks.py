@@ -6,11 +6,12 @@ and its ``mlflow``). Instead, the top of the package registers integrations by
 to call at two moments of a launch. Registering imports nothing.
 
 - :func:`before_launch` runs in the launching process (the kernel) before any
-  rank starts. An integration's function runs only when its library is in use
-  there: installed, and imported already, named by the launched code (its name
-  is in the pickled payload, e.g. ``import mlflow`` or ``report_to="mlflow"``
-  inside the function), or configured through ``<LIBRARY>_*`` environment
-  variables. A launch that uses none pays one scan of the payload.
+  rank starts. An integration's function runs only when the launched code uses
+  its library: it is installed and named in the pickled payload (``import
+  mlflow`` or ``report_to="mlflow"`` inside the function, a global ``mlflow``
+  the function uses, a cell's helper that uses it). Having imported the library
+  or configured it in the environment is not enough: a launch that does not use
+  it pays one scan of the payload, nothing more.
 - :func:`rank_started` runs in every rank at its start. An integration's
   function runs once its library is imported in the rank: at once when it
   already is, else right after the rank's code first imports it, so a rank
@@ -25,7 +26,6 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.util
-import os
 import sys
 import threading
 from dataclasses import dataclass
@@ -79,18 +79,15 @@ def _call(target: str, moment: str) -> None:
         get_logger("launch").warning("%s (%s) failed and was skipped: %s: %s", target, moment, type(exc).__name__, exc)
 
 
-def _in_use(library: str, payload: bytes) -> bool:
-    if library in sys.modules:
-        return True
-    prefix = library.upper() + "_"
-    named = library.encode() in payload or any(name.startswith(prefix) for name in os.environ)
-    return named and importlib.util.find_spec(library) is not None
+def _in_use(integration: Integration, payload: bytes) -> bool:
+    library = integration.library
+    return library.encode() in payload and importlib.util.find_spec(library) is not None
 
 
 def before_launch(payload: bytes = b"") -> None:
     """In the launching process, before ranks start: run the hooks of the libraries in use."""
     for integration in registered():
-        if integration.before_launch and _in_use(integration.library, payload):
+        if integration.before_launch and _in_use(integration, payload):
             _call(integration.before_launch, "before the ranks start")
 
 

@@ -66,3 +66,35 @@ def test_rank_zero_is_unchanged_and_says_once_what_other_ranks_do(tmp_path):
     runs = client.search_runs([client.get_experiment_by_name("/Users/t/seam").experiment_id])
     assert [r.info.run_name for r in runs] == ["fit"]
     assert runs[0].data.params == {"lr": "0.1"} and runs[0].data.metrics == {"loss": 0.5}
+
+
+KERNEL = """
+    import json, os, sys
+    import cloudpickle
+    import nbtools
+    from nbtools._internal import hooks
+
+    def plain():
+        return 1
+
+    def tracked():
+        import mlflow
+        mlflow.log_metric("x", 1.0)
+
+    hooks.before_launch(cloudpickle.dumps((plain, (), {})))
+    plain_imported = "mlflow" in sys.modules
+    hooks.before_launch(cloudpickle.dumps((tracked, (), {})))
+    print(json.dumps({"plain": plain_imported, "db": os.path.exists(sys.argv[1])}))
+"""
+
+
+def test_the_kernel_creates_the_store_only_for_code_that_uses_mlflow(tmp_path):
+    db = tmp_path / "new" / "mlflow.db"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env.update(MLFLOW_TRACKING_URI=f"sqlite:///{db}", MLFLOW_DISABLE_TELEMETRY="true")
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(KERNEL), str(db)], env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == {"plain": False, "db": True}, out.stderr
+    assert MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments(), "a complete store"
