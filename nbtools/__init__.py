@@ -18,10 +18,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from nbtools._internal import hooks as _hooks
 from nbtools.errors import DistributedError, NbtoolsError
 
 __version__ = "0.1.0"
 __all__ = ["DistributedError", "NbtoolsError", "distributed", "events", "__version__"]
+
+# The top wires the integrations into the launcher, by name: nothing is imported here.
+# MLflow: the kernel creates a new local store before ranks start; ranks other than 0
+# record no runs (see nbtools.tracking._launch).
+_hooks.register(
+    "mlflow",
+    before_launch="nbtools.tracking._launch:before_launch",
+    in_rank="nbtools.tracking._launch:in_rank",
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from nbtools import events

@@ -25,6 +25,7 @@ __all__ = [
     "CacheError",
     "MonitorError",
     "TrackingError",
+    "TrackingStoreError",
 ]
 
 
@@ -125,3 +126,17 @@ class MonitorError(NbtoolsError, RuntimeError):
 
 class TrackingError(NbtoolsError, RuntimeError):
     """Experiment tracking could not log or resume a run."""
+
+    #: True when retrying cannot help (see :class:`TrackingStoreError`).
+    permanent = False
+
+
+class TrackingStoreError(TrackingError):
+    """The tracking store cannot be opened or written at all (e.g. a read-only database).
+
+    Retrying does not help, so nbtools reports it at once instead of retrying;
+    :attr:`permanent` is True. Other :class:`TrackingError` s (a server that does
+    not answer, a busy database) may pass and are retried.
+    """
+
+    permanent = True

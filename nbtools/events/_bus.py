@@ -58,6 +58,7 @@ class Bus:
         self._dropped: dict[tuple[str, int | None, int], int] = {}
         self._dropped_total = 0
         self._malformed = 0
+        self._rejected = 0
 
     # --- publishing ----------------------------------------------------------
 
@@ -95,6 +96,11 @@ class Bus:
         """Note a batch that could not be read (kept for diagnostics)."""
         with self._lock:
             self._malformed += 1
+
+    def count_rejected(self, count: int = 1) -> None:
+        """Note events that arrived in a readable batch but were not valid events (left out)."""
+        with self._lock:
+            self._rejected += count
 
     def _prune(self) -> None:
         horizon = self._clock() - self.max_age_s
@@ -164,6 +170,11 @@ class Bus:
         with self._lock:
             return self._malformed
 
+    def rejected(self) -> int:
+        """Events that arrived but failed the checks (e.g. a time that is not a number)."""
+        with self._lock:
+            return self._rejected
+
     def clear(self) -> None:
         """Forget every event and dropped count (subscribers stay)."""
         with self._lock:
@@ -171,6 +182,7 @@ class Bus:
             self._dropped.clear()
             self._dropped_total = 0
             self._malformed = 0
+            self._rejected = 0
 
     def _after_fork(self) -> None:
         # Another thread of the parent may have held the lock at the fork.

@@ -39,6 +39,7 @@ _PIPE_BYTES = 1 << 20  # room for bursts while the reader waits for the GIL
 _READ_BYTES = 1 << 16
 _PASS_BYTES = 1 << 20  # per pass of the reader thread, so that drain() gets its turn
 _JOIN_S = 5.0
+_WARNED_SOURCES = 64  # bounded: a writer that forges a new pid per line gets no more lines
 
 
 class Collector:
@@ -70,6 +71,7 @@ class Collector:
         self._lock = threading.Lock()  # one reader at a time: a batch is published whole
         self._partial = b""
         self._stopping = False
+        self._warned: set[tuple] = set()  # sources already warned about (one line each)
 
     # --- life cycle ------------------------------------------------------------
 
@@ -178,14 +180,30 @@ class Collector:
             if not line:
                 continue
             try:
-                source, dropped, events = decode_batch(line)
+                batch = decode_batch(line)
             except ValueError as exc:
                 self.bus.count_malformed()
                 _log.warning("ignored a message on the events pipe: %s", exc)
                 continue
-            self.bus.publish(events, dropped=dropped, source=source)
-            published += len(events)
+            if batch.rejected:
+                self.bus.count_rejected(batch.rejected)
+                self._warn_rejected(batch.source, batch.rejected)
+            self.bus.publish(batch.events, dropped=batch.dropped, source=batch.source)
+            published += len(batch.events)
         return published
+
+    def _warn_rejected(self, source: tuple, count: int) -> None:
+        # One line per writing process, not one per bad event: a broken writer
+        # must not flood the cell. The bus counts every one (Bus.rejected()).
+        if source in self._warned or len(self._warned) >= _WARNED_SOURCES:
+            return
+        self._warned.add(source)
+        host, rank, pid = source
+        _log.warning(
+            "left out %d invalid event(s) from pid %s on %s (rank %s): an event needs a numeric "
+            "time, a kind name and scalar fields; later ones from it are counted in "
+            "events.bus().rejected()", count, pid, host, rank,
+        )
 
     def _release(self) -> None:
         for name in ("_rfd", "_wfd", "_wake_r", "_wake_w"):

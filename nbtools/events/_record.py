@@ -8,11 +8,13 @@ write together with its batch header (see ``_wire``).
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 __all__ = [
     "Event",
     "check_event",
+    "decoded_event",
     "MAX_KIND_CHARS",
     "MAX_MESSAGE_CHARS",
     "MAX_FIELDS",
@@ -197,3 +199,35 @@ def _explain(fields: dict[str, Any], text: int) -> None:
         f"{MAX_FIELD_TEXT_CHARS}; put long text in the message (cut at {MAX_MESSAGE_CHARS} "
         "characters) or in a file, and the file's path in a field"
     )
+
+
+def decoded_event(item: Any, host: str, pid: int) -> Event | None:
+    """The event a decoded batch entry describes, or None when the entry is not a valid event.
+
+    A batch comes from another process and may come from a writer that is not
+    nbtools (anything that can open the pipe), so each entry is checked as
+    ``emit`` would have checked it: the kernel keeps only events it can sort,
+    prune and draw. ``time`` must be a finite number; ``rank`` and ``step``
+    ints or null; ``kind`` a name of at most ``MAX_KIND_CHARS``; ``message`` a
+    string or null; ``fields`` an object of scalars.
+    """
+    if type(item) is not list or len(item) != 6:
+        return None
+    t, rank, kind, message, step, fields = item
+    if type(t) is int:
+        t = float(t)
+    if type(t) is not float or not math.isfinite(t):
+        return None
+    if not (rank is None or type(rank) is int) or not (step is None or type(step) is int):
+        return None
+    if type(kind) is not str or not 0 < len(kind) <= MAX_KIND_CHARS or kind.isspace():
+        return None
+    if message is not None and (type(message) is not str or len(message) > MAX_MESSAGE_CHARS):
+        return None
+    if fields is None:
+        fields = {}
+    elif type(fields) is not dict or len(fields) > MAX_FIELDS + 2:
+        return None
+    elif not all(type(v) in _SCALARS for v in fields.values()):
+        return None
+    return Event(t, host, rank, pid, kind, message, step, fields)

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import select
-from typing import Any
+from typing import Any, NamedTuple
 
-from nbtools.events._record import Event
+from nbtools.events._record import Event, decoded_event
 
 __all__ = [
     "BATCH_BYTES",
     "MAX_EVENT_BYTES",
+    "Batch",
     "Record",
     "Source",
     "batch_prefix",
@@ -44,6 +45,25 @@ BATCH_SUFFIX = b"]}\n"
 Record = tuple[float, "int | None", str, "str | None", "int | None", "dict[str, Any] | None"]
 #: Where a batch came from: (host, rank, pid).
 Source = tuple[str, "int | None", int]
+
+_MAX_HOST_FIELD = 255
+
+
+class Batch(NamedTuple):
+    """One decoded batch: where it came from and what it held.
+
+    Attributes:
+        source: ``(host, rank, pid)`` of the writing process.
+        dropped: Events that process dropped before this batch (its own count).
+        events: The valid events, in the order they were written.
+        rejected: Entries of the batch that were not valid events and were left out.
+    """
+
+    source: Source
+    dropped: int
+    events: list[Event]
+    rejected: int
+
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
@@ -77,21 +97,37 @@ def encode_event(record: Record) -> bytes:
     return _dumps((t, rank, kind[:64], None, step, {"truncated": True})).encode()
 
 
-def decode_batch(line: bytes) -> tuple[Source, int, list[Event]]:
-    """Parse one batch line into its source, its dropped count and its events.
+def decode_batch(line: bytes) -> Batch:
+    """Parse one batch line; entries that are not valid events are left out and counted.
+
+    The header must be valid as a whole (it names the source); each event is
+    checked on its own (:func:`~nbtools.events._record.decoded_event`), so one
+    bad entry costs only itself, as a log daemon drops a bad record and keeps
+    the rest of the stream.
 
     Raises:
-        ValueError: the line is not a batch of this format.
+        ValueError: the line is not a batch of this format (bad JSON or header).
     """
     try:
         batch = json.loads(line)
-        if batch.get("v") != _VERSION:
-            raise ValueError(f"unknown batch version {batch.get('v')!r}")
-        host, pid, rank, dropped = batch["h"], batch["p"], batch["r"], int(batch["d"])
-        events = [
-            Event(t, host, r, pid, kind, message, step, fields or {})
-            for t, r, kind, message, step, fields in batch["e"]
-        ]
-    except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"not an event batch: {line[:120]!r} ({exc})") from None
-    return (host, rank, pid), dropped, events
+    if type(batch) is not dict or batch.get("v") != _VERSION:
+        version = batch.get("v") if type(batch) is dict else None
+        if type(batch) is dict and "v" in batch:
+            raise ValueError(f"unknown batch version {version!r}")
+        raise ValueError(f"not an event batch: {line[:120]!r}")
+    host, pid, rank = batch.get("h"), batch.get("p"), batch.get("r")
+    dropped, entries = batch.get("d"), batch.get("e")
+    if (
+        type(host) is not str or len(host) > _MAX_HOST_FIELD
+        or type(pid) is not int or not (rank is None or type(rank) is int)
+        or type(dropped) is not int or dropped < 0 or type(entries) is not list
+    ):
+        raise ValueError(f"not an event batch (bad header): {line[:120]!r}")
+    events = []
+    for item in entries:
+        event = decoded_event(item, host, pid)
+        if event is not None:
+            events.append(event)
+    return Batch((host, rank, pid), dropped, events, len(entries) - len(events))

@@ -6,6 +6,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
+from nbtools._internal import hooks
 from nbtools.errors import LaunchError
 from nbtools.launch import _env, _inrank, _payload, _runner, _sources
 from nbtools.launch._config import LaunchConfig
@@ -72,6 +73,7 @@ class DistributedFunction(Generic[R]):
         plan = self.config.plan(backend)
         backend.check(plan.world_size, plan.use_cuda)
         payload = _payload.pack(self._fn, args, kwargs)
+        hooks.before_launch(payload)  # integrations from above (e.g. a new MLflow store)
         blobs = _runner.run(payload, plan, _sources.localizer(self._fn), backend)
         return _payload.unpack_values(enumerate(blobs), "the return value of rank")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import multiprocessing
 
 from nbtools import _torch_compat
+from nbtools._internal import hooks
 from nbtools._internal.log import get_logger
 
 __all__ = [
@@ -37,6 +38,7 @@ def mark_in_rank() -> None:
     """Record that this process is a rank started by ``@distributed``."""
     global _IN_RANK
     _IN_RANK = True
+    hooks.rank_started()  # integrations from above, e.g. MLflow's rank-zero-only runs
 
 
 def in_rank() -> bool:

@@ -32,7 +32,8 @@ from collections import deque
 from typing import Any
 
 from nbtools._internal.log import get_logger
-from nbtools.errors import TrackingError
+from nbtools.errors import TrackingError, TrackingStoreError
+from nbtools.tracking._local_store import is_permanent
 from nbtools.tracking._run import RunHandle
 from nbtools.tracking._store import is_rejection, write_metrics
 
@@ -137,6 +138,10 @@ class MetricBatcher:
         """Values queued or waiting for a retry (approximate while the writer runs)."""
         return len(self._queue) + max(len(self._retry), self._in_flight)
 
+    def _queued_values(self) -> int:
+        """Values in the queue, not counting the markers of flushes waiting in it."""
+        return sum(1 for item in self._queue if not isinstance(item, threading.Event))
+
     @property
     def dropped(self) -> int:
         """Values dropped so far (refused by the store, or past the bound while it failed)."""
@@ -187,7 +192,7 @@ class MetricBatcher:
             self._thread.join(timeout + 0.5)
             # A writer still inside one bounded request finishes it and writes no more.
             self._closed = True
-            lost = self.pending
+            lost = self._queued_values() + max(len(self._retry), self._in_flight)
             self._queue.clear()
             self._retry = []
             if lost:
@@ -200,9 +205,9 @@ class MetricBatcher:
     def _raise_if_failed(self) -> None:
         failed = self._handle.failed
         if failed is not None:
-            lost = self._dropped - self._reported + len(self._queue)
+            lost = self._dropped - self._reported + self._queued_values()
             self._reported = self._dropped
-            raise TrackingError(
+            raise type(failed)(
                 f"{failed}; the {lost} metric values logged are not in MLflow" if lost else str(failed)
             ) from failed
         new_drops = self._dropped - self._reported
@@ -214,6 +219,11 @@ class MetricBatcher:
             ) from self._error
         error = self._error
         if error is not None and self._retry:
+            if is_permanent(error):
+                raise TrackingStoreError(
+                    f"MLflow run {self._run_id} cannot be written ({error}); retrying does not "
+                    f"help: {self.pending} values are kept until close; make the store writable"
+                ) from error
             raise TrackingError(
                 f"writing metrics to MLflow run {self._run_id} failed ({error}); "
                 f"{self.pending} values are kept and retried in the background"
@@ -233,6 +243,8 @@ class MetricBatcher:
         while True:  # closing: keep trying until everything is written or the time is up
             if self._drain() or time.monotonic() + _CLOSE_RETRY_PAUSE >= self._deadline:
                 return
+            if is_permanent(self._error):
+                return  # a read-only store stays read-only: close reports it at once
             time.sleep(_CLOSE_RETRY_PAUSE)
 
     def _open(self) -> bool:

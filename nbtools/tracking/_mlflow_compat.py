@@ -2,16 +2,22 @@
 
 MLflow keeps the active runs of each thread on a stack it does not export
 (``mlflow.tracking.fluent._active_run_stack``). nbtools puts a stand-in for a
-run still being opened on it (see :mod:`nbtools.tracking._run`). Should a
-release rename or reshape it, :func:`run_stack` returns None and the logger
-opens its run on the caller's thread, as ``mlflow.start_run`` does.
+run still being opened on it (see :mod:`nbtools.tracking._run`), and the runs
+that record nothing on ranks other than 0 (:mod:`nbtools.tracking._quiet`).
+Should a release rename or reshape it, :func:`run_stack` returns None and the
+logger opens its run on the caller's thread, as ``mlflow.start_run`` does.
+
+Autologging asks ``mlflow.utils.autologging_utils.autologging_is_disabled``
+before each patched call (``fit``, ``train``) whether to log; answering True
+makes it call the library's own function, with no run. Should a release drop
+that function, :func:`turn_autologging_off` returns False and says why.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["run_stack"]
+__all__ = ["run_stack", "turn_autologging_off"]
 
 
 def run_stack() -> list[Any] | None:
@@ -28,3 +34,19 @@ def run_stack() -> list[Any] | None:
     if (active is None) != (not stack) or (stack and stack[-1] is not active):
         return None  # not the list active_run() reads: do not guess
     return stack
+
+
+def turn_autologging_off() -> bool:
+    """Make every MLflow autologging integration in this process do nothing; False if unsupported."""
+    try:
+        from mlflow.utils import autologging_utils
+    except ImportError:
+        return False
+    if not callable(getattr(autologging_utils, "autologging_is_disabled", None)):
+        return False
+
+    def autologging_is_disabled(integration_name: str) -> bool:  # noqa: ARG001 - MLflow's signature
+        return True
+
+    autologging_utils.autologging_is_disabled = autologging_is_disabled
+    return True

@@ -23,6 +23,7 @@ from mlflow.exceptions import MlflowException
 
 from nbtools._internal.log import get_logger
 from nbtools.errors import TrackingError
+from nbtools.tracking._local_store import open_store
 from nbtools.tracking._mlflow_compat import run_stack
 from nbtools.tracking._store import bounded_requests, is_http, probe
 from nbtools.tracking.naming import experiment_name as _default_experiment_name
@@ -216,7 +217,7 @@ def _start(
 ) -> None:
     uri = handle.uri
     try:
-        client = mlflow.MlflowClient(tracking_uri=uri)  # opens the store: the slow part
+        client = open_store(uri)  # the slow part; a new sqlite store is created under a lock
         if run_id is not None:
             kwargs: dict[str, Any] = {"run_id": run_id}
         else:

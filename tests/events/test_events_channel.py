@@ -59,7 +59,7 @@ def test_a_full_pipe_drops_and_the_count_arrives_with_a_later_batch(fifo):
             lines = _read_lines(fd)
             for line in lines:
                 assert len(line) + 1 <= BATCH_BYTES
-                _, d, events = decode_batch(line)
+                _, d, events, _ = decode_batch(line)
                 dropped += d
                 delivered += len(events)
                 steps.extend(e.step for e in events)

@@ -215,3 +215,49 @@ def test_an_explicit_flush_delivers_before_the_process_ends(collector):
     finally:
         proc.communicate("\n", timeout=60)
     assert proc.returncode == 0
+
+
+# --- bad input on the pipe -------------------------------------------------------
+
+
+def test_malformed_events_from_a_process_are_left_out_and_later_events_still_arrive(collector):
+    # Another process writes batches by hand: a time that is a string, a null time,
+    # a batch mixing good and bad entries; then it emits normally. One bad entry must
+    # cost only itself: the bus keeps working for everything after it.
+    seen: list[events.Event] = []
+    collector.bus.subscribe(seen.extend)
+    _run_python(
+        """
+        import json, os, time
+        from nbtools import events
+
+        path = os.environ["NBTOOLS_EVENTS_CHANNEL"].partition(":")[2]
+        now = time.time()
+        def batch(*entries):
+            head = {"v": 1, "h": "forger", "p": os.getpid(), "r": 0, "d": 0, "e": list(entries)}
+            return (json.dumps(head) + "\\n").encode()
+        fd = os.open(path, os.O_WRONLY)
+        os.write(fd, batch(["soon", 0, "bad_time", None, 1, {}]))
+        os.write(fd, batch([None, 0, "null_time", None, 2, {}]))
+        os.write(fd, batch([now, 0, "good_in_mixed", None, 3, {}],
+                           [now, "zero", "bad_rank", None, 4, {}],
+                           [now, 0, "bad_fields", None, 5, {"x": [1, 2]}],
+                           [float("nan"), 0, "nan_time", None, 6, {}],
+                           [now, 0, "", None, 7, {}],
+                           "not an entry"))
+        os.close(fd)
+        for i in range(3):
+            events.emit("after", message=f"after {i}", step=i)
+        """,
+        collector,
+        RANK="0",
+    )
+    collector.drain()
+    log = collector.bus.log()  # raised TypeError once a string time was kept
+    kinds = [e.kind for e in log]
+    assert kinds.count("after") == 3, "events after the bad ones are delivered"
+    assert "good_in_mixed" in kinds, "a valid entry next to invalid ones is kept"
+    assert not {"bad_time", "null_time", "bad_rank", "bad_fields", "nan_time"} & set(kinds)
+    assert collector.bus.rejected() == 7
+    assert [e.step for e in seen if e.kind == "after"] == [0, 1, 2], "subscribers see them too"
+    assert collector.bus.malformed() == 0, "the batches themselves were readable"

@@ -1,0 +1,167 @@
+"""Where an integration with a library takes part in a launch, without the launcher knowing it.
+
+The launcher is core and may not import what sits above it (``nbtools.tracking``
+and its ``mlflow``). Instead, the top of the package registers integrations by
+*name* (``nbtools/__init__.py``): a library, and the dotted paths of functions
+to call at two moments of a launch. Registering imports nothing.
+
+- :func:`before_launch` runs in the launching process (the kernel) before any
+  rank starts. An integration's function runs only when the launched code uses
+  its library: it is installed and named in the pickled payload (``import
+  mlflow`` or ``report_to="mlflow"`` inside the function, a global ``mlflow``
+  the function uses, a cell's helper that uses it). Having imported the library
+  or configured it in the environment is not enough: a launch that does not use
+  it pays one scan of the payload, nothing more.
+- :func:`rank_started` runs in every rank at its start. An integration's
+  function runs once its library is imported in the rank: at once when it
+  already is, else right after the rank's code first imports it, so a rank
+  whose code never imports the library never imports it either.
+
+A failing integration is logged and never fails the launch or the user's import.
+This module is stdlib only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import threading
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+__all__ = ["Integration", "before_launch", "rank_started", "register", "registered"]
+
+
+@dataclass(frozen=True)
+class Integration:
+    """A library and what to call for it; functions are ``"package.module:function"``.
+
+    Attributes:
+        library: Top-level module name of the library, e.g. ``"mlflow"``.
+        before_launch: Called without arguments in the launching process.
+        in_rank: Called without arguments in each rank once the library is imported there.
+    """
+
+    library: str
+    before_launch: str | None = None
+    in_rank: str | None = None
+
+
+_REGISTRY: dict[str, Integration] = {}
+_LOCK = threading.Lock()
+
+
+def register(library: str, *, before_launch: str | None = None, in_rank: str | None = None) -> None:
+    """Register (or replace) the integration for ``library``. Imports nothing."""
+    for target in (before_launch, in_rank):
+        if target is not None and (not isinstance(target, str) or target.count(":") != 1):
+            raise ValueError(f"an integration names its function as 'module:function', got {target!r}")
+    with _LOCK:
+        _REGISTRY[library] = Integration(library, before_launch, in_rank)
+
+
+def registered() -> list[Integration]:
+    """The integrations registered in this process."""
+    with _LOCK:
+        return list(_REGISTRY.values())
+
+
+def _call(target: str, moment: str) -> None:
+    module_name, _, function = target.partition(":")
+    try:
+        getattr(importlib.import_module(module_name), function)()
+    except Exception as exc:  # noqa: BLE001 - an integration never breaks a launch or an import
+        from nbtools._internal.log import get_logger
+
+        get_logger("launch").warning("%s (%s) failed and was skipped: %s: %s", target, moment, type(exc).__name__, exc)
+
+
+def _in_use(integration: Integration, payload: bytes) -> bool:
+    library = integration.library
+    return library.encode() in payload and importlib.util.find_spec(library) is not None
+
+
+def before_launch(payload: bytes = b"") -> None:
+    """In the launching process, before ranks start: run the hooks of the libraries in use."""
+    for integration in registered():
+        if integration.before_launch and _in_use(integration, payload):
+            _call(integration.before_launch, "before the ranks start")
+
+
+def rank_started() -> None:
+    """In a rank, at its start: run each in-rank hook now or once its library is imported."""
+    for integration in registered():
+        if not integration.in_rank:
+            continue
+        if integration.library in sys.modules:
+            _call(integration.in_rank, "in the rank")
+        else:
+            _ImportWatch.add(integration.library, integration.in_rank)
+
+
+class _Loader(importlib.abc.Loader):
+    """Runs the real loader, puts it back on the module, then calls what waited for the module."""
+
+    def __init__(self, loader: Any, after: Any) -> None:
+        self._loader = loader
+        self._after = after
+
+    def create_module(self, spec: Any) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        try:
+            self._loader.exec_module(module)
+        finally:
+            module.__loader__ = self._loader
+            if module.__spec__ is not None:
+                module.__spec__.loader = self._loader
+        self._after(module.__name__)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _ImportWatch(importlib.abc.MetaPathFinder):
+    """One finder at the front of ``sys.meta_path`` that notices first imports of watched libraries."""
+
+    _instance: _ImportWatch | None = None
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, list[str]] = {}
+        self._finding: set[str] = set()
+
+    @classmethod
+    def add(cls, library: str, target: str) -> None:
+        with _LOCK:
+            watch = cls._instance
+            if watch is None or watch not in sys.meta_path:
+                watch = cls._instance = cls()
+                sys.meta_path.insert(0, watch)
+            targets = watch._waiting.setdefault(library, [])
+            if target not in targets:
+                targets.append(target)
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in self._waiting or fullname in self._finding:
+            return None
+        self._finding.add(fullname)
+        try:
+            spec = importlib.util.find_spec(fullname)  # asks the finders after this one
+        finally:
+            self._finding.discard(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _Loader(spec.loader, self._imported)
+        return spec
+
+    def _imported(self, library: str) -> None:
+        with _LOCK:
+            targets = self._waiting.pop(library, [])
+            if not self._waiting and self in sys.meta_path:
+                sys.meta_path.remove(self)
+        for target in targets:
+            _call(target, f"after the rank imported {library}")
