@@ -328,13 +328,31 @@ class VolumeDataset(IterableDataset):
         return f"{name}-{digest}"
 
     def _items(self, plan: Plan, slot: int) -> Iterator[Item]:
+        """The files of ``slot``, each with its size and mtime on the volume now.
+
+        A source rewritten since it was listed is served from a new copy: the
+        cache keeps a copy only for the size and mtime it was made from. A source
+        that cannot be looked at (an unmounted volume) is served as listed, from
+        the cache.
+        """
         files = self._listing()
         order = epoch_order(len(files), self.seed, plan.epoch, self.shuffle).tolist()
         prefix = self._namespace(files) + "/"
         relpaths, sizes, mtimes = files.relpaths, files.sizes, files.mtimes
+        local = not is_url(files.root)
+        root = files.root + "/"
+        stat = os.stat
         for position in slot_positions(plan.base, len(files), plan.stride, slot):
             index = order[position]
-            yield Item(prefix + relpaths[index], sizes[index], mtimes[index], index)
+            rel = relpaths[index]
+            size, mtime = sizes[index], mtimes[index]
+            if local:
+                try:
+                    st = stat(root + rel)
+                    size, mtime = st.st_size, st.st_mtime_ns
+                except OSError:
+                    pass
+            yield Item(prefix + rel, size, mtime, index)
 
     def _open_source(self, index: int) -> IO[bytes]:
         """Open the source of file ``index`` of the listing (to copy it into the cache)."""
@@ -344,6 +362,17 @@ class VolumeDataset(IterableDataset):
 
             self._fs = url_to_fs(files.root)[0]
         return Opener(files.source(index), self._fs)()
+
+    def _stat_source(self, index: int) -> tuple[int, int] | None:
+        """``(size, mtime_ns)`` of the source of file ``index`` now, or None (a URL, or gone)."""
+        files = self._listing()
+        if is_url(files.root):
+            return None
+        try:
+            st = os.stat(files.source(index))
+        except OSError:
+            return None
+        return st.st_size, st.st_mtime_ns
 
     def _open_cache(self) -> FileCache:
         if self._cache is None:
@@ -379,7 +408,7 @@ class VolumeDataset(IterableDataset):
         _tags.note(self._uid, plan.plan_id, slot, 0)
         return serve(
             self._open_cache(), self._items(plan, slot), self._open_source, self.prefetch,
-            on_yield, budget, plan.hold,
+            on_yield, budget, plan.hold, self._stat_source,
         )
 
     def __getstate__(self) -> dict[str, Any]:
