@@ -54,6 +54,7 @@ __all__ = ["FileCache", "SourceChanged", "TMP_PREFIX"]
 _log = get_logger("data.cache")
 
 _LOCKS = ".locks"
+_SKIP = (_LOCKS, ".index")  # lock files and dataset indexes (see ``_catalog``): never evicted
 _LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
 _CHUNK = 1 << 20
 _SPACE_WAIT_S = 120.0
@@ -421,7 +422,7 @@ class FileCache:
             return 0
         try:
             removed = 0
-            for _, path in sorted(scan(self.dir, _LOCKS)):
+            for _, path in sorted(scan(self.dir, _SKIP)):
                 if shutil.disk_usage(self.dir).free >= want_free:
                     break
                 if evict_one(path):
