@@ -6,7 +6,8 @@ it serves SOURCE at MOUNTPOINT in the foreground until unmounted
 
 For tests: ``--shrink-at N --shrink-to M`` truncates a file on SOURCE to M bytes
 the first time a read reaches offset N (a file that shrinks during a copy);
-``--counts FILE`` appends one line per directory listed (``readdir``) to FILE.
+``--counts FILE`` appends one line per directory listed (``readdir``) to FILE;
+``--attr-timeout S`` sets how long the kernel caches attributes (libfuse: 1 s).
 """
 
 from __future__ import annotations
@@ -112,12 +113,14 @@ def main() -> None:
     parser.add_argument("--shrink-at", type=int, default=None)
     parser.add_argument("--shrink-to", type=int, default=0)
     parser.add_argument("--counts", default=None)
+    parser.add_argument("--attr-timeout", type=float, default=None)
     args = parser.parse_args()
     shrink = (args.shrink_at, args.shrink_to) if args.shrink_at is not None else None
     ops = SlowPassthrough(
         args.source, args.open_ms / 1000, args.read_ms / 1000, shrink, args.counts
     )
-    mfusepy.FUSE(ops, args.mountpoint, foreground=True, nothreads=False, ro=True)
+    extra = {} if args.attr_timeout is None else {"attr_timeout": args.attr_timeout}
+    mfusepy.FUSE(ops, args.mountpoint, foreground=True, nothreads=False, ro=True, **extra)
 
 
 if __name__ == "__main__":

@@ -258,21 +258,24 @@ def _section(mm: mmap.mmap, header: dict[str, Any], name: str, size: int) -> mem
     return view
 
 
-def _check_paths(offsets: np.ndarray, blob: memoryview, what: str) -> None:
-    """Every path non-empty, relative, below the root: no hidden, ``.`` or ``..`` part."""
-    raw = bytes(blob)
-    if len(offsets) and (offsets[0] != 0 or offsets[-1] != len(raw)):
+def _check_paths(
+    offsets: np.ndarray, mm: mmap.mmap, start: int, length: int, what: str
+) -> None:
+    """Every path non-empty, relative, below the root: no hidden, ``.`` or ``..`` part.
+
+    Reads the map in place: no copy of the paths is made.
+    """
+    if len(offsets) and (offsets[0] != 0 or offsets[-1] != length):
         raise IndexRefused(f"the {what} offsets do not cover the paths")
-    lengths = np.diff(offsets)
-    if (lengths <= 0).any():
+    if (np.diff(offsets) <= 0).any():
         raise IndexRefused(f"the {what} list holds an empty path or offsets out of order")
-    if not raw:
+    if not length:
         return
-    data = np.frombuffer(raw, dtype=np.uint8)
+    data = np.frombuffer(mm, dtype=np.uint8, count=length, offset=start)
     firsts, lasts = data[offsets[:-1]], data[offsets[1:] - 1]
-    if (firsts == ord(".")).any() or (firsts == ord("/")).any() or (lasts == ord("/")).any():
-        raise IndexRefused(f"the {what} list holds a path outside the root or a hidden one")
-    if b"/." in raw or b"//" in raw or b"\0" in raw:
+    bad = (firsts == ord(".")) | (firsts == ord("/")) | (lasts == ord("/"))
+    del data
+    if bad.any() or any(mm.find(p, start, start + length) >= 0 for p in (b"/.", b"//", b"\0")):
         raise IndexRefused(f"the {what} list holds a path outside the root or a hidden one")
 
 
@@ -322,14 +325,14 @@ def open_index(path: str, root: str, pattern: str) -> Index:
             count + 1, count, count
         ) or (len(ints["dir_offsets"]), len(ints["dir_mtimes"])) != (dirs + 1, dirs):
             raise IndexRefused("its sections do not hold as many entries as its header says")
-        _check_paths(np.frombuffer(ints["offsets"], dtype=np.int64), views["paths"], "file")
+        start, length = (int(v) for v in header["sections"]["paths"][:2])
+        _check_paths(np.frombuffer(ints["offsets"], dtype=np.int64), mm, start, length, "file")
         dir_offsets = np.frombuffer(ints["dir_offsets"], dtype=np.int64)
         if dirs and dir_offsets[1] != 0:
             raise IndexRefused("its first directory is not the root")
         if dirs > 1:
-            _check_paths(dir_offsets[1:] - dir_offsets[1], views["dir_paths"][dir_offsets[1]:],
-                         "directory")
-        start = int(header["sections"]["paths"][0])
+            dstart, dlength = (int(v) for v in header["sections"]["dir_paths"][:2])
+            _check_paths(dir_offsets[1:], mm, dstart, dlength, "directory")
         return Index(
             path=path,
             root=root,
