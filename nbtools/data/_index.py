@@ -36,6 +36,7 @@ import struct
 import zlib
 from array import array
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -103,19 +104,25 @@ class IndexWriter:
         self.count = 0
         self.largest = 0
 
-    def add_file(self, rel: bytes, size: int, mtime_ns: int) -> None:
-        """One file, ``rel`` its file-system encoded path relative to the root."""
-        self._blob += rel
-        self._end += len(rel)
-        self._hash.update(rel + b"\0")
-        self._buffers["offsets"].append(self._end)
-        self._buffers["sizes"].append(size)
-        self._buffers["mtimes"].append(mtime_ns)
-        self.count += 1
-        if size > self.largest:
-            self.largest = size
+    def add_files(self, rels: list[bytes], sizes: list[int], mtimes: list[int]) -> None:
+        """Files in path order, ``rels`` their file-system encoded paths relative to the root."""
+        if not rels:
+            return
+        self._blob += b"".join(rels)
+        self._hash.update(b"\0".join(rels) + b"\0")
+        offsets = list(accumulate(map(len, rels), initial=self._end))
+        self._end = offsets[-1]
+        self._buffers["offsets"].extend(offsets[1:])
+        self._buffers["sizes"].extend(sizes)
+        self._buffers["mtimes"].extend(mtimes)
+        self.count += len(rels)
+        self.largest = max(self.largest, max(sizes))
         if len(self._buffers["sizes"]) >= _SPILL:
             self._flush()
+
+    def add_file(self, rel: bytes, size: int, mtime_ns: int) -> None:
+        """One file (see :meth:`add_files`)."""
+        self.add_files([rel], [size], [mtime_ns])
 
     def add_dir(self, rel: bytes, mtime_ns: int) -> None:
         """One directory the listing entered (``b""`` for the root) and its mtime then."""

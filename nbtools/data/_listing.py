@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Callable
 from functools import lru_cache
 from typing import IO, Any
 
@@ -90,8 +91,13 @@ def _scan_dir(path: str) -> list[tuple[str, os.DirEntry[str], bool]]:
     return out
 
 
+def _matcher(pattern: str) -> Callable[[str], Any] | None:
+    """The regex match of ``pattern``, or None when it matches every path (``**/*``)."""
+    return None if pattern in ("**/*", "**") else _glob_regex(pattern).match
+
+
 def walk_local(root: str, pattern: str, writer: Any, progress: Progress | None = None) -> int:
-    """List ``root`` into ``writer`` (``add_file``/``add_dir``), depth first, paths sorted.
+    """List ``root`` into ``writer`` (``add_files``/``add_dir``), depth first, paths sorted.
 
     Symbolic links are followed; each directory is entered once, identified by
     ``(device, inode)``, so a link back up the tree lists nothing twice. A link
@@ -99,7 +105,7 @@ def walk_local(root: str, pattern: str, writer: Any, progress: Progress | None =
     names. Memory stays bounded by the largest directory, whatever the total.
     Returns the number of directories listed.
     """
-    regex = _glob_regex(pattern)
+    match = _matcher(pattern)
     real_root = os.path.realpath(root)
     root_st = os.stat(root)
     seen = {(root_st.st_dev, root_st.st_ino)}
@@ -108,38 +114,47 @@ def walk_local(root: str, pattern: str, writer: Any, progress: Progress | None =
     listed, files = 1, 0
     while stack:
         rel_dir, entries = stack[-1]
-        step = next(entries, None)
-        if step is None:
+        prefix = f"{rel_dir}/" if rel_dir else ""
+        rels: list[bytes] = []
+        sizes: list[int] = []
+        mtimes: list[int] = []
+        child = None
+        for _, entry, is_dir in entries:
+            rel = prefix + entry.name
+            try:
+                st = entry.stat()
+            except OSError:
+                continue  # vanished, or a dangling link: not part of the dataset
+            if not is_dir:
+                if match is None or match(rel):
+                    rels.append(rel.encode("utf-8", "surrogateescape"))
+                    sizes.append(st.st_size)
+                    mtimes.append(st.st_mtime_ns)
+                continue
+            if entry.is_symlink():
+                inside = os.path.relpath(os.path.realpath(entry.path), real_root)
+                if inside == "." or (not inside.startswith("..") and not _hidden(inside)):
+                    continue  # listed under its real name
+            if (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            try:
+                children = _scan_dir(entry.path)
+            except OSError:
+                continue  # unreadable or vanished meanwhile
+            writer.add_dir(rel.encode("utf-8", "surrogateescape"), st.st_mtime_ns)
+            listed += 1
+            child = (rel, iter(children))
+            break
+        if rels:
+            writer.add_files(rels, sizes, mtimes)
+            files += len(rels)
+        if child is None:
             stack.pop()
-            continue
-        _, entry, is_dir = step
-        rel = entry.name if not rel_dir else f"{rel_dir}/{entry.name}"
-        try:
-            st = entry.stat()
-        except OSError:
-            continue  # vanished, or a dangling link: not part of the dataset
-        if not is_dir:
-            if regex.match(rel):
-                writer.add_file(os.fsencode(rel), st.st_size, st.st_mtime_ns)
-                files += 1
-            continue
-        if entry.is_symlink():
-            target = os.path.realpath(entry.path)
-            inside = os.path.relpath(target, real_root)
-            if inside == "." or (not inside.startswith("..") and not _hidden(inside)):
-                continue  # listed under its real name
-        if (st.st_dev, st.st_ino) in seen:
-            continue
-        seen.add((st.st_dev, st.st_ino))
-        try:
-            children = _scan_dir(entry.path)
-        except OSError:
-            continue  # unreadable or vanished meanwhile
-        writer.add_dir(os.fsencode(rel), st.st_mtime_ns)
-        listed += 1
-        stack.append((rel, iter(children)))
-        if progress is not None and listed % 64 == 0:
-            progress.tick(files, listed)
+        else:
+            stack.append(child)
+            if progress is not None and listed % 64 == 0:
+                progress.tick(files, listed)
     return listed
 
 
@@ -172,8 +187,11 @@ def walk_fsspec(root: str, pattern: str, writer: Any) -> None:
             mtime_ns = 0
         found.append((rel, int(info.get("size") or 0), mtime_ns))
     found.sort()
-    for rel, size, mtime_ns in found:
-        writer.add_file(os.fsencode(rel), size, mtime_ns)
+    for start in range(0, len(found), 4096):
+        chunk = found[start : start + 4096]
+        writer.add_files(
+            [os.fsencode(e[0]) for e in chunk], [e[1] for e in chunk], [e[2] for e in chunk]
+        )
 
 
 def check_root(root: str) -> str:
