@@ -61,6 +61,15 @@ copies fewer ahead (at least one), with a warning. Nothing lives in
 temporary files of a killed copy are removed by the next process that opens
 the cache.
 
+The file list is one index per dataset, a memory-mapped file in the cache
+directory (``.index/``) that one process per node builds (the others wait
+for it) and every rank and loader worker shares; a later launch reuses it
+when no listed directory changed. That check sees files added, removed or
+renamed onto a name; a file rewritten in place is seen when it is served
+(``check_sources``). Mounts whose directory times do not change or are cached
+need ``refresh=True``. A copy is kept only when it holds the whole source, as
+listed and unchanged while read; else it is copied again or refused.
+
 Loader workers are started by PyTorch's default method (``fork`` on Linux),
 which lets classes defined in notebook cells run in them. Forking after CUDA is
 initialised in the kernel is safe as long as the workers do not use CUDA; keep

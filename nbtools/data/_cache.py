@@ -47,16 +47,19 @@ from nbtools.data._cachedir import ensure_private_dir, min_free_from_env
 from nbtools.data._gate import Gate, KnownFiles
 from nbtools.data._pins import Cancelled, Pin, pin_path
 from nbtools.data._sweep import evict_one, scan, sweep_temporaries
-from nbtools.errors import CacheError
+from nbtools.errors import CacheError, DataError
 
-__all__ = ["FileCache", "TMP_PREFIX"]
+__all__ = ["FileCache", "SourceChanged", "TMP_PREFIX"]
 
 _log = get_logger("data.cache")
 
 _LOCKS = ".locks"
+_SKIP = (_LOCKS, ".index")  # lock files and dataset indexes (see ``_catalog``): never evicted
 _LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
 _CHUNK = 1 << 20
 _SPACE_WAIT_S = 120.0
+#: Copies of one file tried before a source that keeps changing is an error.
+_COPY_TRIES = 3
 
 # Bytes promised to copies in progress in this process, per cache directory, so
 # that parallel copy threads do not all see the same free space and overshoot.
@@ -80,6 +83,49 @@ def _no_room(message: str) -> CacheError:
     exc = CacheError(message)
     exc.errno = errno.ENOSPC
     return exc
+
+
+class SourceChanged(Exception):
+    """A copy does not hold the source as listed: it changed before or while it was read."""
+
+    def __init__(self, source: str, message: str) -> None:
+        super().__init__(message)
+        self.source = source
+
+
+def _source_stat(src: IO[bytes]) -> tuple[int, int] | None:
+    """``(size, mtime_ns)`` of an open source, or None where it has no descriptor."""
+    try:
+        st = os.fstat(src.fileno())
+    except (AttributeError, OSError, ValueError):
+        return None  # e.g. an fsspec file: only the byte count is checked
+    return st.st_size, st.st_mtime_ns
+
+
+def _check_copy(
+    src: IO[bytes],
+    key: str,
+    size: int,
+    mtime_ns: int,
+    copied: int,
+    before: tuple[int, int] | None,
+    after: tuple[int, int] | None,
+) -> None:
+    """Raise :class:`SourceChanged` unless ``copied`` bytes are the whole, unchanged source."""
+    name = getattr(src, "name", None) or getattr(src, "path", None)
+    source = name if isinstance(name, str) else key
+    if copied != size:
+        raise SourceChanged(source, f"listed {size} bytes, read {copied}")
+    if after is None:
+        return
+    if before != after:
+        was = before[0] if before else "?"
+        raise SourceChanged(source, f"{was} bytes when opened, {after[0]} after the copy")
+    if after[0] != size or (mtime_ns and after[1] != mtime_ns):
+        raise SourceChanged(
+            source,
+            f"listed {size} bytes, mtime {mtime_ns} ns; now {after[0]} bytes, mtime {after[1]} ns",
+        )
 
 
 def _key_digest(key: str) -> str:
@@ -196,7 +242,7 @@ class FileCache:
             if room is None:
                 return None
             try:
-                pin = self._copy(key, mtime_ns, opener, cancel, room)
+                pin = self._copy(key, size, mtime_ns, opener, cancel, room)
                 self.known.add(key, size, mtime_ns)
                 return pin
             finally:
@@ -206,9 +252,49 @@ class FileCache:
         finally:
             os.close(lock_fd)
 
+    def fetch_verified(
+        self,
+        key: str,
+        size: int,
+        mtime_ns: int,
+        opener: Callable[[], IO[bytes]],
+        cancel: threading.Event,
+        wait_for_space: bool = True,
+        on_wait: Callable[[], None] | None = None,
+        restat: Callable[[], tuple[int, int] | None] | None = None,
+    ) -> Pin | None:
+        """:meth:`fetch`, copying again when the source changed before or during the copy.
+
+        A copy is kept only when it holds exactly the bytes of the source as
+        listed (``size``, ``mtime_ns``) and the source did not change while it
+        was read (``rsync``'s check). Otherwise the source is looked at again
+        (``restat()``: its current size and mtime) and copied again; after
+        ``_COPY_TRIES`` copies of a source that kept changing, raises
+        :class:`~nbtools.errors.DataError` naming it. Nothing partial is served.
+        """
+        for attempt in range(1, _COPY_TRIES + 1):
+            try:
+                return self.fetch(key, size, mtime_ns, opener, cancel, wait_for_space, on_wait)
+            except SourceChanged as exc:
+                now = restat() if restat is not None else None
+                if attempt == _COPY_TRIES or now is None:
+                    raise DataError(
+                        f"{exc.source} changed while it was copied into the cache ({exc}); "
+                        f"it was not served after {attempt} copies. Let whoever writes it "
+                        "finish (write elsewhere, then rename onto the name), then iterate again"
+                    ) from None
+                _log.warning(
+                    "%s changed while it was copied (%s); copying it again", exc.source, exc
+                )
+                size, mtime_ns = now
+                if cancel.wait(0.05 * attempt):
+                    raise Cancelled(key) from None
+        raise AssertionError("unreachable")
+
     def _copy(
         self,
         key: str,
+        size: int,
         mtime_ns: int,
         opener: Callable[[], IO[bytes]],
         cancel: threading.Event,
@@ -218,6 +304,8 @@ class FileCache:
         tmp = room.tmp
         try:
             with opener() as src, open(room.fd, "wb", closefd=False) as dst:
+                before = _source_stat(src)
+                copied = 0
                 while True:
                     if cancel.is_set():
                         raise Cancelled(key)
@@ -225,6 +313,8 @@ class FileCache:
                     if not chunk:
                         break
                     dst.write(chunk)
+                    copied += len(chunk)
+                _check_copy(src, key, size, mtime_ns, copied, before, _source_stat(src))
                 dst.flush()
                 os.ftruncate(room.fd, dst.tell())  # the allocation may have been larger
             if mtime_ns:
@@ -332,7 +422,7 @@ class FileCache:
             return 0
         try:
             removed = 0
-            for _, path in sorted(scan(self.dir, _LOCKS)):
+            for _, path in sorted(scan(self.dir, _SKIP)):
                 if shutil.disk_usage(self.dir).free >= want_free:
                     break
                 if evict_one(path):

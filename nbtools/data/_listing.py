@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
 from functools import lru_cache
 from typing import IO, Any
 
+from nbtools import runtime
 from nbtools._internal.location import local_path
+from nbtools._internal.log import get_logger
 from nbtools.errors import DataError
 
-__all__ = ["FileList", "Opener", "list_files"]
+__all__ = ["Opener", "Progress", "check_root", "walk_fsspec", "walk_local"]
+
+_log = get_logger("data.listing")
 
 
 @lru_cache(maxsize=32)
@@ -39,75 +43,123 @@ def _glob_regex(pattern: str) -> re.Pattern[str]:
     return re.compile("".join(out) + r"\Z")
 
 
-@dataclass(frozen=True)
-class FileList:
-    """The files of one root, sorted by relative path.
-
-    Attributes:
-        root: The root as given (path or URL), without a trailing slash.
-        relpaths: ``/``-separated paths relative to ``root``.
-        sizes: Size in bytes of each file, from the listing.
-        mtimes: Modification time of each file (integer nanoseconds, 0 if unknown).
-        fingerprint: A digest of the relative paths, to recognise the same dataset.
-    """
-
-    root: str
-    relpaths: tuple[str, ...]
-    sizes: tuple[int, ...]
-    mtimes: tuple[int, ...]
-    fingerprint: str
-
-    def __len__(self) -> int:
-        return len(self.relpaths)
-
-    def source(self, index: int) -> str:
-        """The path or URL of file ``index`` on the volume."""
-        return f"{self.root}/{self.relpaths[index]}"
-
-
 def _hidden(relpath: str) -> bool:
     return any(part.startswith(".") for part in relpath.split("/"))
 
 
-def _walk_local(root: str) -> list[tuple[str, int, int]]:
-    """Files under ``root``, following symbolic links to directories.
+class Progress:
+    """Logs how far a long listing has got, every ``every_s`` seconds (rank 0 only)."""
 
-    Each directory is entered once, identified by ``(device, inode)``: a link
-    back up the tree (``a/up -> ..``) or a second name for a directory does
-    not list its files again. Real directories are entered before links to
-    them, so files keep the names of their real paths where possible.
+    def __init__(self, root: str, every_s: float = 5.0) -> None:
+        self.root = root
+        self.every_s = every_s
+        self.files = 0
+        self.dirs = 0
+        self._start = time.monotonic()
+        self._next = self._start + every_s
+        self._loud = runtime.get_rank() == 0
+
+    def tick(self, files: int, dirs: int) -> None:
+        self.files, self.dirs = files, dirs
+        now = time.monotonic()
+        if self._loud and now >= self._next:
+            self._next = now + self.every_s
+            _log.info(
+                "listing %s: %d files in %d directories so far (%.0f s)",
+                self.root, files, dirs, now - self._start,
+            )
+
+
+def _scan_dir(path: str) -> list[tuple[str, os.DirEntry[str], bool]]:
+    """The entries of one directory, not hidden, in the order that keeps paths sorted.
+
+    Sorting each directory by ``name + "/"`` for directories and ``name`` for
+    files makes a depth-first walk yield relative paths in plain string order.
     """
-    found: list[tuple[str, int, int]] = []
-    root_st = os.stat(root)
-    seen = {(root_st.st_dev, root_st.st_ino)}
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        keep = []
-        # Real directories first, then links, each in name order: deterministic.
-        ordered = sorted(dirnames, key=lambda d: (os.path.islink(os.path.join(dirpath, d)), d))
-        for name in ordered:
+    out = []
+    with os.scandir(path) as it:
+        for entry in it:
+            name = entry.name
             if name.startswith("."):
                 continue
             try:
-                st = os.stat(os.path.join(dirpath, name))
+                is_dir = entry.is_dir()
             except OSError:
-                continue  # a dangling link or a directory that vanished
-            if (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                keep.append(name)
-        dirnames[:] = keep
-        rel_dir = os.path.relpath(dirpath, root)
-        for name in filenames:
-            full = os.path.join(dirpath, name)
+                continue
+            out.append((name + "/" if is_dir else name, entry, is_dir))
+    out.sort(key=lambda e: e[0])
+    return out
+
+
+def _matcher(pattern: str) -> Callable[[str], Any] | None:
+    """The regex match of ``pattern``, or None when it matches every path (``**/*``)."""
+    return None if pattern in ("**/*", "**") else _glob_regex(pattern).match
+
+
+def walk_local(root: str, pattern: str, writer: Any, progress: Progress | None = None) -> int:
+    """List ``root`` into ``writer`` (``add_files``/``add_dir``), depth first, paths sorted.
+
+    Symbolic links are followed; each directory is entered once, identified by
+    ``(device, inode)``, so a link back up the tree lists nothing twice. A link
+    to a directory inside the root is skipped: its files keep their real
+    names. Memory stays bounded by the largest directory, whatever the total.
+    Returns the number of directories listed.
+    """
+    match = _matcher(pattern)
+    real_root = os.path.realpath(root)
+    root_st = os.stat(root)
+    seen = {(root_st.st_dev, root_st.st_ino)}
+    writer.add_dir(b"", root_st.st_mtime_ns)
+    stack = [("", iter(_scan_dir(root)))]
+    listed, files = 1, 0
+    while stack:
+        rel_dir, entries = stack[-1]
+        prefix = f"{rel_dir}/" if rel_dir else ""
+        rels: list[bytes] = []
+        sizes: list[int] = []
+        mtimes: list[int] = []
+        child = None
+        for _, entry, is_dir in entries:
+            rel = prefix + entry.name
             try:
-                st = os.stat(full)
+                st = entry.stat()
             except OSError:
-                continue  # vanished or a dangling link: not part of the dataset
-            rel = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
-            found.append((rel, st.st_size, st.st_mtime_ns))
-    return found
+                continue  # vanished, or a dangling link: not part of the dataset
+            if not is_dir:
+                if match is None or match(rel):
+                    rels.append(rel.encode("utf-8", "surrogateescape"))
+                    sizes.append(st.st_size)
+                    mtimes.append(st.st_mtime_ns)
+                continue
+            if entry.is_symlink():
+                inside = os.path.relpath(os.path.realpath(entry.path), real_root)
+                if inside == "." or (not inside.startswith("..") and not _hidden(inside)):
+                    continue  # listed under its real name
+            if (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            try:
+                children = _scan_dir(entry.path)
+            except OSError:
+                continue  # unreadable or vanished meanwhile
+            writer.add_dir(rel.encode("utf-8", "surrogateescape"), st.st_mtime_ns)
+            listed += 1
+            child = (rel, iter(children))
+            break
+        if rels:
+            writer.add_files(rels, sizes, mtimes)
+            files += len(rels)
+        if child is None:
+            stack.pop()
+        else:
+            stack.append(child)
+            if progress is not None and listed % 64 == 0:
+                progress.tick(files, listed)
+    return listed
 
 
-def _walk_fsspec(root: str) -> tuple[str, list[tuple[str, int, int]]]:
+def walk_fsspec(root: str, pattern: str, writer: Any) -> None:
+    """List the fsspec URL ``root`` into ``writer`` (sorted; no directory mtimes)."""
     from fsspec.core import url_to_fs
 
     fs, path = url_to_fs(root)
@@ -118,61 +170,47 @@ def _walk_fsspec(root: str) -> tuple[str, list[tuple[str, int, int]]]:
         )
     if not fs.isdir(path):
         raise NotADirectoryError(f"dataset root {root!r} is a file; pass the directory holding it")
+    regex = _glob_regex(pattern)
     found = []
     for name, info in fs.find(path, detail=True).items():
         if info.get("type", "file") != "file":
             continue
         rel = name[len(path) :].lstrip("/")
+        if _hidden(rel) or not regex.match(rel):
+            continue
         mtime = info.get("mtime") or info.get("LastModified") or 0
+        if hasattr(mtime, "timestamp"):
+            mtime = mtime.timestamp()
         try:
             mtime_ns = int(float(mtime) * 1e9)
         except (TypeError, ValueError):
             mtime_ns = 0
         found.append((rel, int(info.get("size") or 0), mtime_ns))
-    return root.rstrip("/"), found
+    found.sort()
+    for start in range(0, len(found), 4096):
+        chunk = found[start : start + 4096]
+        writer.add_files(
+            [os.fsencode(e[0]) for e in chunk], [e[1] for e in chunk], [e[2] for e in chunk]
+        )
 
 
-def list_files(root: str, pattern: str) -> FileList:
-    """List the files under ``root`` whose relative path matches ``pattern``.
-
-    Hidden files and directories (a path component starting with ``.``) are
-    skipped, as ``glob`` does.
+def check_root(root: str) -> str:
+    """``root`` as a local path (checked to be a directory), or the URL unchanged.
 
     Raises:
-        FileNotFoundError: ``root`` does not exist, or no file matches.
-        NotADirectoryError: ``root`` is a file.
+        FileNotFoundError: a local ``root`` does not exist.
+        NotADirectoryError: it is a file.
     """
     path = local_path(root)
     if path is None:
-        root, entries = _walk_fsspec(root)
-    else:
-        root = path
-        if not os.path.exists(root):
-            raise FileNotFoundError(
-                f"dataset root {root!r} does not exist; check the path (is the volume mounted?)"
-            )
-        if not os.path.isdir(root):
-            raise NotADirectoryError(
-                f"dataset root {root!r} is a file; pass the directory holding it"
-            )
-        entries = _walk_local(root)
-    regex = _glob_regex(pattern)
-    entries = sorted(e for e in entries if not _hidden(e[0]) and regex.match(e[0]))
-    if not entries:
+        return root.rstrip("/")
+    if not os.path.exists(path):
         raise FileNotFoundError(
-            f"no file under {root!r} matches pattern {pattern!r}; check the pattern "
-            "(it is relative to the root, e.g. '**/*.jpg')"
+            f"dataset root {path!r} does not exist; check the path (is the volume mounted?)"
         )
-    digest = hashlib.sha1()
-    for rel, _, _ in entries:
-        digest.update(rel.encode("utf-8", "surrogateescape") + b"\0")
-    return FileList(
-        root=root,
-        relpaths=tuple(e[0] for e in entries),
-        sizes=tuple(e[1] for e in entries),
-        mtimes=tuple(e[2] for e in entries),
-        fingerprint=digest.hexdigest()[:16],
-    )
+    if not os.path.isdir(path):
+        raise NotADirectoryError(f"dataset root {path!r} is a file; pass the directory holding it")
+    return path.rstrip("/") or "/"
 
 
 def _open_local(path: str) -> IO[bytes]:

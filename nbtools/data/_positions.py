@@ -74,7 +74,7 @@ def epoch_order(num_files: int, seed: int, epoch: int, shuffle: bool) -> np.ndar
     if not shuffle:
         return np.arange(num_files, dtype=np.int64)
     rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch) & 0xFFFFFFFF, 0x6E62])
-    return rng.permutation(num_files).astype(np.int64)
+    return rng.permutation(num_files).astype(np.int64, copy=False)
 
 
 def _residue_extras(consumed: Consumed, stride: int, slot: int) -> list[int]:

@@ -83,9 +83,11 @@ class _Stream:
         budget: int,
         hold: int | None,
         open_source: Callable[[int], IO[bytes]],
+        stat_source: Callable[[int], tuple[int, int] | None] | None = None,
     ) -> None:
         self.cache = cache
         self.open_source = open_source
+        self.stat_source = stat_source
         self.source = iter(items)
         self.lookahead: Item | None = None
         self.window = max(1, prefetch)
@@ -205,16 +207,21 @@ class _Stream:
             # Copies ahead of the consumer never wait for room: they give up and
             # let the consumer copy the file itself when it gets there.
             future = self.pool.submit(
-                self.cache.fetch,
+                self.cache.fetch_verified,
                 item.key,
                 item.size,
                 item.mtime_ns,
                 partial(self.open_source, item.index),
                 self.cancel,
                 False,
+                None,
+                self._restat(item),
             )
             self.pending.append([item, future])
             self.pending_bytes += item.size
+
+    def _restat(self, item: Item) -> Callable[[], tuple[int, int] | None] | None:
+        return None if self.stat_source is None else partial(self.stat_source, item.index)
 
     # --- serving ----------------------------------------------------------------------
 
@@ -260,7 +267,7 @@ class _Stream:
                 if path is None:  # a copy ahead still running, given up, or not started
                     pin = state.result() if isinstance(state, Future) else None
                     if pin is None:
-                        pin = self.cache.fetch(
+                        pin = self.cache.fetch_verified(
                             item.key,
                             item.size,
                             item.mtime_ns,
@@ -268,6 +275,7 @@ class _Stream:
                             self.cancel,
                             True,
                             self.shed,
+                            self._restat(item),
                         )
                     with lock:
                         path = self._hand_out(item, pin)
@@ -349,6 +357,7 @@ def serve(
     on_yield: Callable[[], None],
     budget: int | None = None,
     hold: int | None = None,
+    stat_source: Callable[[int], tuple[int, int] | None] | None = None,
 ) -> Iterator[str]:
     """Yield the cached path of each item, in order, copying up to ``prefetch`` items ahead.
 
@@ -363,11 +372,14 @@ def serve(
         hold: Inside a loader whose batches carry paths, how many batches
             before the one being filled the loader may still hold; None outside
             a loader.
+        stat_source: ``(size, mtime_ns)`` of the source with an item's index
+            now, or None when it cannot be looked at; a copy of a source that
+            changed while copied is made again with these (see ``FileCache``).
 
     Closing the generator (or an exception, or Ctrl+C) cancels the copies in
     flight, waits for the copy threads, and removes their temporary files.
     """
-    return _serve(cache, items, open_source, prefetch, on_yield, budget, hold)
+    return _serve(cache, items, open_source, prefetch, on_yield, budget, hold, stat_source)
 
 
 def _serve(
@@ -378,13 +390,20 @@ def _serve(
     on_yield: Callable[[], None],
     budget: int | None,
     hold: int | None,
+    stat_source: Callable[[int], tuple[int, int] | None] | None,
 ) -> Iterator[str]:
     # A generator: nothing is locked or started before the first path is asked for.
     while _DEFERRED:
         _DEFERRED.pop().release()
     _tags.watch_prefix(cache.dir + os.sep)
     stream = _Stream(
-        cache, items, prefetch, budget if budget is not None else 1 << 62, hold, open_source
+        cache,
+        items,
+        prefetch,
+        budget if budget is not None else 1 << 62,
+        hold,
+        open_source,
+        stat_source,
     )
     _STREAMS.add(stream)
     if stream.gate_fd >= 0:

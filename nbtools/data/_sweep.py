@@ -26,15 +26,16 @@ def _remove_stale_tmp(path: str, name: str) -> bool:
     return False
 
 
-def _walk(cache_dir: str, skip: str):
+def _walk(cache_dir: str, skip: str | tuple[str, ...]):
+    skips = (skip,) if isinstance(skip, str) else skip
     for dirpath, dirnames, filenames in os.walk(cache_dir):
         if dirpath == cache_dir:
-            dirnames[:] = [d for d in dirnames if d != skip]
+            dirnames[:] = [d for d in dirnames if d not in skips]
         for name in filenames:
             yield dirpath, name
 
 
-def sweep_temporaries(cache_dir: str, skip: str) -> int:
+def sweep_temporaries(cache_dir: str, skip: str | tuple[str, ...]) -> int:
     """Remove the temporaries of dead processes under ``cache_dir`` (not under ``skip``)."""
     removed = 0
     for dirpath, name in _walk(cache_dir, skip):
@@ -43,7 +44,7 @@ def sweep_temporaries(cache_dir: str, skip: str) -> int:
     return removed
 
 
-def scan(cache_dir: str, skip: str) -> list[tuple[int, str]]:
+def scan(cache_dir: str, skip: str | tuple[str, ...]) -> list[tuple[int, str]]:
     """``(download time, path)`` of every cached file; also sweeps leftover temporaries."""
     found: list[tuple[int, str]] = []
     for dirpath, name in _walk(cache_dir, skip):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterator
 from typing import IO, Any
@@ -15,7 +14,9 @@ from nbtools._internal.log import get_logger
 from nbtools.data import _tags
 from nbtools.data._cache import FileCache
 from nbtools.data._cachedir import default_cache_dir
-from nbtools.data._listing import FileList, Opener, list_files
+from nbtools.data._catalog import job_token, load_index, namespace
+from nbtools.data._index import Index, open_index
+from nbtools.data._listing import Opener
 from nbtools.data._plan import Plan, check_same_workers, dist_info, gather
 from nbtools.data._positions import Consumed, advance, epoch_order, slot_length, slot_positions
 from nbtools.data._stream import Item, serve
@@ -61,6 +62,20 @@ class VolumeDataset(IterableDataset):
         min_free_bytes: Free space to keep on the cache filesystem (default
             ``NBTOOLS_CACHE_MIN_FREE_BYTES`` or ``SGC_FSLAYER_MIN_FREE_DISK_BYTES``,
             else 10 % of the filesystem).
+        refresh: List the root again even when the index of an earlier launch
+            looks fresh (once per job: the other ranks use the new listing).
+            Needed on mounts whose directory modification times do not change.
+        check_sources: Before serving a cached copy, ``stat`` its source and copy
+            it again when its size or mtime changed (a file rewritten in place,
+            even between epochs). One metadata request per file and epoch; on a
+            volume whose metadata is slow and whose files never change in
+            place, ``False`` trusts the listing (cached epochs run faster).
+
+    The list of files is an index in the cache directory, built by one process
+    per node and memory-mapped by every rank and loader worker; a later launch
+    reuses it when no listed directory changed (one ``stat`` per directory). A
+    file rewritten in place is seen when served: its size and mtime are
+    compared with its cached copy's.
 
     Example:
         >>> files = VolumeDataset("/mnt/vol/images", "**/*.jpg", shuffle=True)  # doctest: +SKIP
@@ -80,6 +95,8 @@ class VolumeDataset(IterableDataset):
         seed: int = 0,
         prefetch: int = 16,
         min_free_bytes: int | None = None,
+        refresh: bool = False,
+        check_sources: bool = True,
     ) -> None:
         if not isinstance(root, (str, os.PathLike)):
             raise TypeError(f"root must be a path or URL string, got {type(root).__name__}")
@@ -110,8 +127,12 @@ class VolumeDataset(IterableDataset):
         self.seed = seed
         self.prefetch = prefetch
         self.min_free_bytes = min_free_bytes
+        self.refresh = bool(refresh)
+        self.check_sources = bool(check_sources)
         self._uid = Plan.new_id()
-        self._files: FileList | None = None
+        self._files: Index | None = None
+        # Where a copy of this dataset in another process maps the same index.
+        self._index_at: tuple[str, str, str] | None = None
         self._fs: Any = None
         self._cache: FileCache | None = None
         # Position: the epoch, what was consumed before the current plan, and
@@ -220,12 +241,24 @@ class VolumeDataset(IterableDataset):
 
     # --- planning (training process) ----------------------------------------------------
 
-    def _listing(self) -> FileList:
+    def _listing(self) -> Index:
         if self._files is None:
-            self._files = list_files(self.root, self.pattern)
+            if self._index_at is not None:
+                path, root, fingerprint = self._index_at
+                files = open_index(path, root, self.pattern)
+                if files.fingerprint != fingerprint:
+                    raise DataError(
+                        f"the index of {self.root!r} changed while this dataset was in use "
+                        "(another job listed it again); start the loader again"
+                    )
+            else:
+                token = job_token(fallback=self._uid)
+                files = load_index(self.root, self.pattern, self.cache_dir, self.refresh, token)
+                self._index_at = (files.path, files.root, files.fingerprint)
+            self._files = files
         return self._files
 
-    def _current(self, files: FileList) -> tuple[int, Consumed, dict[str, Any] | None]:
+    def _current(self, files: Index) -> tuple[int, Consumed, dict[str, Any] | None]:
         """The epoch, everything consumed in it over all ranks, and the layout.
 
         One collective on every rank, whatever the local state.
@@ -322,19 +355,39 @@ class VolumeDataset(IterableDataset):
         self._last_plan = plan
         return plan
 
-    def _namespace(self, files: FileList) -> str:
-        digest = hashlib.sha1(files.root.encode("utf-8", "surrogateescape")).hexdigest()[:12]
-        name = os.path.basename(files.root.rstrip("/")) or "root"
-        return f"{name}-{digest}"
-
     def _items(self, plan: Plan, slot: int) -> Iterator[Item]:
+        """The files of ``slot``, each with its size and mtime on the volume now.
+
+        A source rewritten since it was listed is served from a new copy: the
+        cache keeps a copy only for the size and mtime it was made from. A source
+        that cannot be looked at (an unmounted volume) is served as listed, from
+        the cache.
+        """
         files = self._listing()
-        order = epoch_order(len(files), self.seed, plan.epoch, self.shuffle).tolist()
-        prefix = self._namespace(files) + "/"
-        relpaths, sizes, mtimes = files.relpaths, files.sizes, files.mtimes
+        order = memoryview(epoch_order(len(files), self.seed, plan.epoch, self.shuffle))
+        prefix = namespace(files.root) + "/"
+        offsets, sizes, mtimes = files.offsets, files.sizes, files.mtimes
+        blob, base = files.map, files.paths_start
+        local = self.check_sources and not is_url(files.root)
+        root = files.root + "/"
+        cached = self._open_cache().path_for(prefix)
+        stat = os.stat
         for position in slot_positions(plan.base, len(files), plan.stride, slot):
             index = order[position]
-            yield Item(prefix + relpaths[index], sizes[index], mtimes[index], index)
+            rel = blob[base + offsets[index] : base + offsets[index + 1]].decode(
+                "utf-8", "surrogateescape"
+            )
+            size, mtime = sizes[index], mtimes[index]
+            if local:
+                # Only a file with a copy needs its source looked at: a new copy
+                # is checked against the source as it is copied.
+                try:
+                    stat(cached + rel)
+                    st = stat(root + rel)
+                    size, mtime = st.st_size, st.st_mtime_ns
+                except OSError:
+                    pass
+            yield Item(prefix + rel, size, mtime, index)
 
     def _open_source(self, index: int) -> IO[bytes]:
         """Open the source of file ``index`` of the listing (to copy it into the cache)."""
@@ -344,6 +397,17 @@ class VolumeDataset(IterableDataset):
 
             self._fs = url_to_fs(files.root)[0]
         return Opener(files.source(index), self._fs)()
+
+    def _stat_source(self, index: int) -> tuple[int, int] | None:
+        """``(size, mtime_ns)`` of the source of file ``index`` now, or None (a URL, or gone)."""
+        files = self._listing()
+        if is_url(files.root):
+            return None
+        try:
+            st = os.stat(files.source(index))
+        except OSError:
+            return None
+        return st.st_size, st.st_mtime_ns
 
     def _open_cache(self) -> FileCache:
         if self._cache is None:
@@ -358,7 +422,7 @@ class VolumeDataset(IterableDataset):
         less a twentieth for the filesystem's own metadata.
         """
         streams = max(1, num_workers) * max(1, runtime.get_local_world_size())
-        largest = max(self._listing().sizes, default=0)
+        largest = self._listing().largest
         capacity = self._open_cache().capacity
         return (capacity - capacity // 20) // streams, largest
 
@@ -379,13 +443,14 @@ class VolumeDataset(IterableDataset):
         _tags.note(self._uid, plan.plan_id, slot, 0)
         return serve(
             self._open_cache(), self._items(plan, slot), self._open_source, self.prefetch,
-            on_yield, budget, plan.hold,
+            on_yield, budget, plan.hold, self._stat_source,
         )
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_cache"] = None
         state["_fs"] = None
+        state["_files"] = None  # a map: the copy maps the same file again
         return state
 
     def __repr__(self) -> str:

@@ -13,6 +13,7 @@ import torch.utils.data
 
 from nbtools import _torch_compat, events, runtime
 from nbtools.data import _tags
+from nbtools.data._driven import Link
 from nbtools.data._find import find_volume_datasets
 from nbtools.data._stalls import StallWatch
 from nbtools.data.dataset import VolumeDataset
@@ -133,6 +134,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self.last_wait: float = 0.0
         self._stalls = StallWatch()  # emits input_stall events for unusually long waits
         self._volumes: list[VolumeDataset] = find_volume_datasets(dataset)
+        self._links = [Link(vd) for vd in self._volumes]  # all the loader drives them by
         self._workers_expect: list[Any] | None = None  # plans the live workers will serve next
 
     # --- iteration ------------------------------------------------------------------
@@ -144,13 +146,12 @@ class DataLoader(torch.utils.data.DataLoader):
         # prefetched batches (per worker), none when the main process collates.
         hold = self.prefetch_factor if self.num_workers > 0 else 0
         plans = [
-            vd._prepare(
+            link.plan(
                 max(1, self.num_workers),
-                tracked=True,
                 reuse=self._workers_expect[i] if self._workers_expect else None,
                 hold=hold,
             )
-            for i, vd in enumerate(self._volumes)
+            for i, link in enumerate(self._links)
         ]
         workers_live = self.num_workers > 0 and _torch_compat.loader_iterator(self) is not None
         if (
@@ -166,14 +167,14 @@ class DataLoader(torch.utils.data.DataLoader):
             self._stop_workers()
             workers_live = False
         if not workers_live:
-            for vd, plan in zip(self._volumes, plans, strict=True):
-                vd._pending = plan
+            for link, plan in zip(self._links, plans, strict=True):
+                link.give_workers(plan)
         try:
             inner = super().__iter__()
         finally:
             if self.num_workers > 0:
-                for vd in self._volumes:
-                    vd._pending = None  # the worker copies took it
+                for link in self._links:
+                    link.give_workers(None)  # the worker copies took it
         self._workers_expect = [p.advanced() for p in plans] if self.num_workers > 0 else None
         self.wait_times = []
         return self._received(inner)
@@ -188,13 +189,14 @@ class DataLoader(torch.utils.data.DataLoader):
         """
         if not isinstance(self.dataset, VolumeDataset) or not self.prefetch_factor:
             return
-        share, largest = self.dataset._stream_share(self.num_workers)
+        link = Link(self.dataset)
+        share, largest = link.stream_share(self.num_workers)
         fits = share // max(1, largest)
         per_batch = self.batch_size or 1
         factor = (fits - 1) // per_batch - 1
         if factor >= self.prefetch_factor:
             return
-        cache = self.dataset._open_cache()
+        cache = link.cache()
         if factor < 1:
             exc = CacheError(
                 f"the cache at {cache.dir!r} holds about {fits} files of up to {largest} bytes "
@@ -217,14 +219,14 @@ class DataLoader(torch.utils.data.DataLoader):
         self.prefetch_factor = factor
 
     def _received(self, inner: Iterator[Any]) -> Iterator[Any]:
-        by_uid = {vd._uid: vd for vd in self._volumes}
+        by_id = {link.stream_id: link for link in self._links}
         while True:
             start = time.perf_counter()
             try:
                 item = next(inner)
             except StopIteration:
-                for vd in self._volumes:
-                    vd._finish_local()
+                for link in self._links:
+                    link.finished()
                 return
             self.last_wait = time.perf_counter() - start
             self.wait_times.append(self.last_wait)
@@ -233,11 +235,11 @@ class DataLoader(torch.utils.data.DataLoader):
                 yield item
                 continue
             for uid, (plan_id, slot, count) in item.tags.items():
-                vd = by_uid.get(uid)
-                if vd is not None:
-                    vd._record(plan_id, slot, count)
-            for vd in self._volumes:
-                vd._record_batch()
+                target = by_id.get(uid)
+                if target is not None:
+                    target.received(plan_id, slot, count)
+            for link in self._links:
+                link.received_batch()
             yield item.batch
 
     # --- state ----------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 from torch.utils.data import IterableDataset
 
 from nbtools.data import DataLoader, VolumeDataset
+from nbtools.errors import DataError
 
 _SERVER = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "_slowfs.py")
 
@@ -38,18 +40,15 @@ class _Bytes(IterableDataset):
                 yield os.path.basename(path), fh.read()
 
 
-@pytest.fixture
-def slow_mount(tmp_path):
+@contextlib.contextmanager
+def mounted(src, mnt, *options: str):
+    """``src`` served at ``mnt`` by the FUSE server with ``options``; unmounted afterwards."""
     reason = _fuse_ready()
     if reason:
         pytest.skip(reason)
-    src, mnt = tmp_path / "src", tmp_path / "mnt"
-    src.mkdir()
-    mnt.mkdir()
-    for i in range(24):
-        (src / f"f{i:02d}.bin").write_bytes(bytes([i]) * 50_000)
+    os.makedirs(mnt, exist_ok=True)
     server = subprocess.Popen(
-        [sys.executable, _SERVER, str(src), str(mnt), "--open-ms", "5", "--read-ms", "0"],
+        [sys.executable, _SERVER, str(src), str(mnt), *options],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -69,6 +68,19 @@ def slow_mount(tmp_path):
             server.wait()
 
 
+@pytest.fixture
+def slow_mount(tmp_path):
+    reason = _fuse_ready()
+    if reason:
+        pytest.skip(reason)
+    src, mnt = tmp_path / "src", tmp_path / "mnt"
+    src.mkdir()
+    for i in range(24):
+        (src / f"f{i:02d}.bin").write_bytes(bytes([i]) * 50_000)
+    with mounted(src, mnt, "--open-ms", "5", "--read-ms", "0") as path:
+        yield path
+
+
 @pytest.mark.root
 def test_files_on_a_slow_fuse_mount_are_served_from_the_cache(slow_mount, tmp_path):
     files = VolumeDataset(slow_mount, cache_dir=tmp_path / "cache")
@@ -80,3 +92,24 @@ def test_files_on_a_slow_fuse_mount_are_served_from_the_cache(slow_mount, tmp_pa
         n for _, _, names in os.walk(tmp_path / "cache") for n in names if n.endswith(".bin")
     )
     assert cached == [f"f{i:02d}.bin" for i in range(24)]
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_a_1gib_file_that_shrinks_on_the_volume_during_its_copy_is_never_served_partial(tmp_path):
+    src, mnt = tmp_path / "src", tmp_path / "mnt"
+    src.mkdir()
+    with open(src / "big.bin", "wb") as fh:
+        fh.truncate(1 << 30)  # sparse
+    # The volume cuts the file to 110 MB when the copy reaches 120 MB, as a writer would.
+    options = ("--open-ms", "0", "--read-ms", "0", "--shrink-at", "120000000",
+               "--shrink-to", "110000000")
+    with mounted(src, mnt, *options):
+        files = VolumeDataset(mnt, cache_dir=tmp_path / "cache", prefetch=1)
+        try:
+            (path,) = list(files)
+        except DataError as exc:  # the volume kept showing the old size: refused, named
+            assert "big.bin" in str(exc)
+        else:
+            assert os.path.getsize(path) == 110_000_000  # the file as it now is
+    assert os.path.getsize(src / "big.bin") == 110_000_000  # it did shrink mid-copy

@@ -1,0 +1,176 @@
+"""One index per dataset and node: built by one process, checked and reused by the others.
+
+The index of ``(root, pattern)`` lives in the private cache directory, under
+``.index/``. A process that needs it:
+
+1. maps the index there, if any, and uses it when it passes every check of
+   :func:`~nbtools.data._index.open_index` and is *fresh*;
+2. otherwise takes the index's lock (``flock`` in ``.locks/``), looks again
+   (another process may have built it meanwhile), and only then lists the root
+   and writes a new index (temporary name, then ``os.replace``).
+
+So on a node one process lists, and every other rank and worker waits for it
+and maps the same file. An index that fails a check (damaged, another user's,
+another version, a path outside the root) is rebuilt, with a warning.
+
+Fresh means: every directory the listing entered still has the modification
+time it had then (one ``stat`` per directory, no listing). That sees files
+added, removed or renamed onto a name in any listed directory, and
+directories added or removed. It cannot see a file rewritten in place (the
+directory does not change; each file's own size and mtime are compared when
+it is served, so its copy is made again), nor anything on a mount whose
+directory mtimes do not change (some FUSE and object-store mounts): use
+``refresh=True`` there. A directory modified within ``_RACY_NS`` before it was
+listed could have changed unseen in the same clock tick, so such an index is
+not reused. An fsspec URL has no directory times: it is listed once per job.
+``refresh=True`` lists again once per job (the index records which job built it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import time
+import warnings
+
+from nbtools._internal.log import get_logger
+from nbtools.data._cachedir import ensure_private_dir
+from nbtools.data._index import Index, IndexRefused, IndexWriter, open_index
+from nbtools.data._listing import Progress, check_root, walk_fsspec, walk_local
+
+__all__ = ["index_path", "job_token", "load_index", "namespace"]
+
+_log = get_logger("data.catalog")
+
+_DIR = ".index"
+_RACY_NS = 2_000_000_000
+_JOB_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT")
+
+
+def namespace(root: str) -> str:
+    """The cache's directory name for the files of ``root``."""
+    digest = hashlib.sha1(root.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    name = os.path.basename(root.rstrip("/")) or "root"
+    return f"{name}-{digest}"
+
+
+def index_path(cache_dir: str, root: str, pattern: str) -> str:
+    """Where the index of ``(root, pattern)`` lives in ``cache_dir``."""
+    tag = hashlib.sha1(pattern.encode("utf-8", "surrogateescape")).hexdigest()[:8]
+    return os.path.join(cache_dir, _DIR, f"{namespace(root)}-{tag}.idx")
+
+
+def job_token(fallback: str) -> str:
+    """What identifies this launch: its elastic run and restart, else ``fallback``."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT"):
+        return "|".join(os.environ.get(v, "") for v in _JOB_VARS)
+    return fallback
+
+
+def _fresh(index: Index) -> str | None:
+    """None when no listed directory changed since the listing; else what changed."""
+    if not index.header.get("checkable"):
+        return "the root has no directory times to check"
+    listed_at = int(index.header.get("listed_at_ns", 0))
+    root = index.root
+    for rel, mtime in index.directories():
+        path = f"{root}/{rel}" if rel else root
+        try:
+            st = os.stat(path)
+        except OSError:
+            return f"directory {path!r} is gone"
+        if st.st_mtime_ns != mtime:
+            return f"directory {path!r} changed"
+        if mtime >= listed_at - _RACY_NS:
+            return f"directory {path!r} changed just before it was listed"
+    return None
+
+
+def _try_open(path: str, root: str, pattern: str) -> Index | None:
+    try:
+        return open_index(path, root, pattern)
+    except FileNotFoundError:
+        return None
+    except (IndexRefused, OSError) as exc:
+        text = f"not using the dataset index {path}: {exc}; listing {root} again"
+        warnings.warn(text, RuntimeWarning, stacklevel=4)
+        _log.warning("%s", text)
+        return None
+
+
+def _usable(index: Index | None, refresh: bool, token: str) -> bool:
+    if index is None:
+        return False
+    if index.header.get("job") == token:
+        return True  # listed by this very job, possibly with refresh=True
+    if refresh:
+        return False
+    why = _fresh(index)
+    if why is not None:
+        _log.info("listing %s again: %s", index.root, why)
+    return why is None
+
+
+def _build(path: str, root: str, pattern: str, token: str, url: bool) -> None:
+    listed_at = time.time_ns()
+    writer = IndexWriter(path, root, pattern, {"job": token, "listed_at_ns": listed_at,
+                                               "checkable": not url})
+    try:
+        if url:
+            walk_fsspec(root, pattern, writer)
+            dirs = 0
+        else:
+            progress = Progress(root)
+            dirs = walk_local(root, pattern, writer, progress)
+        if not writer.count:
+            raise FileNotFoundError(
+                f"no file under {root!r} matches pattern {pattern!r}; check the pattern "
+                "(it is relative to the root, e.g. '**/*.jpg')"
+            )
+        _log.info("listed %s: %d files in %d directories", root, writer.count, dirs)
+        writer.commit()
+    except BaseException:
+        writer.discard()
+        raise
+
+
+@contextlib.contextmanager
+def _locked(cache_dir: str, path: str):
+    locks = os.path.join(cache_dir, ".locks")
+    os.makedirs(locks, mode=0o700, exist_ok=True)
+    name = "index-" + hashlib.sha1(os.fsencode(path)).hexdigest()[:16]
+    fd = os.open(os.path.join(locks, name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def load_index(
+    root: str, pattern: str, cache_dir: str, refresh: bool, token: str
+) -> Index:
+    """The checked, fresh index of ``root`` and ``pattern``, listing the root only if needed.
+
+    Raises:
+        FileNotFoundError: the root does not exist, or no file matches.
+        NotADirectoryError: the root is a file.
+    """
+    root = check_root(root)
+    url = not root.startswith("/")
+    cache_dir = os.path.abspath(cache_dir)
+    ensure_private_dir(cache_dir)
+    os.makedirs(os.path.join(cache_dir, _DIR), mode=0o700, exist_ok=True)
+    path = index_path(cache_dir, root, pattern)
+    index = _try_open(path, root, pattern)
+    if _usable(index, refresh, token):
+        return index  # type: ignore[return-value]
+    with _locked(cache_dir, path):
+        again = _try_open(path, root, pattern)
+        if _usable(again, refresh, token):
+            return again  # type: ignore[return-value]
+        _build(path, root, pattern, token, url)
+    built = open_index(path, root, pattern)
+    return built

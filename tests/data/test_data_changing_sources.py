@@ -1,0 +1,115 @@
+"""Sources that change under the cache: truncated mid-copy, rewritten between epochs."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from nbtools.data import VolumeDataset
+from nbtools.errors import DataError
+
+_GIB = 1 << 30
+_MIB = 1 << 20
+
+
+def _copy_position(path: str) -> int | None:
+    """How far this process has read ``path`` (from ``/proc/self/fdinfo``), or None."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != path:
+                continue
+            with open(f"/proc/self/fdinfo/{fd}") as fh:
+                return int(fh.readline().split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
+class _Truncator(threading.Thread):
+    """Truncates ``path`` to ``to`` bytes once a copy has read past ``at`` bytes of it."""
+
+    def __init__(self, path: str, at: int, to: int) -> None:
+        super().__init__(daemon=True)
+        self.path, self.at, self.to = path, at, to
+        self.read_when_cut: int | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.0005):
+            pos = _copy_position(self.path)
+            if pos is not None and pos >= self.at:
+                os.truncate(self.path, self.to)
+                self.read_when_cut = pos
+                return
+
+
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/fdinfo"), reason="needs /proc")
+
+
+@needs_proc
+@pytest.mark.slow
+def test_a_1gib_source_truncated_during_its_copy_is_copied_again_not_served_partial(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    big = src / "big.bin"
+    with open(big, "wb") as fh:
+        fh.truncate(_GIB)  # sparse: 1 GiB of zeros on the volume
+    files = VolumeDataset(src, cache_dir=tmp_path / "cache", prefetch=1)
+    cutter = _Truncator(os.path.realpath(big), at=64 * _MIB, to=16 * _MIB)
+    cutter.start()
+    try:
+        (path,) = list(files)
+    finally:
+        cutter.stop.set()
+        cutter.join()
+    assert cutter.read_when_cut is not None and cutter.read_when_cut < _GIB, "cut mid-copy"
+    # The copy holds the file as it is now, never the bytes read before the cut.
+    assert os.path.getsize(path) == os.path.getsize(big) == 16 * _MIB
+
+
+@needs_proc
+def test_a_source_that_keeps_changing_during_its_copies_is_an_error_naming_it(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    grows = src / "grows.bin"
+    grows.write_bytes(b"\0" * (32 * _MIB))
+    stop = threading.Event()
+
+    def append() -> None:  # a writer that never finishes
+        with open(grows, "ab") as fh:
+            while not stop.is_set():
+                fh.write(b"x" * 4096)
+                fh.flush()
+
+    writer = threading.Thread(target=append, daemon=True)
+    files = VolumeDataset(src, cache_dir=tmp_path / "cache", prefetch=1)
+    writer.start()
+    try:
+        with pytest.raises(DataError, match="grows.bin changed while it was copied"):
+            list(files)
+    finally:
+        stop.set()
+        writer.join()
+    leftovers = [n for _, _, names in os.walk(tmp_path / "cache") for n in names
+                 if n.startswith("grows")]
+    assert leftovers == []  # nothing partial is left under the file's name
+
+
+@pytest.mark.parametrize("change", ["size", "mtime"])
+def test_a_source_rewritten_between_epochs_is_copied_again(tmp_path, change):
+    src = tmp_path / "src"
+    src.mkdir()
+    target = src / "a.bin"
+    target.write_bytes(b"old content")
+    (src / "b.bin").write_bytes(b"other")
+    files = VolumeDataset(src, cache_dir=tmp_path / "cache")
+    first = {os.path.basename(p): open(p, "rb").read() for p in files}
+    assert first["a.bin"] == b"old content"
+    before = os.stat(target)
+    new = b"new content, longer" if change == "size" else b"new content"
+    target.write_bytes(new)  # in place: the directory does not change
+    os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+    second = {os.path.basename(p): open(p, "rb").read() for p in files}  # same dataset
+    assert second == {"a.bin": new, "b.bin": b"other"}

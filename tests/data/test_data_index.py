@@ -1,0 +1,192 @@
+"""The dataset index: reused while fresh, rebuilt when the volume changed, never trusted blindly."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import struct
+import time
+import zlib
+
+import pytest
+from _data_helpers import content, index_of
+
+from nbtools.data import VolumeDataset
+from nbtools.data._catalog import index_path, load_index
+from nbtools.data._index import IndexWriter, open_index
+
+
+def _backdate(root) -> None:
+    """Make every directory look written an hour ago (an index of it can be reused)."""
+    past = time.time() - 3600
+    for dirpath, _, _ in os.walk(root):
+        os.utime(dirpath, (past, past))
+
+
+def _index_file(src, cache) -> str:
+    return index_path(str(cache), str(src), "**/*")
+
+
+def _served(files) -> dict[int, bytes]:
+    return {index_of(p): open(p, "rb").read() for p in files}
+
+
+def _listings(caplog) -> int:
+    return sum(1 for r in caplog.records if r.getMessage().startswith("listed "))
+
+
+@pytest.fixture
+def volume(tree):
+    src, cache = tree
+    _backdate(src)
+    return src, cache
+
+
+def test_a_later_dataset_reuses_the_index_and_sees_a_changed_volume(volume, caplog):
+    src, cache = volume
+    caplog.set_level("INFO", logger="nbtools")
+    assert len(VolumeDataset(src, cache_dir=cache)) == 40
+    assert len(VolumeDataset(src, cache_dir=cache)) == 40
+    assert _listings(caplog) == 1, "an unchanged volume is listed once"
+    (src / "d1" / "f00040.bin").write_bytes(content(40, 64))  # added: d1 changes
+    files = VolumeDataset(src, cache_dir=cache)
+    assert _served(files) == {i: content(i, 64) for i in range(41)}
+    assert _listings(caplog) == 2
+    os.unlink(src / "d2" / "f00002.bin")  # removed
+    assert len(VolumeDataset(src, cache_dir=cache)) == 40
+    assert _listings(caplog) == 3
+
+
+def test_refresh_lists_again_and_a_file_replaced_by_rename_is_seen(volume, caplog):
+    src, cache = volume
+    caplog.set_level("INFO", logger="nbtools")
+    list(VolumeDataset(src, cache_dir=cache))
+    VolumeDataset(src, cache_dir=cache, refresh=True).__len__()
+    assert _listings(caplog) == 2
+    _backdate(src)
+    new = src / "d0" / "tmp-new"
+    new.write_bytes(b"replaced")
+    os.replace(new, src / "d0" / "f00000.bin")  # a writer's usual atomic replace
+    assert _served(VolumeDataset(src, cache_dir=cache))[0] == b"replaced"
+
+
+def test_a_file_rewritten_in_place_under_a_reused_index_is_copied_again(volume):
+    src, cache = volume
+    list(VolumeDataset(src, cache_dir=cache))
+    (src / "d1" / "f00001.bin").write_bytes(b"rewritten in place, longer")
+    _backdate(src)  # the directory looks unchanged: the index is reused
+    assert _served(VolumeDataset(src, cache_dir=cache))[1] == b"rewritten in place, longer"
+
+
+def _flip(path: str, where: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(where)
+        byte = fh.read(1)
+        fh.seek(where)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _rewrite_header(path: str, change) -> None:
+    with open(path, "rb") as fh:
+        data = fh.read()
+    magic, length, _ = struct.unpack_from("<8sQQ", data, 0)
+    text = data[24 : 24 + length]
+    header = json.loads(text)
+    change(header)
+    new = json.dumps(header).encode().ljust(length)[:length]
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<8sQQ", magic, length, zlib.crc32(new)) + new + data[24 + length :])
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["flipped path byte", "truncated", "other format", "writable by others", "garbage"],
+)
+def test_a_damaged_or_foreign_index_is_rebuilt_with_a_warning(volume, damage):
+    src, cache = volume
+    list(VolumeDataset(src, cache_dir=cache))
+    path = _index_file(src, cache)
+    size = os.path.getsize(path)
+    if damage == "flipped path byte":
+        _flip(path, size - 200)
+    elif damage == "truncated":
+        os.truncate(path, size // 2)
+    elif damage == "other format":
+        _rewrite_header(path, lambda h: h.update(format=9))
+    elif damage == "writable by others":
+        os.chmod(path, 0o666)
+    else:
+        with open(path, "wb") as fh:
+            fh.write(os.urandom(size))
+    with pytest.warns(RuntimeWarning, match="not using the dataset index"):
+        files = VolumeDataset(src, cache_dir=cache)
+        assert _served(files) == {i: content(i, 64) for i in range(40)}
+    assert len(open_index(path, str(src), "**/*")) == 40  # a good one replaced it
+
+
+@pytest.mark.root
+def test_an_index_owned_by_another_user_is_refused(volume):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a file to another user")
+    src, cache = volume
+    list(VolumeDataset(src, cache_dir=cache))
+    path = _index_file(src, cache)
+    os.chown(path, 65534, 65534)
+    with pytest.warns(RuntimeWarning, match="belongs to uid 65534"):
+        assert len(VolumeDataset(src, cache_dir=cache)) == 40
+    assert os.stat(path).st_uid == os.getuid()
+
+
+def test_an_index_naming_paths_outside_the_root_is_refused(volume, tmp_path):
+    src, cache = volume
+    (tmp_path / "secret").write_bytes(b"not part of the dataset")
+    list(VolumeDataset(src, cache_dir=cache))
+    path = _index_file(src, cache)
+    for rel in (b"../secret", b"d0/../../secret", b"/etc/passwd"):
+        writer = IndexWriter(path, str(src), "**/*", {"job": "x", "checkable": True})
+        writer.add_dir(b"", os.stat(src).st_mtime_ns)
+        writer.add_file(rel, 23, 0)
+        writer.commit()
+        with pytest.warns(RuntimeWarning, match="outside the root"):
+            got = _served(VolumeDataset(src, cache_dir=cache))
+        assert got == {i: content(i, 64) for i in range(40)}
+
+
+def _build(args) -> tuple[int, str]:
+    src, cache, token = args
+    index = load_index(src, "**/*", cache, True, token)
+    return len(index), index.fingerprint
+
+
+def test_concurrent_builders_leave_one_complete_index(tree):
+    src, cache = tree
+    jobs = [(str(src), str(cache), f"job-{i}") for i in range(12)]
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        results = pool.map(_build, jobs)
+    assert {r[0] for r in results} == {40}
+    assert len({r[1] for r in results}) == 1
+    index = open_index(_index_file(src, cache), str(src), "**/*")
+    assert len(index) == 40
+    leftovers = [n for n in os.listdir(os.path.dirname(index.path)) if n != os.path.basename(index.path)]
+    assert leftovers == []
+
+
+def test_a_million_entry_index_maps_without_a_python_object_per_file(tmp_path):
+    import tracemalloc
+
+    path = str(tmp_path / "big.idx")
+    writer = IndexWriter(path, "/vol", "**/*", {"job": "x", "checkable": True})
+    writer.add_dir(b"", 0)
+    for i in range(1_000_000):
+        writer.add_file(b"d%03d/f%07d.jpg" % (i % 1000, i), 1000 + i, i)
+    writer.commit()
+    tracemalloc.start()
+    try:
+        index = open_index(path, "/vol", "**/*")
+        kept, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(index) == 1_000_000
+    assert index.relpath(765_432) == "d432/f0765432.jpg" and index.sizes[765_432] == 766_432
+    assert kept < 1_000_000  # under a byte per file kept privately; the rest is the map
