@@ -143,6 +143,12 @@ class LaunchBackend(Protocol):
 
     #: Shown in messages: "local", "ray".
     name: str
+    #: Whether ranks may run on other machines: whatever talks to them from the
+    #: caller (a pool's channel) must then listen on the network, not on a local socket.
+    remote_nodes: bool
+    #: Whether an interrupt reaches rank code blocked in ``time.sleep``, I/O or C code
+    #: (a signal to the rank's main thread), not only running Python code.
+    interrupts_blocked_calls: bool
 
     def gpu_count(self) -> int:
         """GPUs this engine can give ranks (``@distributed()`` without sizes uses them all)."""

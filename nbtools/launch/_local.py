@@ -65,6 +65,8 @@ class LocalBackend:
     """Starts ranks on this machine from the forkserver (see the module docstring)."""
 
     name = "local"
+    remote_nodes = False
+    interrupts_blocked_calls = True
 
     def gpu_count(self) -> int:
         """GPUs torch sees on this machine."""

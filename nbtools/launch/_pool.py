@@ -168,6 +168,21 @@ class RankPool:
         return self._closed
 
     @property
+    def owner_pid(self) -> int:
+        """The process that created the pool: only it may call the ranks or close them."""
+        return self._pid
+
+    @property
+    def stopped_reason(self) -> str | None:
+        """Why the pool gave up after its last restart (``restart()`` starts it again), or None."""
+        return self._stopped
+
+    @property
+    def call_lock(self) -> threading.Lock:
+        """Held for the length of one call: calls from several threads take turns."""
+        return self._lock
+
+    @property
     def pids(self) -> list[int]:
         """Process ids of the ranks, by rank (on their own hosts)."""
         with self._guard():
@@ -322,9 +337,11 @@ class RankPool:
             return
         note = self._replace("ranks did not stop after an interrupt")
         why = ""
-        if self._backend.name != "local":
+        if not self._backend.interrupts_blocked_calls:
             why = (
-                " (on Ray a rank runs your code in an actor thread: an interrupt stops Python code "
+                f" (on {self._backend.name} a rank runs your code in an actor thread, which no signal "
+                "reaches: "
+                "an interrupt stops Python code "
                 "there, but not a call blocked in time.sleep, I/O or C code; such cells can "
                 "wait in short steps, e.g. a loop of time.sleep(0.1))"
             )

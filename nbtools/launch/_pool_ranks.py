@@ -139,7 +139,7 @@ class Ranks:
             RanksLost: a rank failed before it could connect.
             KeyboardInterrupt: interrupted; what started is stopped.
         """
-        remote = backend.name != "local"
+        remote = backend.remote_nodes
         listener = (
             Listener(spec.world_size, host=_driver_address()) if remote
             else Listener(spec.world_size, directory=spec.attempt_dir)

@@ -32,7 +32,7 @@ def register(pool: Any) -> None:
 
 def owned(pool: Any) -> bool:
     """Whether ``pool`` was created by this process (not inherited through a fork)."""
-    return getattr(pool, "_pid", os.getpid()) == os.getpid()
+    return getattr(pool, "owner_pid", os.getpid()) == os.getpid()
 
 
 def _forget_in_child() -> None:
@@ -59,22 +59,22 @@ class CallGuard:
         pool = self.pool
         if not owned(pool):
             raise PoolError(
-                f"this RankPool belongs to process {pool._pid}; this process was forked from it "
+                f"this RankPool belongs to process {pool.owner_pid}; this process was forked from it "
                 "and cannot use its ranks. Create a RankPool here if it needs ranks of its own"
             )
-        if pool._closed:
+        if pool.closed:
             raise PoolError("this RankPool is closed; create a new one (or %distributed start)")
-        if not pool._lock.acquire(blocking=False):
+        if not pool.call_lock.acquire(blocking=False):
             raise PoolError("this RankPool is busy with a call from another thread; one at a time")
-        if pool._closed or (pool._stopped and not self.restartable):
-            pool._lock.release()
+        if pool.closed or (pool.stopped_reason and not self.restartable):
+            pool.call_lock.release()
             raise PoolError(
-                f"{pool._stopped or 'this RankPool is closed'}; call pool.restart() "
+                f"{pool.stopped_reason or 'this RankPool is closed'}; call pool.restart() "
                 "(%distributed restart) to start fresh ranks"
             )
 
     def __exit__(self, *exc: object) -> None:
-        self.pool._lock.release()
+        self.pool.call_lock.release()
 
 
 def shutdown() -> None:

@@ -57,6 +57,9 @@ class RayBackend:
     """
 
     name = "ray"
+    remote_nodes = True
+    # Rank code runs in an actor thread, which no signal reaches.
+    interrupts_blocked_calls = False
 
     def __init__(self, nodes: int | None = None, runtime_env: dict | None = None) -> None:
         self.nodes = nodes

@@ -32,6 +32,7 @@ from typing import Any
 
 from nbtools.launch import _inrank, _leftovers
 from nbtools.launch._leftovers import LEFTOVER_GRACE_S
+from nbtools.launch._ray import _ray_compat
 from nbtools.launch._records import GROUP_PHASE, failure_record
 
 __all__ = ["RankActor", "OUTPUT_CHUNK"]
@@ -307,13 +308,4 @@ def _preload() -> None:
 
 def _scratch_root() -> str:
     """Ray's session directory on this node (a killed actor's leftovers stay inside it)."""
-    try:
-        import ray
-
-        node = ray._private.worker.global_worker.node  # noqa: SLF001
-        path = node.get_session_dir_path()
-        if path and os.path.isdir(path):
-            return path
-    except Exception:  # noqa: BLE001 - any failure: the plain temporary directory
-        pass
-    return tempfile.gettempdir()
+    return _ray_compat.session_dir() or tempfile.gettempdir()
