@@ -51,7 +51,8 @@ def check_writable(target: Target) -> None:
 
 
 def save_verdict(target: Target, lease: Any, root: str, name: str, foreign: Any) -> Any:
-    """On rank 0 before a save: an error to raise, ``"exists"``, or None (go ahead).
+    """On rank 0 before a save: an error to raise, ``"exists"`` (a complete checkpoint
+    the save replaces), or None (a new one).
 
     Errors are returned, not raised, so that every rank raises the same one
     instead of the others hanging in the next collective. ``foreign`` tells

@@ -265,6 +265,9 @@ class FsspecTarget:
         return self.fs.isfile(self._path(rel))
 
     def listdir(self, rel: str = "") -> list[str]:
+        # Always a fresh listing: a cached one misses what other processes wrote since
+        # (another save's marker, files of a save that just published).
+        self.fs.invalidate_cache(self._path(rel))
         try:
             entries = self.fs.ls(self._path(rel), detail=False)
         except (FileNotFoundError, NotADirectoryError):

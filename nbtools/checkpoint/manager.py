@@ -230,11 +230,12 @@ class CheckpointManager:
 
         Waits for the previous save first (one save in flight). When this
         returns, the objects may be changed: the checkpoint holds their values
-        at the moment of the call. Returns False when ``step`` already has a
-        complete checkpoint under root (it is never overwritten). A save that
-        fails leaves no ``step_<N>`` directory behind. Also returns False, with
-        a warning, while another machine's lease on the root is still being
-        watched: the save is deferred to the next ``maybe_save`` (or ``close``).
+        at the moment of the call. A complete checkpoint of ``step`` already
+        under root is replaced atomically (until the new one is published, the
+        old one stays complete). A save that fails leaves no new ``step_<N>``
+        directory behind. Returns True; returns False, with a warning, while
+        another machine's lease on the root is still being watched: the save
+        is deferred to the next ``maybe_save`` (or ``close``).
 
         Raises:
             CheckpointError: The save failed, or another run is saving into
@@ -261,9 +262,10 @@ class CheckpointManager:
         self._deferred = False
         if isinstance(verdict, BaseException):
             raise verdict
-        if verdict == "exists":
-            _log.warning("checkpoint %s/%s already exists; not overwriting it", self.root, name)
-            return False
+        if verdict == "exists":  # a resumed loop saving its restored step again
+            _log.info(
+                "replacing checkpoint %s/%s (atomically: old or new, never a mix)", self.root, name
+            )
         # The run this training logs to: the active one, else the one last saved or
         # restored (a logger closed before the final save on close still owns the run).
         self.mlflow_run_id = active_mlflow_run_id() or self.mlflow_run_id

@@ -7,6 +7,15 @@ so does the coordinator publish ``.metadata``, atomically where the target
 allows it. The file layout is PyTorch's own (``__<rank>_<n>.distcp`` plus
 ``.metadata``), so ``FileSystemReader`` loads the result.
 
+Saving into a directory that holds a complete checkpoint replaces it: the new
+shards get names of their own (``__<rank>_<n>.<tag>.distcp``) next to the old
+ones, the new ``.metadata`` replaces the old in one atomic step (a rename; one
+PUT on object stores), and only then are the old shards removed. At every
+moment the directory holds one complete checkpoint, old or new. A marker
+(``.nbtools-saving-<tag>``, see ``_saving``) says which save writes, so a second
+save into the same directory at the same time is refused and files left by a
+killed save are removed by the next one.
+
 With ``dcp.save(..., use_collectives=False)`` (DCP's rank-local mode) each rank
 plans, writes and publishes alone, as ``FileSystemWriter`` does: its files are
 ``__<rank>_<n>.distcp`` and its metadata ``__<rank>.metadata``, published after
@@ -27,12 +36,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from nbtools._internal.fs import TMP_PREFIX
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint import _staging
+from nbtools.checkpoint import _saving, _staging
 from nbtools.checkpoint._layout import (
     METADATA_NAME,
-    RANK_METADATA_RE,
     is_shard,
     rank_metadata_name,
     shard_name,
@@ -78,6 +85,7 @@ def _split(items: list[Any], bins: int) -> list[list[Any]]:
 @dataclasses.dataclass
 class _Prefix:
     prefix: str
+    tag: str = ""  # names the files apart from those already in the directory
 
 
 class VolumeWriter(StorageWriter):
@@ -90,9 +98,12 @@ class VolumeWriter(StorageWriter):
 
     Args:
         path: Checkpoint directory: a path (local, NFS, FUSE) or a URL such as
-            ``s3://bucket/run1/step_100``. It must not already hold a complete
-            checkpoint (a ``.metadata``, or in rank-local mode this rank's
-            ``__<rank>.metadata``); stale files of an interrupted save are removed.
+            ``s3://bucket/run1/step_100``. A complete checkpoint already there is
+            replaced atomically (the directory holds the old one until the new
+            ``.metadata`` is published); files of an interrupted save are removed.
+            Refused: another save writing there at the same time, and in rank-local
+            mode (``use_collectives=False``) a directory holding a complete checkpoint,
+            whose per-rank metadata cannot be replaced all at once.
         staging_dir: Local directory for staged shards; default ``NBTOOLS_STAGING_DIR``
             or the system temp dir.
         thread_count: Shard files written and uploaded in parallel per rank.
@@ -118,6 +129,8 @@ class VolumeWriter(StorageWriter):
         self.sync_files = sync_files
         self.verify = verify
         self.save_id = str(uuid.uuid4())
+        self._tag = uuid.uuid4().hex[:16]
+        self._marked = False
         self.rank = 0
         self.is_coordinator = True
         self.use_collectives = True
@@ -134,6 +147,7 @@ class VolumeWriter(StorageWriter):
         if checkpoint_id:
             self._open(checkpoint_id)
         self.save_id = str(uuid.uuid4())
+        self._tag = uuid.uuid4().hex[:16]
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -143,30 +157,33 @@ class VolumeWriter(StorageWriter):
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
-    def _refuse_complete(self, names: list[str] | None = None) -> None:
-        """Raise when a complete checkpoint is here.
+    def _refuse_rank_local(self, rank_local: list[str] | None = None) -> None:
+        """Raise where a save would mix with a complete checkpoint it cannot replace.
 
-        Only files no rank of this save can have published yet are looked at, so
-        every rank decides alike: ``.metadata`` always, in rank-local mode this
-        rank's own ``__<rank>.metadata``, and with ``names`` (the directory listing,
-        on the coordinator) any rank's.
+        Rank-local mode: this rank's ``__<rank>.metadata`` or a ``.metadata``. Each rank
+        publishes alone there, so no single step swaps the whole checkpoint. Collective
+        mode, on the coordinator: the rank-local metadata files of its listing.
         """
         found = None
-        if self._target.exists(METADATA_NAME):
+        if rank_local is not None:
+            found = min(rank_local, default=None)
+        elif self._target.exists(METADATA_NAME):
             found = METADATA_NAME
-        elif not self.use_collectives and self._target.exists(rank_metadata_name(self.rank)):
+        elif self._target.exists(rank_metadata_name(self.rank)):
             found = rank_metadata_name(self.rank)
-        elif names is not None:
-            found = next((n for n in sorted(names) if RANK_METADATA_RE.match(n)), None)
         if found is not None:
             raise CheckpointError(
                 f"Checkpoint already exists: {self.path} already holds a complete checkpoint "
-                f"({found}); refusing to write into it (a new save there could mix with the "
-                "old one). Save to a new directory, or delete the old checkpoint first"
+                f"({found}) that this save cannot replace: rank-local saves "
+                "(use_collectives=False) publish one metadata file per rank, so a kill "
+                "between two ranks would leave the ranks of two saves mixed. Save to a new "
+                "directory, delete the old checkpoint first, or save with collectives (the "
+                "default), which replaces a complete checkpoint atomically"
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self._refuse_complete()
+        if not self.use_collectives:
+            self._refuse_rank_local()
         try:
             self._target.makedirs()
         except OSError as exc:
@@ -184,29 +201,56 @@ class VolumeWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if not self.use_collectives:  # this rank's own plan, already named
             return plans
-        # Runs on the coordinator before any rank writes: the only safe moment to
-        # clear what an interrupted save left here.
-        names = self._target.listdir()
-        self._refuse_complete(names)
-        for name in names:
-            if is_shard(name) or name.startswith(TMP_PREFIX):
-                self._target.remove_file(name)
+        # On the coordinator before any rank writes. The marker goes first, so of two
+        # saves starting together at least one sees the other's.
+        _saving.begin(self._target, self._tag)
+        self._marked = True
+        try:
+            found = _saving.survey(self._target, self._tag)
+            self._refuse_rank_local(found.rank_local)
+            _saving.refuse_live(found, self.path)
+            keep = None if found.others_writing else _saving.metadata_files(self._target)
+            if keep is not None:  # what an interrupted save left goes now
+                _saving.sweep(self._target, found, keep)
+            # PyTorch's own names where no file stays; names of this save's own next to
+            # files that do (the checkpoint being replaced, another machine's save) or
+            # that a metadata names, even one that cannot be read.
+            tag = "" if keep == set() else self._tag
+        except BaseException:
+            self._unmark()
+            raise
         return [
-            dataclasses.replace(plan, storage_data=_Prefix(shard_prefix(i)))
+            dataclasses.replace(plan, storage_data=_Prefix(shard_prefix(i), tag))
             if plan.storage_data is None
             else plan
             for i, plan in enumerate(plans)
         ]
 
+    def _unmark(self) -> None:
+        if self._marked:
+            self._marked = False
+            _saving.end(self._target, self._tag)
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        prefix = (
-            plan.storage_data.prefix if plan.storage_data is not None else shard_prefix(self.rank)
+        names = (
+            plan.storage_data if plan.storage_data is not None else _Prefix(shard_prefix(self.rank))
         )
         token = new_writer_token()
         buckets = _split(list(plan.items), self.thread_count)
         needed = sum(_item_bytes(i) for i in plan.items)
-        _staging.check_space(self._staging_base, needed, f"saving {self.path}")
+        try:
+            results = self._write_all(names, buckets, needed, planner, token)
+        except BaseException:
+            self._unmark()  # this save ends here; the next one need not wonder about it
+            raise
         fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_all(
+        self, names: _Prefix, buckets: list[list[Any]], needed: int, planner: Any, token: str
+    ) -> list[WriteResult]:
+        _staging.check_space(self._staging_base, needed, f"saving {self.path}")
         with _staging.staging_area(self._staging_base) as stage:
             move = self._target.same_filesystem(stage)
             bar = _staging.progress(needed, "checkpoint upload", self.is_coordinator)
@@ -218,7 +262,7 @@ class VolumeWriter(StorageWriter):
                         pool.submit(
                             self._write_one,
                             stage,
-                            shard_name(prefix, n),
+                            shard_name(names.prefix, n, names.tag),
                             bucket,
                             planner,
                             move,
@@ -230,8 +274,7 @@ class VolumeWriter(StorageWriter):
                     results = [r for job in jobs for r in job.result()]
             finally:
                 bar.close()
-        fut.set_result(results)
-        return fut
+        return results
 
     def _write_one(
         self,
@@ -265,6 +308,12 @@ class VolumeWriter(StorageWriter):
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        try:
+            self._finish(metadata, results)
+        finally:
+            self._unmark()
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.version = "1.0.0"
         storage_md = {}
         for wr_list in results:
@@ -277,9 +326,36 @@ class VolumeWriter(StorageWriter):
         data = pickle.dumps(metadata)
         if self.sync_files:
             self._target.sync_dir()
-        name = METADATA_NAME if self.use_collectives else rank_metadata_name(self.rank)
-        self._target.publish_bytes(name, data)
-        _log.info("checkpoint published: %s/%s", self.path, name)
+        if not self.use_collectives:
+            self._target.publish_bytes(rank_metadata_name(self.rank), data)
+            _log.info("checkpoint published: %s/%s", self.path, rank_metadata_name(self.rank))
+            return
+        replaced = _saving.metadata_files(self._target)
+        # The one step that swaps checkpoints: before it the old one is complete, after
+        # it the new one (its shards are all uploaded and durable by now).
+        self._target.publish_bytes(METADATA_NAME, data)
+        _log.info("checkpoint published: %s/%s", self.path, METADATA_NAME)
+        self._remove_unused({info.relative_path for info in storage_md.values()}, replaced)
+
+    def _remove_unused(self, published: set[str], replaced: set[str] | None) -> None:
+        """After publishing: remove the shards of the checkpoint replaced, and leftovers.
+
+        A failure here loses nothing (the new checkpoint is complete); what stays is
+        removed by the next save into this directory.
+        """
+        try:
+            found = _saving.survey(self._target, self._tag)
+            if found.others_writing:  # only what the replaced checkpoint used
+                for name in sorted((replaced or set()) - published):
+                    self._target.remove_file(name)
+                return
+            keep = _saving.metadata_files(self._target)  # another save may have published since
+            if keep is not None:
+                removed = _saving.sweep(self._target, found, keep)
+                if removed and replaced:
+                    _log.info("replaced the checkpoint in %s", self.path)
+        except OSError as exc:
+            _log.warning("could not remove the replaced files in %s: %s", self.path, exc)
 
     def _check_files_kept(self, infos: Any) -> None:
         """Raise unless every shard file still is the one this save wrote.

@@ -125,17 +125,19 @@ def test_truncated_shard_is_detected(tmp_path):
     assert any(isinstance(exc, CorruptCheckpointError) for exc, _ in failures.values()), info.value
 
 
-def test_refuses_to_write_into_a_complete_checkpoint(tmp_path):
+def test_saving_into_a_complete_checkpoint_replaces_it(tmp_path):
     path = tmp_path / "c"
     dcp.save(_state(), storage_writer=VolumeWriter(path))
-    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    before = {p.name for p in path.iterdir()}
     changed = _state()
     changed["step"] = 99
-    with pytest.raises(BaseException) as info:
-        dcp.save(changed, storage_writer=VolumeWriter(path))
-    assert "Checkpoint already exists" in str(info.value)
-    assert "already holds a complete checkpoint" in str(info.value)
-    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    dcp.save(changed, storage_writer=VolumeWriter(path))
+    got = _empty()
+    dcp.load(got, storage_reader=VolumeReader(path))
+    assert got["step"] == 99
+    # The new shards were written next to the old ones, which are gone now.
+    after = {p.name for p in path.iterdir()}
+    assert ".metadata" in after and not (after - {".metadata"}) & before
 
 
 def test_stale_files_of_an_interrupted_save_are_replaced(tmp_path):
