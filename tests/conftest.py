@@ -29,6 +29,9 @@ from _leaks import env_problems, process_group_problems
 
 # MLflow's telemetry thread sets and clears an environment variable of its own.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+# A Ray node can take longer than Ray's default wait to register on a busy 2-core machine
+# (tests run 2 at a time); notebook kernels inherit this, so notebook 06's cluster does too.
+os.environ.setdefault("RAY_raylet_start_wait_time_s", "240")
 
 # Long-lived helpers of the standard library that are owned by the interpreter,
 # not by a test: multiprocessing's resource tracker and forkserver.

@@ -21,9 +21,6 @@ import pytest
 # Read when Ray is imported: without it every node binds to the machine's outward-facing
 # address instead of the node_ip_address given below.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-# On a busy 2-core machine (CI runs the tests 2 at a time) a node can take longer than Ray's
-# default wait to register; a node that times out fails the whole session's cluster.
-os.environ.setdefault("RAY_raylet_start_wait_time_s", "240")
 # Ray puts its sockets under its temporary directory; a test session's own TMPDIR can make
 # those paths longer than a Unix socket allows. A short one, removed when the cluster stops.
 _RAY_TMP = f"/tmp/nbtools-ray-{os.getpid()}"

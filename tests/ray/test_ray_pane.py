@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from _ray_helpers import live_actors
 
@@ -19,6 +21,13 @@ def test_pane_shows_every_node_and_follows_nodes_joining_and_leaving(ray_cluster
         assert len(labels) == 4  # the head and the three worker nodes
         # Every node shares the host name here, so labels carry the node id.
         assert len(set(labels)) == 4 and all(" · " in label for label in labels)
+        # The first poll asks every node's sampler actor; on a busy machine one that is
+        # still starting answers on a later poll (Refresh), as in the live pane.
+        for _ in range(30):
+            if sorted(pane.sampler.samples.hosts()) == labels:
+                break
+            time.sleep(1)
+            pane.refresh()
         assert sorted(pane.sampler.samples.hosts()) == labels
         columns = pane.sampler.samples.columns()
         assert {(h, g) for h, g in zip(columns["host"], columns["gpu"], strict=True)} == {
@@ -36,7 +45,6 @@ def test_pane_shows_every_node_and_follows_nodes_joining_and_leaving(ray_cluster
         joined = (set(backend.nodes().values()) - set(labels)).pop()
         assert joined in pane.sampler.samples.hosts()
         ray_cluster.cluster.remove_node(extra, allow_graceful=False)
-        import time
 
         deadline = time.monotonic() + 60
         while joined not in backend.gone and time.monotonic() < deadline:
