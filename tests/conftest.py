@@ -52,6 +52,34 @@ _SESSION_TMP: str | None = None
 _SHM_BEFORE: set[str] = set()
 
 
+# Tests that start a Ray cluster (the session's test cluster in tests/ray, notebook 06's own)
+# share one xdist worker: one cluster starting at a time on a small machine, and one test
+# cluster for the session instead of one per worker. They are sent out first, being longest.
+_RAY_PATHS = ("tests/ray/", "notebooks/06_multinode_ray.ipynb")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """With ``-n N`` and no ``--dist`` given, distribute by the groups set below."""
+    if any(arg == "--dist" or arg.startswith("--dist=") for arg in config.invocation_params.args):
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Workers are configured from the command line, which names no --dist.
+        config.option.loadgroup = True
+    elif getattr(config.option, "numprocesses", None):
+        config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep each test file on one worker (its module fixtures start servers, kernels and
+    ranks once, not once per worker), and every Ray test on the same worker."""
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group("ray" if path.startswith(_RAY_PATHS) else path))
+    items.sort(key=lambda item: not item.nodeid.startswith(_RAY_PATHS))
+
+
 def _shm_entries() -> set[str]:
     try:
         return set(os.listdir("/dev/shm"))
