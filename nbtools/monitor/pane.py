@@ -7,8 +7,9 @@ run's events (:mod:`nbtools.events`) on the same time axis. The pane
 is a view of a shared :class:`~nbtools.monitor.sampler.Sampler`: two panes on
 the same GPUs poll once. Cell execution counts as activity through IPython's
 ``pre_run_cell``/``post_run_cell`` events. Its output also holds a still
-picture and a line of text per host (:mod:`nbtools.monitor._display`), which
-saved, exported and shared notebooks show without a kernel.
+picture and a line of text per host, kept current by the minute
+(:mod:`nbtools.monitor._display`), which saved, exported and shared notebooks
+show without a kernel.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import ipywidgets as widgets
 
 from nbtools import events as _events
 from nbtools._internal.log import get_logger
-from nbtools.monitor._display import SNAPSHOT_EVERY_S, PaneDisplay
+from nbtools.monitor._display import PaneDisplay
 from nbtools.monitor._widget import GPUChart
 from nbtools.monitor.backends import Backend, NVMLBackend
 from nbtools.monitor.readings import Sample, local_host
@@ -61,19 +62,18 @@ class GPUPane:
     click, and stops for good on :meth:`close`. Defaults: 10 s, 2 h and 5 min
     (:mod:`nbtools.monitor.timing`).
 
-    Saved and shared notebooks: the pane's output also holds a still picture
-    (PNG: the latest readings, the curves and the events) and one line of
-    text per host, which GitHub, nbviewer, nbconvert and any viewer without
-    JavaScript or widget state show. The picture is redrawn when the pane
-    pauses or closes, on :meth:`snapshot`, and every ``SNAPSHOT_EVERY_S``
-    seconds (60) while new samples arrive, on a thread of its own (never on
-    the polling thread). The minute's drawings go to the widget state (what
-    a view shows without a kernel); the output's own picture is replaced on
-    :meth:`snapshot`, :meth:`close`, and a pause when no live view is open,
-    so a live view is never redrawn under the user's eyes. Call
-    :meth:`snapshot` before saving to put the latest in the output; after
-    :meth:`close` the output keeps the last picture. :meth:`to_html` writes
-    the curves and events to a standalone HTML file.
+    Saved and shared notebooks: under the live view, the pane's output holds
+    a still picture (PNG: the latest readings, the curves and the events) and
+    one line of text per host, which GitHub, nbviewer, nbconvert and any
+    viewer without JavaScript or widget state show (a live front end hides
+    it). The picture is redrawn every ``SNAPSHOT_EVERY_S`` seconds (60) while
+    new samples arrive, when the pane pauses or closes, and on
+    :meth:`snapshot`, on a thread of its own (never on the polling thread),
+    and replaces the saved one each time, so a notebook saved while the pane
+    runs holds a picture at most a minute old; the live view is not redrawn
+    for it. After :meth:`close` the output keeps the last picture and the
+    text. :meth:`to_html` writes the curves and events to a standalone HTML
+    file.
 
     Args:
         interval: Seconds between polls.
@@ -169,7 +169,7 @@ class GPUPane:
         self.widget = widgets.VBox([bar, self._chart])
         # Closing the widget itself (``pane.widget.close()``) closes the pane and its polling.
         self.widget.observe(self._widget_closed, names="comm")
-        self._display = PaneDisplay(self.widget, self._chart, self._draw, every=SNAPSHOT_EVERY_S)
+        self._display = PaneDisplay(self.widget, self._chart, self._draw)
         self._show_status(sampler.status, sampler.message)
 
     # --- public API -----------------------------------------------------------------
@@ -246,6 +246,9 @@ class GPUPane:
 
     def snapshot(self) -> Snapshot:
         """Draw the still picture now and put it in the pane's output (saved with the notebook).
+
+        The pane also does this by itself every ``SNAPSHOT_EVERY_S`` seconds
+        while it polls; call it to save the very latest.
 
         Returns:
             The :class:`~nbtools.monitor.snapshot.Snapshot` (``.png`` bytes,
@@ -386,7 +389,8 @@ class GPUPane:
     def _pump_events(self) -> None:
         while not self._events_stop.wait(EVENTS_TICK_S):
             try:
-                self._chart.push_events()
+                if self._chart.push_events():
+                    self._display.sampled()  # the picture lists them too
             except Exception:  # noqa: BLE001 - a closed comm must not end in a traceback
                 _log.debug("could not send the pane's events", exc_info=True)
 

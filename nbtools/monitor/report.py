@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from nbtools.monitor.history import History
-from nbtools.monitor.snapshot import summary
+from nbtools.monitor.snapshot import readings_table, summary
 
 __all__ = ["timeline_figure", "write_html"]
 
@@ -108,21 +108,13 @@ def timeline_figure(history: History, events: Sequence[Sequence[Any]], source: s
 
 
 def _table(gpus: Sequence[tuple[str, int, str]], latest: dict) -> str:
-    rows = ["<tr><th>GPU</th><th>Util %</th><th>Memory GiB</th><th>Temp °C</th><th>Power W</th>"
-            "<th>Name</th></tr>"]
+    head, *body = readings_table(gpus, latest)
 
-    def fmt(value: Any, digits: int = 0, scale: float = 1.0) -> str:
-        return "n/a" if value is None else f"{value * scale:.{digits}f}"
+    def row(cells: Sequence[str], tag: str) -> str:
+        return "<tr>" + "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in cells) + "</tr>"
 
-    for host, index, name in gpus:
-        r = latest.get((host, index))
-        if r is None:
-            continue
-        cells = (f"{host} · {index}", fmt(r.utilization),
-                 f"{fmt(r.memory_used, 1, 1 / _GIB)} / {fmt(r.memory_total, 0, 1 / _GIB)}",
-                 fmt(r.temperature), fmt(r.power), name)
-        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
-    return "<table class='readings'>" + "".join(rows) + "</table>"
+    return ("<table class='readings'>" + row(head, "th") + "".join(row(r, "td") for r in body)
+            + "</table>")
 
 
 def write_html(

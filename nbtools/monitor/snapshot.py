@@ -26,7 +26,7 @@ import numpy as np
 
 from nbtools.monitor.history import History
 
-__all__ = ["Snapshot", "render_png", "summary", "MAX_POINTS", "STYLE"]
+__all__ = ["Snapshot", "readings_table", "render_png", "summary", "MAX_POINTS", "STYLE"]
 
 #: Most points drawn per line (bucket means of the history).
 MAX_POINTS = 360
@@ -91,8 +91,14 @@ def _fmt(value: float | None, digits: int = 0) -> str:
     return f"{value:.{digits}f}"
 
 
-def _readings_table(gpus: Sequence[tuple[str, int, str]], latest: dict) -> list[tuple[str, ...]]:
-    rows: list[tuple[str, ...]] = [("GPU", "Util %", "Memory GiB", "Temp °C", "Power W", "")]
+def readings_table(gpus: Sequence[tuple[str, int, str]], latest: dict) -> list[tuple[str, ...]]:
+    """The latest readings as text cells: a header row, then one row per GPU that has a reading.
+
+    Args:
+        gpus: ``(host, index, name)`` of every GPU, in the pane's order.
+        latest: ``(host, index) -> GPUReading``.
+    """
+    rows: list[tuple[str, ...]] = [("GPU", "Util %", "Memory GiB", "Temp °C", "Power W", "Name")]
     for host, index, name in gpus:
         r = latest.get((host, index))
         if r is None:
@@ -136,7 +142,7 @@ def render_png(
         for field, scale, _label in _PANELS:
             stamps, values = history.series(host, index, field)
             series[(host, index, field)] = _reduced(stamps, values * scale)
-    table = _readings_table(gpus, latest)
+    table = readings_table(gpus, latest)
     listed = list(events)[-_LISTED:]
     canvas = Canvas(width=1000, rows=len(table), listed=len(listed) + 1)
     simulated = source == "simulated"

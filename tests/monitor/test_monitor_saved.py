@@ -1,7 +1,8 @@
 """A notebook with a GPU pane, run by nbclient storing widget state (as JupyterLab saves it).
 
 Two notebooks, each run once in a real kernel: one leaves its pane open with
-two hours of history (the live output: widget view, picture, text), one
+two hours of history and is saved without ``pane.snapshot()`` (the live view,
+then the picture and text the pane redraws by itself while it runs), one
 closes it after an event (the output keeps the picture and the text). Checks
 the output bundles, the file size, and that nbconvert's HTML without widget
 state shows the chart in Chromium.
@@ -38,10 +39,17 @@ OPEN = [
     "                  clock=clock, start=False)\n"
     "for _ in range(720):\n"
     "    sampler.tick()",
+    "import nbtools.monitor._display as shown\n"
+    "shown.SNAPSHOT_EVERY_S = 0.5  # the pane's minute, shortened\n"
     "pane = GPUPane(backend=SimulatedBackend(num_gpus=2), interval=10, idle_timeout=None)",
+    # The run goes on: an event and a poll; the notebook is saved without pane.snapshot().
     "from nbtools import events\n"
     "events.emit('checkpoint_saved', message='saved step_40', step=40, blocked_s=0.4)\n"
-    "_ = pane.snapshot()",
+    "asked = time.time()\n"
+    "sampler.tick()\n"
+    "deadline = time.monotonic() + 120\n"
+    "while pane._display.last.time < asked and time.monotonic() < deadline:\n"
+    "    time.sleep(0.05)  # until the pane has redrawn its picture by itself",
 ]
 CLOSE = [
     "from nbtools.monitor import GPUPane, SimulatedBackend\n"
@@ -74,24 +82,33 @@ def saved(tmp_path_factory):
     }
 
 
+def _pane_outputs(nb) -> list[dict]:
+    return [o["data"] for cell in nb.cells for o in cell.get("outputs", [])
+            if o.get("output_type") == "display_data"]
+
+
 def _pane_output(nb) -> dict:
-    outputs = [o for cell in nb.cells for o in cell.get("outputs", [])
-               if o.get("output_type") == "display_data" and "image/png" in o.get("data", {})]
+    outputs = [o for o in _pane_outputs(nb) if "image/png" in o]
     assert len(outputs) == 1, [cell.get("outputs") for cell in nb.cells]
-    return outputs[0]["data"]
+    return outputs[0]
 
 
-def test_an_open_pane_saves_its_view_a_picture_and_a_line_of_text(saved):
+def test_an_open_pane_saves_its_view_and_a_picture_of_the_last_minute(saved):
     nb, path = saved["open"]
-    data = _pane_output(nb)
+    view, data = _pane_outputs(nb)
+    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    assert set(view) == {WIDGET_VIEW, "text/plain"} and view["text/plain"] == ""
+    assert view[WIDGET_VIEW]["model_id"] in state
     assert set(data) == {WIDGET_VIEW, "image/png", "text/plain"}
+    anchor = state[data[WIDGET_VIEW]["model_id"]]  # a live front end draws this hidden box there
+    assert anchor["model_name"] == "BoxModel" and anchor["state"]["children"] == []
+    assert state[anchor["state"]["layout"].removeprefix("IPY_MODEL_")]["state"]["display"] == "none"
     png = base64.b64decode(data["image/png"])
     assert png.startswith(b"\x89PNG") and len(png) < 200_000
     text = data["text/plain"]
     assert text.startswith("GPU pane · 2 GPUs (simulated) · last sample ")
-    assert " · util " in text and "1 event" in text  # redrawn by pane.snapshot() in a later cell
-    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
-    assert data[WIDGET_VIEW]["model_id"] in state
+    # Redrawn by the pane itself, after the event and the poll of the last cell.
+    assert " · util " in text and text.endswith("1 event"), text
     size = path.stat().st_size
     snapshot = len(data["image/png"])
     chart = [s for s in state.values() if s["model_name"] == "AnyModel"]
@@ -101,8 +118,9 @@ def test_an_open_pane_saves_its_view_a_picture_and_a_line_of_text(saved):
 
 def test_a_closed_pane_keeps_its_picture_and_text(saved):
     nb, path = saved["closed"]
-    data = _pane_output(nb)
-    assert set(data) == {"image/png", "text/plain"}  # the live view ended with the pane
+    view, data = _pane_outputs(nb)
+    assert view == {"text/plain": ""}  # the live view ended with the pane
+    assert set(data) == {"image/png", "text/plain"}
     assert data["text/plain"].startswith("GPU pane · 2 GPUs (simulated) · last sample ")
     assert data["text/plain"].endswith("1 event · closed")
     assert path.stat().st_size < 500_000

@@ -82,7 +82,7 @@ def _png(data: dict) -> bytes:
     return png
 
 
-def test_the_output_holds_the_view_a_picture_and_text_and_keeps_the_picture(
+def test_the_output_holds_the_view_then_a_picture_and_text_and_keeps_the_picture(
     comms, driven, clock, outputs
 ):
     sampler = driven()
@@ -92,25 +92,33 @@ def test_the_output_holds_the_view_a_picture_and_text_and_keeps_the_picture(
     pane = GPUPane(backend=SimulatedBackend(2), display=False)
     try:
         pane._display.show()
-        kind, data, display_id, _ = outputs.calls[0]
-        assert kind == "display" and set(data) == {VIEW, "image/png", "text/plain"}
-        assert data[VIEW]["model_id"] == pane.widget.model_id
+        (kind, view, view_id, _), (kind2, data, picture_id, _) = outputs.calls
+        assert (kind, kind2) == ("display", "display") and view_id != picture_id
+        assert view == {VIEW: {"version_major": 2, "version_minor": 0,
+                               "model_id": pane.widget.model_id}, "text/plain": ""}
+        assert set(data) == {VIEW, "image/png", "text/plain"}
+        # A front end with the widget manager draws the hidden widget there, not the picture.
+        anchor = pane._display._anchor
+        assert data[VIEW]["model_id"] == anchor.model_id != pane.widget.model_id
+        assert anchor.layout.display == "none" and display_module.ANCHOR_CLASS in anchor._dom_classes
         assert LINE.match(data["text/plain"]) and data["text/plain"].endswith("0 events")
         _png(data)
         assert pane._chart._snapshot == _png(data)  # also what a kernel-less view shows
         events.emit("rank_failed", message="rank 1 exited with SIGKILL", rank=1)
         pane.pause()  # a paused pane's picture shows where it stopped, drawn on the worker
-        outputs.wait(2)
-        kind, data, same_id, thread = outputs.calls[1]
-        assert (kind, same_id, thread) == ("update", display_id, display_module.THREAD_NAME)
+        outputs.wait(3)
+        kind, data, same_id, thread = outputs.calls[2]
+        assert (kind, same_id, thread) == ("update", picture_id, display_module.THREAD_NAME)
         assert VIEW in data and "1 event · paused by the user" in data["text/plain"]
     finally:
         pane.close()
-    kind, data, same_id, _ = outputs.calls[-1]
-    assert (kind, same_id) == ("update", display_id)
-    assert set(data) == {"image/png", "text/plain"}  # no live view once closed
+    assert [(c[0], c[2]) for c in outputs.calls[-2:]] == [("update", view_id), ("update", picture_id)]
+    assert outputs.calls[-2][1] == {"text/plain": ""}  # the live view ended with the pane
+    data = outputs.calls[-1][1]
+    assert set(data) == {"image/png", "text/plain"}  # no hidden widget either
     assert data["text/plain"].endswith("1 event · closed")
     assert pane.snapshot().png == _png(data)
+    assert anchor.comm is None and anchor.layout.comm is None  # closed with the pane
 
 
 def test_polls_never_draw_the_picture_the_worker_does(comms, driven, clock, outputs, monkeypatch):
@@ -138,7 +146,8 @@ def test_polls_never_draw_the_picture_the_worker_does(comms, driven, clock, outp
         while pane._chart._snapshot == first and time.monotonic() < deadline:
             time.sleep(0.01)
         assert drawn[1:] and set(drawn[1:]) == {display_module.THREAD_NAME}
-        assert [c[0] for c in outputs.calls] == ["display"]  # a live view is not redrawn
+        updates = [c for c in outputs.calls if c[0] == "update"]
+        assert {c[2] for c in updates} <= {pane._display.picture_id}  # the live view is not redrawn
     finally:
         pane.close()
 
@@ -216,24 +225,32 @@ def test_to_html_writes_the_curves_the_events_and_the_readings(comms, driven, cl
         pane.close()
 
 
-def test_with_a_live_view_the_worker_redraws_the_picture_but_leaves_the_output(
-    comms, driven, clock, outputs
+def test_while_a_live_view_watches_the_saved_picture_follows_the_run_by_the_minute(
+    comms, driven, clock, outputs, monkeypatch
 ):
-    driven()
+    sampler = driven()
+    monkeypatch.setattr(display_module, "PUSH_AFTER_S", ())
     pane = GPUPane(backend=SimulatedBackend(2), display=False)
     try:
+        pane._display._every = 0.2  # SNAPSHOT_EVERY_S, shortened
         pane._display.show()
-        first = pane._chart._snapshot
-        # A front end re-renders an output it is told to update: a live view would be redrawn.
+        view_id, picture_id = pane._display.display_id, pane._display.picture_id
+        first = outputs.calls[1][1]
+        # A live view on the page: its page holds plotly.js and it is drawing the polls.
         pane._chart.comm.from_front_end({"method": "custom", "content": {"k": "have"}})
         events.emit("note", message="while someone watches")
-        pane.pause()
-        deadline = time.monotonic() + 30
-        while pane._chart._snapshot == first and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert pane._chart._snapshot != first  # the picture a kernel-less view shows is new
-        assert [c[0] for c in outputs.calls] == ["display"]
-        pane.snapshot()  # asked for: the output is updated too
-        assert [c[0] for c in outputs.calls] == ["display", "update"]
+        for _ in range(3):
+            clock.advance(10)
+            sampler.tick()
+        outputs.wait(3)
+        kind, data, same_id, thread = outputs.calls[2]
+        assert (kind, same_id, thread) == ("update", picture_id, display_module.THREAD_NAME)
+        assert data["text/plain"] != first["text/plain"] and "1 event" in data["text/plain"]
+        assert _png(data) != _png(first) and data[VIEW] == first[VIEW]
+        assert pane.status == "polling"  # by the minute, not because the pane stopped
+        pane.snapshot()  # asked for: the picture now
+        assert outputs.calls[-1][:3:2] == ("update", picture_id)
+        assert all(c[2] == picture_id for c in outputs.calls[2:])  # never the live view
+        assert view_id != picture_id
     finally:
         pane.close()
