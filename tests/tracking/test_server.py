@@ -48,11 +48,22 @@ def _stop(proc: subprocess.Popen) -> None:
     psutil.wait_procs([p for p in family if isinstance(p, psutil.Process)], timeout=10)
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One ``mlflow server`` for this file (a start costs seconds): yields ``(uri, process)``.
+
+    The last test stops it mid-run; the fixture stops it again (a no-op) at the end.
+    """
+    with _server(tmp_path_factory.mktemp("mlflow-server")) as started:
+        yield started
+
+
 @pytest.fixture
-def mlflow_server(tmp_path: Path):
-    """``mlflow server`` with a sqlite store in tmp_path; yields its URI, then stops it."""
-    with _server(tmp_path) as (uri, _proc):
-        yield uri
+def mlflow_server(server):
+    """The running server's URI."""
+    uri, proc = server
+    assert proc.poll() is None, "the module's mlflow server has stopped"
+    return uri
 
 
 @contextlib.contextmanager
@@ -131,24 +142,25 @@ def test_a_server_that_is_not_there_at_start_is_a_clear_error(monkeypatch):
     assert mlflow.active_run() is None
 
 
-def test_close_with_the_server_gone_returns_and_says_how_many_values_were_lost(tmp_path, monkeypatch):
+def test_close_with_the_server_gone_returns_and_says_how_many_values_were_lost(server, monkeypatch):
+    """Last in this file: it stops the module's server."""
     from mlflow import MlflowClient
 
     for name in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
         monkeypatch.delenv(name, raising=False)
-    with _server(tmp_path) as (uri, proc):
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-        run = MlflowLogger("server-gone", flush_interval=3600, close_timeout=5)
-        for step in range(100):
-            run.log_metric("loss", float(step), step=step)
-        run.flush()
-        assert [m.step for m in MlflowClient(uri).get_metric_history(run.run_id, "loss")] == list(range(100))
-        _stop(proc)  # the tracking server goes away mid-run
-        for step in range(100, 150):
-            run.log_metric("loss", float(step), step=step)
-        # Before: close() was still waiting after 6 minutes (past this suite's test timeout).
-        with pytest.raises(TrackingError) as raised:
-            run.close()
+    uri, proc = server
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    run = MlflowLogger("server-gone", flush_interval=3600, close_timeout=5)
+    for step in range(100):
+        run.log_metric("loss", float(step), step=step)
+    run.flush()
+    assert [m.step for m in MlflowClient(uri).get_metric_history(run.run_id, "loss")] == list(range(100))
+    _stop(proc)  # the tracking server goes away mid-run
+    for step in range(100, 150):
+        run.log_metric("loss", float(step), step=step)
+    # Before: close() was still waiting after 6 minutes (past this suite's test timeout).
+    with pytest.raises(TrackingError) as raised:
+        run.close()
     assert "50 metric values were dropped" in str(raised.value)
     assert "could not be marked FINISHED" in str(raised.value)  # nor could the run be ended there
     assert run.closed and run.dropped == 50
