@@ -11,10 +11,14 @@ before the reader loads anything from there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
+import threading
+import time
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -34,6 +38,8 @@ __all__ = ["StagedFetch"]
 
 _log = get_logger("checkpoint")
 _VERIFY_BLOCK = 4 << 20
+#: Hand-off messages per chunk.
+_PARTS = 4
 #: A restore shorter than this shows no progress bar.
 _BAR_DELAY_S = 3.0
 
@@ -48,6 +54,34 @@ def _bar(total: int, main: bool) -> Any:
     return tqdm(
         total=total, desc="restore", unit="B", unit_scale=True, delay=_BAR_DELAY_S, leave=False
     )
+
+
+class Timings:
+    """Where one rank's load spent its time: phase -> seconds, logged at DEBUG."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.began = time.perf_counter()
+        self._lock = threading.Lock()
+
+    def mark(self, name: str, at: float | None = None) -> None:
+        """Note when (seconds since the load began) ``name`` happened."""
+        self.seconds[name] = (time.perf_counter() if at is None else at) - self.began
+
+    def add(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - began)
+
+    def text(self) -> str:
+        return ", ".join(f"{k} {v:.3f} s" for k, v in self.seconds.items())
 
 
 @dataclasses.dataclass
@@ -66,12 +100,19 @@ class StagedFetch:
     storage_data: Any = None
     infos: dict[Key, Any] = dataclasses.field(default_factory=dict)
     use_collectives: bool = True
+    timings: Timings = dataclasses.field(default_factory=Timings)
 
     def set_up(self, storage_data: Any, use_collectives: bool) -> None:
         """Take the checkpoint's storage data (``MetadataIndex`` -> ``_StorageInfo``)."""
         self.storage_data = storage_data
         self.use_collectives = use_collectives
         self.infos = {self.key(info): info for info in storage_data.values()}
+
+    @property
+    def message_size(self) -> int:
+        """Bytes of one hand-off message: a quarter chunk (never under ``min_chunk_size``),
+        so that the first messages are fetched and broadcast early."""
+        return max(min(self.chunk_size, self.min_chunk_size), self.chunk_size // _PARTS)
 
     def key(self, info: Any) -> Key:
         return (info.relative_path, int(info.offset), int(info.length))
@@ -117,7 +158,7 @@ class StagedFetch:
             )
             return [dataclasses.replace(p, storage_data={NOTE: {"why": why}}) for p in plans]
         needs = [[self.key(self.infos_of(i)) for i in p.items] for p in plans]
-        fetch, messages, shared = _coop_read.plan_reads(needs, self.chunk_size)
+        fetch, messages, shared = _coop_read.plan_reads(needs, self.message_size)
         return [
             dataclasses.replace(
                 p, storage_data={NOTE: {"fetch": fetch[r], "messages": messages, "shared": shared}}
@@ -130,8 +171,17 @@ class StagedFetch:
 
     # --- fetching -------------------------------------------------------------------
 
-    def run(self, plan: LoadPlan, note: dict[str, Any], planner: LoadPlanner, stage: str) -> None:
-        """Stage every record ``plan`` reads under ``stage``, fetched or handed over, verified."""
+    def run(
+        self,
+        plan: LoadPlan,
+        note: dict[str, Any],
+        planner: LoadPlanner,
+        stage: str,
+        delivery: _coop_read.Delivery,
+    ) -> None:
+        """Stage every record ``plan`` reads under ``stage``, fetched or handed over, verified;
+        handed-over tensors whose destination takes their bytes as they are go to
+        ``delivery`` instead."""
         needed = {self.key(self.infos_of(i)) for i in plan.items}
         coop = "messages" in note
         fetch: list[Key] = list(note["fetch"]) if coop else sorted(needed)
@@ -145,18 +195,15 @@ class StagedFetch:
         bar = _bar(own + (note.get("shared", 0) if coop else 0), rank == 0)
         on_bytes = bar.update if bar is not None else (lambda n: None)
         pool = FetchPool(self.thread_count, self.read_timeout, rank, self.where, on_bytes)
-        pieces: dict[Key, list[Future[Any]]] = {}
-        verified: set[Key] = set()
+        checked: dict[Key, Future[None]] = {}
+        timings = self.timings
 
         def staged(name: str) -> str:
             return os.path.join(stage, name)
 
         def ready(key: Key) -> None:
-            for future in pieces[key]:
-                pool.wait(future)
-            if key not in verified:
-                self._verify(key, staged(key[0]), rank)
-                verified.add(key)
+            with timings.phase("fetch_wait"):
+                pool.wait(checked[key])
 
         try:
             # Records that follow each other in a file are fetched as one range.
@@ -167,32 +214,76 @@ class StagedFetch:
                     spans[-1] = (last[0], last[1], last[2] + key[2], [*last[3], key])
                 else:
                     spans.append((key[0], key[1], key[2], [key]))
+            # In hand-off order, each message's bytes by all threads at once: the first
+            # messages are ready first and are broadcast while later ones are fetched.
+            piece = self.message_size
             for name, offset, length, keys in spans:
                 futures = [
                     self._submit(pool, (name, offset, length), start, n, staged)
-                    for start, n in split(length, self.chunk_size, self.min_chunk_size)
+                    for start, n in split(length, piece, self.min_chunk_size)
                 ]
-                for key in keys:
-                    pieces[key] = futures
+                checks = {key: Future() for key in keys}
+                for future in checks.values():
+                    future.nbtools_what = futures[0].nbtools_what  # type: ignore[attr-defined]
+                checked.update(checks)
+                self._verify_when_fetched(futures, checks, staged, rank)
+            timings.mark("fetch_from")
             if coop:
                 group = _coop_read.group_of(self.process_group)
-                _coop_read.exchange(
-                    group,
-                    dist.get_rank(group),
-                    messages,
-                    needed,
-                    ready,
-                    staged,
-                    self.chunk_size,
-                    lambda: _cuda_destinations(plan, planner),
-                    on_bytes,
-                )
+                timings.mark("exchange_from")
+                with timings.phase("exchange"):
+                    _coop_read.exchange(
+                        group,
+                        dist.get_rank(group),
+                        messages,
+                        needed,
+                        ready,
+                        staged,
+                        lambda: _cuda_destinations(plan, planner),
+                        on_bytes,
+                        timings,
+                        delivery,
+                        2 * self.chunk_size,
+                    )
             for key in fetch:
                 ready(key)
+            timings.mark("staged_at")
         finally:
             pool.close()
             if bar is not None:
                 bar.close()
+
+    def _verify_when_fetched(
+        self,
+        futures: list[Future[Any]],
+        checks: dict[Key, Future[None]],
+        staged: Any,
+        rank: int,
+    ) -> None:
+        """Verify the records of a span on the fetch thread that completes its last
+        piece, and settle each record's future with the outcome."""
+        left = [len(futures)]
+        lock = threading.Lock()
+
+        def piece_done(_: Future[Any]) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            try:
+                for future in futures:
+                    future.result()  # a piece's own error (a stall, a short file)
+                for key, check in checks.items():
+                    with self.timings.phase("checksum"):
+                        self._verify(key, staged(key[0]), rank)
+                    check.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - raised where the record is awaited
+                for check in checks.values():
+                    if not check.done():
+                        check.set_exception(exc)
+
+        for future in futures:
+            future.add_done_callback(piece_done)
 
     def _submit(self, pool: FetchPool, key: Key, start: int, n: int, staged: Any) -> Future[Any]:
         name, offset, _ = key
@@ -202,6 +293,7 @@ class StagedFetch:
         def job(progress: Any) -> None:
             try:
                 fetch_range(self.target, name, begin, n, staged(name), self.read_timeout, progress)
+                self.timings.mark("fetched_at")
             except TimeoutError as exc:
                 raise CheckpointStallError(
                     stall_message(rank, name, begin, end, self.where, self.read_timeout)
