@@ -26,7 +26,7 @@ from urllib.parse import parse_qs
 
 __all__ = ["Capped", "main"]
 
-_PIECE = 64 << 10
+_PIECE = 256 << 10
 _BURST_S = 0.05
 
 

@@ -9,11 +9,18 @@ counts the object bytes it sends. Baselines in the same run: PyTorch's
 ``FsspecReader`` on the same server, PyTorch's ``FileSystemReader`` on a FUSE
 mount of the same files that counts what it serves (direct I/O,
 ``benchmarks/_counting_fs.py``; uncapped) and one read of the checkpoint at
-the cap (size / bandwidth). Per restore: ``served_x`` (bytes served /
-checkpoint size), ``wall_s``, and for nbtools ``mem_x``: the largest extra
-peak RSS of a rank during the load over (its own state + 2 chunks).
+the cap (size / bandwidth). Two ceilings are measured too: ``one_client_read_s``,
+one process reading the checkpoint's bytes from the server in parallel ranged
+GETs (what the capped server delivers on this machine), and per world
+``gloo_broadcast_s``, a plain gloo broadcast of the checkpoint's bytes over the
+same ranks. Per restore: ``served_x`` (bytes served / checkpoint size),
+``wall_s``, and for nbtools ``mem_x``: the largest extra peak RSS of a rank
+during the load over (its own state + 2 chunks), with ``extra_peak_mb`` per
+rank and ``bound_mb``. At 4 data-parallel ranks, ``phases_s`` gives each rank's
+seconds per phase of the load (``*_at``/``*_from``: when, since the load began;
+``cpu``: the rank's CPU seconds) and ``server_cpu_s`` the server's.
 
-    python benchmarks/restore.py [--mbps 100] [--worlds 2,4,8] [--chunk-mib 32]
+    python benchmarks/restore.py [--mbps 100] [--worlds 2,4,8] [--chunk-mib 32] [--quick]
 """
 
 from __future__ import annotations

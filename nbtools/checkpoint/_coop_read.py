@@ -5,20 +5,26 @@ each points at a stored record, a byte range ``(file, offset, length)``. A
 record one rank needs is fetched by that rank. A record several ranks need is
 fetched by one of them, the one with the fewest bytes to fetch so far (largest
 records first), and then broadcast over the process group in messages of at
-most ``chunk_size`` bytes. The messages are ordered round-robin over the
-fetching ranks, so all of them read from the volume at once while the
-broadcasts run; every rank is given the same message list in its plan, so
-every rank takes part in the same sequence of broadcasts.
+most ``chunk_size`` bytes (the reader passes a quarter chunk). The messages
+are ordered round-robin over the fetching ranks, so all of them read from the
+volume at once while the broadcasts run; every rank is given the same message
+list in its plan, so every rank takes part in the same sequence of broadcasts.
+Each fetching rank fetches its messages in that order, about one at a time, so
+the first ones are broadcast while the later ones are still being fetched.
 
-A message starts with a status word. A fetching rank sends a message only for
+A message starts with a status word and, per record segment, where the
+record's tensor data lies in it. A fetching rank sends a message only for
 records it has fetched and verified; when that failed (a stall, a checksum
 that does not match) it sends the error instead, and every rank raises it at
 the same message, so no rank is left waiting in a collective.
 
-Buffers are CPU tensors on a gloo group; CUDA tensors on an NCCL group (where
-a group has both, CUDA when the load has destinations on a GPU). Each rank
-writes the bytes it needs to its sparse staging files, from which the load
-itself reads: a rank holds one message buffer beyond its own state.
+Several messages are in flight at once (async broadcasts, in buffers of two
+chunks in all). Buffers are CPU tensors on a gloo group; CUDA tensors on an
+NCCL group (where a group has both, CUDA when the load has destinations on a
+GPU). A record whose destination is a dense CPU tensor of its dtype and shape
+is copied from the message straight into it; any other record is written to
+the rank's sparse staging files, from which the load itself reads. A rank
+holds the message buffers (two chunks) beyond its own state.
 """
 
 from __future__ import annotations

@@ -54,10 +54,10 @@ def stall_message(rank: int, name: str, start: int, end: int, where: str, timeou
     return (
         f"reading {name} bytes {start}..{end} of {where} on rank {rank} "
         f"(host {socket.gethostname()}) made no progress for {timeout:g} s: the volume "
-        "stopped answering (a hung mount or an object store that does not respond). Nothing "
-        "read by this load was put into the state of this rank. Check the volume from that "
-        "host, then load again (restore from scratch); if the volume is only slow, raise "
-        "read_timeout="
+        "stopped answering (a hung mount or an object store that does not respond). The "
+        "load did not finish: the state it was loading into may hold part of it, so do not "
+        "use it. Check the volume from that host, then load again (restore from scratch); "
+        "if the volume is only slow, raise read_timeout="
     )
 
 

@@ -195,6 +195,13 @@ class StagedFetch:
         bar = _bar(own + (note.get("shared", 0) if coop else 0), rank == 0)
         on_bytes = bar.update if bar is not None else (lambda n: None)
         pool = FetchPool(self.thread_count, self.read_timeout, rank, self.where, on_bytes)
+        # Records handed over are fetched in hand-off order, about one message at a time
+        # per rank: the first messages are broadcast early and, when the last bytes
+        # arrive, little is left to hand over (all ranks together keep the volume busy).
+        piece = max(self.min_chunk_size, self.message_size // self.thread_count)
+        ahead = max(2, min(self.thread_count, self.message_size // piece))
+        lead = FetchPool(ahead, self.read_timeout, rank, self.where, on_bytes) if handed else pool
+        waits: dict[Key, FetchPool] = {}
         checked: dict[Key, Future[None]] = {}
         timings = self.timings
 
@@ -203,7 +210,7 @@ class StagedFetch:
 
         def ready(key: Key) -> None:
             with timings.phase("fetch_wait"):
-                pool.wait(checked[key])
+                waits[key].wait(checked[key])
 
         try:
             # Records that follow each other in a file are fetched as one range.
@@ -214,14 +221,14 @@ class StagedFetch:
                     spans[-1] = (last[0], last[1], last[2] + key[2], [*last[3], key])
                 else:
                     spans.append((key[0], key[1], key[2], [key]))
-            # In hand-off order, each message's bytes by all threads at once: the first
-            # messages are ready first and are broadcast while later ones are fetched.
-            piece = self.message_size
             for name, offset, length, keys in spans:
+                where = lead if keys[0] in handed else pool
+                size = piece if where is lead else self.chunk_size
                 futures = [
-                    self._submit(pool, (name, offset, length), start, n, staged)
-                    for start, n in split(length, piece, self.min_chunk_size)
+                    self._submit(where, (name, offset, length), start, n, staged)
+                    for start, n in split(length, size, self.min_chunk_size)
                 ]
+                waits.update(dict.fromkeys(keys, where))
                 checks = {key: Future() for key in keys}
                 for future in checks.values():
                     future.nbtools_what = futures[0].nbtools_what  # type: ignore[attr-defined]
@@ -250,6 +257,7 @@ class StagedFetch:
             timings.mark("staged_at")
         finally:
             pool.close()
+            lead.close()
             if bar is not None:
                 bar.close()
 

@@ -4,9 +4,11 @@ Metadata is read with a restricted unpickler. Where the target is remote (a
 URL, a network or FUSE mount) the byte ranges of the items a rank's plan names
 are fetched into local staging, each range several ranks need by one rank only
 and handed to the others over the process group, checked against its recorded
-CRC-32 where it was fetched (:mod:`nbtools.checkpoint._staged_read`); a local
-directory is read in place, each item checked as it is read. Only then is an
-item loaded. Non-tensor values are checked to
+CRC-32 where it was fetched (:mod:`nbtools.checkpoint._staged_read`); a handed
+tensor whose destination is a dense CPU tensor of its dtype and shape is copied
+from the message straight into it (:mod:`nbtools.checkpoint._deliver`). A
+local directory is read in place, each item checked as it is read. Only
+verified bytes are loaded. Non-tensor values are checked to
 be loadable with ``torch.load(weights_only=True)`` before DCP's planner
 unpickles them. Loading with another world size works as with any DCP reader.
 
@@ -104,9 +106,11 @@ class VolumeReader(StorageReader):
             process group (False: every rank fetches all it needs itself).
         process_group: The group of the ranks loading (the one given to
             ``dcp.load``); None: the default group.
-        chunk_size: Bytes per hand-off message, and the size of the parallel
-            ranged pieces a large item is fetched in (default 64 MiB).
-        min_chunk_size: No ranged piece is smaller (default 8 MiB).
+        chunk_size: The size of the parallel ranged pieces a large item a rank
+            needs alone is fetched in (default 64 MiB). Ranges handed over are
+            fetched and broadcast in messages of a quarter chunk, several in
+            flight in buffers of two chunks in all.
+        min_chunk_size: No ranged piece or message is smaller (default 8 MiB).
         read_timeout: Seconds a fetch may go without receiving a byte before
             the load fails on every rank (default 600).
         _extension_registry: A ``torch.distributed.checkpoint._extension.ExtensionRegistry``
