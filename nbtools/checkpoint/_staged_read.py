@@ -29,7 +29,7 @@ from nbtools import runtime
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _coop_read, _staging
 from nbtools.checkpoint._coop_read import NOTE, Key
-from nbtools.checkpoint._ranges import FetchPool, fetch_range, split, stall_message
+from nbtools.checkpoint._ranges import FetchPool, crc32_of, fetch_range, split, stall_message
 from nbtools.checkpoint._shards import item_checksum, verify_items
 from nbtools.checkpoint._target import Target
 from nbtools.errors import CheckpointError, CheckpointStallError, CorruptCheckpointError
@@ -224,8 +224,9 @@ class StagedFetch:
             for name, offset, length, keys in spans:
                 where = lead if keys[0] in handed else pool
                 size = piece if where is lead else self.chunk_size
+                cuts = [k[1] for k in keys[1:]]
                 futures = [
-                    self._submit(where, (name, offset, length), start, n, staged)
+                    self._submit(where, (name, offset, length), start, n, staged, cuts)
                     for start, n in split(length, size, self.min_chunk_size)
                 ]
                 waits.update(dict.fromkeys(keys, where))
@@ -279,11 +280,11 @@ class StagedFetch:
                 if left[0]:
                     return
             try:
-                for future in futures:
-                    future.result()  # a piece's own error (a stall, a short file)
+                blocks = [b for future in futures for b in future.result()]  # or its error
                 for key, check in checks.items():
                     with self.timings.phase("checksum"):
-                        self._verify(key, staged(key[0]), rank)
+                        crc = crc32_of(blocks, key[1], key[2])
+                        self._verify(key, staged(key[0]), rank, crc)
                     check.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - raised where the record is awaited
                 for check in checks.values():
@@ -293,15 +294,20 @@ class StagedFetch:
         for future in futures:
             future.add_done_callback(piece_done)
 
-    def _submit(self, pool: FetchPool, key: Key, start: int, n: int, staged: Any) -> Future[Any]:
+    def _submit(
+        self, pool: FetchPool, key: Key, start: int, n: int, staged: Any, cuts: list[int]
+    ) -> Future[Any]:
         name, offset, _ = key
         begin, end = offset + start, offset + start + n
         rank = runtime.get_rank()
 
-        def job(progress: Any) -> None:
+        def job(progress: Any) -> list[tuple[int, int, int]]:
             try:
-                fetch_range(self.target, name, begin, n, staged(name), self.read_timeout, progress)
+                blocks = fetch_range(
+                    self.target, name, begin, n, staged(name), self.read_timeout, progress, cuts
+                )
                 self.timings.mark("fetched_at")
+                return blocks
             except TimeoutError as exc:
                 raise CheckpointStallError(
                     stall_message(rank, name, begin, end, self.where, self.read_timeout)
@@ -320,11 +326,12 @@ class StagedFetch:
 
         return pool.submit(job, (name, begin, end))
 
-    def _verify(self, key: Key, path: str, rank: int) -> None:
-        """Check a staged record against its recorded CRC-32 (when there is one)."""
+    def _verify(self, key: Key, path: str, rank: int, fetched: int | None = None) -> None:
+        """Check a staged record against its recorded CRC-32 (when there is one): the CRC
+        of the bytes as they were fetched, or (None) of the staged copy read again."""
         info = self.infos.get(key)
         expected = item_checksum(info) if (self.verify and info is not None) else None
-        if expected is None:
+        if expected is None or (fetched is not None and f"crc32:{fetched:08x}" == expected):
             return
         name, offset, length = key
         crc = 0
