@@ -9,11 +9,18 @@ counts the object bytes it sends. Baselines in the same run: PyTorch's
 ``FsspecReader`` on the same server, PyTorch's ``FileSystemReader`` on a FUSE
 mount of the same files that counts what it serves (direct I/O,
 ``benchmarks/_counting_fs.py``; uncapped) and one read of the checkpoint at
-the cap (size / bandwidth). Per restore: ``served_x`` (bytes served /
-checkpoint size), ``wall_s``, and for nbtools ``mem_x``: the largest extra
-peak RSS of a rank during the load over (its own state + 2 chunks).
+the cap (size / bandwidth). Two ceilings are measured too: ``one_client_read_s``,
+one process reading the checkpoint's bytes from the server in parallel ranged
+GETs (what the capped server delivers on this machine), and per world
+``gloo_broadcast_s``, a plain gloo broadcast of the checkpoint's bytes over the
+same ranks. Per restore: ``served_x`` (bytes served / checkpoint size),
+``wall_s``, and for nbtools ``mem_x``: the largest extra peak RSS of a rank
+during the load over (its own state + 2 chunks), with ``extra_peak_mb`` per
+rank and ``bound_mb``. At 4 data-parallel ranks, ``phases_s`` gives each rank's
+seconds per phase of the load (``*_at``/``*_from``: when, since the load began;
+``cpu``: the rank's CPU seconds) and ``server_cpu_s`` the server's.
 
-    python benchmarks/restore.py [--mbps 100] [--worlds 2,4,8] [--chunk-mib 32]
+    python benchmarks/restore.py [--mbps 100] [--worlds 2,4,8] [--chunk-mib 32] [--quick]
 """
 
 from __future__ import annotations
@@ -108,43 +115,89 @@ def _restore_job(cfg: dict, model_fn, state_fn) -> dict:
         before = served()
         dist.barrier()
         watcher.start()
+        server = _server_process(endpoint)
+        cpu0, server0 = sum(proc.cpu_times()[:2]), sum(server.cpu_times()[:2])
         began = time.perf_counter()
         dcp.load(state, storage_reader=reader)
         dist.barrier()
         wall = time.perf_counter() - began
+        cpu = sum(proc.cpu_times()[:2]) - cpu0
+        server_cpu = sum(server.cpu_times()[:2]) - server0
         done.set()
         watcher.join()
         sent = served() - before
-        extra = torch.tensor([float(peak[0] - base) / (own_bytes(state) + 2 * cfg["chunk"])])
-        dist.all_reduce(extra, op=dist.ReduceOp.MAX)
+        bound = own_bytes(state) + 2 * cfg["chunk"]
+        extras: list = [None] * world
+        dist.all_gather_object(extras, (peak[0] - base) / 1e6)
         del state
-        return {
+        figures = {
             "served_x": round(sent / cfg["size"], 3),
             "wall_s": round(wall, 2),
-            "mem_x": round(float(extra), 2),
+            "mem_x": round(max(extras) * 1e6 / bound, 2),
+            "extra_peak_mb": [round(x, 1) for x in extras],
+            "bound_mb": round(bound / 1e6, 1),
         }
+        timings = getattr(getattr(reader, "_fetch", None), "timings", None)
+        if timings is not None:
+            seconds = {k: round(v, 2) for k, v in timings.seconds.items()}
+            seconds["cpu"] = round(cpu, 2)
+            phases: list = [None] * world
+            dist.all_gather_object(phases, seconds)
+            figures["phases_s"] = phases
+            figures["server_cpu_s"] = round(server_cpu, 2)
+        return figures
+
+    def gloo_broadcast_s() -> float:
+        """A plain gloo broadcast of the checkpoint's bytes, in chunks from each rank in turn."""
+        buf = torch.empty(cfg["chunk"], dtype=torch.uint8)
+        dist.barrier()
+        began = time.perf_counter()
+        left, src = cfg["size"], 0
+        while left > 0:
+            n = min(left, cfg["chunk"])
+            dist.broadcast(buf[:n], src=src)
+            left, src = left - n, (src + 1) % world
+        dist.barrier()
+        return round(time.perf_counter() - began, 2)
 
     url = f"s3://{BUCKET}/{cfg['name']}"
     endpoint = cfg["endpoint"]
     out = {
+        "gloo_broadcast_s": gloo_broadcast_s(),
         "nbtools": run(
             "nbtools",
             VolumeReader(url, staging_dir=stage, chunk_size=cfg["chunk"]),
             lambda: s3_served(endpoint),
         ),
-        "torch_fsspec": run("torch_fsspec", FsspecReader(url), lambda: s3_served(endpoint)),
     }
-    if cfg["mount"] and not cfg["fsdp"]:
+    if cfg["baselines"]:
+        out["torch_fsspec"] = run("torch_fsspec", FsspecReader(url), lambda: s3_served(endpoint))
+    if cfg["mount"] and not cfg["fsdp"] and cfg["baselines"]:
         ctl = cfg["ctl"]
         out["torch_fs_mount"] = run(
             "torch_fs_mount", FileSystemReader(cfg["mount"]), lambda: fuse_served(ctl)
         )
         out["torch_fs_mount"].pop("mem_x")
-    for figures in out.values():
-        if "mem_x" in figures and figures is not out["nbtools"]:
-            figures.pop("mem_x")
+    for key, figures in out.items():
+        if key != "nbtools" and isinstance(figures, dict):
+            for extra in ("mem_x", "extra_peak_mb", "bound_mb"):
+                figures.pop(extra, None)
+    if world != 4 or cfg["fsdp"]:
+        out["nbtools"].pop("phases_s", None)
     shutil.rmtree(stage, ignore_errors=True)
     return out
+
+
+def _server_process(endpoint: str):
+    """The S3 server's process (psutil), found by the port in its command line."""
+    import psutil
+
+    port = endpoint.rsplit(":", 1)[1]
+    for proc in psutil.process_iter(["cmdline"]):
+        line = proc.info["cmdline"] or []
+        if any(a.endswith("_capped_s3.py") for a in line) and port in line:
+            return proc
+    raise RuntimeError(f"no S3 server on port {port}")
 
 
 def _save_fsdp(cfg: dict, model_fn, state_fn) -> None:
@@ -162,6 +215,9 @@ def main() -> None:
     parser.add_argument("--mbps", type=float, default=100.0)
     parser.add_argument("--worlds", default="2,4,8")
     parser.add_argument("--chunk-mib", type=int, default=32)
+    parser.add_argument(
+        "--quick", action="store_true", help="nbtools only (no PyTorch readers, no FSDP2)"
+    )
     args = parser.parse_args()
     import s3fs
 
@@ -180,11 +236,13 @@ def main() -> None:
             size = sum(fs.du(f"{BUCKET}/dp", total=False).values())
             result["dp_mb"] = round(size / 1e6, 1)
             result["one_read_at_cap_s"] = round(size / (args.mbps * 1e6), 2)
+            result["one_client_read_s"] = _client_read(fs, f"{BUCKET}/dp", args.chunk_mib << 20)
             base = {
                 "endpoint": endpoint,
                 "work": work,
                 "tests": os.path.join(_HERE, "..", "tests", "checkpoint"),
                 "chunk": args.chunk_mib << 20,
+                "baselines": not args.quick,
             }
             reason = fuse_reason()
             mnt, ctl = os.path.join(work, "mnt"), os.path.join(work, "ctl")
@@ -194,27 +252,44 @@ def main() -> None:
                     cfg["ctl"] = ctl
                     job = distributed(processes=world, output="none")(_restore_job)
                     result[f"dp_{world}"] = job.distributed(cfg, _model, _state)[0]
-            distributed(processes=2, output="none")(_save_fsdp).distributed(
-                {**base}, _model, _state
-            )
-            fsdp_size = sum(fs.du(f"{BUCKET}/fsdp", total=False).values())
-            cfg = {**base, "name": "fsdp", "size": fsdp_size, "fsdp": True, "mount": None}
-            job = distributed(processes=4, output="none")(_restore_job)
-            result["fsdp_2_to_4"] = job.distributed(cfg, _model, _state)[0]
+            if not args.quick:
+                distributed(processes=2, output="none")(_save_fsdp).distributed(
+                    {**base}, _model, _state
+                )
+                fsdp_size = sum(fs.du(f"{BUCKET}/fsdp", total=False).values())
+                cfg = {**base, "name": "fsdp", "size": fsdp_size, "fsdp": True, "mount": None}
+                job = distributed(processes=4, output="none")(_restore_job)
+                result["fsdp_2_to_4"] = job.distributed(cfg, _model, _state)[0]
             if reason is not None:
                 result["mount_skipped"] = reason
             s3fs.S3FileSystem.close_session(fs.loop, fs.s3)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    four = result.get("dp_4", {}).get("nbtools")
-    if four:
-        result["dp_4_wall_over_one_read"] = round(four["wall_s"] / result["one_read_at_cap_s"], 2)
+    four = result.get("dp_4", {})
+    if four.get("nbtools"):
+        cap = result["one_read_at_cap_s"]
+        result["dp_4_wall_over_one_read"] = round(four["nbtools"]["wall_s"] / cap, 2)
+        result["dp_4_gloo_broadcast_over_one_read"] = round(four["gloo_broadcast_s"] / cap, 2)
     result["max_served_x"] = max(
         v["nbtools"]["served_x"]
         for k, v in result.items()
         if isinstance(v, dict) and "nbtools" in v
     )
     print(json.dumps(result))
+
+
+def _client_read(fs, prefix: str, piece: int) -> float:
+    """Seconds one client takes to read every object under ``prefix`` from the server, in
+    parallel ranged GETs of ``piece`` bytes (what the server itself delivers)."""
+    paths, starts, ends = [], [], []
+    for path, size in fs.du(prefix, total=False).items():
+        for at in range(0, size, piece):
+            paths.append(path)
+            starts.append(at)
+            ends.append(min(size, at + piece))
+    began = time.perf_counter()
+    fs.cat_ranges(paths, starts, ends)
+    return round(time.perf_counter() - began, 2)
 
 
 class _null:

@@ -5,28 +5,37 @@ each points at a stored record, a byte range ``(file, offset, length)``. A
 record one rank needs is fetched by that rank. A record several ranks need is
 fetched by one of them, the one with the fewest bytes to fetch so far (largest
 records first), and then broadcast over the process group in messages of at
-most ``chunk_size`` bytes. The messages are ordered round-robin over the
-fetching ranks, so all of them read from the volume at once while the
-broadcasts run; every rank is given the same message list in its plan, so
-every rank takes part in the same sequence of broadcasts.
+most ``chunk_size`` bytes (the reader passes a quarter chunk). The messages
+are ordered round-robin over the fetching ranks, so all of them read from the
+volume at once while the broadcasts run; every rank is given the same message
+list in its plan, so every rank takes part in the same sequence of broadcasts.
+Each fetching rank fetches its messages in that order, about one at a time, so
+the first ones are broadcast while the later ones are still being fetched.
 
-A message starts with a status word. A fetching rank sends a message only for
+A message starts with a status word and, per record segment, where the
+record's tensor data lies in it. A fetching rank sends a message only for
 records it has fetched and verified; when that failed (a stall, a checksum
 that does not match) it sends the error instead, and every rank raises it at
 the same message, so no rank is left waiting in a collective.
 
-Buffers are CPU tensors on a gloo group; CUDA tensors on an NCCL group (where
-a group has both, CUDA when the load has destinations on a GPU). Each rank
-writes the bytes it needs to its sparse staging files, from which the load
-itself reads: a rank holds one message buffer beyond its own state.
+Several messages are in flight at once (async broadcasts, in buffers of two
+chunks in all). Buffers are CPU tensors on a gloo group; CUDA tensors on an
+NCCL group (where a group has both, CUDA when the load has destinations on a
+GPU). A record whose destination is a dense CPU tensor of its dtype and shape
+is copied from the message straight into it; any other record is written to
+the rank's sparse staging files, from which the load itself reads. A rank
+holds the message buffers (two chunks) beyond its own state.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import socket
+import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -34,7 +43,7 @@ import torch.distributed as dist
 
 from nbtools.errors import CheckpointError, CheckpointStallError, CorruptCheckpointError
 
-__all__ = ["Key", "NOTE", "plan_reads", "exchange", "group_of", "describe_group"]
+__all__ = ["Key", "NOTE", "Delivery", "plan_reads", "exchange", "group_of", "describe_group"]
 
 #: A stored record: ``(relative_path, offset, length)``.
 Key = tuple[str, int, int]
@@ -137,6 +146,26 @@ def _error_code(exc: BaseException) -> int:
     return 3
 
 
+class Delivery(Protocol):
+    """How a rank takes the records handed to it (see :func:`exchange`)."""
+
+    def frame(self, key: Key) -> tuple[int, int]:
+        """On the fetching rank, after the record is staged and verified: ``(offset,
+        nbytes)`` of its tensor data inside the record, when those bytes are the
+        tensor's memory as it is (else ``(-1, 0)``)."""
+
+    def sink(self, key: Key, offset: int, nbytes: int) -> torch.Tensor | None:
+        """The uint8 CPU tensor the data bytes of ``key`` go straight into (its
+        destination's memory), or None to stage the record."""
+
+    def done(self, key: Key) -> None:
+        """All data bytes of a sunk record arrived."""
+
+
+def _header_size(segments: tuple[tuple[Key, int, int], ...]) -> int:
+    return _HEADER + 16 * len(segments)
+
+
 def exchange(
     group: Any,
     me: int,
@@ -144,11 +173,19 @@ def exchange(
     needed: set[Key],
     ready: Callable[[Key], None],
     staged: Callable[[str], str],
-    chunk_size: int,
-    cuda_destinations: bool,
+    cuda_destinations: Callable[[], bool],
     on_bytes: Callable[[int], None],
+    timings: Any,
+    delivery: Delivery,
+    memory: int,
 ) -> None:
     """Run the broadcasts of ``messages`` on this rank (every rank calls it alike).
+
+    Several messages are in flight at once (as many as ``memory`` holds, at least
+    two), each in its own buffer: while some are broadcast, this rank fills the
+    next (when it fetched it) or takes the bytes of the earliest. A record whose destination is a matching CPU tensor is
+    copied from the message straight into it; any other one is written to its
+    staging file, from which the load reads it.
 
     Args:
         group: The process group.
@@ -158,67 +195,151 @@ def exchange(
         ready: Waits until a record this rank fetches is staged and verified (raises
             what went wrong).
         staged: The local staging file of a relative path.
-        chunk_size: The most payload bytes of a message.
         cuda_destinations: Whether this rank loads into CUDA tensors.
         on_bytes: Called with the payload bytes of each message fetched by another rank.
+        timings: A :class:`~nbtools.checkpoint._staged_read.Timings` to add phases to.
+        delivery: Where handed-over records go on this rank.
+        memory: Bytes of message buffers (at least two messages are in flight).
     """
     if not messages:
         return
-    device = _device(group, cuda_destinations)
-    biggest = _HEADER + max(_MIN_MESSAGE, max(sum(n for _, _, n in segs) for _, segs in messages))
-    biggest = min(biggest, _HEADER + max(chunk_size, _MIN_MESSAGE))
-    host = torch.empty(biggest, dtype=torch.uint8)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    view = memoryview(host.numpy())
-    wire = host if device.type == "cpu" else torch.empty(biggest, dtype=torch.uint8, device=device)
-    for reader, segments in messages:
-        payload = sum(n for _, _, n in segments)
-        size = _HEADER + max(payload, _MIN_MESSAGE)
-        failure: BaseException | None = None
-        if reader == me:
-            try:
-                for key in dict.fromkeys(k for k, _, _ in segments):
-                    ready(key)
-                at = _HEADER
-                for (name, offset, _length), start, n in segments:
-                    fd = os.open(staged(name), os.O_RDONLY)
-                    try:
-                        got = os.preadv(fd, [view[at : at + n]], offset + start)
-                    finally:
-                        os.close(fd)
-                    if got != n:
-                        raise CheckpointError(f"the staged copy of {name} is short")
-                    at += n
-                np.frombuffer(view[:_HEADER], dtype=np.int64)[:] = (0, payload)
-            except BaseException as exc:  # noqa: BLE001 - every rank raises it below
-                failure = exc
-                text = str(exc).encode("utf-8", "replace")[: size - _HEADER]
-                view[_HEADER : _HEADER + len(text)] = text
-                np.frombuffer(view[:_HEADER], dtype=np.int64)[:] = (_error_code(exc), len(text))
-            if wire is not host:
-                wire[:size].copy_(host[:size])
-        dist.broadcast(wire[:size], group=group, group_src=reader)
-        if wire is not host and reader != me:
-            host[:size].copy_(wire[:size])
-        status, count = (int(x) for x in np.frombuffer(view[:_HEADER], dtype=np.int64))
+    device = _device(group, cuda_destinations())
+    biggest = max(
+        _header_size(segs) + max(_MIN_MESSAGE, sum(n for _, _, n in segs)) for _, segs in messages
+    )
+    count = max(2, memory // biggest)
+    buffers = [_Buffer(biggest, device) for _ in range(min(count, len(messages)))]
+    sinks: dict[Key, tuple[torch.Tensor, int, int] | None] = {}
+    left: dict[Key, int] = {}
+    flight: collections.deque[tuple[Any, _Buffer, int, Any, int, BaseException | None]] = (
+        collections.deque()
+    )
+
+    def finish() -> None:
+        work, buf, reader, segments, size, failure = flight.popleft()
+        with timings.phase("broadcast"):
+            work.wait()
+        buf.arrived(size, reader == me)
+        head = np.frombuffer(buf.view[: _header_size(segments)], dtype=np.int64)
+        status, count = int(head[0]), int(head[1])
         if status:
             if failure is not None:
                 raise failure
-            text = bytes(view[_HEADER : _HEADER + count]).decode("utf-8", "replace")
+            text = bytes(buf.view[_HEADER : _HEADER + count]).decode("utf-8", "replace")
             raise _ERRORS.get(status, CheckpointError)(text)
-        if reader == me:
-            continue
-        at = _HEADER
-        for (name, offset, length), start, n in segments:
-            if (name, offset, length) in needed:
-                fd = os.open(staged(name), os.O_WRONLY | os.O_CREAT, 0o600)
-                try:
-                    os.pwritev(fd, [view[at : at + n]], offset + start)
-                finally:
-                    os.close(fd)
+        with timings.phase("unpack"):
+            _unpack(buf, segments, head, reader == me)
+        if reader != me:
+            on_bytes(sum(n for _, _, n in segments))
+
+    def _unpack(buf: _Buffer, segments: Any, head: Any, mine: bool) -> None:
+        at = _header_size(segments)
+        for index, (key, start, n) in enumerate(segments):
+            if key in needed:
+                if key not in sinks:
+                    offset, nbytes = int(head[2 + 2 * index]), int(head[3 + 2 * index])
+                    dest = delivery.sink(key, offset, nbytes) if offset >= 0 else None
+                    sinks[key] = None if dest is None else (dest, offset, nbytes)
+                    left[key] = nbytes
+                sink = sinks[key]
+                if sink is not None:
+                    dest, offset, nbytes = sink
+                    lo, hi = max(start, offset), min(start + n, offset + nbytes)
+                    if hi > lo:
+                        dest[lo - offset : hi - offset].copy_(
+                            buf.host[at + lo - start : at + hi - start]
+                        )
+                        left[key] -= hi - lo
+                        if not left[key]:
+                            delivery.done(key)
+                elif not mine:
+                    fd = os.open(staged(key[0]), os.O_WRONLY | os.O_CREAT, 0o600)
+                    try:
+                        os.pwritev(fd, [buf.view[at : at + n]], key[1] + start)
+                    finally:
+                        os.close(fd)
             at += n
-        on_bytes(payload)
+
+    try:
+        for index, (reader, segments) in enumerate(messages):
+            if len(flight) == len(buffers):
+                finish()
+            buf = buffers[index % len(buffers)]
+            payload = sum(n for _, _, n in segments)
+            size = _header_size(segments) + max(payload, _MIN_MESSAGE)
+            failure: BaseException | None = None
+            if reader == me:
+                failure = _pack(buf, segments, payload, ready, staged, delivery, timings)
+                buf.send(size)
+            work = dist.broadcast(buf.wire[:size], group=group, group_src=reader, async_op=True)
+            flight.append((work, buf, reader, segments, size, failure))
+        while flight:
+            finish()
+    finally:
+        # Every rank issued the same broadcasts: let those in flight end before raising.
+        for work, *_ in flight:
+            with contextlib.suppress(Exception):
+                work.wait()
+
+
+class _Buffer:
+    """One message buffer: host memory, and the device tensor the broadcast runs on."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.host = torch.empty(size, dtype=torch.uint8)
+        if device.type == "cuda":
+            self.host = self.host.pin_memory()
+        self.view = memoryview(self.host.numpy())
+        self.wire = (
+            self.host
+            if device.type == "cpu"
+            else torch.empty(size, dtype=torch.uint8, device=device)
+        )
+
+    def send(self, size: int) -> None:
+        if self.wire is not self.host:
+            self.wire[:size].copy_(self.host[:size])
+
+    def arrived(self, size: int, mine: bool) -> None:
+        if self.wire is not self.host and not mine:
+            self.host[:size].copy_(self.wire[:size])
+
+
+def _pack(
+    buf: _Buffer,
+    segments: tuple[tuple[Key, int, int], ...],
+    payload: int,
+    ready: Callable[[Key], None],
+    staged: Callable[[str], str],
+    delivery: Delivery,
+    timings: Any,
+) -> BaseException | None:
+    """Fill ``buf`` with a message this rank fetched; on failure, with the error."""
+    head = np.frombuffer(buf.view[: _header_size(segments)], dtype=np.int64)
+    try:
+        for key in dict.fromkeys(k for k, _, _ in segments):
+            ready(key)
+        packed = time.perf_counter()
+        at = _header_size(segments)
+        for index, (key, start, n) in enumerate(segments):
+            head[2 + 2 * index : 4 + 2 * index] = delivery.frame(key)
+            fd = os.open(staged(key[0]), os.O_RDONLY)
+            try:
+                got = os.preadv(fd, [buf.view[at : at + n]], key[1] + start)
+            finally:
+                os.close(fd)
+            if got != n:
+                raise CheckpointError(f"the staged copy of {key[0]} is short")
+            at += n
+        head[:2] = (0, payload)
+        timings.add("pack", time.perf_counter() - packed)
+        return None
+    except BaseException as exc:  # noqa: BLE001 - every rank raises it when it arrives
+        text = str(exc).encode("utf-8", "replace")[:_MIN_MESSAGE]
+        at = _HEADER
+        buf.view[at : at + len(text)] = text
+        head[:2] = (_error_code(exc), len(text))
+        return exc
 
 
 def host() -> str:

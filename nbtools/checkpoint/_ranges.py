@@ -18,11 +18,13 @@ interpreter's exit and never writes into a file of a later load).
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import socket
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -30,7 +32,7 @@ from typing import Any
 from nbtools.checkpoint._target import Target
 from nbtools.errors import CheckpointStallError
 
-__all__ = ["split", "FetchPool", "fetch_range", "stall_message"]
+__all__ = ["split", "FetchPool", "fetch_range", "crc32_of", "stall_message"]
 
 #: Bytes moved per system call on a mount, so that progress is seen often.
 _BLOCK = 8 << 20
@@ -54,10 +56,10 @@ def stall_message(rank: int, name: str, start: int, end: int, where: str, timeou
     return (
         f"reading {name} bytes {start}..{end} of {where} on rank {rank} "
         f"(host {socket.gethostname()}) made no progress for {timeout:g} s: the volume "
-        "stopped answering (a hung mount or an object store that does not respond). Nothing "
-        "read by this load was put into the state of this rank. Check the volume from that "
-        "host, then load again (restore from scratch); if the volume is only slow, raise "
-        "read_timeout="
+        "stopped answering (a hung mount or an object store that does not respond). The "
+        "load did not finish: the state it was loading into may hold part of it, so do not "
+        "use it. Check the volume from that host, then load again (restore from scratch); "
+        "if the volume is only slow, raise read_timeout="
     )
 
 
@@ -185,6 +187,14 @@ def _fsspec_range(target: Any, path: str, start: int, end: int, timeout: float) 
     return fs.cat_file(path, start=start, end=end)
 
 
+def _crcs(data: bytes, at: int, cuts: list[int]) -> list[tuple[int, int, int]]:
+    """``(offset, length, crc32)`` of ``data`` (at file offset ``at``), cut at ``cuts``."""
+    view = memoryview(data)
+    bounds = [at, *(c for c in cuts if at < c < at + len(data)), at + len(data)]
+    pairs = zip(bounds[:-1], bounds[1:], strict=True)
+    return [(a, b - a, zlib.crc32(view[a - at : b - at])) for a, b in pairs]
+
+
 def fetch_range(
     target: Target,
     name: str,
@@ -193,9 +203,18 @@ def fetch_range(
     dest: str,
     timeout: float,
     progress: Callable[[int], None],
-) -> None:
+    cuts: list[int] | None = None,
+) -> list[tuple[int, int, int]]:
     """Copy bytes ``[start, start + length)`` of the file ``name`` to the same offset of
-    the local file ``dest`` (created if absent), block by block."""
+    the local file ``dest`` (created if absent), block by block.
+
+    Returns:
+        ``(offset, length, crc32)`` of the blocks copied, each cut at the file offsets
+        ``cuts`` (record boundaries), so that a record's CRC-32 can be assembled from
+        them (:func:`crc32_of`) without reading it again.
+    """
+    cuts = sorted(cuts or [])
+    blocks: list[tuple[int, int, int]] = []
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT, 0o600)
     try:
         done = 0
@@ -207,11 +226,12 @@ def fetch_range(
                     if not data:
                         raise EOFError(f"{name} ends before byte {start + length}")
                     os.pwrite(fd, data, start + done)
+                    blocks += _crcs(data, start + done, cuts)
                     done += len(data)
                     progress(len(data))
             finally:
                 os.close(src)
-            return
+            return blocks
         path = f"{target.root}/{name}" if getattr(target, "root", "") else name
         while done < length:
             n = min(_REQUEST, length - done)
@@ -219,7 +239,58 @@ def fetch_range(
             if len(data) != n:
                 raise EOFError(f"{name} ends before byte {start + length}")
             os.pwrite(fd, data, start + done)
+            blocks += _crcs(data, start + done, cuts)
             done += n
             progress(n)
+        return blocks
     finally:
         os.close(fd)
+
+
+def _times(mat: tuple[int, ...], vec: int) -> int:
+    total, i = 0, 0
+    while vec:
+        if vec & 1:
+            total ^= mat[i]
+        vec >>= 1
+        i += 1
+    return total
+
+
+def _square(mat: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(_times(mat, m) for m in mat)
+
+
+@functools.lru_cache(maxsize=64)
+def _shift(nbytes: int) -> tuple[int, ...]:
+    """The GF(2) operator taking a CRC-32 over ``nbytes`` more zero bytes (zlib's
+    ``crc32_combine``, as a matrix, so that each length is worked out once)."""
+    odd = (0xEDB88320, *(1 << n for n in range(31)))  # one zero bit
+    even = _square(odd)  # two
+    odd = _square(even)  # four
+    result = tuple(1 << n for n in range(32))
+    while nbytes:
+        even = _square(odd)
+        if nbytes & 1:
+            result = tuple(_times(even, r) for r in result)
+        nbytes >>= 1
+        if not nbytes:
+            break
+        odd = _square(even)
+        if nbytes & 1:
+            result = tuple(_times(odd, r) for r in result)
+        nbytes >>= 1
+    return result
+
+
+def crc32_of(blocks: list[tuple[int, int, int]], offset: int, length: int) -> int | None:
+    """The CRC-32 of bytes ``[offset, offset + length)`` from the blocks covering them
+    exactly (from :func:`fetch_range`); None when they do not."""
+    inside = sorted(b for b in blocks if offset <= b[0] and b[0] + b[1] <= offset + length)
+    crc, at = 0, offset
+    for start, n, block_crc in inside:
+        if start != at:
+            return None
+        crc = _times(_shift(n), crc) ^ block_crc
+        at += n
+    return crc if at == offset + length else None

@@ -11,10 +11,14 @@ before the reader loads anything from there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
+import threading
+import time
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -25,7 +29,7 @@ from nbtools import runtime
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _coop_read, _staging
 from nbtools.checkpoint._coop_read import NOTE, Key
-from nbtools.checkpoint._ranges import FetchPool, fetch_range, split, stall_message
+from nbtools.checkpoint._ranges import FetchPool, crc32_of, fetch_range, split, stall_message
 from nbtools.checkpoint._shards import item_checksum, verify_items
 from nbtools.checkpoint._target import Target
 from nbtools.errors import CheckpointError, CheckpointStallError, CorruptCheckpointError
@@ -34,6 +38,8 @@ __all__ = ["StagedFetch"]
 
 _log = get_logger("checkpoint")
 _VERIFY_BLOCK = 4 << 20
+#: Hand-off messages per chunk.
+_PARTS = 4
 #: A restore shorter than this shows no progress bar.
 _BAR_DELAY_S = 3.0
 
@@ -48,6 +54,34 @@ def _bar(total: int, main: bool) -> Any:
     return tqdm(
         total=total, desc="restore", unit="B", unit_scale=True, delay=_BAR_DELAY_S, leave=False
     )
+
+
+class Timings:
+    """Where one rank's load spent its time: phase -> seconds, logged at DEBUG."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.began = time.perf_counter()
+        self._lock = threading.Lock()
+
+    def mark(self, name: str, at: float | None = None) -> None:
+        """Note when (seconds since the load began) ``name`` happened."""
+        self.seconds[name] = (time.perf_counter() if at is None else at) - self.began
+
+    def add(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - began)
+
+    def text(self) -> str:
+        return ", ".join(f"{k} {v:.3f} s" for k, v in self.seconds.items())
 
 
 @dataclasses.dataclass
@@ -66,12 +100,19 @@ class StagedFetch:
     storage_data: Any = None
     infos: dict[Key, Any] = dataclasses.field(default_factory=dict)
     use_collectives: bool = True
+    timings: Timings = dataclasses.field(default_factory=Timings)
 
     def set_up(self, storage_data: Any, use_collectives: bool) -> None:
         """Take the checkpoint's storage data (``MetadataIndex`` -> ``_StorageInfo``)."""
         self.storage_data = storage_data
         self.use_collectives = use_collectives
         self.infos = {self.key(info): info for info in storage_data.values()}
+
+    @property
+    def message_size(self) -> int:
+        """Bytes of one hand-off message: a quarter chunk (never under ``min_chunk_size``),
+        so that the first messages are fetched and broadcast early."""
+        return max(min(self.chunk_size, self.min_chunk_size), self.chunk_size // _PARTS)
 
     def key(self, info: Any) -> Key:
         return (info.relative_path, int(info.offset), int(info.length))
@@ -117,7 +158,7 @@ class StagedFetch:
             )
             return [dataclasses.replace(p, storage_data={NOTE: {"why": why}}) for p in plans]
         needs = [[self.key(self.infos_of(i)) for i in p.items] for p in plans]
-        fetch, messages, shared = _coop_read.plan_reads(needs, self.chunk_size)
+        fetch, messages, shared = _coop_read.plan_reads(needs, self.message_size)
         return [
             dataclasses.replace(
                 p, storage_data={NOTE: {"fetch": fetch[r], "messages": messages, "shared": shared}}
@@ -130,8 +171,17 @@ class StagedFetch:
 
     # --- fetching -------------------------------------------------------------------
 
-    def run(self, plan: LoadPlan, note: dict[str, Any], planner: LoadPlanner, stage: str) -> None:
-        """Stage every record ``plan`` reads under ``stage``, fetched or handed over, verified."""
+    def run(
+        self,
+        plan: LoadPlan,
+        note: dict[str, Any],
+        planner: LoadPlanner,
+        stage: str,
+        delivery: _coop_read.Delivery,
+    ) -> None:
+        """Stage every record ``plan`` reads under ``stage``, fetched or handed over, verified;
+        handed-over tensors whose destination takes their bytes as they are go to
+        ``delivery`` instead."""
         needed = {self.key(self.infos_of(i)) for i in plan.items}
         coop = "messages" in note
         fetch: list[Key] = list(note["fetch"]) if coop else sorted(needed)
@@ -145,18 +195,22 @@ class StagedFetch:
         bar = _bar(own + (note.get("shared", 0) if coop else 0), rank == 0)
         on_bytes = bar.update if bar is not None else (lambda n: None)
         pool = FetchPool(self.thread_count, self.read_timeout, rank, self.where, on_bytes)
-        pieces: dict[Key, list[Future[Any]]] = {}
-        verified: set[Key] = set()
+        # Records handed over are fetched in hand-off order, about one message at a time
+        # per rank: the first messages are broadcast early and, when the last bytes
+        # arrive, little is left to hand over (all ranks together keep the volume busy).
+        piece = max(self.min_chunk_size, self.message_size // self.thread_count)
+        ahead = max(2, min(self.thread_count, self.message_size // piece))
+        lead = FetchPool(ahead, self.read_timeout, rank, self.where, on_bytes) if handed else pool
+        waits: dict[Key, FetchPool] = {}
+        checked: dict[Key, Future[None]] = {}
+        timings = self.timings
 
         def staged(name: str) -> str:
             return os.path.join(stage, name)
 
         def ready(key: Key) -> None:
-            for future in pieces[key]:
-                pool.wait(future)
-            if key not in verified:
-                self._verify(key, staged(key[0]), rank)
-                verified.add(key)
+            with timings.phase("fetch_wait"):
+                waits[key].wait(checked[key])
 
         try:
             # Records that follow each other in a file are fetched as one range.
@@ -168,40 +222,92 @@ class StagedFetch:
                 else:
                     spans.append((key[0], key[1], key[2], [key]))
             for name, offset, length, keys in spans:
+                where = lead if keys[0] in handed else pool
+                size = piece if where is lead else self.chunk_size
+                cuts = [k[1] for k in keys[1:]]
                 futures = [
-                    self._submit(pool, (name, offset, length), start, n, staged)
-                    for start, n in split(length, self.chunk_size, self.min_chunk_size)
+                    self._submit(where, (name, offset, length), start, n, staged, cuts)
+                    for start, n in split(length, size, self.min_chunk_size)
                 ]
-                for key in keys:
-                    pieces[key] = futures
+                waits.update(dict.fromkeys(keys, where))
+                checks = {key: Future() for key in keys}
+                for future in checks.values():
+                    future.nbtools_what = futures[0].nbtools_what  # type: ignore[attr-defined]
+                checked.update(checks)
+                self._verify_when_fetched(futures, checks, staged, rank)
+            timings.mark("fetch_from")
             if coop:
                 group = _coop_read.group_of(self.process_group)
-                _coop_read.exchange(
-                    group,
-                    dist.get_rank(group),
-                    messages,
-                    needed,
-                    ready,
-                    staged,
-                    self.chunk_size,
-                    lambda: _cuda_destinations(plan, planner),
-                    on_bytes,
-                )
+                timings.mark("exchange_from")
+                with timings.phase("exchange"):
+                    _coop_read.exchange(
+                        group,
+                        dist.get_rank(group),
+                        messages,
+                        needed,
+                        ready,
+                        staged,
+                        lambda: _cuda_destinations(plan, planner),
+                        on_bytes,
+                        timings,
+                        delivery,
+                        2 * self.chunk_size,
+                    )
             for key in fetch:
                 ready(key)
+            timings.mark("staged_at")
         finally:
             pool.close()
+            lead.close()
             if bar is not None:
                 bar.close()
 
-    def _submit(self, pool: FetchPool, key: Key, start: int, n: int, staged: Any) -> Future[Any]:
+    def _verify_when_fetched(
+        self,
+        futures: list[Future[Any]],
+        checks: dict[Key, Future[None]],
+        staged: Any,
+        rank: int,
+    ) -> None:
+        """Verify the records of a span on the fetch thread that completes its last
+        piece, and settle each record's future with the outcome."""
+        left = [len(futures)]
+        lock = threading.Lock()
+
+        def piece_done(_: Future[Any]) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            try:
+                blocks = [b for future in futures for b in future.result()]  # or its error
+                for key, check in checks.items():
+                    with self.timings.phase("checksum"):
+                        crc = crc32_of(blocks, key[1], key[2])
+                        self._verify(key, staged(key[0]), rank, crc)
+                    check.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - raised where the record is awaited
+                for check in checks.values():
+                    if not check.done():
+                        check.set_exception(exc)
+
+        for future in futures:
+            future.add_done_callback(piece_done)
+
+    def _submit(
+        self, pool: FetchPool, key: Key, start: int, n: int, staged: Any, cuts: list[int]
+    ) -> Future[Any]:
         name, offset, _ = key
         begin, end = offset + start, offset + start + n
         rank = runtime.get_rank()
 
-        def job(progress: Any) -> None:
+        def job(progress: Any) -> list[tuple[int, int, int]]:
             try:
-                fetch_range(self.target, name, begin, n, staged(name), self.read_timeout, progress)
+                blocks = fetch_range(
+                    self.target, name, begin, n, staged(name), self.read_timeout, progress, cuts
+                )
+                self.timings.mark("fetched_at")
+                return blocks
             except TimeoutError as exc:
                 raise CheckpointStallError(
                     stall_message(rank, name, begin, end, self.where, self.read_timeout)
@@ -220,11 +326,12 @@ class StagedFetch:
 
         return pool.submit(job, (name, begin, end))
 
-    def _verify(self, key: Key, path: str, rank: int) -> None:
-        """Check a staged record against its recorded CRC-32 (when there is one)."""
+    def _verify(self, key: Key, path: str, rank: int, fetched: int | None = None) -> None:
+        """Check a staged record against its recorded CRC-32 (when there is one): the CRC
+        of the bytes as they were fetched, or (None) of the staged copy read again."""
         info = self.infos.get(key)
         expected = item_checksum(info) if (self.verify and info is not None) else None
-        if expected is None:
+        if expected is None or (fetched is not None and f"crc32:{fetched:08x}" == expected):
             return
         name, offset, length = key
         crc = 0

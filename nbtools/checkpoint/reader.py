@@ -4,9 +4,11 @@ Metadata is read with a restricted unpickler. Where the target is remote (a
 URL, a network or FUSE mount) the byte ranges of the items a rank's plan names
 are fetched into local staging, each range several ranks need by one rank only
 and handed to the others over the process group, checked against its recorded
-CRC-32 where it was fetched (:mod:`nbtools.checkpoint._staged_read`); a local
-directory is read in place, each item checked as it is read. Only then is an
-item loaded. Non-tensor values are checked to
+CRC-32 where it was fetched (:mod:`nbtools.checkpoint._staged_read`); a handed
+tensor whose destination is a dense CPU tensor of its dtype and shape is copied
+from the message straight into it (:mod:`nbtools.checkpoint._deliver`). A
+local directory is read in place, each item checked as it is read. Only
+verified bytes are loaded. Non-tensor values are checked to
 be loadable with ``torch.load(weights_only=True)`` before DCP's planner
 unpickles them. Loading with another world size works as with any DCP reader.
 
@@ -23,7 +25,7 @@ import contextlib
 import ctypes
 import io
 import os
-import sys
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -35,18 +37,22 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from nbtools import _torch_compat
+from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _staging
 from nbtools.checkpoint._coop_read import NOTE
+from nbtools.checkpoint._deliver import Delivery, Slice, dense_destination, saved_data
 from nbtools.checkpoint._layout import METADATA_NAME, RANK_METADATA_RE, rank_metadata_name
 from nbtools.checkpoint._rank_local import check_rank_local
 from nbtools.checkpoint._safe_pickle import check_weights_only, load_metadata
 from nbtools.checkpoint._shards import item_checksum, read_item_into, verify_items
-from nbtools.checkpoint._staged_read import StagedFetch
+from nbtools.checkpoint._staged_read import StagedFetch, Timings
 from nbtools.checkpoint._target import Target, can_open, open_target
 from nbtools.checkpoint._transforms import StreamTransforms, descriptors_of
 from nbtools.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 __all__ = ["VolumeReader", "read_metadata"]
+
+_log = get_logger("checkpoint")
 
 
 def read_metadata(target: Target, where: str, name: str = METADATA_NAME) -> Metadata:
@@ -78,38 +84,6 @@ def _writable_view(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
-class _Slice(io.RawIOBase):
-    """A seekable read-only window ``[offset, offset + length)`` of an open file."""
-
-    def __init__(self, file: Any, offset: int, length: int) -> None:
-        super().__init__()
-        self._file, self._start, self._len, self._pos = file, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._len}[whence]
-        self._pos = max(0, min(self._len, base + pos))
-        return self._pos
-
-    def readinto(self, buf: Any) -> int:
-        view = memoryview(buf).cast("B")
-        n = min(len(view), self._len - self._pos)
-        if n <= 0:
-            return 0
-        self._file.seek(self._start + self._pos)
-        got = self._file.readinto(view[:n])
-        self._pos += got
-        return got
-
-
 class VolumeReader(StorageReader):
     """DCP ``StorageReader`` for a local or mounted directory or an fsspec URL.
 
@@ -132,9 +106,11 @@ class VolumeReader(StorageReader):
             process group (False: every rank fetches all it needs itself).
         process_group: The group of the ranks loading (the one given to
             ``dcp.load``); None: the default group.
-        chunk_size: Bytes per hand-off message, and the size of the parallel
-            ranged pieces a large item is fetched in (default 64 MiB).
-        min_chunk_size: No ranged piece is smaller (default 8 MiB).
+        chunk_size: The size of the parallel ranged pieces a large item a rank
+            needs alone is fetched in (default 64 MiB). Ranges handed over are
+            fetched and broadcast in messages of a quarter chunk, several in
+            flight in buffers of two chunks in all.
+        min_chunk_size: No ranged piece or message is smaller (default 8 MiB).
         read_timeout: Seconds a fetch may go without receiving a byte before
             the load fails on every rank (default 600).
         _extension_registry: A ``torch.distributed.checkpoint._extension.ExtensionRegistry``
@@ -213,7 +189,10 @@ class VolumeReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         name = METADATA_NAME if rank is None else rank_metadata_name(rank)
-        metadata = read_metadata(self._target, self.path, name)
+        self._fetch.timings = timings = Timings()
+        with timings.phase("metadata"):
+            metadata = read_metadata(self._target, self.path, name)
+        self._mark = time.perf_counter()
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -223,6 +202,7 @@ class VolumeReader(StorageReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         self.storage_data = metadata.storage_data
+        self._tensors = dict(getattr(metadata, "state_dict_metadata", None) or {})
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
@@ -232,13 +212,21 @@ class VolumeReader(StorageReader):
         self._fetch.thread_count, self._fetch.verify = self.thread_count, self.verify
         self._fetch.set_up(self.storage_data, self.use_collectives)
 
+    def _since_mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self._fetch.timings.add(phase, now - getattr(self, "_mark", now))
+        self._mark = now
+
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        self._since_mark("local_plan")
         return self._fetch.local_note(plan) if self._stage else plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return self._fetch.global_notes(plans) if self._stage else plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self._since_mark("global_plan")
+        timings = self._fetch.timings
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
@@ -247,12 +235,32 @@ class VolumeReader(StorageReader):
         if self._stage:
             note = plan.storage_data.get(NOTE) if isinstance(plan.storage_data, dict) else None
             with _staging.staging_area(self._staging_base) as stage:
+                delivery = Delivery(
+                    plan,
+                    self.storage_data,
+                    self._tensors,
+                    planner,
+                    lambda name, stage=stage: os.path.join(stage, name),
+                )
                 # Checksums are verified where the bytes are fetched, not again here.
-                self._fetch.run(plan, note or {}, planner, stage)
-                self._load_all(per_file, planner, stage, verify=False)
+                self._fetch.run(plan, note or {}, planner, stage, delivery)
+                left = {
+                    name: [i for i in items if id(i) not in delivery.delivered]
+                    for name, items in per_file.items()
+                }
+                with timings.phase("load"):
+                    self._load_all(
+                        {n: items for n, items in left.items() if items},
+                        planner,
+                        stage,
+                        verify=False,
+                    )
         else:
             assert self._local_dir is not None  # no local directory means always staged
-            self._load_all(per_file, planner, self._local_dir, verify=self.verify)
+            with timings.phase("load"):
+                self._load_all(per_file, planner, self._local_dir, verify=self.verify)
+        timings.mark("loaded_at")
+        _log.debug("loaded %s on rank %s: %s", self.path, self.rank, timings.text())
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -335,44 +343,21 @@ class VolumeReader(StorageReader):
         if item.type != LoadItemType.TENSOR:
             return None
         info = self.storage_data[item.storage_index]
-        try:
-            saved = torch.load(
-                _Slice(fh, info.offset, info.length), map_location="meta", weights_only=True
-            )
-            at = _torch_compat.storage_data_offset(saved, _Slice(fh, info.offset, info.length))
-            order = _torch_compat.saved_byteorder(_Slice(fh, info.offset, info.length))
-            native = order is None or order == sys.byteorder
-        except Exception:  # noqa: BLE001 - the full load below reports what is wrong
+        found = saved_data(fh, info.offset, info.length)
+        if found is None:
             return None
-        if (
-            not native
-            or not isinstance(at, int)
-            or not isinstance(saved, torch.Tensor)
-            or any(item.storage_offsets)
-            or tuple(item.lengths) != tuple(saved.shape)
-            or not saved.is_contiguous()
-            or saved.storage_offset() != 0
-            or saved.untyped_storage().nbytes() != saved.numel() * saved.element_size()
-            or saved.numel() == 0
-        ):
+        saved, at = found
+        if any(item.storage_offsets) or tuple(item.lengths) != tuple(saved.shape):
             return None
         target = planner.resolve_tensor(item).detach()
-        if (
-            type(target) is not torch.Tensor
-            or target.device.type != "cpu"
-            or target.dtype != saved.dtype
-            or target.size() != saved.size()
-            or not target.is_contiguous()
-            or target.is_conj()
-            or target.is_neg()
-        ):
+        if not dense_destination(target, saved.dtype, saved.shape):
             return None
         return target, info.offset + at
 
     def _load_item(self, fh: Any, item: Any, planner: LoadPlanner) -> None:
         info = self.storage_data[item.storage_index]
         where = f"{self.path}: {item.storage_index.fqn}"
-        raw = _Slice(fh, info.offset, info.length)
+        raw = Slice(fh, info.offset, info.length)
         stream: Any = raw
         if descriptors_of(info):
             stream = io.BytesIO(self._transforms.read_all(raw, info, where))

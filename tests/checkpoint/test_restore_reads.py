@@ -11,6 +11,7 @@ import logging
 import os
 import time
 import warnings
+import zlib
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from nbtools.checkpoint import CheckpointManager, VolumeReader, VolumeWriter
 from nbtools.checkpoint._coop_read import plan_reads
-from nbtools.checkpoint._ranges import split
+from nbtools.checkpoint._ranges import crc32_of, fetch_range, split
 from nbtools.errors import CheckpointStallError, CorruptCheckpointError, StagingSpaceError
 
 s3fs = pytest.importorskip("s3fs")
@@ -107,6 +108,24 @@ def test_split_pieces_cover_the_range_within_the_knobs():
     assert sum(n for _, n in pieces) == 100 * MiB + 3
     assert all(start == sum(n for _, n in pieces[:i]) for i, (start, _) in enumerate(pieces))
     assert all(4 * MiB <= n <= 16 * MiB + 1 for _, n in pieces)
+
+
+def test_records_are_checked_from_the_crcs_of_the_blocks_as_fetched(tmp_path):
+    # Three records in one file, fetched as two pieces that do not end where records do.
+    data = os.urandom(3 * MiB + 7)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_bytes(data)
+    target = type("T", (), {"local_path": str(tmp_path / "src")})()
+    records = [(0, MiB // 2), (MiB // 2, 2 * MiB), (5 * MiB // 2, MiB // 2 + 7)]
+    cuts = [offset for offset, _ in records[1:]]
+    dest = str(tmp_path / "staged")
+    blocks = fetch_range(target, "f", 0, 2 * MiB, dest, 10.0, lambda n: None, cuts)
+    blocks += fetch_range(target, "f", 2 * MiB, MiB + 7, dest, 10.0, lambda n: None, cuts)
+    for offset, length in records:
+        assert crc32_of(blocks, offset, length) == zlib.crc32(data[offset : offset + length])
+    assert crc32_of(blocks, 0, 3 * MiB + 7) == zlib.crc32(data)
+    assert crc32_of(blocks, 100, 1000) is None  # not covered exactly: read again instead
+    assert (tmp_path / "staged").read_bytes() == data
 
 
 def _two_big(fs, name: str) -> int:
