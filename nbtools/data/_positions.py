@@ -24,7 +24,9 @@ import numpy as np
 
 __all__ = [
     "Consumed",
+    "Order",
     "epoch_order",
+    "slot_chunks",
     "slot_positions",
     "slot_length",
     "advance",
@@ -65,16 +67,72 @@ class Consumed:
         return cls(prefix, tuple(sorted(p for p in positions if p > prefix)))
 
 
-def epoch_order(num_files: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """The file indices of ``epoch`` in the order they are served.
+#: Rounds of the Feistel network that shuffles an epoch (a balanced one, 4 suffice
+#: for a pseudo-random permutation; 6 give margin for a non-cryptographic round).
+_ROUNDS = 6
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser: a well-spread 64-bit hash, element-wise (wraps modulo 2**64)."""
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+class Order:
+    """The file indices of one epoch in serving order, computed per position.
 
     A deterministic function of ``(seed, epoch)``: every rank, worker and
-    resumed run computes the same order without communicating.
+    resumed run computes the same order without communicating. Shuffled, the
+    order is a keyed pseudo-random permutation (a Feistel network over the
+    smallest even power of two covering the files, walked until it lands
+    inside them), so any position maps to its file in O(1) time and no
+    process holds an array over the whole dataset.
+
+    Args:
+        num_files: Files in the dataset.
+        seed: Seed of the shuffle.
+        epoch: The epoch.
+        shuffle: False for the listing's order.
     """
-    if not shuffle:
-        return np.arange(num_files, dtype=np.int64)
-    rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch) & 0xFFFFFFFF, 0x6E62])
-    return rng.permutation(num_files).astype(np.int64, copy=False)
+
+    __slots__ = ("num_files", "_keys", "_half", "_mask")
+
+    def __init__(self, num_files: int, seed: int, epoch: int, shuffle: bool) -> None:
+        self.num_files = int(num_files)
+        self._keys: np.ndarray | None = None
+        if shuffle and self.num_files > 1:
+            bits = max(2, (self.num_files - 1).bit_length())
+            bits += bits & 1
+            self._half = np.uint64(bits // 2)
+            self._mask = np.uint64((1 << (bits // 2)) - 1)
+            rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch) & 0xFFFFFFFF, 0x6E62])
+            self._keys = rng.integers(0, 1 << 63, size=_ROUNDS, dtype=np.uint64)
+
+    def _permute(self, x: np.ndarray) -> np.ndarray:
+        half, mask = self._half, self._mask
+        left, right = x >> half, x & mask
+        for key in self._keys:  # type: ignore[union-attr]
+            left, right = right, left ^ (_mix(right ^ key) & mask)
+        return (left << half) | right
+
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        """The file index (int64) at each of ``positions`` (ints in ``[0, num_files)``)."""
+        if self._keys is None:
+            return np.asarray(positions, dtype=np.int64)
+        out = self._permute(np.asarray(positions, dtype=np.uint64))
+        outside = out >= np.uint64(self.num_files)
+        while outside.any():  # cycle walking: at most 4 tries per position on average
+            out[outside] = self._permute(out[outside])
+            outside = out >= np.uint64(self.num_files)
+        return out.astype(np.int64)
+
+
+def epoch_order(num_files: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The file indices of ``epoch`` in the order they are served (all of them; for tests)."""
+    return Order(num_files, seed, epoch, shuffle).at(np.arange(num_files))
 
 
 def _residue_extras(consumed: Consumed, stride: int, slot: int) -> list[int]:
@@ -87,10 +145,26 @@ def _first_candidate(prefix: int, stride: int, slot: int) -> int:
 
 def slot_positions(consumed: Consumed, num_files: int, stride: int, slot: int) -> Iterator[int]:
     """Positions that slot ``slot`` of ``stride`` slots serves, in order."""
-    skip = set(_residue_extras(consumed, stride, slot))
-    for position in range(_first_candidate(consumed.prefix, stride, slot), num_files, stride):
-        if position not in skip:
-            yield position
+    for chunk in slot_chunks(consumed, num_files, stride, slot):
+        yield from chunk.tolist()
+
+
+def slot_chunks(
+    consumed: Consumed, num_files: int, stride: int, slot: int, first: int = 64, most: int = 1024
+) -> Iterator[np.ndarray]:
+    """:func:`slot_positions` as int64 arrays of ``first`` positions, growing to ``most``."""
+    skip = np.array(_residue_extras(consumed, stride, slot), dtype=np.int64)
+    position = _first_candidate(consumed.prefix, stride, slot)
+    size = first
+    while position < num_files:
+        end = min(num_files, position + size * stride)
+        chunk = np.arange(position, end, stride, dtype=np.int64)
+        position = int(chunk[-1]) + stride
+        if len(skip):
+            chunk = chunk[~np.isin(chunk, skip)]
+        if len(chunk):
+            yield chunk
+        size = min(most, size * 4)
 
 
 def slot_length(consumed: Consumed, num_files: int, stride: int, slot: int) -> int:
