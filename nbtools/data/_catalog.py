@@ -10,7 +10,10 @@ The index of ``(root, pattern)`` lives in the private cache directory, under
    and writes a new index (temporary name, then ``os.replace``).
 
 So on a node one process lists, and every other rank and worker waits for it
-and maps the same file. An index that fails a check (damaged, another user's,
+and maps the same file. The first process to open a version of the index
+reads all of it (checksums, paths) and notes its identity next to it
+(``.checked``); the others check its header only, so opening a large index
+costs no time per file. An index that fails a check (damaged, another user's,
 another version, a path outside the root) is rebuilt, with a warning.
 
 Fresh means: every directory the listing entered still has the modification

@@ -21,7 +21,10 @@ An index is used only when it passes :func:`open_index`'s checks: owned by this
 user and writable by nobody else, the expected root, pattern and version,
 sections inside the file and matching their CRCs, offsets in order, and every
 path a plain relative path below the root (no empty, hidden, ``.`` or ``..``
-component, no leading ``/``).
+component, no leading ``/``). The checks that read every byte (CRCs, paths)
+are skipped for a file whose identity (device, inode, size, mtime, ctime) the
+caller knows to have passed them already (see ``_catalog``): replaced or
+modified, a file has another identity and is read in full again.
 """
 
 from __future__ import annotations

@@ -398,7 +398,7 @@ class VolumeDataset(IterableDataset):
         prefix = namespace(files.root) + "/"
         offsets, sizes, mtimes = files.columns()
         blob, base = files.map, files.paths_start
-        for positions in slot_chunks(plan.base, n, plan.stride, slot, most=256):
+        for positions in slot_chunks(plan.base, n, plan.stride, slot, first=16, most=256):
             index = order.at(positions)
             starts = (offsets[index] + base).tolist()
             ends = (offsets[index + 1] + base).tolist()
