@@ -149,7 +149,7 @@ class VolumeDataset(IterableDataset):
         self._uid = Plan.new_id()
         self._files: Index | None = None
         # Where a copy of this dataset in another process maps the same index.
-        self._index_at: tuple[str, str, str] | None = None
+        self._index_at: tuple[str, str, str, list[int]] | None = None
         self._fs: Any = None
         self._cache: FileCache | None = None
         # Position: the epoch, what was consumed before the current plan, and
@@ -271,8 +271,9 @@ class VolumeDataset(IterableDataset):
     def _listing(self) -> Index:
         if self._files is None:
             if self._index_at is not None:
-                path, root, fingerprint = self._index_at
-                files = open_index(path, root, self.pattern)
+                path, root, fingerprint, checked = self._index_at
+                # The same version of the file is not read in full again.
+                files = open_index(path, root, self.pattern, checked)
                 if files.fingerprint != fingerprint:
                     raise DataError(
                         f"the index of {self.root!r} changed while this dataset was in use "
@@ -284,7 +285,7 @@ class VolumeDataset(IterableDataset):
                     self.root, self.pattern, self.cache_dir, self.refresh, token,
                     self.index_in_root,
                 )
-                self._index_at = (files.path, files.root, files.fingerprint)
+                self._index_at = (files.path, files.root, files.fingerprint, files.identity)
             self._files = files
         return self._files
 

@@ -161,22 +161,26 @@ def test_an_index_naming_paths_outside_the_root_is_refused(volume, tmp_path):
 
 def _build(args) -> tuple[int, str]:
     src, cache, token = args
-    index = load_index(src, "**/*", cache, True, token)
+    index = load_index(src, "**/*", cache, True, token, in_root=True)
     return len(index), index.fingerprint
 
 
 def test_concurrent_builders_leave_one_complete_index(tree):
     src, cache = tree
-    jobs = [(str(src), str(cache), f"job-{i}") for i in range(12)]
+    # Two nodes (private caches), each with several builders, all writing to the root too.
+    jobs = [(str(src), f"{cache}-{i % 2}", f"job-{i}") for i in range(12)]
     with multiprocessing.get_context("fork").Pool(4) as pool:
         results = pool.map(_build, jobs)
     assert {r[0] for r in results} == {40}
     assert len({r[1] for r in results}) == 1
-    index = open_index(_index_file(src, cache), str(src), "**/*")
-    assert len(index) == 40
-    name = os.path.basename(index.path)
-    leftovers = [n for n in os.listdir(os.path.dirname(index.path)) if n not in (name, f"{name}.checked")]
-    assert leftovers == []
+    for where in (_index_file(src, f"{cache}-0"), _shared_index(src)):
+        index = open_index(where, str(src), "**/*")
+        assert len(index) == 40
+        name = os.path.basename(index.path)
+        leftovers = [
+            n for n in os.listdir(os.path.dirname(index.path)) if n not in (name, f"{name}.checked")
+        ]
+        assert leftovers == []
 
 
 def test_a_million_entry_index_maps_without_a_python_object_per_file(tmp_path):
