@@ -67,18 +67,11 @@ class Consumed:
         return cls(prefix, tuple(sorted(p for p in positions if p > prefix)))
 
 
-#: Rounds of the Feistel network that shuffles an epoch (a balanced one, 4 suffice
-#: for a pseudo-random permutation; 6 give margin for a non-cryptographic round).
-_ROUNDS = 6
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-
-
-def _mix(z: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser: a well-spread 64-bit hash, element-wise (wraps modulo 2**64)."""
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
+#: Rounds of the Feistel network that shuffles an epoch (4 make a pseudo-random
+#: permutation of a Feistel network with random round functions; 8 give margin
+#: for a cheap multiplicative round).
+_ROUNDS = 8
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplying by it is a bijection mod 2**64
 
 
 class Order:
@@ -86,10 +79,13 @@ class Order:
 
     A deterministic function of ``(seed, epoch)``: every rank, worker and
     resumed run computes the same order without communicating. Shuffled, the
-    order is a keyed pseudo-random permutation (a Feistel network over the
-    smallest even power of two covering the files, walked until it lands
-    inside them), so any position maps to its file in O(1) time and no
-    process holds an array over the whole dataset.
+    order is a keyed pseudo-random permutation: a Feistel network over the
+    smallest power of two covering the files (halves of unequal size when its
+    bit count is odd; each round adds the top bits of a keyed multiplicative
+    hash of one half to the other), walked again from any result that falls
+    outside the files (cycle walking; the domain is under twice the files, so
+    under two steps per position on average). Any position maps to its file in
+    O(1) time and no process holds an array over the whole dataset.
 
     Args:
         num_files: Files in the dataset.
@@ -98,35 +94,39 @@ class Order:
         shuffle: False for the listing's order.
     """
 
-    __slots__ = ("num_files", "_keys", "_half", "_mask")
+    __slots__ = ("num_files", "_keys", "_bits")
 
     def __init__(self, num_files: int, seed: int, epoch: int, shuffle: bool) -> None:
         self.num_files = int(num_files)
-        self._keys: np.ndarray | None = None
+        self._keys: list[np.uint64] | None = None
+        self._bits = (0, 0)
         if shuffle and self.num_files > 1:
             bits = max(2, (self.num_files - 1).bit_length())
-            bits += bits & 1
-            self._half = np.uint64(bits // 2)
-            self._mask = np.uint64((1 << (bits // 2)) - 1)
+            self._bits = (bits - bits // 2, bits // 2)  # the halves: left, right
             rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch) & 0xFFFFFFFF, 0x6E62])
-            self._keys = rng.integers(0, 1 << 63, size=_ROUNDS, dtype=np.uint64)
+            self._keys = list(rng.integers(0, 1 << 63, size=_ROUNDS, dtype=np.uint64))
 
     def _permute(self, x: np.ndarray) -> np.ndarray:
-        half, mask = self._half, self._mask
-        left, right = x >> half, x & mask
+        a, b = self._bits  # sizes in bits of the left and right halves
+        left, right = x >> np.uint64(b), x & np.uint64((1 << b) - 1)
         for key in self._keys:  # type: ignore[union-attr]
-            left, right = right, left ^ (_mix(right ^ key) & mask)
-        return (left << half) | right
+            # (left: a bits, right: b bits) -> (right, left + F(right) mod 2**a): a bijection.
+            hashed = ((right ^ key) * _GOLDEN) >> np.uint64(64 - a)
+            left, right = right, (left + hashed) & np.uint64((1 << a) - 1)
+            a, b = b, a
+        return (left << np.uint64(b)) | right
 
     def at(self, positions: np.ndarray) -> np.ndarray:
         """The file index (int64) at each of ``positions`` (ints in ``[0, num_files)``)."""
         if self._keys is None:
             return np.asarray(positions, dtype=np.int64)
         out = self._permute(np.asarray(positions, dtype=np.uint64))
-        outside = out >= np.uint64(self.num_files)
-        while outside.any():  # cycle walking: at most 4 tries per position on average
-            out[outside] = self._permute(out[outside])
-            outside = out >= np.uint64(self.num_files)
+        limit = np.uint64(self.num_files)
+        outside = np.flatnonzero(out >= limit)
+        while len(outside):  # cycle walking
+            walked = self._permute(out[outside])
+            out[outside] = walked
+            outside = outside[walked >= limit]
         return out.astype(np.int64)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from itertools import islice
 from typing import IO, Any
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -31,6 +32,8 @@ _log = get_logger("data.dataset")
 #: shuffled dataset counted positions in another order and is refused.
 _STATE_VERSION = 2
 _UNSHUFFLED_STATES = (1,)  # versions whose unshuffled positions mean the same
+#: Items handed to a stream (and checked against their sources) at a time.
+_ITEMS_PER_CHUNK = 256
 
 
 class VolumeDataset(IterableDataset):
@@ -399,17 +402,23 @@ class VolumeDataset(IterableDataset):
         prefix = namespace(files.root) + "/"
         offsets, sizes, mtimes = files.columns()
         blob, base = files.map, files.paths_start
-        for positions in slot_chunks(plan.base, n, plan.stride, slot, first=16, most=256):
+        # Blocks of positions grow to thousands (a call of the shuffle costs about
+        # as much for one position as for thousands); items go out 256 at a time.
+        for positions in slot_chunks(plan.base, n, plan.stride, slot, first=16, most=4096):
             index = order.at(positions)
-            starts = (offsets[index] + base).tolist()
-            ends = (offsets[index + 1] + base).tolist()
-            yield [
+            rows = zip(
+                index.tolist(),
+                (offsets[index] + base).tolist(),
+                (offsets[index + 1] + base).tolist(),
+                sizes[index].tolist(),
+                mtimes[index].tolist(),
+                strict=True,
+            )
+            while chunk := [
                 Item(prefix + blob[a:b].decode("utf-8", "surrogateescape"), size, mtime, i)
-                for i, a, b, size, mtime in zip(
-                    index.tolist(), starts, ends, sizes[index].tolist(), mtimes[index].tolist(),
-                    strict=True,
-                )
-            ]
+                for i, a, b, size, mtime in islice(rows, _ITEMS_PER_CHUNK)
+            ]:
+                yield chunk
 
     def _source_checker(self) -> SourceCheck | None:
         """What gives items their source's size and mtime now (None: trust the listing).
