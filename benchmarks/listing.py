@@ -7,6 +7,10 @@ measures for a job of 2 ranks x 2 loader workers (gloo, really started):
 
 * ``cold``: the first launch, no index yet: ``VolumeDataset`` + ``DataLoader``
   until the first batch; ``warm``: a second launch over the unchanged tree;
+  ``other_node``: a launch with an empty private cache (another node), which
+  copies the index the cold launch kept in the root (``index_in_root=True``;
+  the tree has its ``.nbtools-index`` directory from the start, as a prepared
+  dataset would);
 * ``listings``: directories listed (``os.scandir`` calls, counted in every
   rank process) per job;
 * ``first_batch_s``: the slowest rank's time from building the dataset to its
@@ -98,6 +102,7 @@ def _old_listing(root: str) -> list[tuple[str, int, int]]:
 
 
 def _rank(rank: int, work: str, mode: str, port: int, n: int) -> None:
+    cache = f"{work}/cache-node2" if mode == "node" else f"{work}/cache"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     _count_scandir()
@@ -111,7 +116,9 @@ def _rank(rank: int, work: str, mode: str, port: int, n: int) -> None:
             out["private"] = _private() - before
             assert len(listing[0]) == n
         else:
-            files = VolumeDataset(f"{work}/tree", cache_dir=f"{work}/cache", shuffle=True)
+            files = VolumeDataset(
+                f"{work}/tree", cache_dir=cache, shuffle=True, index_in_root=True
+            )
             with DataLoader(_First(files), batch_size=32, num_workers=2) as loader:
                 it = iter(loader)
                 batch = next(it)
@@ -163,6 +170,7 @@ def _make_tree(root: str, n: int) -> int:
             os.makedirs(d)
             dirs += 1
         os.close(os.open(os.path.join(d, f"f{i:08d}.bin"), os.O_CREAT | os.O_WRONLY, 0o644))
+    os.makedirs(os.path.join(root, ".nbtools-index"))
     past = time.time() - 3600
     for dirpath, _, _ in os.walk(root):
         os.utime(dirpath, (past, past))
@@ -213,6 +221,7 @@ def _measure(n: int) -> dict:
             "cold": _job(work, "new", n),
         }
         result["warm"] = _job(work, "new", n)
+        result["other_node"] = _job(work, "node", n)
         result["per_rank_listing"] = _job(work, "old", n)
         result["scandir_walk"] = {"listings": dirs, "seconds": round(walk_s, 3)}
         return result

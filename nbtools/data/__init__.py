@@ -58,8 +58,9 @@ evicted (one shared lock for a whole stream while nothing needs evicting, one
 per file otherwise). A cache too small for ``prefetch`` files per stream
 copies fewer ahead (at least one), with a warning. Nothing lives in
 ``/dev/shm``, so an interrupted notebook leaves no stale segment behind; the
-temporary files of a killed copy are removed by the next process that opens
-the cache.
+temporary files of a killed copy are removed by the next eviction, or by a
+process that opens the cache (one every ten minutes per node at most: the walk
+costs time per cached file).
 
 The file list is one index per dataset, a memory-mapped file in the cache
 directory (``.index/``) that one process per node builds (the others wait

@@ -46,7 +46,7 @@ from nbtools._internal.log import get_logger
 from nbtools.data._cachedir import ensure_private_dir, min_free_from_env
 from nbtools.data._gate import Gate, KnownFiles
 from nbtools.data._pins import Cancelled, Pin, pin_path
-from nbtools.data._sweep import evict_one, scan, sweep_temporaries
+from nbtools.data._sweep import evict_one, scan, sweep_due, sweep_temporaries
 from nbtools.errors import CacheError, DataError
 
 __all__ = ["FileCache", "SourceChanged", "TMP_PREFIX"]
@@ -68,6 +68,9 @@ _RESERVED_LOCK = threading.Lock()
 
 # Cache directories whose leftover temporary files this process already swept.
 _SWEPT: set[str] = set()
+#: Opening a cache walks it for leftover temporaries at most this often per node:
+#: a walk costs time per cached file, and every eviction sweeps as well.
+_SWEEP_EVERY_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,8 @@ class FileCache:
         self.known = KnownFiles(self.gate)
         if self.dir not in _SWEPT:
             _SWEPT.add(self.dir)
-            self.sweep()
+            if sweep_due(locks, _SWEEP_EVERY_S):
+                self.sweep()
 
     @property
     def capacity(self) -> int:
@@ -437,7 +441,8 @@ class FileCache:
         """Remove the temporary files of copies whose process no longer exists.
 
         Returns how many were removed. Runs when a process first opens the
-        cache, and as part of every eviction.
+        cache (at most once every ten minutes per node), and as part of every
+        eviction.
         """
         removed = sweep_temporaries(self.dir, _LOCKS)
         if removed:

@@ -10,7 +10,10 @@ The index of ``(root, pattern)`` lives in the private cache directory, under
    and writes a new index (temporary name, then ``os.replace``).
 
 So on a node one process lists, and every other rank and worker waits for it
-and maps the same file. An index that fails a check (damaged, another user's,
+and maps the same file. The first process to open a version of the index
+reads all of it (checksums, paths) and notes its identity next to it
+(``.checked``); the others check its header only, so opening a large index
+costs no time per file. An index that fails a check (damaged, another user's,
 another version, a path outside the root) is rebuilt, with a warning.
 
 Fresh means: every directory the listing entered still has the modification
@@ -24,6 +27,12 @@ directory mtimes do not change (some FUSE and object-store mounts): use
 listed could have changed unseen in the same clock tick, so such an index is
 not reused. An fsspec URL has no directory times: it is listed once per job.
 ``refresh=True`` lists again once per job (the index records which job built it).
+
+With ``index_in_root=True`` the index is also kept in the dataset root, where
+other nodes and later jobs find it (see ``_rootindex``): a node without a fresh
+private index copies that one in, checks it, and lists the root only when it
+is missing, refused or stale. An index written by a node of the same job is
+used without the freshness check, as one of this node's own would be.
 """
 
 from __future__ import annotations
@@ -31,20 +40,24 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import time
 import warnings
 
+from nbtools._internal.fs import TMP_PREFIX
 from nbtools._internal.log import get_logger
 from nbtools.data._cachedir import ensure_private_dir
 from nbtools.data._index import Index, IndexRefused, IndexWriter, open_index
 from nbtools.data._listing import Progress, check_root, walk_fsspec, walk_local
+from nbtools.data._rootindex import fetch_shared, prepare_shared, publish_shared, shared_path
 
 __all__ = ["index_path", "job_token", "load_index", "namespace"]
 
 _log = get_logger("data.catalog")
 
 _DIR = ".index"
+_CHECKED = ".checked"
 _RACY_NS = 2_000_000_000
 _JOB_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT")
 
@@ -88,13 +101,51 @@ def _fresh(index: Index) -> str | None:
     return None
 
 
-def _try_open(path: str, root: str, pattern: str) -> Index | None:
+def _checked(path: str) -> list[int] | None:
+    """The identity of the version of the index at ``path`` whose bytes were all checked."""
     try:
-        return open_index(path, root, pattern)
+        with open(path + _CHECKED, encoding="ascii") as fh:
+            value = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, list) and all(isinstance(v, int) for v in value) else None
+
+
+def _note_checked(index: Index) -> None:
+    """Remember that every byte of this version of the index passed its checks.
+
+    Not for a file changed within the last ``_RACY_NS``: a change in the same
+    clock tick would keep its identity.
+    """
+    if time.time_ns() - index.identity[-1] < _RACY_NS:
+        return
+    tmp = f"{index.path}.{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        with open(tmp, "w", encoding="ascii") as fh:
+            json.dump(index.identity, fh)
+        os.replace(tmp, index.path + _CHECKED)
+    except OSError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def _try_open(path: str, root: str, pattern: str, shown: str | None = None) -> Index | None:
+    """The index at ``path`` if it passes its checks; a refusal is warned about as ``shown``.
+
+    Only the first process to open a version of the file reads all of it: the
+    others on the node find its identity noted next to it (``.checked``, in the
+    private cache) and check the header only.
+    """
+    try:
+        checked = _checked(path)
+        index = open_index(path, root, pattern, checked)
+        if index.identity != checked:
+            _note_checked(index)
+        return index
     except FileNotFoundError:
         return None
     except (IndexRefused, OSError) as exc:
-        text = f"not using the dataset index {path}: {exc}; listing {root} again"
+        text = f"not using the dataset index {shown or path}: {exc}; listing {root} again"
         warnings.warn(text, RuntimeWarning, stacklevel=4)
         _log.warning("%s", text)
         return None
@@ -150,16 +201,25 @@ def _locked(cache_dir: str, path: str):
 
 
 def load_index(
-    root: str, pattern: str, cache_dir: str, refresh: bool, token: str
+    root: str, pattern: str, cache_dir: str, refresh: bool, token: str, in_root: bool = False
 ) -> Index:
     """The checked, fresh index of ``root`` and ``pattern``, listing the root only if needed.
+
+    ``in_root``: also look for the index in the root, and write it there after
+    a listing (see ``_rootindex``).
 
     Raises:
         FileNotFoundError: the root does not exist, or no file matches.
         NotADirectoryError: the root is a file.
+        ValueError: ``in_root`` for an fsspec URL.
     """
     root = check_root(root)
     url = not root.startswith("/")
+    if in_root and url:
+        raise ValueError(
+            f"index_in_root=True needs a local directory or a mounted volume, not {root!r}; "
+            "pass index_in_root=False"
+        )
     cache_dir = os.path.abspath(cache_dir)
     ensure_private_dir(cache_dir)
     os.makedirs(os.path.join(cache_dir, _DIR), mode=0o700, exist_ok=True)
@@ -167,10 +227,21 @@ def load_index(
     index = _try_open(path, root, pattern)
     if _usable(index, refresh, token):
         return index  # type: ignore[return-value]
+    shared = shared_path(root, pattern) if in_root else None
     with _locked(cache_dir, path):
         again = _try_open(path, root, pattern)
         if _usable(again, refresh, token):
             return again  # type: ignore[return-value]
+        if shared is not None and fetch_shared(shared, path):
+            fetched = _try_open(path, root, pattern, shown=shared)
+            if _usable(fetched, refresh, token):
+                _log.info("using the dataset index %s", shared)
+                return fetched  # type: ignore[return-value]
+        if shared is not None and not prepare_shared(shared):
+            shared = None
         _build(path, root, pattern, token, url)
+        if shared is not None:
+            publish_shared(path, shared)
     built = open_index(path, root, pattern)
+    _note_checked(built)
     return built

@@ -21,7 +21,10 @@ An index is used only when it passes :func:`open_index`'s checks: owned by this
 user and writable by nobody else, the expected root, pattern and version,
 sections inside the file and matching their CRCs, offsets in order, and every
 path a plain relative path below the root (no empty, hidden, ``.`` or ``..``
-component, no leading ``/``).
+component, no leading ``/``). The checks that read every byte (CRCs, paths)
+are skipped for a file whose identity (device, inode, size, mtime, ctime) the
+caller knows to have passed them already (see ``_catalog``): replaced or
+modified, a file has another identity and is read in full again.
 """
 
 from __future__ import annotations
@@ -43,12 +46,14 @@ import numpy as np
 
 from nbtools._internal.fs import TMP_PREFIX
 
-__all__ = ["Index", "IndexRefused", "IndexWriter", "open_index", "FORMAT"]
+__all__ = ["Index", "IndexRefused", "IndexWriter", "identity", "open_index", "FORMAT"]
 
 FORMAT = 1
 _MAGIC = b"NBTIDX01"
 _PREAMBLE = struct.Struct("<8sQQ")
 _SPILL = 1 << 16  # entries buffered before they go to the spill files
+_CHECK_BLOCK = 1 << 22  # bytes of paths checked at a time (bounds the temporary arrays)
+_DOT, _SLASH = ord("."), ord("/")
 _SECTIONS = ("offsets", "sizes", "mtimes", "paths", "dir_offsets", "dir_mtimes", "dir_paths")
 
 
@@ -210,6 +215,7 @@ class Index:
     ``map[paths_start + offsets[i] : paths_start + offsets[i + 1]]``.
     """
 
+    identity: list[int]
     path: str
     root: str
     header: dict[str, Any]
@@ -235,6 +241,12 @@ class Index:
         """The largest file size in bytes (0 for no file)."""
         return int(self.header["largest"])
 
+    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``offsets``, ``sizes`` and ``mtimes`` as read-only int64 arrays over the map."""
+        return tuple(  # type: ignore[return-value]
+            np.frombuffer(view, dtype=np.int64) for view in (self.offsets, self.sizes, self.mtimes)
+        )
+
     def relpath(self, i: int) -> str:
         """The ``/``-separated path of file ``i`` relative to the root."""
         base = self.paths_start
@@ -251,7 +263,9 @@ class Index:
             yield os.fsdecode(bytes(blob[offs[i] : offs[i + 1]])), self.dir_mtimes[i]
 
 
-def _section(mm: mmap.mmap, header: dict[str, Any], name: str, size: int) -> memoryview:
+def _section(
+    mm: mmap.mmap, header: dict[str, Any], name: str, size: int, deep: bool
+) -> memoryview:
     try:
         start, length, crc = (int(v) for v in header["sections"][name])
     except (KeyError, TypeError, ValueError):
@@ -260,7 +274,7 @@ def _section(mm: mmap.mmap, header: dict[str, Any], name: str, size: int) -> mem
     if start < 0 or length < 0 or start + length > size or not aligned:
         raise IndexRefused(f"section {name!r} lies outside the file or is misaligned")
     view = memoryview(mm)[start : start + length]
-    if zlib.crc32(view) != crc:
+    if deep and zlib.crc32(view) != crc:
         raise IndexRefused(f"section {name!r} does not match its checksum (a damaged file)")
     return view
 
@@ -280,14 +294,36 @@ def _check_paths(
         return
     data = np.frombuffer(mm, dtype=np.uint8, count=length, offset=start)
     firsts, lasts = data[offsets[:-1]], data[offsets[1:] - 1]
-    bad = (firsts == ord(".")) | (firsts == ord("/")) | (lasts == ord("/"))
-    del data
-    if bad.any() or any(mm.find(p, start, start + length) >= 0 for p in (b"/.", b"//", b"\0")):
+    bad = bool(((firsts == _DOT) | (firsts == _SLASH) | (lasts == _SLASH)).any())
+    # No "/." or "//" inside a path and no NUL byte: a block at a time, each
+    # block one byte longer than its step so that pairs across steps are seen.
+    for begin in range(0, length, _CHECK_BLOCK):
+        if bad:
+            break
+        block = data[begin : begin + _CHECK_BLOCK + 1]
+        after = block[1:]
+        pairs = (block[:-1] == _SLASH) & ((after == _DOT) | (after == _SLASH))
+        bad = bool(pairs.any()) or not block.all()
+    del data, firsts, lasts
+    if bad:
         raise IndexRefused(f"the {what} list holds a path outside the root or a hidden one")
 
 
-def open_index(path: str, root: str, pattern: str) -> Index:
+def identity(st: os.stat_result) -> list[int]:
+    """What identifies one version of a file: replaced or modified, it changes."""
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def open_index(
+    path: str, root: str, pattern: str, checked: list[int] | None = None
+) -> Index:
     """Map and check the index at ``path`` for ``root`` and ``pattern``.
+
+    ``checked``: the :func:`identity` of a file of this user's whose every
+    byte an earlier open already checked. When the file opened has it, the
+    checksums of the sections and the paths are not read again (the header,
+    owner, format, root, pattern and section bounds still are), so opening it
+    costs no time per file.
 
     Raises:
         FileNotFoundError: there is no index there.
@@ -325,7 +361,8 @@ def open_index(path: str, root: str, pattern: str) -> Index:
                 f"it lists {header.get('root')!r} with pattern {header.get('pattern')!r}, "
                 f"not {root!r} with {pattern!r}"
             )
-        views = {name: _section(mm, header, name, st.st_size) for name in _SECTIONS}
+        deep = checked is None or identity(st) != checked
+        views = {name: _section(mm, header, name, st.st_size, deep) for name in _SECTIONS}
         count, dirs = int(header.get("count", -1)), int(header.get("dirs", -1))
         ints = {n: views[n].cast("q") for n in _SECTIONS if "paths" not in n}
         if (len(ints["offsets"]), len(ints["sizes"]), len(ints["mtimes"])) != (
@@ -333,14 +370,17 @@ def open_index(path: str, root: str, pattern: str) -> Index:
         ) or (len(ints["dir_offsets"]), len(ints["dir_mtimes"])) != (dirs + 1, dirs):
             raise IndexRefused("its sections do not hold as many entries as its header says")
         start, length = (int(v) for v in header["sections"]["paths"][:2])
-        _check_paths(np.frombuffer(ints["offsets"], dtype=np.int64), mm, start, length, "file")
+        if deep:
+            offsets = np.frombuffer(ints["offsets"], dtype=np.int64)
+            _check_paths(offsets, mm, start, length, "file")
         dir_offsets = np.frombuffer(ints["dir_offsets"], dtype=np.int64)
         if dirs and dir_offsets[1] != 0:
             raise IndexRefused("its first directory is not the root")
-        if dirs > 1:
+        if dirs > 1 and deep:
             dstart, dlength = (int(v) for v in header["sections"]["dir_paths"][:2])
             _check_paths(dir_offsets[1:], mm, dstart, dlength, "directory")
         return Index(
+            identity=identity(st),
             path=path,
             root=root,
             header=header,

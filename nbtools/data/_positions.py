@@ -24,7 +24,9 @@ import numpy as np
 
 __all__ = [
     "Consumed",
+    "Order",
     "epoch_order",
+    "slot_chunks",
     "slot_positions",
     "slot_length",
     "advance",
@@ -65,16 +67,72 @@ class Consumed:
         return cls(prefix, tuple(sorted(p for p in positions if p > prefix)))
 
 
-def epoch_order(num_files: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """The file indices of ``epoch`` in the order they are served.
+#: Rounds of the Feistel network that shuffles an epoch (4 make a pseudo-random
+#: permutation of a Feistel network with random round functions; 8 give margin
+#: for a cheap multiplicative round).
+_ROUNDS = 8
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplying by it is a bijection mod 2**64
+
+
+class Order:
+    """The file indices of one epoch in serving order, computed per position.
 
     A deterministic function of ``(seed, epoch)``: every rank, worker and
-    resumed run computes the same order without communicating.
+    resumed run computes the same order without communicating. Shuffled, the
+    order is a keyed pseudo-random permutation: a Feistel network over the
+    smallest power of two covering the files (halves of unequal size when its
+    bit count is odd; each round adds the top bits of a keyed multiplicative
+    hash of one half to the other), walked again from any result that falls
+    outside the files (cycle walking; the domain is under twice the files, so
+    under two steps per position on average). Any position maps to its file in
+    O(1) time and no process holds an array over the whole dataset.
+
+    Args:
+        num_files: Files in the dataset.
+        seed: Seed of the shuffle.
+        epoch: The epoch.
+        shuffle: False for the listing's order.
     """
-    if not shuffle:
-        return np.arange(num_files, dtype=np.int64)
-    rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch) & 0xFFFFFFFF, 0x6E62])
-    return rng.permutation(num_files).astype(np.int64, copy=False)
+
+    __slots__ = ("num_files", "_keys", "_bits")
+
+    def __init__(self, num_files: int, seed: int, epoch: int, shuffle: bool) -> None:
+        self.num_files = int(num_files)
+        self._keys: list[np.uint64] | None = None
+        self._bits = (0, 0)
+        if shuffle and self.num_files > 1:
+            bits = max(2, (self.num_files - 1).bit_length())
+            self._bits = (bits - bits // 2, bits // 2)  # the halves: left, right
+            rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch) & 0xFFFFFFFF, 0x6E62])
+            self._keys = list(rng.integers(0, 1 << 63, size=_ROUNDS, dtype=np.uint64))
+
+    def _permute(self, x: np.ndarray) -> np.ndarray:
+        a, b = self._bits  # sizes in bits of the left and right halves
+        left, right = x >> np.uint64(b), x & np.uint64((1 << b) - 1)
+        for key in self._keys:  # type: ignore[union-attr]
+            # (left: a bits, right: b bits) -> (right, left + F(right) mod 2**a): a bijection.
+            hashed = ((right ^ key) * _GOLDEN) >> np.uint64(64 - a)
+            left, right = right, (left + hashed) & np.uint64((1 << a) - 1)
+            a, b = b, a
+        return (left << np.uint64(b)) | right
+
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        """The file index (int64) at each of ``positions`` (ints in ``[0, num_files)``)."""
+        if self._keys is None:
+            return np.asarray(positions, dtype=np.int64)
+        out = self._permute(np.asarray(positions, dtype=np.uint64))
+        limit = np.uint64(self.num_files)
+        outside = np.flatnonzero(out >= limit)
+        while len(outside):  # cycle walking
+            walked = self._permute(out[outside])
+            out[outside] = walked
+            outside = outside[walked >= limit]
+        return out.astype(np.int64)
+
+
+def epoch_order(num_files: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The file indices of ``epoch`` in the order they are served (all of them; for tests)."""
+    return Order(num_files, seed, epoch, shuffle).at(np.arange(num_files))
 
 
 def _residue_extras(consumed: Consumed, stride: int, slot: int) -> list[int]:
@@ -87,10 +145,26 @@ def _first_candidate(prefix: int, stride: int, slot: int) -> int:
 
 def slot_positions(consumed: Consumed, num_files: int, stride: int, slot: int) -> Iterator[int]:
     """Positions that slot ``slot`` of ``stride`` slots serves, in order."""
-    skip = set(_residue_extras(consumed, stride, slot))
-    for position in range(_first_candidate(consumed.prefix, stride, slot), num_files, stride):
-        if position not in skip:
-            yield position
+    for chunk in slot_chunks(consumed, num_files, stride, slot):
+        yield from chunk.tolist()
+
+
+def slot_chunks(
+    consumed: Consumed, num_files: int, stride: int, slot: int, first: int = 64, most: int = 1024
+) -> Iterator[np.ndarray]:
+    """:func:`slot_positions` as int64 arrays of ``first`` positions, growing to ``most``."""
+    skip = np.array(_residue_extras(consumed, stride, slot), dtype=np.int64)
+    position = _first_candidate(consumed.prefix, stride, slot)
+    size = first
+    while position < num_files:
+        end = min(num_files, position + size * stride)
+        chunk = np.arange(position, end, stride, dtype=np.int64)
+        position = int(chunk[-1]) + stride
+        if len(skip):
+            chunk = chunk[~np.isin(chunk, skip)]
+        if len(chunk):
+            yield chunk
+        size = min(most, size * 4)
 
 
 def slot_length(consumed: Consumed, num_files: int, stride: int, slot: int) -> int:

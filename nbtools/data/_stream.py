@@ -22,55 +22,80 @@ completed copies from the far end of its own window first.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
-from typing import IO, NamedTuple, Union
+from typing import IO, Optional
 
 from nbtools._internal.log import get_logger
 from nbtools.data import _tags
+from nbtools.data._ahead import Ahead, Item, SourceCheck
 from nbtools.data._cache import FileCache
 from nbtools.data._gate import unwatch, watch
 from nbtools.data._pins import Pin, pin_path
 from nbtools.data._window import warn_once
 
-__all__ = ["Item", "serve"]
+__all__ = ["Guard", "Item", "SourceCheck", "serve"]
 
 _log = get_logger("data.stream")
 #: Files handed out under the gate between two looks for ones to let go.
 _GATED_RELEASE = 16
 
-#: How a file is protected: a pin, the gate (its path), or not yet (None / a copy).
-_Guard = Union[Pin, str, None]
+@dataclass(frozen=True, slots=True)
+class Guard:
+    """How a complete cached file of a stream is kept from eviction.
 
-
-class Item(NamedTuple):
-    """One file to serve: its cache key, listed size and mtime, and its index in the listing.
-
-    The stream opens the source (``open_source(index)``) only when it copies the file.
+    ``pin`` is the file's own pin, or None while the cache's gate protects it
+    (nothing evicts then). A file that is not protected at all (a copy ahead
+    that gave up) has no guard: the consumer fetches it itself.
     """
 
-    key: str
-    size: int
-    mtime_ns: int
-    index: int
+    path: str
+    pin: Pin | None = None
+
+    @classmethod
+    def pinned(cls, pin: Pin) -> Guard:
+        """The guard of a pinned file."""
+        return cls(pin.path, pin)
+
+    def release(self) -> None:
+        """Let the file be evicted again, as far as this guard goes (idempotent)."""
+        if self.pin is not None:
+            self.pin.release()
+
+    def to_pin(self) -> Guard | None:
+        """This guard with a pin of its own (None when the file is gone meanwhile)."""
+        if self.pin is not None:
+            return self
+        pin = pin_path(self.path)
+        return None if pin is None else Guard(self.path, pin)
 
 
-def _drop(guard: _Guard) -> None:
-    if isinstance(guard, Pin):
+#: A file ahead of the consumer: its copy in flight, its guard, or None (not protected).
+_State = Optional[Future | Guard]
+
+
+def _drop(guard: Guard | None) -> None:
+    if guard is not None:
         guard.release()
 
 
-def _settled(state: Future | _Guard) -> _Guard:
-    """The pin of a finished copy (None for one that failed, was cancelled or runs on)."""
+def _as_guard(pin: Pin | None) -> Guard | None:
+    return None if pin is None else Guard(pin.path, pin)
+
+
+def _settled(state: _State) -> Guard | None:
+    """The guard of a finished copy (None for one that failed, was cancelled or runs on)."""
     if not isinstance(state, Future):
         return state
     if state.done() and not state.cancelled() and state.exception() is None:
-        return state.result()
+        return _as_guard(state.result())
     return None
 
 
@@ -78,27 +103,31 @@ class _Stream:
     def __init__(
         self,
         cache: FileCache,
-        items: Iterable[Item],
+        chunks: Iterable[list[Item]],
         prefetch: int,
         budget: int,
         hold: int | None,
         open_source: Callable[[int], IO[bytes]],
         stat_source: Callable[[int], tuple[int, int] | None] | None = None,
+        check: SourceCheck | None = None,
     ) -> None:
         self.cache = cache
         self.open_source = open_source
         self.stat_source = stat_source
-        self.source = iter(items)
+        self.ahead = None if check is None else Ahead(chunks, check)
+        self.source: Iterator[Item] = (
+            iter(self.ahead) if self.ahead is not None else itertools.chain.from_iterable(chunks)
+        )
         self.lookahead: Item | None = None
         self.window = max(1, prefetch)
         self.budget = budget
         self.hold = hold
         self.lock = threading.Lock()
         self.cancel = threading.Event()
-        #: [item, Future | guard] of files ahead of the consumer, in order.
+        #: [item, state] of files ahead of the consumer, in order.
         self.pending: deque[list] = deque()
         #: (batch index, guard, size) of files handed out and still protected.
-        self.held: deque[tuple[int, _Guard, int]] = deque()
+        self.held: deque[tuple[int, Guard, int]] = deque()
         self.pending_bytes = 0
         self.held_bytes = 0
         self.pool = ThreadPoolExecutor(
@@ -114,10 +143,11 @@ class _Stream:
             if self.gate_fd < 0:
                 return
             for entry in self.pending:
-                if isinstance(entry[1], str):
-                    entry[1] = pin_path(entry[1])  # None: the consumer fetches it again
+                if isinstance(entry[1], Guard):
+                    entry[1] = entry[1].to_pin()  # None: the consumer fetches it again
+            # A handed-out file gone meanwhile needs nothing more.
             self.held = deque(
-                (b, pin_path(g) if isinstance(g, str) else g, n) for b, g, n in self.held
+                (b, pinned, n) for b, g, n in self.held if (pinned := g.to_pin()) is not None
             )
             os.close(self.gate_fd)
             self.gate_fd = -1
@@ -128,9 +158,10 @@ class _Stream:
         self.gate_fd = -1
         guards = [e[1] for e in self.pending] + [g for _, g, _ in self.held]
         for guard in guards:
-            if isinstance(guard, Pin) and guard._fd >= 0:
-                fds.append(guard._fd)
-                guard.forget()
+            pin = guard.pin if isinstance(guard, Guard) else None
+            if pin is not None and pin._fd >= 0:
+                fds.append(pin._fd)
+                pin.forget()
         for fd in fds:
             try:
                 os.close(fd)
@@ -152,7 +183,7 @@ class _Stream:
         with self.lock:
             for entry in reversed(self.pending):
                 guard = _settled(entry[1])
-                if isinstance(guard, Pin):
+                if guard is not None and guard.pin is not None:
                     guard.release()
                     entry[1] = None
                     self.window = max(1, min(self.window, len(self.pending)) - 1)
@@ -188,7 +219,7 @@ class _Stream:
         path = self.cache.cached(item.key, item.size, item.mtime_ns)
         if path is None:
             return False
-        self.pending.append([item, path])
+        self.pending.append([item, Guard(path)])
         self.pending_bytes += item.size
         return True
 
@@ -201,7 +232,7 @@ class _Stream:
                 # A cached file is pinned right here: a thread hand-off costs more than the lookup.
                 hit = self.cache.pin_if_cached(item.key, item.size, item.mtime_ns)
                 if hit is not None:
-                    self.pending.append([item, hit])
+                    self.pending.append([item, Guard.pinned(hit)])
                     self.pending_bytes += item.size
                     return
             # Copies ahead of the consumer never wait for room: they give up and
@@ -235,20 +266,20 @@ class _Stream:
         """
         pending = self.pending
         item, state = pending[0]
-        if type(state) is not str:
+        if type(state) is not Guard or state.pin is not None:
             return None, False
         pending.popleft()
         self.pending_bytes -= item.size
-        self._hand_out(item, state)
+        path = self._hand_out(item, state)
         if self.gate_fd < 0 or self.lookahead is not None or len(pending) >= self.window:
-            return state, False
+            return path, False
         ahead = next(self.source, None)
         if ahead is None:
-            return state, True
+            return path, True
         if self._fits(ahead) and self._add_gated_hit(ahead):
-            return state, True
+            return path, True
         self.lookahead = ahead  # fill() takes it from here
-        return state, False
+        return path, False
 
     def run(self, on_yield: Callable[[], None]) -> Iterator[str]:
         try:
@@ -260,12 +291,12 @@ class _Stream:
                     if path is None:
                         item, state = pending.popleft()
                         self.pending_bytes -= item.size
-                        if not isinstance(state, Future) and state is not None:
+                        if isinstance(state, Guard):
                             # Moved under the lock: a file is always in ``pending`` or
                             # ``held`` where leaving the gate finds it.
                             path = self._hand_out(item, state)
                 if path is None:  # a copy ahead still running, given up, or not started
-                    pin = state.result() if isinstance(state, Future) else None
+                    pin: Pin | None = state.result() if isinstance(state, Future) else None
                     if pin is None:
                         pin = self.cache.fetch_verified(
                             item.key,
@@ -278,7 +309,7 @@ class _Stream:
                             self._restat(item),
                         )
                     with lock:
-                        path = self._hand_out(item, pin)
+                        path = self._hand_out(item, Guard.pinned(pin))
                 if not refilled:
                     self.fill()
                 on_yield()
@@ -286,20 +317,22 @@ class _Stream:
         finally:
             self.close()
 
-    def _hand_out(self, item: Item, guard: Pin | str) -> str:
+    def _hand_out(self, item: Item, guard: Guard) -> str:
         """Record ``guard`` as handed out and drop what is no longer needed (locked)."""
         held = self.held
         held.append((_tags.batches(), guard, item.size))
         self.held_bytes += item.size
-        if type(guard) is str:
+        if guard.pin is None:
             # Under the gate nothing is pinned, so served files are let go in groups.
             if len(held) % _GATED_RELEASE == 0:
                 self._release_served()
-            return guard
-        self._release_served()
+        else:
+            self._release_served()
         return guard.path
 
     def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
         self.cancel.set()
         for _, state in self.pending:
             if isinstance(state, Future):
@@ -318,8 +351,8 @@ class _Stream:
                 self.gate_fd = -1
         unwatch(self)
         for _, guard, _ in held:
-            if defer and isinstance(guard, Pin):
-                _DEFERRED.append(guard)
+            if defer and guard.pin is not None:
+                _DEFERRED.append(guard.pin)
             else:
                 _drop(guard)
 
@@ -351,19 +384,20 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def serve(
     cache: FileCache,
-    items: Iterable[Item],
+    chunks: Iterable[list[Item]],
     open_source: Callable[[int], IO[bytes]],
     prefetch: int,
     on_yield: Callable[[], None],
     budget: int | None = None,
     hold: int | None = None,
     stat_source: Callable[[int], tuple[int, int] | None] | None = None,
+    check: SourceCheck | None = None,
 ) -> Iterator[str]:
     """Yield the cached path of each item, in order, copying up to ``prefetch`` items ahead.
 
     Args:
         cache: The cache to serve from.
-        items: The files, in the order to serve them.
+        chunks: The files, in the order to serve them, a list at a time.
         open_source: Opens the source of the file with an item's ``index``, to copy it.
         prefetch: Most files copied ahead of the consumer.
         on_yield: Called just before each path is handed out.
@@ -375,22 +409,27 @@ def serve(
         stat_source: ``(size, mtime_ns)`` of the source with an item's index
             now, or None when it cannot be looked at; a copy of a source that
             changed while copied is made again with these (see ``FileCache``).
+        check: Gives items their source's size and mtime now, run on a thread
+            ahead of the consumer (see ``_ahead``); None trusts the items.
 
     Closing the generator (or an exception, or Ctrl+C) cancels the copies in
-    flight, waits for the copy threads, and removes their temporary files.
+    flight, waits for the copy and check threads, and removes their temporary files.
     """
-    return _serve(cache, items, open_source, prefetch, on_yield, budget, hold, stat_source)
+    return _serve(
+        cache, chunks, open_source, prefetch, on_yield, budget, hold, stat_source, check
+    )
 
 
 def _serve(
     cache: FileCache,
-    items: Iterable[Item],
+    chunks: Iterable[list[Item]],
     open_source: Callable[[int], IO[bytes]],
     prefetch: int,
     on_yield: Callable[[], None],
     budget: int | None,
     hold: int | None,
     stat_source: Callable[[int], tuple[int, int] | None] | None,
+    check: SourceCheck | None,
 ) -> Iterator[str]:
     # A generator: nothing is locked or started before the first path is asked for.
     while _DEFERRED:
@@ -398,12 +437,13 @@ def _serve(
     _tags.watch_prefix(cache.dir + os.sep)
     stream = _Stream(
         cache,
-        items,
+        chunks,
         prefetch,
         budget if budget is not None else 1 << 62,
         hold,
         open_source,
         stat_source,
+        check,
     )
     _STREAMS.add(stream)
     if stream.gate_fd >= 0:

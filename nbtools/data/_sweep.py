@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import time
 
 from nbtools._internal.fs import TMP_PREFIX, pid_alive
 from nbtools.data._pins import still_linked
 
-__all__ = ["evict_one", "scan", "sweep_temporaries"]
+__all__ = ["evict_one", "scan", "sweep_due", "sweep_temporaries"]
 
 
 def _remove_stale_tmp(path: str, name: str) -> bool:
@@ -33,6 +34,30 @@ def _walk(cache_dir: str, skip: str | tuple[str, ...]):
             dirnames[:] = [d for d in dirnames if d not in skips]
         for name in filenames:
             yield dirpath, name
+
+
+def sweep_due(locks_dir: str, every_s: float) -> bool:
+    """True for the one process that should sweep now: none swept in the last ``every_s``.
+
+    The time of the last sweep is the mtime of ``<locks_dir>/swept``; a process
+    that finds another one deciding at the same moment leaves it to that one.
+    """
+    stamp = os.path.join(locks_dir, "swept")
+    fd = os.open(stamp, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        st = os.fstat(fd)
+        now = time.time()
+        if st.st_size and 0 <= now - st.st_mtime < every_s:
+            return False
+        os.pwrite(fd, b"1", 0)  # a stamp that exists was written by a sweep
+        os.utime(fd, (now, now))
+        return True
+    finally:
+        os.close(fd)
 
 
 def sweep_temporaries(cache_dir: str, skip: str | tuple[str, ...]) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from itertools import islice
 from typing import IO, Any
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -18,8 +19,8 @@ from nbtools.data._catalog import job_token, load_index, namespace
 from nbtools.data._index import Index, open_index
 from nbtools.data._listing import Opener
 from nbtools.data._plan import Plan, check_same_workers, dist_info, gather
-from nbtools.data._positions import Consumed, advance, epoch_order, slot_length, slot_positions
-from nbtools.data._stream import Item, serve
+from nbtools.data._positions import Consumed, Order, advance, slot_chunks, slot_length
+from nbtools.data._stream import Item, SourceCheck, serve
 from nbtools.data._window import check_window
 from nbtools.errors import DataError
 
@@ -27,7 +28,12 @@ __all__ = ["VolumeDataset"]
 
 _log = get_logger("data.dataset")
 
-_STATE_VERSION = 1
+#: 2: shuffled orders come from ``_positions.Order``; a version-1 state of a
+#: shuffled dataset counted positions in another order and is refused.
+_STATE_VERSION = 2
+_UNSHUFFLED_STATES = (1,)  # versions whose unshuffled positions mean the same
+#: Items handed to a stream (and checked against their sources) at a time.
+_ITEMS_PER_CHUNK = 256
 
 
 class VolumeDataset(IterableDataset):
@@ -67,9 +73,21 @@ class VolumeDataset(IterableDataset):
             Needed on mounts whose directory modification times do not change.
         check_sources: Before serving a cached copy, ``stat`` its source and copy
             it again when its size or mtime changed (a file rewritten in place,
-            even between epochs). One metadata request per file and epoch; on a
-            volume whose metadata is slow and whose files never change in
-            place, ``False`` trusts the listing (cached epochs run faster).
+            even between epochs). One metadata request per file and epoch, made
+            on a thread of the stream ahead of the consumer; on a volume whose
+            files never change in place, ``False`` trusts the listing and
+            spares the volume those requests.
+        index_in_root: Also keep the index in the root (``.nbtools-index/``, a
+            hidden directory the listing skips), so that other nodes and later
+            jobs copy it instead of listing the volume again. An index found
+            there is used only when it belongs to you, nobody else can write
+            to it, it passes its checks (format, root and pattern, checksums,
+            every path inside the root) and it is fresh; otherwise the root is
+            listed again, with a warning for a refused one. A root you cannot
+            write is listed per node, with one warning. Local roots and mounts
+            only (not fsspec URLs). The first launch that creates the
+            directory changes the root's modification time, so the next
+            launch lists once more.
 
     The list of files is an index in the cache directory, built by one process
     per node and memory-mapped by every rank and loader worker; a later launch
@@ -97,6 +115,7 @@ class VolumeDataset(IterableDataset):
         min_free_bytes: int | None = None,
         refresh: bool = False,
         check_sources: bool = True,
+        index_in_root: bool = False,
     ) -> None:
         if not isinstance(root, (str, os.PathLike)):
             raise TypeError(f"root must be a path or URL string, got {type(root).__name__}")
@@ -129,10 +148,11 @@ class VolumeDataset(IterableDataset):
         self.min_free_bytes = min_free_bytes
         self.refresh = bool(refresh)
         self.check_sources = bool(check_sources)
+        self.index_in_root = bool(index_in_root)
         self._uid = Plan.new_id()
         self._files: Index | None = None
         # Where a copy of this dataset in another process maps the same index.
-        self._index_at: tuple[str, str, str] | None = None
+        self._index_at: tuple[str, str, str, list[int]] | None = None
         self._fs: Any = None
         self._cache: FileCache | None = None
         # Position: the epoch, what was consumed before the current plan, and
@@ -195,7 +215,8 @@ class VolumeDataset(IterableDataset):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a position saved by :meth:`state_dict` (any world size or workers)."""
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+        version = state.get("version") if isinstance(state, dict) else None
+        if version != _STATE_VERSION and version not in _UNSHUFFLED_STATES:
             raise ValueError(
                 "not a VolumeDataset state (expected the dict returned by state_dict(), "
                 f"version {_STATE_VERSION}); got {type(state).__name__}"
@@ -203,10 +224,19 @@ class VolumeDataset(IterableDataset):
         files = self._listing()
         if state["num_files"] != len(files) or state["fingerprint"] != files.fingerprint:
             raise DataError(
-                f"the saved position belongs to a dataset of {state['num_files']} files "
+                f"the saved position belongs to a listing of {state['num_files']} files "
                 f"(fingerprint {state['fingerprint']}), but {self.root!r} with pattern "
-                f"{self.pattern!r} now lists {len(files)} files (fingerprint {files.fingerprint}); "
-                "restore with the same files, or start the epoch afresh without the state"
+                f"{self.pattern!r} now lists {len(files)} files (fingerprint {files.fingerprint}): "
+                "files were added, removed or renamed since, and its positions would name other "
+                "files. Resume over the files it was saved with, or start the epoch afresh: "
+                "restore without the data position (leave data= out of CheckpointManager.restore)"
+            )
+        if version != _STATE_VERSION and state.get("shuffle"):
+            raise DataError(
+                f"the saved position (state version {version}) counts files in the shuffled "
+                "order of an earlier nbtools, which this one no longer computes; resuming it "
+                "would serve other files. Start the epoch afresh: restore without the data "
+                "position (leave data= out of CheckpointManager.restore)"
             )
         if state["seed"] != self.seed or bool(state["shuffle"]) != self.shuffle:
             raise DataError(
@@ -244,8 +274,9 @@ class VolumeDataset(IterableDataset):
     def _listing(self) -> Index:
         if self._files is None:
             if self._index_at is not None:
-                path, root, fingerprint = self._index_at
-                files = open_index(path, root, self.pattern)
+                path, root, fingerprint, checked = self._index_at
+                # The same version of the file is not read in full again.
+                files = open_index(path, root, self.pattern, checked)
                 if files.fingerprint != fingerprint:
                     raise DataError(
                         f"the index of {self.root!r} changed while this dataset was in use "
@@ -253,8 +284,11 @@ class VolumeDataset(IterableDataset):
                     )
             else:
                 token = job_token(fallback=self._uid)
-                files = load_index(self.root, self.pattern, self.cache_dir, self.refresh, token)
-                self._index_at = (files.path, files.root, files.fingerprint)
+                files = load_index(
+                    self.root, self.pattern, self.cache_dir, self.refresh, token,
+                    self.index_in_root,
+                )
+                self._index_at = (files.path, files.root, files.fingerprint, files.identity)
             self._files = files
         return self._files
 
@@ -355,39 +389,47 @@ class VolumeDataset(IterableDataset):
         self._last_plan = plan
         return plan
 
-    def _items(self, plan: Plan, slot: int) -> Iterator[Item]:
-        """The files of ``slot``, each with its size and mtime on the volume now.
+    def _items(self, plan: Plan, slot: int) -> Iterator[list[Item]]:
+        """The files of ``slot`` in serving order, in chunks, with their listed size and mtime.
 
-        A source rewritten since it was listed is served from a new copy: the
-        cache keeps a copy only for the size and mtime it was made from. A source
-        that cannot be looked at (an unmounted volume) is served as listed, from
-        the cache.
+        Works from the mapped index a chunk at a time: positions, the shuffle
+        and the lookups are array operations, and nothing is built per file of
+        the dataset, only per file served.
         """
         files = self._listing()
-        order = memoryview(epoch_order(len(files), self.seed, plan.epoch, self.shuffle))
+        n = len(files)
+        order = Order(n, self.seed, plan.epoch, self.shuffle)
         prefix = namespace(files.root) + "/"
-        offsets, sizes, mtimes = files.offsets, files.sizes, files.mtimes
+        offsets, sizes, mtimes = files.columns()
         blob, base = files.map, files.paths_start
-        local = self.check_sources and not is_url(files.root)
-        root = files.root + "/"
-        cached = self._open_cache().path_for(prefix)
-        stat = os.stat
-        for position in slot_positions(plan.base, len(files), plan.stride, slot):
-            index = order[position]
-            rel = blob[base + offsets[index] : base + offsets[index + 1]].decode(
-                "utf-8", "surrogateescape"
+        # Blocks of positions grow to thousands (a call of the shuffle costs about
+        # as much for one position as for thousands); items go out 256 at a time.
+        for positions in slot_chunks(plan.base, n, plan.stride, slot, first=16, most=4096):
+            index = order.at(positions)
+            rows = zip(
+                index.tolist(),
+                (offsets[index] + base).tolist(),
+                (offsets[index + 1] + base).tolist(),
+                sizes[index].tolist(),
+                mtimes[index].tolist(),
+                strict=True,
             )
-            size, mtime = sizes[index], mtimes[index]
-            if local:
-                # Only a file with a copy needs its source looked at: a new copy
-                # is checked against the source as it is copied.
-                try:
-                    stat(cached + rel)
-                    st = stat(root + rel)
-                    size, mtime = st.st_size, st.st_mtime_ns
-                except OSError:
-                    pass
-            yield Item(prefix + rel, size, mtime, index)
+            while chunk := [
+                Item(prefix + blob[a:b].decode("utf-8", "surrogateescape"), size, mtime, i)
+                for i, a, b, size, mtime in islice(rows, _ITEMS_PER_CHUNK)
+            ]:
+                yield chunk
+
+    def _source_checker(self) -> SourceCheck | None:
+        """What gives items their source's size and mtime now (None: trust the listing).
+
+        The stream runs it on a thread of its own ahead of the consumer, so a
+        cached copy whose source was rewritten in place is copied again.
+        """
+        files = self._listing()
+        if not self.check_sources or is_url(files.root):
+            return None
+        return SourceCheck(files.root, len(namespace(files.root)) + 1)
 
     def _open_source(self, index: int) -> IO[bytes]:
         """Open the source of file ``index`` of the listing (to copy it into the cache)."""
@@ -443,7 +485,7 @@ class VolumeDataset(IterableDataset):
         _tags.note(self._uid, plan.plan_id, slot, 0)
         return serve(
             self._open_cache(), self._items(plan, slot), self._open_source, self.prefetch,
-            on_yield, budget, plan.hold, self._stat_source,
+            on_yield, budget, plan.hold, self._stat_source, self._source_checker(),
         )
 
     def __getstate__(self) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 
 import fsspec
 import pytest
@@ -132,6 +133,8 @@ def test_direct_iteration_resumes_exactly_and_continues_with_the_same_next_epoch
         seen.append(index_of(path))
         if len(seen) == 13:
             break
+    # The stream that stopped early has joined its source-check thread.
+    assert not [t for t in threading.enumerate() if t.name == "nbtools-data-check"]
     state = files.state_dict()
     assert state["epoch"] == 0 and state["prefix"] == 13
     resumed = VolumeDataset(src, cache_dir=cache, shuffle=True, seed=5)
@@ -158,6 +161,32 @@ def test_state_is_plain_and_rejects_another_dataset(tree, tmp_path):
         files.load_state_dict({"epoch": 1})
     with pytest.raises(ValueError, match="inconsistent"):
         files.load_state_dict({**state, "prefix": 3, "extras": [2]})
+
+
+def test_a_position_saved_against_another_listing_or_order_is_refused_not_misread(tree):
+    src, cache = tree
+    files = VolumeDataset(src, cache_dir=cache, shuffle=True)
+    it = iter(files)
+    for _ in range(5):
+        next(it)
+    it.close()
+    state = files.state_dict()
+    # Saved by an nbtools whose shuffled order was another permutation.
+    with pytest.raises(DataError, match="shuffled order of an earlier nbtools"):
+        VolumeDataset(src, cache_dir=cache, shuffle=True).load_state_dict({**state, "version": 1})
+    # Unshuffled, the positions of such a state mean the same files: it resumes exactly.
+    plain = VolumeDataset(src, cache_dir=cache)
+    it = iter(plain)
+    seen = [index_of(next(it)) for _ in range(7)]
+    it.close()
+    old = {**plain.state_dict(), "version": 1}
+    resumed = VolumeDataset(src, cache_dir=cache)
+    resumed.load_state_dict(old)
+    assert sorted(seen + [index_of(p) for p in resumed]) == list(range(40))
+    # As many files, one renamed: another listing, whose positions name other files.
+    os.rename(src / "d0" / "f00003.bin", src / "d0" / "f00003-renamed.bin")
+    with pytest.raises(DataError, match="added, removed or renamed.*leave data= out"):
+        VolumeDataset(src, cache_dir=cache, shuffle=True).load_state_dict(state)
 
 
 @pytest.mark.root

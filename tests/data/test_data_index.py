@@ -12,7 +12,7 @@ import zlib
 import pytest
 from _data_helpers import content, index_of
 
-from nbtools.data import VolumeDataset
+from nbtools.data import VolumeDataset, _catalog
 from nbtools.data._catalog import index_path, load_index
 from nbtools.data._index import IndexWriter, open_index
 
@@ -103,10 +103,16 @@ def _rewrite_header(path: str, change) -> None:
     "damage",
     ["flipped path byte", "truncated", "other format", "writable by others", "garbage"],
 )
-def test_a_damaged_or_foreign_index_is_rebuilt_with_a_warning(volume, damage):
+def test_a_damaged_or_foreign_index_is_rebuilt_with_a_warning(volume, damage, monkeypatch):
     src, cache = volume
+    monkeypatch.setattr(_catalog, "_RACY_NS", 0)  # an index built long ago
     list(VolumeDataset(src, cache_dir=cache))
     path = _index_file(src, cache)
+    # The next opens on the node check only its header: this version is noted as
+    # checked. A damaged file is another version, checked in full again.
+    assert len(VolumeDataset(src, cache_dir=cache)) == 40
+    assert os.path.exists(path + ".checked")
+    time.sleep(0.02)  # the damage lands in a later clock tick
     size = os.path.getsize(path)
     if damage == "flipped path byte":
         _flip(path, size - 200)
@@ -155,21 +161,26 @@ def test_an_index_naming_paths_outside_the_root_is_refused(volume, tmp_path):
 
 def _build(args) -> tuple[int, str]:
     src, cache, token = args
-    index = load_index(src, "**/*", cache, True, token)
+    index = load_index(src, "**/*", cache, True, token, in_root=True)
     return len(index), index.fingerprint
 
 
 def test_concurrent_builders_leave_one_complete_index(tree):
     src, cache = tree
-    jobs = [(str(src), str(cache), f"job-{i}") for i in range(12)]
+    # Two nodes (private caches), each with several builders, all writing to the root too.
+    jobs = [(str(src), f"{cache}-{i % 2}", f"job-{i}") for i in range(12)]
     with multiprocessing.get_context("fork").Pool(4) as pool:
         results = pool.map(_build, jobs)
     assert {r[0] for r in results} == {40}
     assert len({r[1] for r in results}) == 1
-    index = open_index(_index_file(src, cache), str(src), "**/*")
-    assert len(index) == 40
-    leftovers = [n for n in os.listdir(os.path.dirname(index.path)) if n != os.path.basename(index.path)]
-    assert leftovers == []
+    for where in (_index_file(src, f"{cache}-0"), _shared_index(src)):
+        index = open_index(where, str(src), "**/*")
+        assert len(index) == 40
+        name = os.path.basename(index.path)
+        leftovers = [
+            n for n in os.listdir(os.path.dirname(index.path)) if n not in (name, f"{name}.checked")
+        ]
+        assert leftovers == []
 
 
 def test_a_million_entry_index_maps_without_a_python_object_per_file(tmp_path):
@@ -190,3 +201,42 @@ def test_a_million_entry_index_maps_without_a_python_object_per_file(tmp_path):
     assert len(index) == 1_000_000
     assert index.relpath(765_432) == "d432/f0765432.jpg" and index.sizes[765_432] == 766_432
     assert kept < 1_000_000  # under a byte per file kept privately; the rest is the map
+
+
+def _shared_index(src) -> str:
+    from nbtools.data._rootindex import shared_path
+
+    return shared_path(str(src), "**/*")
+
+
+def test_an_index_kept_in_the_root_is_shared_by_other_nodes_and_checked(volume, tmp_path, caplog):
+    src, cache = volume
+    caplog.set_level("INFO", logger="nbtools")
+    node_a, node_b, node_c = (tmp_path / f"cache-{n}" for n in "abc")
+    # The first launch creates .nbtools-index (the root changes) and lists once more.
+    assert len(VolumeDataset(src, cache_dir=node_a, index_in_root=True)) == 40
+    _backdate(src)
+    assert len(VolumeDataset(src, cache_dir=cache, index_in_root=True)) == 40
+    assert _listings(caplog) == 2
+    # Another node, with an empty private cache: it copies the index, lists nothing.
+    files = VolumeDataset(src, cache_dir=node_b, index_in_root=True)
+    assert _served(files) == {i: content(i, 64) for i in range(40)}
+    assert _listings(caplog) == 2
+    assert "using the dataset index" in caplog.text
+    assert all(".nbtools-index" not in p for p in files)  # the index is not a sample
+    # An index in the root naming a path outside it is refused, rebuilt and replaced.
+    shared = _shared_index(src)
+    writer = IndexWriter(shared, str(src), "**/*", {"job": "x", "checkable": True})
+    writer.add_dir(b"", os.stat(src).st_mtime_ns)
+    writer.add_file(b"../secret", 23, 0)
+    writer.commit()
+    os.chmod(shared, 0o644)
+    with pytest.warns(RuntimeWarning, match=r"\.nbtools-index.*outside the root"):
+        assert len(VolumeDataset(src, cache_dir=node_c, index_in_root=True)) == 40
+    assert len(open_index(shared, str(src), "**/*")) == 40
+    # One that others can write to is not even read.
+    os.chmod(shared, 0o666)
+    with pytest.warns(RuntimeWarning, match="other users can write to it"):
+        assert len(VolumeDataset(src, cache_dir=tmp_path / "cache-d", index_in_root=True)) == 40
+    with pytest.raises(ValueError, match="index_in_root=True needs a local directory"):
+        len(VolumeDataset("memory://nbtools-no-such-root", cache_dir=cache, index_in_root=True))

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import random
+import tracemalloc
 
+import numpy as np
 import pytest
 
-from nbtools.data._positions import Consumed, advance, epoch_order, slot_length, slot_positions
+from nbtools.data._positions import (
+    Consumed,
+    Order,
+    advance,
+    epoch_order,
+    slot_length,
+    slot_positions,
+)
 
 
 def test_fresh_epoch_is_the_global_stride():
@@ -66,3 +75,23 @@ def test_order_is_a_deterministic_permutation_of_seed_and_epoch():
 def test_bad_slot_is_rejected():
     with pytest.raises(ValueError, match="outside a stride"):
         advance(Consumed(), 10, 2, {5: 1})
+
+
+def test_a_shuffled_position_maps_to_its_file_without_an_array_over_the_epoch():
+    n = 10_000_000_000  # ten billion files: 80 GB as an array of indices
+    tracemalloc.start()
+    try:
+        order = Order(n, seed=1, epoch=2, shuffle=True)
+        got = order.at(np.array([0, 1, 2, n - 1], dtype=np.int64))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+    assert len(set(got.tolist())) == 4 and all(0 <= i < n for i in got.tolist())
+    assert got.tolist() == order.at(np.array([0, 1, 2, n - 1])).tolist()
+    small = Order(1000, seed=1, epoch=2, shuffle=True)
+    pieces = np.concatenate([small.at(np.arange(a, a + 100)) for a in range(0, 1000, 100)])
+    assert pieces.tolist() == epoch_order(1000, 1, 2, True).tolist()
+    assert sorted(pieces.tolist()) == list(range(1000))
+    # Spread over the epoch: neighbouring positions are not neighbouring files.
+    assert np.abs(np.diff(pieces)).mean() > 200
