@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
+from nbtools.data._group import data_group
 from nbtools.data._positions import Consumed
 from nbtools.errors import DataError
 
@@ -91,12 +92,16 @@ def dist_info() -> tuple[int, int]:
 
 
 def gather(obj: Any) -> list[Any]:
-    """``obj`` from every rank (a collective when a group of several ranks is up)."""
+    """``obj`` from every rank (a collective when a group of several ranks is up).
+
+    It runs on the data layer's own group (:mod:`nbtools.data._group`), so that
+    a ``dcp.async_save`` in flight on the default group cannot cross it.
+    """
     dist = _dist()
     if dist is None or dist.get_world_size() == 1:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=data_group(dist))  # never on the default group
     return out
 
 

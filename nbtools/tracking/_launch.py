@@ -8,9 +8,11 @@ notebook user expects one run per training, as Lightning and Hugging Face log
 only on global rank 0. The launcher calls two functions here (registered by
 ``nbtools/__init__.py`` through :mod:`nbtools._internal.hooks`):
 
-- :func:`before_launch`, in the kernel before ranks start: a local sqlite store
-  that does not exist yet is created there, once, under the store's creation
-  lock, so the ranks only open it.
+- :func:`before_launch`, in the kernel before ranks start: the tracking URI and
+  experiment the kernel chose (``mlflow.set_tracking_uri``/``set_experiment``
+  or the variables) reach the ranks, and a local sqlite store that does not
+  exist yet is created there, once, under the store's creation lock, so the
+  ranks only open it.
 - :func:`in_rank`, in each rank once it imports ``mlflow``: on ranks other than
   0, MLflow records nothing (:mod:`nbtools.tracking._quiet`); rank 0 says so
   once in the cell's output. Rank 0 runs MLflow unchanged: autologging,
@@ -38,14 +40,40 @@ RANKS_NOTICE = (
 
 
 def before_launch() -> None:
-    """Create the local store the ranks will use, if it is new (kernel side)."""
+    """Hand the kernel's MLflow choices to the ranks; create a new local store once (kernel side).
+
+    The ranks inherit this process's environment when they start. MLflow's
+    ``set_tracking_uri()``/``set_experiment()`` write ``MLFLOW_TRACKING_URI`` and
+    ``MLFLOW_EXPERIMENT_ID`` there, but a rank would still read a stale
+    ``MLFLOW_EXPERIMENT_NAME`` (MLflow refuses a name and an id that disagree),
+    refuse an experiment its own code names, and resolve a relative sqlite path
+    against its own directory. So the chosen store is passed as an absolute
+    path, the chosen experiment by name only; this process's MLflow, which
+    prefers those calls to the variables, is unchanged. Code in the ranks that
+    sets the variables itself wins. MLflow's default store is left to rank 0,
+    the only rank that opens it.
+    """
+    from nbtools.tracking._local_store import prepare_store, sqlite_path
+    from nbtools.tracking._mlflow_compat import chosen_experiment_id, chosen_tracking_uri
+
+    uri = chosen_tracking_uri()
+    if uri is not None:
+        path = sqlite_path(uri)
+        os.environ["MLFLOW_TRACKING_URI"] = uri if path is None else f"sqlite:///{path}"
+        if prepare_store(uri):
+            _log.debug("the MLflow store at %s is ready for the ranks", uri)
+    experiment_id = chosen_experiment_id()
+    if experiment_id is not None:
+        _pass_experiment(experiment_id)
+
+
+def _pass_experiment(experiment_id: str) -> None:
     import mlflow
 
-    from nbtools.tracking._local_store import prepare_store
-
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
-    if prepare_store(uri):
-        _log.debug("the MLflow store at %s is ready for the ranks", uri)
+    experiment = mlflow.MlflowClient().get_experiment(experiment_id)
+    os.environ["MLFLOW_EXPERIMENT_NAME"] = experiment.name
+    os.environ.pop("MLFLOW_EXPERIMENT_ID", None)  # the name says it; a rank may name another
+    _log.debug("the ranks use the MLflow experiment %s", experiment.name)
 
 
 def in_rank() -> None:

@@ -11,13 +11,19 @@ Autologging asks ``mlflow.utils.autologging_utils.autologging_is_disabled``
 before each patched call (``fit``, ``train``) whether to log; answering True
 makes it call the library's own function, with no run. Should a release drop
 that function, :func:`turn_autologging_off` returns False and says why.
+
+What the kernel set with ``mlflow.set_tracking_uri()`` and
+``mlflow.set_experiment()`` lives in module globals MLflow does not export
+(``_tracking_service.utils.is_tracking_uri_set``, ``fluent._active_experiment_id``);
+:func:`chosen_tracking_uri` and :func:`chosen_experiment_id` read them, and
+return None when a release moves them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["run_stack", "turn_autologging_off"]
+__all__ = ["chosen_experiment_id", "chosen_tracking_uri", "run_stack", "turn_autologging_off"]
 
 
 def run_stack() -> list[Any] | None:
@@ -50,3 +56,27 @@ def turn_autologging_off() -> bool:
 
     autologging_utils.autologging_is_disabled = autologging_is_disabled
     return True
+
+
+def chosen_tracking_uri() -> str | None:
+    """The tracking URI this process chose (``set_tracking_uri`` or the variable); None for the default."""
+    import mlflow
+
+    try:
+        from mlflow.tracking._tracking_service import utils
+
+        chosen = utils.is_tracking_uri_set()
+    except (ImportError, AttributeError):
+        return None
+    return mlflow.get_tracking_uri() if chosen else None
+
+
+def chosen_experiment_id() -> str | None:
+    """The experiment ``mlflow.set_experiment()`` made active in this process; None if none."""
+    try:
+        from mlflow.tracking import fluent
+
+        active = fluent._active_experiment_id
+    except (ImportError, AttributeError):
+        return None
+    return active if isinstance(active, str) and active else None

@@ -23,8 +23,8 @@ from nbtools.compat.serverless_gpu import distributed
 
 VOLUME = os.environ.get("VOLUME") or tempfile.mkdtemp(prefix="volume-")
 os.makedirs(f"{VOLUME}/data", exist_ok=True)
-for i in range(64):  # small "image" files: 4 floats each
-    np.full(4, i, dtype=np.float32).tofile(f"{VOLUME}/data/{i:03d}.bin")
+for i in range(20):  # small "image" files: 4 floats each; an epoch is 5 steps on 2 ranks
+    np.full(4, i / 20, dtype=np.float32).tofile(f"{VOLUME}/data/{i:03d}.bin")
 '''
 
 DATASET = '''\
@@ -86,9 +86,15 @@ def train(total_steps):
                        optim_state_dict=state["optim"])
         start_step = state["step"]
 
-    steps, saved = [], []
-    # One epoch (32 files per rank): the iterator starts before any save is in flight.
-    batches = iter(loader)
+    steps, saved, epochs = [], [], 0
+
+    def batches_forever():  # epoch after epoch: a new iterator over the loader each time
+        nonlocal epochs
+        while True:
+            epochs += 1
+            yield from loader
+
+    batches = batches_forever()
     for step in range(start_step, total_steps):
         batch = next(batches)
         loss = model(batch).pow(2).mean()
@@ -101,7 +107,7 @@ def train(total_steps):
             saved.append(step)
     if checkpoint_future is not None:
         checkpoint_future.result()
-    return {"start": start_step, "steps": steps, "saved": saved,
+    return {"start": start_step, "steps": steps, "saved": saved, "epochs": epochs,
             "weight": model.weight.detach().flatten().tolist()}
 '''
 

@@ -98,3 +98,54 @@ def test_the_kernel_creates_the_store_only_for_code_that_uses_mlflow(tmp_path):
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen == {"plain": False, "db": True}, out.stderr
     assert MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments(), "a complete store"
+
+
+CHOSEN_IN_KERNEL = """
+    import json, os, subprocess, sys, textwrap
+    import cloudpickle
+    import mlflow
+    import nbtools
+    from nbtools._internal import hooks
+
+    os.environ["MLFLOW_EXPERIMENT_NAME"] = "/Users/t/documented"  # first, as documented
+    mlflow.set_tracking_uri("sqlite:///chosen.db")    # then in code: relative to the kernel
+    for name in ("/Users/t/documented", "/Users/t/own"):
+        mlflow.MlflowClient().create_experiment(name)
+    mlflow.set_experiment("/Users/t/chosen")           # the kernel's MLflow now uses this one
+
+    def train():
+        import mlflow
+        mlflow.log_metric("x", 1.0)
+
+    hooks.before_launch(cloudpickle.dumps((train, (), {})))
+    rank = '''
+    import os, mlflow
+    with mlflow.start_run(run_name="inherited"):
+        mlflow.log_metric("x", 1.0)
+    os.environ["MLFLOW_EXPERIMENT_NAME"] = "/Users/t/own"   # set in the function: it wins
+    with mlflow.start_run(run_name="own"):
+        pass
+    '''
+    os.makedirs("rank", exist_ok=True)  # a rank may run elsewhere (the kernel changed directory)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1")  # what a rank inherits at its start
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(rank)], env=env, cwd="rank",
+                         capture_output=True, text=True)
+    print(json.dumps({"rc": out.returncode, "err": out.stderr[-2000:]}))
+"""
+
+
+def test_the_tracking_uri_and_experiment_chosen_in_the_kernel_reach_the_ranks(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env.update(MLFLOW_DISABLE_TELEMETRY="true")
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(CHOSEN_IN_KERNEL)],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["rc"] == 0, seen["err"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'chosen.db'}")
+    names = {}
+    for experiment in client.search_experiments():
+        for run in client.search_runs([experiment.experiment_id]):
+            names[run.info.run_name] = experiment.name
+    assert names == {"inherited": "/Users/t/chosen", "own": "/Users/t/own"}
+    assert os.listdir(tmp_path / "rank") == [], "the rank made no store of its own"
