@@ -3,7 +3,7 @@
 :func:`serve` is the function a :class:`~nbtools.launch.RankPool` launches on
 every rank, through the same backend and rank set-up as ``@distributed``: by
 the time it runs, the environment, device and default process group are in
-place. It connects to the kernel (:mod:`nbtools.launch._pool_channel`) and
+place. It connects to the kernel (:mod:`nbtools.launch.pool._channel`) and
 executes commands until told to stop, then returns, and the rank ends as a
 ``@distributed`` rank does (group destroyed, leftover children ended).
 
@@ -33,8 +33,8 @@ import threading
 import types
 from typing import Any
 
-from nbtools.launch._pool_channel import ChannelClosed, Link, connect
 from nbtools.launch._records import failure_record, flush_events
+from nbtools.launch.pool._channel import ChannelClosed, Link, connect
 
 __all__ = ["serve"]
 
