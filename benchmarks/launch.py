@@ -2,7 +2,9 @@
 
 Each launcher runs the same work: initialise the group, one all_reduce, return.
 Then large results: each of the 2 ranks returns a 200 MB tensor, against a
-forkserver ``multiprocessing.Pool`` returning the same (median of paired tries).
+forkserver ``multiprocessing.Pool`` returning the same (median of paired tries),
+once from ``@distributed`` and once from ``RankPool.run``; and a small result
+(a dict of two numbers) from ``RankPool.run`` against the same Pool.
 Prints one JSON line. Run: ``python benchmarks/launch.py``.
 """
 
@@ -26,10 +28,23 @@ WORLD = 2
 WARM_CALLS = 7
 RESULT_FLOATS = 50_000_000  # 200 MB of float32 per rank
 RESULT_TRIES = 3
+SMALL_CALLS = 30
 
 
 def _result_tensor(rank: int) -> torch.Tensor:
     return torch.full((RESULT_FLOATS,), float(rank))
+
+
+def _small_result(rank: int) -> dict:
+    return {"rank": rank, "loss": 0.25}
+
+
+def _rank_tensor() -> torch.Tensor:
+    return _result_tensor(dist.get_rank())
+
+
+def _rank_small() -> dict:
+    return _small_result(dist.get_rank())
 
 
 def _all_reduce() -> float:
@@ -103,6 +118,42 @@ def _time_large_results(distributed) -> tuple[float, float]:
     return statistics.median(ours), statistics.median(theirs)
 
 
+def _time_pool_results() -> tuple[float, float, float, float]:
+    """``RankPool.run`` against a forkserver Pool: 200 MB per rank, then a small result.
+
+    Returns the medians: pool large, Pool large, pool small, Pool small (seconds).
+    """
+    import multiprocessing
+
+    from nbtools.launch import RankPool
+
+    ctx = multiprocessing.get_context("forkserver")
+    ours, theirs, ours_small, theirs_small = [], [], [], []
+    with RankPool(processes=WORLD, output="none") as ranks, ctx.Pool(WORLD) as pool:
+        ranks.run(_rank_tensor)  # warm
+        pool.map(_result_tensor, range(WORLD))
+        for _ in range(RESULT_TRIES):
+            start = time.perf_counter()
+            values = ranks.run(_rank_tensor)
+            ours.append(time.perf_counter() - start)
+            assert float(values[1][0]) == 1.0
+            del values
+            start = time.perf_counter()
+            values = pool.map(_result_tensor, range(WORLD))
+            theirs.append(time.perf_counter() - start)
+            del values
+        for _ in range(SMALL_CALLS):
+            start = time.perf_counter()
+            assert ranks.run(_rank_small)[1] == {"rank": 1, "loss": 0.25}
+            ours_small.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            pool.map(_small_result, range(WORLD))
+            theirs_small.append(time.perf_counter() - start)
+    return tuple(
+        statistics.median(s) for s in (ours, theirs, ours_small, theirs_small)
+    )  # type: ignore[return-value]
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -127,6 +178,7 @@ def main() -> None:
         warm.append(time.perf_counter() - start)
     warm_s = statistics.median(warm)
     result_s, pool_s = _time_large_results(distributed)
+    ranks_s, ranks_pool_s, small_s, small_pool_s = _time_pool_results()
     spawn_s = _time_spawn()
     accelerate_s = _time_accelerate()
     figures = {
@@ -144,6 +196,12 @@ def main() -> None:
         "nbtools_large_result_s": round(result_s, 4),
         "mp_forkserver_pool_large_result_s": round(pool_s, 4),
         "large_result_over_pool": round(result_s / pool_s, 3),
+        "rankpool_large_result_s": round(ranks_s, 4),
+        "mp_forkserver_pool_large_result_same_pass_s": round(ranks_pool_s, 4),
+        "rankpool_large_result_over_pool": round(ranks_s / ranks_pool_s, 3),
+        "rankpool_small_result_ms": round(small_s * 1000, 3),
+        "mp_forkserver_pool_small_result_ms": round(small_pool_s * 1000, 3),
+        "rankpool_small_result_over_pool": round(small_s / small_pool_s, 3),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
     }

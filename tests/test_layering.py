@@ -194,3 +194,21 @@ def test_no_upward_lookup_through_sys_modules():
             if package in lower or target not in lower:
                 found.append(f"{path.relative_to(root)} looks up {looked_up}")
     assert not found, found
+
+
+def test_the_pool_sits_above_the_backend_seam():
+    # The pool has a package of its own, and nothing below it (the plain call's runner,
+    # the backends, the rank set-up) imports it: only launch's front door does.
+    edges = _nbtools_imports()
+    assert "nbtools.launch.pool._pool" in edges
+    front_door = {"nbtools.launch", "nbtools.launch._api"}
+    found = [
+        f"{module} imports {other}"
+        for module, others in edges.items()
+        if module.startswith("nbtools.launch.")
+        and not module.startswith("nbtools.launch.pool")
+        and module not in front_door
+        for other in others
+        if other.startswith("nbtools.launch.pool")
+    ]
+    assert not found, found

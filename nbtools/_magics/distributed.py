@@ -185,7 +185,7 @@ class DistributedMagics(Magics):
         from nbtools.errors import DistributedError
 
         try:
-            bundles = pool._execute_display(cell, filename)
+            bundles = pool.execute_cell(cell, filename)
         except DistributedError as exc:
             # IPython shows this instead of the kernel-side frames: the ranks' story only.
             text = f"{type(exc).__name__}: {exc}"

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
 from typing import Any
 
 from nbtools._internal.location import unwritable_reason
 from nbtools.checkpoint._layout import METADATA_NAME
+from nbtools.checkpoint._lease import LeasePending
 from nbtools.checkpoint._target import Target
 from nbtools.errors import CheckpointError
 
-__all__ = ["positive", "check_step", "check_extra", "check_writable", "save_verdict"]
+__all__ = [
+    "positive", "check_step", "check_extra", "check_writable", "save_verdict", "SaveCase",
+    "SaveVerdict",
+]
 
 
 def positive(name: str, value: int | None) -> int | None:
@@ -50,13 +56,38 @@ def check_writable(target: Target) -> None:
         raise CheckpointError(f"checkpoint root {target.url} is not writable ({reason})")
 
 
-def save_verdict(target: Target, lease: Any, root: str, name: str, foreign: Any) -> Any:
-    """On rank 0 before a save: an error to raise, ``"exists"`` (a complete checkpoint
-    the save replaces), or None (a new one).
+class SaveCase(enum.Enum):
+    """What a save does, as rank 0 found it before the save (every rank acts alike)."""
 
-    Errors are returned, not raised, so that every rank raises the same one
-    instead of the others hanging in the next collective. ``foreign`` tells
-    whether ``name`` under ``target`` is a link or a file (never written through).
+    #: No checkpoint of this step yet: the save writes a new one.
+    NEW = "new"
+    #: A complete checkpoint of this step exists: the save replaces it atomically.
+    REPLACE = "replace"
+    #: Another machine's lease on the root is still being watched: save later.
+    DEFER = "defer"
+    #: The save must not happen: every rank raises :attr:`SaveVerdict.error`.
+    REFUSE = "refuse"
+
+
+@dataclass(frozen=True)
+class SaveVerdict:
+    """Rank 0's verdict before a save, sent to every rank.
+
+    Attributes:
+        case: what the save does.
+        error: why it waits (``DEFER``) or is refused (``REFUSE``); else None.
+    """
+
+    case: SaveCase
+    error: Exception | None = None
+
+
+def save_verdict(target: Target, lease: Any, root: str, name: str, foreign: Any) -> SaveVerdict:
+    """On rank 0 before a save: whether it writes a new checkpoint, replaces one, waits or is refused.
+
+    Errors are returned in the verdict, not raised, so that every rank raises the
+    same one instead of the others hanging in the next collective. ``foreign``
+    tells whether ``name`` under ``target`` is a link or a file (never written through).
     """
     try:
         if lease is not None:
@@ -66,6 +97,9 @@ def save_verdict(target: Target, lease: Any, root: str, name: str, foreign: Any)
                 f"{root}/{name} is a symbolic link or a file, not a checkpoint directory "
                 "nbtools wrote; nothing is written through it. Remove it, or save elsewhere"
             )
-        return "exists" if target.exists(f"{name}/{METADATA_NAME}") else None
+        exists = target.exists(f"{name}/{METADATA_NAME}")
+    except LeasePending as exc:
+        return SaveVerdict(SaveCase.DEFER, exc)
     except Exception as exc:  # noqa: BLE001 - every rank must raise it, not hang
-        return exc
+        return SaveVerdict(SaveCase.REFUSE, exc)
+    return SaveVerdict(SaveCase.REPLACE if exists else SaveCase.NEW)

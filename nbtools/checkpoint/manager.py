@@ -32,6 +32,8 @@ from nbtools._internal.log import get_logger
 from nbtools._internal.runinfo import active_mlflow_run_id
 from nbtools.checkpoint import _report, _state
 from nbtools.checkpoint._checks import (
+    SaveCase,
+    SaveVerdict,
     check_extra,
     check_step,
     check_writable,
@@ -42,7 +44,7 @@ from nbtools.checkpoint._collective import agree, final_step
 from nbtools.checkpoint._errors import unwrap
 from nbtools.checkpoint._forks import track
 from nbtools.checkpoint._layout import METADATA_NAME, step_dir_name
-from nbtools.checkpoint._lease import LeasePending, WriterLease
+from nbtools.checkpoint._lease import WriterLease
 from nbtools.checkpoint._quiet import quiet_single_process_warning
 from nbtools.checkpoint._report import SaveTiming
 from nbtools.checkpoint._restore import restore_newest
@@ -247,22 +249,23 @@ class CheckpointManager:
         self.wait()
         kinds = _state.classify(objs)
         name = step_dir_name(step)
-        verdict = agree(
+        verdict: SaveVerdict = agree(
             self._pg,
             save_verdict(self._target, self._lease, self.root, name, is_foreign)
             if runtime.get_rank() == 0
             else None,
         )
-        if isinstance(verdict, LeasePending):
+        if verdict.case is SaveCase.DEFER:
             if not self._deferred:
-                _log.warning("not saving step %d yet: %s", step, verdict)
+                _log.warning("not saving step %d yet: %s", step, verdict.error)
             self._deferred = True
             self._last_seen = (step, dict(objs), extra)  # close() saves it if nothing later does
             return False
         self._deferred = False
-        if isinstance(verdict, BaseException):
-            raise verdict
-        if verdict == "exists":  # a resumed loop saving its restored step again
+        if verdict.case is SaveCase.REFUSE:
+            assert verdict.error is not None
+            raise verdict.error
+        if verdict.case is SaveCase.REPLACE:  # a resumed loop saving its restored step again
             _log.info(
                 "replacing checkpoint %s/%s (atomically: old or new, never a mix)", self.root, name
             )

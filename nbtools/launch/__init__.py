@@ -14,6 +14,6 @@ from __future__ import annotations
 
 from nbtools.launch._api import DistributedFunction, distributed
 from nbtools.launch._failures import RankFailure
-from nbtools.launch._pool import RankPool
+from nbtools.launch.pool import RankPool
 
 __all__ = ["distributed", "DistributedFunction", "RankFailure", "RankPool"]

@@ -66,7 +66,7 @@ class DistributedFunction(Generic[R]):
                 f"rank: call {self.__qualname__}(...) directly instead."
             )
         if self.config.keep_alive:
-            from nbtools.launch._pool_kept import call_kept
+            from nbtools.launch.pool._kept import call_kept
 
             return call_kept(self._fn, self.config, args, kwargs)
         backend = self.config.backend()
@@ -192,7 +192,7 @@ def _shutdown() -> None:
 
     Also runs when the kernel exits. Leaves no rank process behind.
     """
-    from nbtools.launch._pool import shutdown
+    from nbtools.launch.pool._registry import shutdown
 
     shutdown()
 

@@ -1,10 +1,12 @@
-"""A rank's return value, serialized once: pickle protocol 5 with out-of-band buffers in a file.
+"""A rank's return value, serialized once: pickle protocol 5 with out-of-band buffers.
 
-The rank pickles its value once, writing the large buffers (CPU tensors and
-NumPy arrays) beside the pickle instead of inside it, to a file in the launch's
-private run directory; the caller maps that file and unpickles with the buffers
-in place. Neither side copies a large value through a pipe, and torch's
-elastic result queue carries only a small marker.
+The rank pickles its value once, keeping the large buffers (CPU tensors and
+NumPy arrays) beside the pickle instead of inside it. A plain call's rank
+writes them to a file in the launch's private run directory (:func:`dump`);
+the caller maps that file and unpickles with the buffers in place. Neither side
+copies a large value through a pipe, and torch's elastic result queue carries
+only a small marker. A pool's rank sends them on its channel as they are
+(:func:`pack`; the channel frames out-of-band buffers as separate parts).
 
 File layout: ``NBR1``, the number of parts (8 bytes), each part's length (8
 bytes each), then the parts, each at an offset aligned to 64 bytes: the pickle
@@ -19,10 +21,11 @@ import mmap
 import os
 import pickle
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Framed", "dump", "load", "result_path"]
+__all__ = ["Framed", "pack", "dump", "load", "result_path", "out_of_band"]
 
 _MAGIC = b"NBR1"
 _LEN = struct.Struct("<Q")
@@ -42,7 +45,9 @@ class Framed:
     """A pickle and its out-of-band buffers, as read back from a rank's result file."""
 
     data: bytes | memoryview
-    buffers: list[memoryview] = field(default_factory=list)
+    #: Read back: memoryviews or bytearrays. Made by :func:`pack`: ``pickle.PickleBuffer``
+    #: objects over the value's own memory, which a protocol 5 pickle sends out of band.
+    buffers: list[Any] = field(default_factory=list)
 
     def loads(self) -> Any:
         """The value (``pickle.loads`` with the buffers)."""
@@ -79,7 +84,17 @@ def _reduce_tensor(tensor: Any) -> Any:
     return _rebuild_tensor, (pickle.PickleBuffer(raw.numpy()), tensor.dtype, tuple(tensor.shape))
 
 
+_PICKLER: type | None = None
+
+
 def _pickler_class() -> type:
+    global _PICKLER
+    if _PICKLER is None:
+        _PICKLER = _new_pickler_class()
+    return _PICKLER
+
+
+def _new_pickler_class() -> type:
     import cloudpickle
 
     class _ResultPickler(cloudpickle.Pickler):
@@ -95,20 +110,48 @@ def _pickler_class() -> type:
     return _ResultPickler
 
 
-def dump(value: Any, path: str) -> None:
-    """Pickle ``value`` once into ``path``, large buffers out of band (created 0600)."""
-    buffers: list[pickle.PickleBuffer] = []
+def out_of_band(buffers: list[pickle.PickleBuffer]) -> Callable[[pickle.PickleBuffer], bool]:
+    """A protocol 5 ``buffer_callback`` that keeps large buffers out of the pickle, in ``buffers``.
+
+    Small and non-contiguous buffers stay in band (framing them costs more than it saves).
+    """
 
     def keep(buffer: pickle.PickleBuffer) -> bool:
-        view = buffer.raw()
+        try:
+            view = buffer.raw()
+        except BufferError:  # not contiguous: it stays in the pickle
+            return True
         if view.nbytes < _MIN_OUT_OF_BAND:
             return True  # in band
         buffers.append(buffer)
         return False
 
+    return keep
+
+
+def _pickled(value: Any) -> tuple[memoryview, list[pickle.PickleBuffer]]:
+    """``value``'s pickle and its large buffers, which the pickle does not hold."""
+    buffers: list[pickle.PickleBuffer] = []
     head = io.BytesIO()
-    _pickler_class()(head, protocol=5, buffer_callback=keep).dump(value)
-    parts = [head.getbuffer(), *(b.raw() for b in buffers)]
+    _pickler_class()(head, protocol=5, buffer_callback=out_of_band(buffers)).dump(value)
+    return head.getbuffer(), buffers
+
+
+def pack(value: Any) -> Framed:
+    """``value`` pickled once, its large buffers not copied: to send on a channel.
+
+    The result's ``buffers`` are ``pickle.PickleBuffer`` objects over the value's
+    own memory; pickling the result with protocol 5 and a ``buffer_callback``
+    (the pool channel's frames) sends them out of band, as they are.
+    """
+    head, buffers = _pickled(value)
+    return Framed(bytes(head), list(buffers))
+
+
+def dump(value: Any, path: str) -> None:
+    """Pickle ``value`` once into ``path``, large buffers out of band (created 0600)."""
+    head, buffers = _pickled(value)
+    parts = [head, *(b.raw() for b in buffers)]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as out:
         header = _MAGIC + _LEN.pack(len(parts)) + b"".join(_LEN.pack(p.nbytes) for p in parts)

@@ -6,7 +6,8 @@ or Ray) for a group of ranks, forwards their output into the cell, waits for
 the outcome (:mod:`nbtools.launch._watch`), and on a failure restarts the
 whole group with ``TORCHELASTIC_RESTART_COUNT`` counting the attempts, as
 torchrun does. A group that failed to form before any user code ran is formed
-again without counting as a restart.
+again without counting as a restart (:func:`until_formed`, which a pool's
+ranks start through too).
 
 The ranks' events reach the kernel through a :class:`nbtools.events.Collector`
 that lives for the whole call; the launch itself emits ``launch``,
@@ -25,18 +26,20 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from nbtools import events
 from nbtools._internal.log import get_logger
 from nbtools.errors import DistributedError
 from nbtools.launch import _watch
-from nbtools.launch._backend import Failed, GroupSpec, LaunchBackend
+from nbtools.launch._backend import Failed, GroupSpec, LaunchBackend, Outcome
 from nbtools.launch._failures import describe, forms_again
 from nbtools.launch._output import OutputForwarder
 
-__all__ = ["Plan", "run"]
+__all__ = ["Plan", "run", "until_formed", "report_leftovers"]
 
 _log = get_logger("launch")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -79,23 +82,30 @@ def run(
     run_dir = tempfile.mkdtemp(prefix="nbtools-launch-")
     run_id = uuid.uuid4().hex[:12]
     collector = events.Collector(run_dir).start()
-    restarts = regroups = 0
+    indexes = itertools.count()
+    restarts = 0
     began = time.perf_counter()
+
+    def attempt() -> Outcome:
+        index = next(indexes)
+        spec = GroupSpec(
+            payload=payload,
+            world_size=plan.world_size,
+            use_cuda=plan.use_cuda,
+            run_id=run_id,
+            restart_count=restarts,
+            max_restarts=plan.max_restarts,
+            attempt_dir=os.path.join(run_dir, f"attempt{index}"),
+            env=collector.environment(),
+        )
+        os.mkdir(spec.attempt_dir)
+        outcome = _attempt(backend, spec, plan, localize, began if index == 0 else None)
+        collector.drain()  # the attempt's ranks have ended: everything they sent is here
+        return outcome
+
     try:
-        for index in itertools.count():
-            spec = GroupSpec(
-                payload=payload,
-                world_size=plan.world_size,
-                use_cuda=plan.use_cuda,
-                run_id=run_id,
-                restart_count=restarts,
-                max_restarts=plan.max_restarts,
-                attempt_dir=os.path.join(run_dir, f"attempt{index}"),
-                env=collector.environment(),
-            )
-            os.mkdir(spec.attempt_dir)
-            outcome = _attempt(backend, spec, plan, localize, began if index == 0 else None)
-            collector.drain()  # the attempt's ranks have ended: everything they sent is here
+        while True:
+            outcome = until_formed(attempt)
             if not isinstance(outcome, Failed):
                 events.emit(
                     "finished",
@@ -105,9 +115,6 @@ def run(
                 )
                 return outcome.results
             cause = outcome.failures[outcome.first] if outcome.first is not None else None
-            if forms_again(cause, regroups):
-                regroups += 1
-                continue
             headline = describe(outcome.failures, outcome.first, returned=outcome.returned)
             headline = headline.splitlines()[0]
             if cause is not None:
@@ -135,6 +142,28 @@ def run(
             backend.close()
         finally:
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def until_formed(attempt: Callable[[], T]) -> T:
+    """Run ``attempt`` again while its group failed to form before any user code ran.
+
+    The one regroup loop of nbtools: every attempt of a plain call and every
+    generation of a pool's ranks start through it. ``attempt()`` starts a group
+    and returns its outcome (a :class:`Failed` when it failed, anything else
+    when not); a failure in the ``group`` phase is retried up to
+    :data:`~nbtools.launch._failures.REGROUPS` times, unseen by the user
+    (:func:`~nbtools.launch._failures.forms_again`), and any other outcome is
+    returned as it is.
+    """
+    regroups = 0
+    while True:
+        outcome = attempt()
+        if not isinstance(outcome, Failed):
+            return outcome
+        cause = outcome.failures.get(outcome.first) if outcome.first is not None else None
+        if not forms_again(cause, regroups):
+            return outcome
+        regroups += 1
 
 
 def _attempt(
@@ -166,7 +195,7 @@ def _attempt(
         raise
     finally:
         try:
-            _report_leftovers(group.close())
+            report_leftovers(group.close())
         finally:
             forwarder.stop()
     if isinstance(outcome, Failed):
@@ -178,7 +207,7 @@ def _attempt(
     return outcome
 
 
-def _report_leftovers(left: dict[int, list[str]]) -> None:
+def report_leftovers(left: dict[int, list[str]]) -> None:
     """Tell the user what ranks left running after the call (already stopped).
 
     ``left[rank]`` is what a rank's code left behind after its function returned:

@@ -453,3 +453,21 @@ def test_a_load_planned_on_the_old_checkpoint_fails_naming_the_file(tmp_path):
         dcp.load(got, storage_reader=VolumeReader(path), planner=ReplacedMeanwhile())
     assert any(name in str(info.value) for name in old), info.value
     assert _load(path)["step"] == 2
+
+
+def test_the_verdict_before_a_save_says_new_replace_or_refuse_as_one_typed_value(tmp_path):
+    # Rank 0's verdict travels to every rank; each case is a named value, the error
+    # (when there is one) rides along instead of being the verdict itself.
+    from nbtools.checkpoint._checks import SaveCase, SaveVerdict, save_verdict
+    from nbtools.checkpoint.discovery import is_foreign, root_target
+
+    target = root_target(str(tmp_path))
+    assert save_verdict(target, None, str(tmp_path), "step_1", is_foreign) == SaveVerdict(SaveCase.NEW)
+    dcp.save({"w": torch.ones(2)}, storage_writer=VolumeWriter(str(tmp_path / "step_1")))
+    verdict = save_verdict(target, None, str(tmp_path), "step_1", is_foreign)
+    assert verdict == SaveVerdict(SaveCase.REPLACE)
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "step_2")
+    verdict = save_verdict(target, None, str(tmp_path), "step_2", is_foreign)
+    assert verdict.case is SaveCase.REFUSE
+    assert isinstance(verdict.error, CheckpointError) and "symbolic link" in str(verdict.error)

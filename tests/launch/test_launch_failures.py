@@ -82,3 +82,32 @@ def test_huge_messages_and_tracebacks_are_cut_in_the_text_only():
     assert len(text) < 2 * (MESSAGE_LIMIT + TRACEBACK_LIMIT)
     assert "failures[2].message" in text and "failures[2].traceback" in text
     assert failure.message == message and failure.traceback.endswith(message + "\n")
+
+
+def test_one_regroup_loop_forms_a_group_again_only_while_no_user_code_ran():
+    # The loop a plain call's attempts and a pool's generations both start through.
+    from nbtools.launch._backend import Failed, Finished
+    from nbtools.launch._failures import REGROUPS
+    from nbtools.launch._records import GROUP_PHASE
+    from nbtools.launch._runner import until_formed
+
+    unformed = Failed({0: RankFailure(0, "DistStoreError", "timed out", phase=GROUP_PHASE)}, 0)
+    raised = Failed({1: RankFailure(1, "ValueError", "bad")}, 1)
+
+    def starts(*outcomes):
+        tried = []
+
+        def attempt():
+            tried.append(1)
+            return outcomes[min(len(tried), len(outcomes)) - 1]
+
+        return attempt, tried
+
+    attempt, tried = starts(unformed, Finished([b"ok"]))
+    assert until_formed(attempt) == Finished([b"ok"]) and len(tried) == 2
+    attempt, tried = starts(unformed)  # never forms: reported after REGROUPS more tries
+    assert until_formed(attempt) is unformed and len(tried) == REGROUPS + 1
+    attempt, tried = starts(raised)  # user code ran: no second try here
+    assert until_formed(attempt) is raised and len(tried) == 1
+    attempt, tried = starts(unformed, None)  # a pool's generation: None once it is up
+    assert until_formed(attempt) is None and len(tried) == 2

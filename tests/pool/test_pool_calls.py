@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import fractions
+import sys
 import threading
 
 import pytest
 
 from nbtools import events
+from nbtools._internal import hooks
 from nbtools.errors import DistributedError, PicklingError, PoolError
 from nbtools.launch import RankPool
 
@@ -44,6 +47,28 @@ def test_push_then_pull_and_run_sees_the_rank_namespace(pool):
         return dist.get_rank(), factor * 2
 
     assert pool.run(scaled, 3) == [(0, 6), (1, 6)]
+
+
+def test_pool_calls_run_the_launch_integrations_of_the_libraries_they_use(pool, monkeypatch):
+    # The kernel-side hook a plain call runs before its ranks start (MLflow's: create a
+    # new local store once) runs before a pool call whose code uses the library, and
+    # only then: a function from a cell, a cell's code, pushed values.
+    calls = []
+    monkeypatch.setattr(sys.modules[__name__], "_probe", lambda: calls.append(1), raising=False)
+    monkeypatch.setitem(
+        hooks._REGISTRY, "fractions",
+        hooks.Integration("fractions", before_launch=f"{__name__}:_probe"),
+    )
+    namespace = {"__name__": "__main__"}
+    exec("def half(x):\n    import fractions\n    return str(fractions.Fraction(x, 2))", namespace)  # noqa: S102
+    assert pool.run(namespace["half"], 3) == ["3/2", "3/2"]
+    assert len(calls) == 1
+    assert pool.execute("1 + 1") == [2, 2]
+    assert len(calls) == 1
+    pool.execute("import fractions")
+    pool.push(third=fractions.Fraction(1, 3))
+    assert len(calls) == 3
+    assert pool.execute("str(third)") == ["1/3", "1/3"]
 
 
 def test_a_function_from_a_notebook_cell_sees_rank_names_as_globals(pool):

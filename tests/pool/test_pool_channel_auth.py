@@ -21,7 +21,7 @@ import time
 import pytest
 
 from nbtools.launch import RankPool
-from nbtools.launch._pool_channel import ChannelClosed, Listener, connect, wait_readable
+from nbtools.launch.pool._channel import ChannelClosed, Listener, connect, wait_readable
 
 
 class _Planted:

@@ -18,7 +18,7 @@ def test_a_long_tmpdir_still_starts_a_pool_with_a_private_socket(monkeypatch):
         monkeypatch.setenv("TMPDIR", long_dir)
         monkeypatch.setattr(tempfile, "tempdir", None)
         with RankPool(processes=1, output="none") as pool:
-            listener = pool._ranks.listener
+            listener = pool._gens.ranks.listener
             socket_dir = os.path.dirname(listener.address)
             assert pool.execute("40 + 2") == [42]
             assert pool._run_dir.startswith(long_dir)
@@ -31,7 +31,7 @@ def test_a_long_tmpdir_still_starts_a_pool_with_a_private_socket(monkeypatch):
 
 
 def test_the_short_socket_directory_is_private(monkeypatch):
-    from nbtools.launch._pool_channel import socket_directory
+    from nbtools.launch.pool._channel import socket_directory
 
     directory = socket_directory()
     try:

@@ -14,7 +14,7 @@ from typing import Any
 
 from nbtools.errors import DistributedError, PicklingError
 from nbtools.launch._failures import RankFailure, describe, from_record
-from nbtools.launch._pool_rank import OK
+from nbtools.launch.pool._rank import OK
 
 __all__ = ["rank_errors", "failures_of", "first", "plural", "ranks_text"]
 

@@ -3,7 +3,7 @@
 :func:`serve` is the function a :class:`~nbtools.launch.RankPool` launches on
 every rank, through the same backend and rank set-up as ``@distributed``: by
 the time it runs, the environment, device and default process group are in
-place. It connects to the kernel (:mod:`nbtools.launch._pool_channel`) and
+place. It connects to the kernel (:mod:`nbtools.launch.pool._channel`) and
 executes commands until told to stop, then returns, and the rank ends as a
 ``@distributed`` rank does (group destroyed, leftover children ended).
 
@@ -33,8 +33,9 @@ import threading
 import types
 from typing import Any
 
-from nbtools.launch._pool_channel import ChannelClosed, Link, connect
+from nbtools.launch import _results
 from nbtools.launch._records import failure_record, flush_events
+from nbtools.launch.pool._channel import ChannelClosed, Link, connect
 
 __all__ = ["serve"]
 
@@ -179,7 +180,7 @@ class _Server:
             return _bundle(value)
         return _dumps(value)
 
-    def _do_run(self, payload: bytes) -> bytes:
+    def _do_run(self, payload: bytes) -> _results.Framed:
         import cloudpickle
 
         fn, args, kwargs = cloudpickle.loads(payload)
@@ -187,7 +188,7 @@ class _Server:
             fn = self._bind(fn)
         return _dumps(fn(*args, **kwargs))
 
-    def _do_push(self, blob: bytes) -> bytes:
+    def _do_push(self, blob: bytes) -> _results.Framed:
         import cloudpickle
 
         names = cloudpickle.loads(blob)
@@ -196,7 +197,7 @@ class _Server:
             self.lent.pop(name, None)  # pushed names belong to the rank now
         return _dumps(None)
 
-    def _do_pull(self, names: list[str]) -> bytes:
+    def _do_pull(self, names: list[str]) -> _results.Framed:
         missing = [name for name in names if name not in self.ns]
         if missing:
             raise NameError(", ".join(repr(n) for n in missing))
@@ -269,11 +270,10 @@ class _Server:
 _MISSING = object()
 
 
-def _dumps(value: Any, what: str = "") -> bytes:
-    import cloudpickle
-
+def _dumps(value: Any, what: str = "") -> _results.Framed:
+    """``value`` pickled once for the kernel, its large tensors and arrays out of band."""
     try:
-        return cloudpickle.dumps(value)
+        return _results.pack(value)
     except Exception as exc:
         what = what or f"the value ({type(value).__qualname__})"
         raise _Unpicklable(f"{what} cannot be sent to the notebook: {exc}") from exc

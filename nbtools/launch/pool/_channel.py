@@ -14,7 +14,12 @@ with :func:`hmac.compare_digest`; only then may it send frames. Connections are
 handshaken side by side without blocking (:meth:`Listener.poll`), so one silent
 or hostile peer neither stalls nor aborts the start.
 
-Frames are an 8-byte big-endian length followed by a pickle. The kernel reads
+A frame is one pickle (protocol 5) and its out-of-band buffers: a header of
+two 8-byte big-endian numbers (the pickle's length, how many buffers), each
+buffer's length (8 bytes each), the pickle, then the buffers. A large value
+(a rank's result tensors, :func:`nbtools.launch._results.pack`) is thus
+pickled once and sent from its own memory; the reader receives each buffer
+into memory of its own and unpickles with them in place. The kernel reads
 without blocking into a per-rank buffer (:meth:`Link.frames`): an interrupt
 between two reads loses nothing. Writes always complete a frame, whatever its
 size, even when interrupted, so the stream never desynchronises; a second
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import mmap
 import os
 import pickle
 import select
@@ -37,13 +43,21 @@ from collections.abc import Callable
 from typing import Any
 
 from nbtools._internal.log import get_logger
+from nbtools.launch._results import out_of_band
 
 __all__ = [
     "Listener", "Link", "connect", "frame", "wait_readable", "ChannelClosed", "socket_directory",
 ]
 
 _log = get_logger("launch")
-_HEADER = struct.Struct("!Q")
+_HEADER = struct.Struct("!QQ")  # the pickle's length, the number of out-of-band buffers
+_LENGTH = struct.Struct("!Q")
+# A small message without buffers is written in one piece.
+_ONE_PIECE = 64 * 1024
+# Received buffers at least this large are anonymous memory maps.
+_MAP_AT_LEAST = 1 << 20
+# More buffers than this in one frame: not a frame nbtools wrote.
+_MAX_BUFFERS = 1 << 20
 _CHALLENGE_BYTES = 32
 _DIGEST_BYTES = hashlib.sha256().digest_size
 # What a rank sends before it is trusted: its proof, then its own challenge.
@@ -63,8 +77,8 @@ _MAX_UNIX_PATH = 100
 # How long a blocked write waits before it reports progress to its caller.
 _WRITE_WAIT_S = 0.05
 
-#: One frame, as the two buffers that are written one after the other.
-Frame = tuple[bytes, bytes]
+#: One frame, as the buffers that are written one after the other.
+Frame = tuple[Any, ...]
 
 
 class ChannelClosed(ConnectionError):
@@ -72,9 +86,22 @@ class ChannelClosed(ConnectionError):
 
 
 def frame(message: Any) -> Frame:
-    """``message`` as one frame: its length, then its pickle."""
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(data)), data
+    """``message`` as one frame: the header, its pickle, its large buffers (not copied)."""
+    kept: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(message, protocol=5, buffer_callback=out_of_band(kept))
+    buffers = [buffer.raw() for buffer in kept]
+    head = _HEADER.pack(len(data), len(buffers)) + b"".join(
+        _LENGTH.pack(view.nbytes) for view in buffers
+    )
+    if not buffers and len(data) < _ONE_PIECE:
+        return (head + data,)  # one write for a small message: one system call, one packet
+    return (head, data, *buffers)
+
+
+def _memory(size: int) -> bytearray | mmap.mmap:
+    """Writable memory for one received buffer: mapped when large (zeroed lazily, by the
+    kernel, as the bytes arrive, instead of once more beforehand)."""
+    return mmap.mmap(-1, size) if size >= _MAP_AT_LEAST else bytearray(size)
 
 
 def _proof(key: bytes, role: bytes, challenge: bytes) -> bytes:
@@ -93,9 +120,13 @@ class Link:
         self.sock = sock
         self.rank = rank
         self.closed = False
+        # Reading a frame, one part after the other: the header, the buffers' lengths,
+        # then the pickle and the buffers (``_parts``); ``_into`` is the part being filled.
         self._head = bytearray(_HEADER.size)
-        self._body: bytearray | None = None
+        self._into = self._head
         self._got = 0
+        self._size = 0
+        self._parts: list[Any] = []
 
     def send(self, message: Any, waiting: Callable[[], None] | None = None) -> None:
         """Send one message; an interrupt while sending still completes the frame."""
@@ -146,12 +177,11 @@ class Link:
         Raises:
             ChannelClosed: the other end closed the connection (after what it sent).
         """
-        messages = []
+        messages: list[Any] = []
         eof = False
         budget = _READ_PER_CALL
         while budget > 0:
-            body = self._body
-            buffer = memoryview(self._head if body is None else body)[self._got :]
+            buffer = memoryview(self._into)[self._got :]
             try:
                 count = self.sock.recv_into(buffer, min(len(buffer), _RECV_CHUNK), socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
@@ -164,23 +194,46 @@ class Link:
                 break
             budget -= count
             self._got += count
-            if body is None:
-                if self._got == _HEADER.size:
-                    (size,) = _HEADER.unpack(self._head)
-                    self._body, self._got = bytearray(size), 0
-            if self._body is not None and self._got == len(self._body):
-                messages.append(pickle.loads(self._body))
-                self._body, self._got = None, 0
+            self._advance(messages)
         if eof:
             self.closed = True
             if not messages:
                 raise ChannelClosed(f"rank {self.rank} closed its channel")
         return messages
 
+    def _advance(self, messages: list[Any]) -> None:
+        """Move past every part that is complete; a frame complete now joins ``messages``."""
+        while self._got == len(self._into):
+            if self._into is self._head:
+                self._size, count = _HEADER.unpack(self._head)
+                if count > _MAX_BUFFERS:
+                    raise ChannelClosed(f"rank {self.rank} sent a frame of {count} parts")
+                self._parts = []
+                self._into = bytearray(count * _LENGTH.size)  # the buffers' lengths
+            elif not self._parts:
+                lengths = [n for (n,) in _LENGTH.iter_unpack(self._into)]
+                self._parts = [bytearray(self._size), *(_memory(n) for n in lengths)]
+                self._into = self._parts[0]
+            else:
+                index = next(i for i, part in enumerate(self._parts) if part is self._into) + 1
+                if index < len(self._parts):
+                    self._into = self._parts[index]
+                else:
+                    messages.append(pickle.loads(self._parts[0], buffers=self._parts[1:]))
+                    self._parts = []
+                    self._into = self._head
+                    self._got = 0
+                    return
+            self._got = 0
+
     def recv(self) -> Any:
         """Block until one message arrives (rank side)."""
-        (size,) = _HEADER.unpack(self._exactly(_HEADER.size))
-        return pickle.loads(self._exactly(size))
+        size, count = _HEADER.unpack(self._exactly(_HEADER.size))
+        if count > _MAX_BUFFERS:
+            raise ChannelClosed(f"the kernel sent a frame of {count} parts")
+        lengths = [n for (n,) in _LENGTH.iter_unpack(self._exactly(count * _LENGTH.size))]
+        data = self._exactly(size)
+        return pickle.loads(data, buffers=[self._exactly(n) for n in lengths])
 
     def _exactly(self, size: int) -> bytearray:
         data = bytearray(size)

@@ -17,7 +17,7 @@ from nbtools import events
 from nbtools._internal.log import get_logger
 from nbtools.errors import DistributedError
 from nbtools.launch._config import LaunchConfig
-from nbtools.launch._pool import RankPool
+from nbtools.launch.pool._pool import RankPool
 
 __all__ = ["call_kept"]
 

@@ -1,7 +1,7 @@
 """``RankPool``: ranks that stay up between calls, with a namespace each.
 
 The ranks are started by the same backend and rank set-up as ``@distributed``
-(:mod:`nbtools.launch._pool_ranks`); what stays alive between calls is the
+(:mod:`nbtools.launch.pool._ranks`); what stays alive between calls is the
 whole rank: its process group, its device state, its names.
 
 What happens on trouble (the user is always told which it was):
@@ -14,13 +14,13 @@ What happens on trouble (the user is always told which it was):
 - a rank died: the pool restarts (fresh state, said so) up to
   ``max_restarts`` times, then stops and says how to start it again.
 
-Every restart emits a ``pool_restarted`` event.
+Every restart emits a ``pool_restarted`` event; the rules are in one place,
+:mod:`nbtools.launch.pool._restarts`.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -29,34 +29,16 @@ from collections.abc import Callable
 from typing import Any
 
 from nbtools import events
-from nbtools._internal.log import get_logger
-from nbtools.errors import DistributedError, LaunchError
+from nbtools._internal import hooks
+from nbtools.errors import LaunchError
 from nbtools.launch import _inrank, _payload, _sources
-from nbtools.launch._backend import GroupSpec
 from nbtools.launch._config import LaunchConfig, check_restarts
-from nbtools.launch._failures import RankFailure, describe, forms_again
-from nbtools.launch._pool_errors import failures_of, first, plural, rank_errors, ranks_text
-from nbtools.launch._pool_ranks import (
-    INTERRUPT_GRACE_S,
-    PEER_GRACE_S,
-    Ranks,
-    RanksInterrupted,
-    RanksLost,
-    RanksStuck,
-)
-from nbtools.launch._pool_registry import (
-    CallGuard,
-    open_pools,
-    owned,
-    register,
-    shutdown,
-    unregister,
-)
+from nbtools.launch.pool._errors import failures_of, rank_errors
+from nbtools.launch.pool._ranks import RanksInterrupted, RanksLost, RanksStuck
+from nbtools.launch.pool._registry import CallGuard, owned, register, unregister
+from nbtools.launch.pool._restarts import Generations, release
 
-__all__ = ["RankPool", "shutdown", "open_pools"]
-
-_log = get_logger("launch")
-_LOST = "rank state (names, models, tensors) was lost"
+__all__ = ["RankPool"]
 
 
 class RankPool:
@@ -129,30 +111,27 @@ class RankPool:
     def _open(self, config: LaunchConfig, max_restarts: int | None) -> None:
         check_restarts(max_restarts, allow_none=True)
         self._config = config
-        self.max_restarts = max_restarts
-        self._backend = self._config.backend()
-        self._plan = self._config.plan(self._backend)
-        self._backend.check(self._plan.world_size, self._plan.use_cuda)
+        backend = config.backend()
+        self._plan = config.plan(backend)
+        backend.check(self._plan.world_size, self._plan.use_cuda)
+        self._backend = backend
         self._lock = threading.Lock()
         self._pid = os.getpid()  # the process the ranks belong to (not a forked child)
-        self._ranks: Ranks | None = None
         self._closed = False
-        self._stopped: str | None = None  # why the pool gave up, after its last restart
-        self.restarts = 0  # every replacement of the ranks, whatever the reason
-        self._deaths = 0  # replacements after ranks died (bounded by max_restarts)
-        self._generation = 0
-        self._run_id = uuid.uuid4().hex[:12]
         self._run_dir = tempfile.mkdtemp(prefix="nbtools-pool-")
-        self._collector = events.Collector(self._run_dir).start()
+        collector = events.Collector(self._run_dir).start()
+        self._gens = Generations(
+            backend, self._plan, max_restarts, uuid.uuid4().hex[:12], self._run_dir, collector
+        )
         try:
-            self._start()
+            self._gens.start()
         except BaseException:
-            self._release()
+            release(backend, collector, self._run_dir)
             raise
         register(self)
         events.emit(
-            "launch", f"pool of {self.world_size} ranks ({self._backend.name})",
-            world_size=self.world_size, cluster=self._backend.name, pool=True,
+            "launch", f"pool of {self.world_size} ranks ({backend.name})",
+            world_size=self.world_size, cluster=backend.name, pool=True,
         )
 
     # --- public calls ---------------------------------------------------------------
@@ -168,6 +147,16 @@ class RankPool:
         return self._closed
 
     @property
+    def max_restarts(self) -> int | None:
+        """Replacements of ranks that died before the pool stops (None: no limit)."""
+        return self._gens.max_restarts
+
+    @property
+    def restarts(self) -> int:
+        """How many times the ranks were replaced by fresh ones, whatever the reason."""
+        return self._gens.restarts
+
+    @property
     def owner_pid(self) -> int:
         """The process that created the pool: only it may call the ranks or close them."""
         return self._pid
@@ -175,7 +164,7 @@ class RankPool:
     @property
     def stopped_reason(self) -> str | None:
         """Why the pool gave up after its last restart (``restart()`` starts it again), or None."""
-        return self._stopped
+        return self._gens.stopped
 
     @property
     def call_lock(self) -> threading.Lock:
@@ -186,7 +175,7 @@ class RankPool:
     def pids(self) -> list[int]:
         """Process ids of the ranks, by rank (on their own hosts)."""
         with self._guard():
-            return self._live().pids
+            return self._gens.live().pids
 
     def execute(self, code: str) -> list[Any]:
         """Run ``code`` in every rank's namespace; each rank's value of the last expression.
@@ -198,11 +187,35 @@ class RankPool:
         if not isinstance(code, str):
             raise TypeError(f"execute() takes the code as a string, got {type(code).__name__}")
         compile(code, "<pool execute>", "exec")  # a syntax error is raised here, before any rank runs
-        return self._values(self._call("exec", (code, "<pool execute>", "value")))
+        replies = self._call("exec", (code, "<pool execute>", "value"), uses=code.encode())
+        return self._values(replies)
 
-    def _execute_display(self, code: str, filename: str) -> list[dict[str, str] | None]:
-        """Run a cell on every rank; each rank's last value formatted for display (or None)."""
-        replies = self._call("exec", (code, filename, "display"))
+    def execute_cell(self, code: str, filename: str) -> list[dict[str, str] | None]:
+        """Run a notebook cell on every rank; each rank's last value, formatted for display.
+
+        This is what ``%%distributed`` runs. Unlike :meth:`execute`, the value of
+        the cell's last expression does not travel back: each rank formats it
+        (``repr`` and, where the value has one, ``_repr_html_``), so values that
+        cannot be pickled still show.
+
+        Args:
+            code: the cell's source.
+            filename: the name tracebacks give the cell (``"<distributed In[3]>"``).
+
+        Returns:
+            One entry per rank: a MIME bundle (``{"text/plain": ..., "text/html": ...}``)
+            of the last expression's value, or None when the cell ends in a
+            statement or the value is None.
+
+        Raises:
+            SyntaxError: the code does not compile (no rank ran it).
+            nbtools.errors.DistributedError: the cell raised on some rank.
+        """
+        __tracebackhide__ = True
+        if not isinstance(code, str):
+            raise TypeError(f"execute_cell() takes the code as a string, got {type(code).__name__}")
+        compile(code, filename, "exec")
+        replies = self._call("exec", (code, filename, "display"), uses=code.encode())
         return [replies[rank][1] for rank in sorted(replies)]
 
     def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> list[Any]:
@@ -216,12 +229,13 @@ class RankPool:
         if not callable(fn):
             raise TypeError(f"run() takes a function, got {type(fn).__name__} {fn!r:.60}")
         payload = _payload.pack(fn, args, kwargs)
-        replies = self._call("run", payload, _sources.localizer(fn))
+        replies = self._call("run", payload, _sources.localizer(fn), uses=payload)
         return self._values(replies)
 
     def push(self, names: dict[str, Any] | None = None, /, **values: Any) -> None:
         """Set names in every rank's namespace: ``push(lr=0.1)`` or ``push({"lr": 0.1})``."""
-        self._call("push", _payload.pack_push(names, values))
+        blob = _payload.pack_push(names, values)
+        self._call("push", blob, uses=blob)
 
     def pull(self, *names: str) -> Any:
         """Values of names in every rank's namespace.
@@ -250,10 +264,7 @@ class RankPool:
     def restart(self) -> None:
         """Replace every rank by a fresh one (state lost); also after the pool stopped."""
         with self._guard(restartable=True):
-            self._stopped = None
-            self._deaths = 0
-            self._replace("restart requested", graceful=True)
-            _log.warning("the pool restarted %d fresh ranks: %s", self.world_size, _LOST)
+            self._gens.restart()
 
     def close(self) -> None:
         """Stop every rank and release everything; idempotent.
@@ -269,14 +280,9 @@ class RankPool:
         acquired = self._lock.acquire(timeout=1.0)
         try:
             self._closed = True
-            ranks, self._ranks = self._ranks, None
-            if ranks is not None:
-                if acquired:
-                    ranks.stop()
-                else:
-                    ranks.kill()  # a call is running in another thread: it ends with an error
+            unregister(self)
+            self._gens.close(graceful=acquired)  # not acquired: a call in another thread ends
         finally:
-            self._release()
             if acquired:
                 self._lock.release()
 
@@ -287,7 +293,7 @@ class RankPool:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "stopped" if self._stopped else "running"
+        state = "closed" if self._closed else "stopped" if self._gens.stopped else "running"
         return f"<RankPool {self.world_size} ranks ({self._backend.name}), {state}>"
 
     # --- the pool's machinery ----------------------------------------------------------
@@ -295,139 +301,36 @@ class RankPool:
     def _guard(self, restartable: bool = False) -> CallGuard:
         return CallGuard(self, restartable)
 
-    def _live(self) -> Ranks:
-        if self._ranks is None:
-            self._start()  # a restart that was interrupted: start now
-        assert self._ranks is not None
-        return self._ranks
-
     def _call(
-        self, op: str, arg: Any, localize: Callable[[str], str] = lambda text: text
+        self, op: str, arg: Any, localize: Callable[[str], str] = lambda text: text,
+        uses: bytes = b"",
     ) -> dict[int, tuple[str, Any]]:
+        """Send one command to every rank; their answers, or the error that ended the call.
+
+        ``uses`` is what the ranks will run (code or a pickled function): the
+        integrations of the libraries it uses take part first, as they do before
+        a plain call's ranks start (:func:`nbtools._internal.hooks.before_launch`).
+        """
         __tracebackhide__ = True
         with self._guard():
-            ranks = self._live()
+            ranks = self._gens.live()
+            if uses:
+                hooks.before_launch(uses)  # integrations from above (e.g. a new MLflow store)
             ranks.forwarder.localize = localize  # stack dumps name this call's cell code
             try:
                 replies = ranks.call(op, arg, self._plan.hang_timeout)
             except RanksInterrupted as exc:
-                self._after_interrupt(exc)
+                self._gens.after_interrupt(exc)
                 raise KeyboardInterrupt from None
             except RanksStuck as exc:
-                failures = failures_of(exc.replies, self.restarts, localize)
-                message = describe(failures, first(failures)) + (
-                    f"\n\nrank{plural(exc.pending)} {ranks_text(exc.pending)} did not finish within "
-                    f"{PEER_GRACE_S:.0f} s after that (waiting for the failed rank in a "
-                    "collective?); " + self._replace("ranks stuck after a failure")
-                )
-                raise DistributedError(message, failures) from None
+                raise self._gens.after_stuck(exc, localize) from None
             except RanksLost as exc:
-                raise self._after_loss(exc, localize) from None
-            failures = failures_of(replies, self.restarts, localize)
+                raise self._gens.after_loss(exc) from None
+            failures = failures_of(replies, self._gens.restarts, localize)
             if failures:
                 raise rank_errors(op, failures) from None
             return replies
 
-    def _after_interrupt(self, exc: RanksInterrupted) -> None:
-        if exc.kept:
-            _log.warning(
-                "interrupted: every rank stopped its work (KeyboardInterrupt there) and is idle "
-                "again; the pool and its state were kept"
-            )
-            return
-        note = self._replace("ranks did not stop after an interrupt")
-        why = ""
-        if not self._backend.interrupts_blocked_calls:
-            why = (
-                f" (on {self._backend.name} a rank runs your code in an actor thread, which no signal "
-                "reaches: "
-                "an interrupt stops Python code "
-                "there, but not a call blocked in time.sleep, I/O or C code; such cells can "
-                "wait in short steps, e.g. a loop of time.sleep(0.1))"
-            )
-        _log.warning(
-            "interrupted: rank%s %s did not stop within %.0f s%s; %s",
-            plural(exc.pending), ranks_text(exc.pending), INTERRUPT_GRACE_S, why, note,
-        )
-
-    def _after_loss(self, exc: RanksLost, localize: Callable[[str], str]) -> DistributedError:
-        outcome = exc.outcome
-        if outcome is None or not outcome.failures:
-            failures: dict[int, RankFailure] = {}
-            headline = "the pool's ranks ended unexpectedly"
-        else:
-            failures = outcome.failures
-            headline = describe(failures, outcome.first, returned=outcome.returned)
-        self._deaths += 1
-        if self.max_restarts is not None and self._deaths > self.max_restarts:
-            self._stopped = (
-                f"the pool stopped after its ranks died {self._deaths} times "
-                f"(max_restarts={self.max_restarts})"
-            )
-            self._discard()
-            note = self._stopped + "; call pool.restart() (%distributed restart) to start fresh ranks"
-            events.emit("failure", headline.splitlines()[0], pool=True)
-        else:
-            note = self._replace("a rank died")
-        return DistributedError(f"{headline}\n\n{note}", failures)
-
     def _values(self, replies: dict[int, tuple[str, Any]]) -> list[Any]:
         blobs = ((rank, replies[rank][1]) for rank in sorted(replies))
         return _payload.unpack_values(blobs, "the value from rank")
-
-    def _start(self) -> None:
-        regroups = 0
-        while True:
-            attempt_dir = os.path.join(self._run_dir, f"attempt{self._generation}")
-            self._generation += 1
-            os.mkdir(attempt_dir)
-            spec = GroupSpec(
-                payload=b"",
-                world_size=self._plan.world_size,
-                use_cuda=self._plan.use_cuda,
-                run_id=self._run_id,
-                restart_count=self.restarts,
-                max_restarts=self.max_restarts if self.max_restarts is not None else 2**31 - 1,
-                attempt_dir=attempt_dir,
-                env=self._collector.environment(),
-            )
-            try:
-                self._ranks = Ranks.start(self._backend, spec, self._plan.output)
-                return
-            except RanksLost as exc:
-                outcome = exc.outcome
-                failures = outcome.failures if outcome is not None else {}
-                first = failures.get(outcome.first) if outcome and outcome.first is not None else None
-                if forms_again(first, regroups):
-                    regroups += 1
-                    continue
-                text = describe(failures, outcome.first) if failures else "the ranks ended"
-                raise LaunchError(f"the pool's ranks could not start: {text}") from None
-
-    def _replace(self, reason: str, graceful: bool = False) -> str:
-        """Start fresh ranks in place of the current ones; the sentence that tells the user."""
-        self._discard(graceful)
-        self.restarts += 1
-        events.emit(
-            "pool_restarted", f"{reason}; {_LOST}", reason=reason, restarts=self.restarts,
-            world_size=self.world_size,
-        )
-        self._start()
-        return f"the pool restarted with {self.world_size} fresh ranks: {_LOST}"
-
-    def _discard(self, graceful: bool = False) -> None:
-        ranks, self._ranks = self._ranks, None
-        if ranks is not None:
-            if graceful:
-                ranks.stop()
-            else:
-                ranks.kill()
-        self._collector.drain()
-
-    def _release(self) -> None:
-        unregister(self)
-        try:
-            self._collector.stop()
-            self._backend.close()
-        finally:
-            shutil.rmtree(self._run_dir, ignore_errors=True)

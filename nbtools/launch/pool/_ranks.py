@@ -2,7 +2,7 @@
 
 The ranks are an ordinary group of the launch backend
 (:mod:`nbtools.launch._backend`) whose function is the pool's command loop
-(:func:`nbtools.launch._pool_rank.serve`): there is no second launcher. This
+(:func:`nbtools.launch.pool._rank.serve`): there is no second launcher. This
 module adds the kernel's side of the command channel and the rules for
 waiting on a command:
 
@@ -30,8 +30,9 @@ import cloudpickle
 from nbtools._internal.log import get_logger
 from nbtools.launch._backend import Failed, Finished, GroupSpec, LaunchBackend, RankGroup
 from nbtools.launch._output import OutputForwarder
-from nbtools.launch._pool_channel import ChannelClosed, Link, Listener, frame, wait_readable
-from nbtools.launch._pool_rank import OK, serve
+from nbtools.launch._runner import report_leftovers
+from nbtools.launch.pool._channel import ChannelClosed, Link, Listener, frame, wait_readable
+from nbtools.launch.pool._rank import OK, serve
 
 __all__ = [
     "Ranks",
@@ -360,9 +361,7 @@ class Ranks:
                 self.group.stop()
             finally:
                 left = self.group.close()
-                from nbtools.launch._runner import _report_leftovers
-
-                _report_leftovers(left)
+                report_leftovers(left)
         finally:
             for link in self.links.values():
                 link.close()

@@ -1,0 +1,222 @@
+"""How a pool starts, restarts and gives up: its ranks, one generation after another.
+
+A pool's ranks are one group of the launch backend at a time (a *generation*,
+:class:`~nbtools.launch.pool._ranks.Ranks`). Everything that replaces them is
+here:
+
+- starting a generation: a group that failed to form before any user code ran
+  is formed again by the same loop as a plain call's
+  (:func:`nbtools.launch._runner.until_formed`);
+- a rank failed and its peers stayed stuck past a short grace, or an
+  interrupt left ranks running: fresh ranks, and the user is told that rank
+  state was lost;
+- a rank died: fresh ranks, up to ``max_restarts`` times since the last
+  requested restart; then the pool stops and says how to start it again;
+- ``restart()``: fresh ranks on request, also after the pool stopped.
+
+Every replacement emits a ``pool_restarted`` event. A ``keep_alive=True`` call
+also runs its function again after a failure, up to its ``max_restarts``
+(:mod:`nbtools.launch.pool._kept`); the ranks under it are replaced here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+
+from nbtools import events
+from nbtools._internal.log import get_logger
+from nbtools.errors import DistributedError, LaunchError
+from nbtools.launch._backend import Failed, GroupSpec, LaunchBackend
+from nbtools.launch._failures import RankFailure, describe
+from nbtools.launch._runner import Plan, until_formed
+from nbtools.launch.pool._errors import failures_of, first, plural, ranks_text
+from nbtools.launch.pool._ranks import (
+    INTERRUPT_GRACE_S,
+    PEER_GRACE_S,
+    Ranks,
+    RanksInterrupted,
+    RanksLost,
+    RanksStuck,
+)
+
+__all__ = ["Generations", "LOST"]
+
+_log = get_logger("launch")
+#: What every replacement of the ranks tells the user.
+LOST = "rank state (names, models, tensors) was lost"
+
+
+class Generations:
+    """The pool's current ranks and the rules that replace them.
+
+    Args:
+        backend: where the ranks run.
+        plan: sizes and options of the pool.
+        max_restarts: replacements after ranks died before the pool stops (None: no limit).
+        run_id: the same for every generation (``TORCHELASTIC_RUN_ID``).
+        run_dir: the pool's private directory; each generation gets one inside it.
+        collector: the pool's events collector (its environment goes to every rank).
+    """
+
+    def __init__(
+        self, backend: LaunchBackend, plan: Plan, max_restarts: int | None, run_id: str,
+        run_dir: str, collector: events.Collector,
+    ) -> None:
+        self.backend = backend
+        self.plan = plan
+        self.max_restarts = max_restarts
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.collector = collector
+        self.ranks: Ranks | None = None
+        self.restarts = 0  # every replacement of the ranks, whatever the reason
+        self.stopped: str | None = None  # why the pool gave up, after its last restart
+        self._deaths = 0  # replacements after ranks died (bounded by max_restarts)
+        self._count = 0  # generations started, for their directories
+
+    def live(self) -> Ranks:
+        """The running ranks; started now when a restart was interrupted before it ended."""
+        if self.ranks is None:
+            self.start()
+        assert self.ranks is not None
+        return self.ranks
+
+    def start(self) -> None:
+        """Start a generation and wait until every rank is connected.
+
+        Raises:
+            LaunchError: the ranks could not start (their group did not form, again and again).
+        """
+        outcome = until_formed(self._attempt)
+        if isinstance(outcome, Failed):
+            text = describe(outcome.failures, outcome.first) if outcome.failures else "the ranks ended"
+            raise LaunchError(f"the pool's ranks could not start: {text}")
+
+    def _attempt(self) -> Failed | None:
+        attempt_dir = os.path.join(self.run_dir, f"attempt{self._count}")
+        self._count += 1
+        os.mkdir(attempt_dir)
+        spec = GroupSpec(
+            payload=b"",
+            world_size=self.plan.world_size,
+            use_cuda=self.plan.use_cuda,
+            run_id=self.run_id,
+            restart_count=self.restarts,
+            max_restarts=self.max_restarts if self.max_restarts is not None else 2**31 - 1,
+            attempt_dir=attempt_dir,
+            env=self.collector.environment(),
+        )
+        try:
+            self.ranks = Ranks.start(self.backend, spec, self.plan.output)
+        except RanksLost as exc:
+            return exc.outcome if exc.outcome is not None else Failed({}, None)
+        return None
+
+    # --- what happened during a call, and what it does to the ranks -----------------
+
+    def after_interrupt(self, exc: RanksInterrupted) -> None:
+        """An interrupted call: keep ranks that came back to idle, else replace them."""
+        if exc.kept:
+            _log.warning(
+                "interrupted: every rank stopped its work (KeyboardInterrupt there) and is idle "
+                "again; the pool and its state were kept"
+            )
+            return
+        note = self.replace("ranks did not stop after an interrupt")
+        why = ""
+        if not self.backend.interrupts_blocked_calls:
+            why = (
+                f" (on {self.backend.name} a rank runs your code in an actor thread, which no "
+                "signal reaches: an interrupt stops Python code there, but not a call blocked in "
+                "time.sleep, I/O or C code; such cells can wait in short steps, e.g. a loop of "
+                "time.sleep(0.1))"
+            )
+        _log.warning(
+            "interrupted: rank%s %s did not stop within %.0f s%s; %s",
+            plural(exc.pending), ranks_text(exc.pending), INTERRUPT_GRACE_S, why, note,
+        )
+
+    def after_stuck(self, exc: RanksStuck, localize: Callable[[str], str]) -> DistributedError:
+        """A rank failed and its peers did not finish: fresh ranks; the error to raise."""
+        failures = failures_of(exc.replies, self.restarts, localize)
+        message = describe(failures, first(failures)) + (
+            f"\n\nrank{plural(exc.pending)} {ranks_text(exc.pending)} did not finish within "
+            f"{PEER_GRACE_S:.0f} s after that (waiting for the failed rank in a "
+            "collective?); " + self.replace("ranks stuck after a failure")
+        )
+        return DistributedError(message, failures)
+
+    def after_loss(self, exc: RanksLost) -> DistributedError:
+        """A rank died: fresh ranks, or the pool stops after too many deaths; the error."""
+        outcome = exc.outcome
+        if outcome is None or not outcome.failures:
+            failures: dict[int, RankFailure] = {}
+            headline = "the pool's ranks ended unexpectedly"
+        else:
+            failures = outcome.failures
+            headline = describe(failures, outcome.first, returned=outcome.returned)
+        self._deaths += 1
+        if self.max_restarts is not None and self._deaths > self.max_restarts:
+            self.stopped = (
+                f"the pool stopped after its ranks died {self._deaths} times "
+                f"(max_restarts={self.max_restarts})"
+            )
+            self.discard()
+            note = self.stopped + "; call pool.restart() (%distributed restart) to start fresh ranks"
+            events.emit("failure", headline.splitlines()[0], pool=True)
+        else:
+            note = self.replace("a rank died")
+        return DistributedError(f"{headline}\n\n{note}", failures)
+
+    # --- replacing ----------------------------------------------------------------------
+
+    def restart(self) -> None:
+        """Fresh ranks on request (state lost); also after the pool stopped."""
+        self.stopped = None
+        self._deaths = 0
+        self.replace("restart requested", graceful=True)
+        _log.warning("the pool restarted %d fresh ranks: %s", self.plan.world_size, LOST)
+
+    def replace(self, reason: str, graceful: bool = False) -> str:
+        """Start fresh ranks in place of the current ones; the sentence that tells the user."""
+        self.discard(graceful)
+        self.restarts += 1
+        events.emit(
+            "pool_restarted", f"{reason}; {LOST}", reason=reason, restarts=self.restarts,
+            world_size=self.plan.world_size,
+        )
+        self.start()
+        return f"the pool restarted with {self.plan.world_size} fresh ranks: {LOST}"
+
+    def discard(self, graceful: bool = False) -> None:
+        """End the current ranks (asked to stop, or killed); what they sent is collected."""
+        ranks, self.ranks = self.ranks, None
+        if ranks is not None:
+            if graceful:
+                ranks.stop()
+            else:
+                ranks.kill()
+        self.collector.drain()
+
+    def close(self, graceful: bool) -> None:
+        """End the ranks for good and release the backend, events and directory."""
+        ranks, self.ranks = self.ranks, None
+        try:
+            if ranks is not None:
+                if graceful:
+                    ranks.stop()
+                else:
+                    ranks.kill()  # a call is running in another thread: it ends with an error
+        finally:
+            release(self.backend, self.collector, self.run_dir)
+
+
+def release(backend: LaunchBackend, collector: events.Collector, run_dir: str) -> None:
+    """Release what a pool holds besides its ranks; safe on a pool that never started."""
+    try:
+        collector.stop()
+        backend.close()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
