@@ -20,7 +20,10 @@ MONTH_S = 30 * 24 * 3600.0
 
 def _plant(root, **record) -> None:
     root.mkdir(parents=True, exist_ok=True)
-    (root / LEASE_NAME).write_text(json.dumps({"token": "someone-else", **record}))
+    # Written beside the root and renamed in, as a lease holder would: never seen half-written.
+    part = root.parent / f".{LEASE_NAME}.{threading.get_ident()}"
+    part.write_text(json.dumps({"token": "someone-else", **record}))
+    os.replace(part, root / LEASE_NAME)
 
 
 def _holder(root) -> dict:
@@ -144,6 +147,8 @@ def test_another_machine_renewing_its_lease_is_refused_saying_how_to_take_over(
         finally:
             ckpt.close(final_save=False)
         assert sorted(os.listdir(root)) == [LEASE_NAME]
+        stop.set()  # the other machine stops renewing; a takeover would stop it on a real one
+        heart.join()
         with CheckpointManager(root, async_save=False, takeover=True) as ckpt:
             assert ckpt.save(1, model=Net())
     finally:
