@@ -47,6 +47,10 @@ _CURSOR_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-HJKSTfhlsu]")
 _MOVED_BAR = re.compile(r"(\n+)([^\n\x1b]*)\x1b\[(\d*)A")
 # A trailing newline run that may be the start of such a positioned bar.
 _MAYBE_MOVE = re.compile(r"\n+(?:\r[^\n]*)?$")
+# How long such a run waits for the cursor-up that would make it a bar position: tqdm
+# writes the newlines, the bar and the cursor-ups in three writes, which a busy machine
+# can spread over several polls. A line printed last is shown at most this much later.
+_HOLD_S = 0.5
 # The file name of code sent by value (see ``_sources``).
 _DYNAMIC = '"<dynamic-code>"'
 
@@ -97,7 +101,8 @@ class _Tail:
         self.fh = None
         self.pending = ""
         self.after_cr = False  # the text pending follows a carriage return: a bar in progress
-        self.held = False  # a trailing newline was held back at the last pump
+        self.hold_until: float | None = None  # until when trailing newlines are held back
+        self.bars = False  # this rank has drawn a carriage-return bar
 
     def pump(self, final: bool) -> bool:
         """Forward what the file has gained; True when it had anything new."""
@@ -112,13 +117,19 @@ class _Tail:
             # A bar is written whole ("\r" + state); text after it starts a new line.
             self.pending += "\r"
         text = _CURSOR_ESCAPE.sub("", _MOVED_BAR.sub(_as_update, self.pending + new))
+        self.bars = self.bars or "\r" in new
         held = ""
-        if new and not final and not self.held:
-            # Wait one poll for the cursor-up that would make these newlines a bar position.
-            match = _MAYBE_MOVE.search(text)
-            if match:
+        match = None if final else _MAYBE_MOVE.search(text)
+        if match:
+            # Wait for the cursor-up that would make these newlines a bar position: a moment
+            # on a rank that draws bars, else one poll (lines keep their order across ranks).
+            now, first = time.monotonic(), self.hold_until is None
+            if first:
+                self.hold_until = now + (_HOLD_S if self.bars else 0.0)
+            if (first and new) or now < self.hold_until:
                 text, held = text[: match.start()], text[match.start() :]
-        self.held = bool(held)
+        if not held:
+            self.hold_until = None
         out = []
         pos = 0
         for match in _SEGMENT.finditer(text):

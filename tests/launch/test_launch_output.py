@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from nbtools.launch import _output
 from nbtools.launch._output import OutputForwarder
 
 
@@ -114,6 +115,23 @@ def test_a_line_printed_while_rank0s_bar_runs_goes_above_the_bar(tmp_path):
         "[rank 1] checkpoint saved",
         "[rank 0] train 100%|",
     ]
+
+
+def test_a_positioned_bar_written_in_pieces_over_many_polls_leaves_no_stray_line(
+    tmp_path, monkeypatch
+):
+    # tqdm draws a bar at position=1 in three writes (newline, bar, cursor-up); a busy rank
+    # can be paused between them for several of the forwarder's polls.
+    monkeypatch.setattr(_output, "_HOLD_S", 60.0)  # however slow this machine is
+    ranks = _Ranks(tmp_path)
+    ranks.write(0, "\repoch   0%|")
+    for piece in ("\n", "\reval  67%|", "\x1b[A"):
+        ranks.write(0, piece)
+        for _ in range(3):
+            ranks.forwarder.poll()
+    ranks.write(0, "\repoch 100%|\n")
+    ranks.forwarder.poll(final=True)
+    assert _jupyter(ranks.stderr.getvalue()).splitlines() == ["[rank 0] epoch 100%|"]
 
 
 def test_torch_rank_prefix_is_replaced_not_doubled(tmp_path):
