@@ -52,12 +52,6 @@ _SESSION_TMP: str | None = None
 _SHM_BEFORE: set[str] = set()
 
 
-# Tests that start a Ray cluster (the session's test cluster in tests/ray, notebook 06's own)
-# share one xdist worker: one cluster starting at a time on a small machine, and one test
-# cluster for the session instead of one per worker. They are sent out first, being longest.
-_RAY_PATHS = ("tests/ray/", "notebooks/06_multinode_ray.ipynb")
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """With ``-n N`` and no ``--dist`` given, distribute by the groups set below."""
@@ -72,12 +66,10 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep each test file on one worker (its module fixtures start servers, kernels and
-    ranks once, not once per worker), and every Ray test on the same worker."""
+    """Keep each test file on one worker: its module fixtures start servers, kernels, ranks
+    and Ray clusters once, not once per worker."""
     for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group("ray" if path.startswith(_RAY_PATHS) else path))
-    items.sort(key=lambda item: not item.nodeid.startswith(_RAY_PATHS))
+        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
 
 def _shm_entries() -> set[str]:
