@@ -16,6 +16,7 @@ import os
 import shutil
 import time
 
+import psutil
 import pytest
 
 # Read when Ray is imported: without it every node binds to the machine's outward-facing
@@ -81,12 +82,38 @@ class _RayCluster:
         self.cluster.shutdown()
 
 
+def _start_cluster(attempts: int = 3) -> _RayCluster:
+    """Start the cluster, again from nothing if a node timed out registering.
+
+    Ray gives a starting node a fixed 30 s to register with the head, whatever
+    ``RAY_raylet_start_wait_time_s`` says; on a busy 2-core machine a node can
+    take longer. A failed start is ended whole: every process under this
+    session's Ray directory is killed, so nothing half-started stays behind.
+    """
+    for attempt in range(attempts):
+        try:
+            return _RayCluster()
+        except Exception as exc:  # Ray raises a bare Exception for this
+            if "timed out during startup" not in str(exc) or attempt == attempts - 1:
+                raise
+            started = [proc for proc in psutil.process_iter(["cmdline"])
+                       if _RAY_TMP in " ".join(proc.info["cmdline"] or ())]
+            for proc in started:
+                try:
+                    proc.kill()
+                except psutil.Error:
+                    pass
+            psutil.wait_procs(started, timeout=10)
+            shutil.rmtree(_RAY_TMP, ignore_errors=True)
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """The session's local Ray cluster, with this process connected as its driver."""
     before = set(os.environ)
     os.environ["RAY_TMPDIR"] = _RAY_TMP  # read by every Ray process the cluster starts
-    cluster = _RayCluster()
+    cluster = _start_cluster()
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         yield cluster

@@ -43,6 +43,11 @@ def test_pane_shows_every_node_and_follows_nodes_joining_and_leaving(ray_cluster
         pane.refresh()
         assert len(backend.nodes()) == 5
         joined = (set(backend.nodes().values()) - set(labels)).pop()
+        for _ in range(30):  # the new node's sampler actor may still be starting
+            if joined in pane.sampler.samples.hosts():
+                break
+            time.sleep(1)
+            pane.refresh()
         assert joined in pane.sampler.samples.hosts()
         ray_cluster.cluster.remove_node(extra, allow_graceful=False)
 
