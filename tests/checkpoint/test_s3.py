@@ -71,11 +71,12 @@ def s3(monkeypatch):
         s3fs.S3FileSystem.clear_instance_cache()
         _reset(endpoint)
         server.stop()
-        # fsspec's IO loop and that loop's executor serve the whole process, not the server.
+        # fsspec's IO loop and that loop's executor serve the whole process, not the server;
+        # so does tqdm's monitor, started by the first progress bar of the process.
         left = [
             t
             for t in set(threading.enumerate()) - before
-            if not t.name.startswith(("fsspecIO", "asyncio_"))
+            if not t.name.startswith(("fsspecIO", "asyncio_", "tqdm_monitor"))
         ]
         for thread in left:
             thread.join(timeout=30)
