@@ -94,8 +94,6 @@ def _start_cluster(attempts: int = 3) -> _RayCluster:
         try:
             return _RayCluster()
         except Exception as exc:  # Ray raises a bare Exception for this
-            if "timed out during startup" not in str(exc) or attempt == attempts - 1:
-                raise
             started = [proc for proc in psutil.process_iter(["cmdline"])
                        if _RAY_TMP in " ".join(proc.info["cmdline"] or ())]
             for proc in started:
@@ -105,6 +103,8 @@ def _start_cluster(attempts: int = 3) -> _RayCluster:
                     pass
             psutil.wait_procs(started, timeout=10)
             shutil.rmtree(_RAY_TMP, ignore_errors=True)
+            if "timed out during startup" not in str(exc) or attempt == attempts - 1:
+                raise
     raise AssertionError("unreachable")
 
 
