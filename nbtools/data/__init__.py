@@ -67,8 +67,8 @@ directory (``.index/``) that one process per node builds (the others wait
 for it) and every rank and loader worker shares; a later launch reuses it
 when no listed directory changed. That check sees files added, removed or
 renamed onto a name; a file rewritten in place is seen when it is served
-(``check_sources``). Mounts whose directory times do not change or are cached
-need ``refresh=True``. A copy is kept only when it holds the whole source, as
+(``check_sources``: once per launch by default, or every epoch). Mounts whose
+directory times do not change or are cached need ``refresh=True``. A copy is kept only when it holds the whole source, as
 listed and unchanged while read; else it is copied again or refused.
 
 Loader workers are started by PyTorch's default method (``fork`` on Linux),

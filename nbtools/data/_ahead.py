@@ -131,7 +131,8 @@ class Ahead:
                 self._done = True
                 cond.notify_all()
 
-    def __iter__(self) -> Iterator[Item]:
+    def chunks(self) -> Iterator[list[Item]]:
+        """The checked chunks, in order, each as soon as the thread has checked it."""
         cond, ready = self._cond, self._ready
         while True:
             with cond:
@@ -141,9 +142,13 @@ class Ahead:
                     break
                 chunk = ready.popleft()
                 cond.notify_all()
-            yield from chunk
+            yield chunk
         if self._error is not None:
             raise self._error
+
+    def __iter__(self) -> Iterator[Item]:
+        for chunk in self.chunks():
+            yield from chunk
 
     def close(self) -> None:
         """Stop the thread and wait for it (idempotent)."""

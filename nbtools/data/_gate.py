@@ -127,6 +127,16 @@ class KnownFiles:
             return False  # ``add`` starts the memo again
         return self._entries.get(key) == (size, mtime_ns)
 
+    def entries(self) -> dict[str, tuple[int, int]] | None:
+        """``key -> (size, mtime_ns)`` of the files seen complete, while current; else None.
+
+        For a caller that holds the gate (no eviction can run meanwhile) and
+        looks up many keys at once.
+        """
+        if self._counter[0] != self._generation:
+            return None
+        return self._entries
+
     def add(self, key: str, size: int, mtime_ns: int) -> None:
         """Remember that ``key`` is complete and up to date (its file pinned, or the gate held)."""
         entries = self._current()

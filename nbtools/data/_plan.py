@@ -23,7 +23,10 @@ class Plan:
     ``tracked`` means a loader counts what the training loop received (from
     batch tags); otherwise the stream counts the paths it yields itself.
     ``hold`` is how many batches before the one being filled the loader may
-    still hold (None outside an nbtools loader).
+    still hold (None outside an nbtools loader). ``check``: its streams look
+    at each source before serving a cached copy; ``recheck``: every epoch
+    does (``check_sources="epoch"``), not only until an epoch was served
+    whole under a check (``"launch"``).
     """
 
     plan_id: str
@@ -35,6 +38,8 @@ class Plan:
     tracked: bool
     rotation: int = 0
     hold: int | None = None
+    check: bool = True
+    recheck: bool = False
 
     @property
     def stride(self) -> int:
@@ -58,10 +63,21 @@ class Plan:
         """The plan a persistent worker assumes next: the following epoch, from its start.
 
         Its id derives from this one, so the training process can predict it.
+        The next epoch checks its sources when every epoch does, or when this
+        one did but started part-way (it did not look at every source).
         """
         return replace(
-            self, plan_id=self.plan_id + "+", epoch=self.epoch + 1, base=Consumed(), rotation=0
+            self,
+            plan_id=self.plan_id + "+",
+            epoch=self.epoch + 1,
+            base=Consumed(),
+            rotation=0,
+            check=self.next_checks(),
         )
+
+    def next_checks(self) -> bool:
+        """Whether the epoch after this one, once this one is served whole, checks sources."""
+        return self.recheck or (self.check and self.base.count() > 0)
 
     def same_work(self, other: Plan | None) -> bool:
         """True when ``other`` serves exactly the same files in the same places."""

@@ -22,23 +22,22 @@ completed copies from the far end of its own window first.
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import partial
-from typing import IO, Optional
+from typing import IO
 
 from nbtools._internal.log import get_logger
 from nbtools.data import _tags
 from nbtools.data._ahead import Ahead, Item, SourceCheck
 from nbtools.data._cache import FileCache
 from nbtools.data._gate import unwatch, watch
-from nbtools.data._pins import Pin, pin_path
+from nbtools.data._guard import Guard, drop, settled, to_pin
+from nbtools.data._pins import Pin
 from nbtools.data._window import warn_once
 
 __all__ = ["Guard", "Item", "SourceCheck", "serve"]
@@ -46,57 +45,8 @@ __all__ = ["Guard", "Item", "SourceCheck", "serve"]
 _log = get_logger("data.stream")
 #: Files handed out under the gate between two looks for ones to let go.
 _GATED_RELEASE = 16
-
-@dataclass(frozen=True, slots=True)
-class Guard:
-    """How a complete cached file of a stream is kept from eviction.
-
-    ``pin`` is the file's own pin, or None while the cache's gate protects it
-    (nothing evicts then). A file that is not protected at all (a copy ahead
-    that gave up) has no guard: the consumer fetches it itself.
-    """
-
-    path: str
-    pin: Pin | None = None
-
-    @classmethod
-    def pinned(cls, pin: Pin) -> Guard:
-        """The guard of a pinned file."""
-        return cls(pin.path, pin)
-
-    def release(self) -> None:
-        """Let the file be evicted again, as far as this guard goes (idempotent)."""
-        if self.pin is not None:
-            self.pin.release()
-
-    def to_pin(self) -> Guard | None:
-        """This guard with a pin of its own (None when the file is gone meanwhile)."""
-        if self.pin is not None:
-            return self
-        pin = pin_path(self.path)
-        return None if pin is None else Guard(self.path, pin)
-
-
-#: A file ahead of the consumer: its copy in flight, its guard, or None (not protected).
-_State = Optional[Future | Guard]
-
-
-def _drop(guard: Guard | None) -> None:
-    if guard is not None:
-        guard.release()
-
-
-def _as_guard(pin: Pin | None) -> Guard | None:
-    return None if pin is None else Guard(pin.path, pin)
-
-
-def _settled(state: _State) -> Guard | None:
-    """The guard of a finished copy (None for one that failed, was cancelled or runs on)."""
-    if not isinstance(state, Future):
-        return state
-    if state.done() and not state.cancelled() and state.exception() is None:
-        return _as_guard(state.result())
-    return None
+#: Most files of one run of cached files taken at once.
+_RUN_MOST = 4096
 
 
 class _Stream:
@@ -108,16 +58,24 @@ class _Stream:
         budget: int,
         hold: int | None,
         open_source: Callable[[int], IO[bytes]],
+        count: _tags.Count,
+        on_yield: Callable[[], None] | None = None,
         stat_source: Callable[[int], tuple[int, int] | None] | None = None,
         check: SourceCheck | None = None,
     ) -> None:
         self.cache = cache
         self.open_source = open_source
         self.stat_source = stat_source
+        self.count = count
+        self.on_yield = on_yield
         self.ahead = None if check is None else Ahead(chunks, check)
-        self.source: Iterator[Item] = (
-            iter(self.ahead) if self.ahead is not None else itertools.chain.from_iterable(chunks)
+        self.chunks: Iterator[list[Item]] = (
+            self.ahead.chunks() if self.ahead is not None else iter(chunks)
         )
+        #: The chunk being taken from, and the position of its next item.
+        self.buf: list[Item] = []
+        self.pos = 0
+        #: An item taken from ``buf`` (always ``buf[pos - 1]``) that waits for room.
         self.lookahead: Item | None = None
         self.window = max(1, prefetch)
         self.budget = budget
@@ -126,14 +84,28 @@ class _Stream:
         self.cancel = threading.Event()
         #: [item, state] of files ahead of the consumer, in order.
         self.pending: deque[list] = deque()
-        #: (batch index, guard, size) of files handed out and still protected.
-        self.held: deque[tuple[int, Guard, int]] = deque()
+        #: Copies in flight among ``pending``.
+        self.copies = 0
+        #: (batch index, guard, size) of files handed out and still protected; the
+        #: guard of a file the gate protects may be its bare path.
+        self.held: deque[tuple[int, Guard | str, int]] = deque()
         self.pending_bytes = 0
         self.held_bytes = 0
         self.pool = ThreadPoolExecutor(
             max_workers=self.window, thread_name_prefix="nbtools-data-copy"
         )
         self.gate_fd = cache.gate.enter()
+
+    def _next_item(self) -> Item | None:
+        """The next item of the chunks, or None at their end."""
+        while self.pos >= len(self.buf):
+            chunk = next(self.chunks, None)
+            if chunk is None:
+                return None
+            self.buf, self.pos = chunk, 0
+        item = self.buf[self.pos]
+        self.pos += 1
+        return item
 
     # --- protection -------------------------------------------------------------------
 
@@ -147,7 +119,7 @@ class _Stream:
                     entry[1] = entry[1].to_pin()  # None: the consumer fetches it again
             # A handed-out file gone meanwhile needs nothing more.
             self.held = deque(
-                (b, pinned, n) for b, g, n in self.held if (pinned := g.to_pin()) is not None
+                (b, pinned, n) for b, g, n in self.held if (pinned := to_pin(g)) is not None
             )
             os.close(self.gate_fd)
             self.gate_fd = -1
@@ -156,7 +128,7 @@ class _Stream:
         """In a forked child: close the inherited descriptors, which would keep locks held."""
         fds = [self.gate_fd] if self.gate_fd >= 0 else []
         self.gate_fd = -1
-        guards = [e[1] for e in self.pending] + [g for _, g, _ in self.held]
+        guards = [e[1] for e in self.pending] + [g for _, g, _ in self.held]  # Guard | str
         for guard in guards:
             pin = guard.pin if isinstance(guard, Guard) else None
             if pin is not None and pin._fd >= 0:
@@ -176,13 +148,13 @@ class _Stream:
         while len(held) > 1 and (not keep_batches or held[0][0] < oldest_needed):
             _, guard, size = held.popleft()
             self.held_bytes -= size
-            _drop(guard)
+            drop(guard)
 
     def shed(self) -> None:
         """The consumer waits for room: release the farthest completed copy ahead."""
         with self.lock:
             for entry in reversed(self.pending):
-                guard = _settled(entry[1])
+                guard = settled(entry[1])
                 if guard is not None and guard.pin is not None:
                     guard.release()
                     entry[1] = None
@@ -199,13 +171,24 @@ class _Stream:
     # --- copy-ahead -------------------------------------------------------------------
 
     def fill(self) -> None:
-        """Start copies (or pin hits) ahead, within the window and the byte budget."""
+        """Start copies (or pin hits) ahead, within the window and the byte budget.
+
+        Under the gate, with no copy in flight, a cached file stops the filling:
+        the run of cached files from there is served by :meth:`_take_run`.
+        """
         while len(self.pending) < self.window:
-            item = self.lookahead if self.lookahead is not None else next(self.source, None)
+            item = self.lookahead if self.lookahead is not None else self._next_item()
             if item is None:
                 return
+            self.lookahead = item
             if not self._fits(item):
-                self.lookahead = item
+                return
+            if (
+                self.copies == 0
+                and self.pending
+                and self.gate_fd >= 0
+                and self.cache.cached(item.key, item.size, item.mtime_ns) is not None
+            ):
                 return
             self.lookahead = None
             self.submit(item)
@@ -237,6 +220,7 @@ class _Stream:
                     return
             # Copies ahead of the consumer never wait for room: they give up and
             # let the consumer copy the file itself when it gets there.
+            self.copies += 1
             future = self.pool.submit(
                 self.cache.fetch_verified,
                 item.key,
@@ -256,13 +240,106 @@ class _Stream:
 
     # --- serving ----------------------------------------------------------------------
 
+    def _take_run(self) -> tuple[list[Item], list[str]]:
+        """The next files while they are cached and fit, with their paths (locked).
+
+        A cached epoch is served from here: one lookup per file in the memo of
+        complete files, and nothing ahead of the consumer to keep track of.
+        The run stops before the last ``window`` cached files ahead of a file
+        to copy, so that the general path starts that copy while it serves
+        them. Call only with ``pending`` empty and the gate held.
+        """
+        if self.lookahead is not None:
+            self.lookahead = None
+            self.pos -= 1  # it is buf[pos - 1]: take it again
+        cached = self.cache.cached
+        known = self.cache.known.entries() or {}
+        under = self.cache.dir + os.sep
+        run: list[Item] = []
+        paths: list[str] = []
+        room = self.budget - self.held_bytes
+        while len(run) < _RUN_MOST:
+            buf, i = self.buf, self.pos
+            end = len(buf)
+            while i < end:
+                item = buf[i]
+                if run and item.size > room:
+                    break
+                key = item.key
+                if known.get(key) == (item.size, item.mtime_ns):
+                    path = under + key  # the memo: seen complete since the last eviction
+                else:
+                    path = cached(key, item.size, item.mtime_ns)
+                    if path is None:
+                        break
+                room -= item.size
+                run.append(item)
+                paths.append(path)
+                i += 1
+            if i < end:
+                back = min(self.window, len(run)) if item.size <= room else 0
+                if back <= i - self.pos:
+                    self.pos = i - back
+                else:  # some of them came from the chunk before this one
+                    self.buf, self.pos = run[-back:] + buf[i:], 0
+                if back:
+                    del run[-back:], paths[-back:]
+                return run, paths
+            self.pos = i
+            chunk = next(self.chunks, None)
+            if chunk is None:
+                break
+            self.buf, self.pos = chunk, 0
+        return run, paths
+
+    def _serve_run(self, run: list[Item], paths: list[str]) -> Iterator[str]:
+        """Hand out the files of a run from :meth:`_take_run` (cached, under the gate)."""
+        held, count, on_yield = self.held, self.count, self.on_yield
+        acquire, release = self.lock.acquire, self.lock.release  # cheaper than ``with``
+        batches, carries = _tags.batches, _tags.carries_paths
+        keep = self.hold is not None
+        for k, path in enumerate(paths):
+            size = run[k].size
+            acquire()
+            try:
+                if self.gate_fd < 0 or held is not self.held:
+                    # The gate was left meanwhile: what is left of the run was never
+                    # pinned, so it is looked up again the general way.
+                    self.buf = run[k:] + self.buf[self.pos :]
+                    self.pos = 0
+                    return
+                if keep and carries() is not False:
+                    # The loader's batches hold the paths: keep those it may hold.
+                    held.append((batches(), path, size))
+                    self.held_bytes += size
+                    if len(held) % _GATED_RELEASE == 0:
+                        self._release_served()
+                elif len(held) == 1 and (last := held[0])[1].__class__ is str:
+                    # Only the path handed out last needs keeping: this one, now.
+                    held[0] = (0, path, size)
+                    self.held_bytes += size - last[2]
+                else:
+                    while held:
+                        _, guard, was = held.popleft()
+                        self.held_bytes -= was
+                        drop(guard)
+                    held.append((0, path, size))
+                    self.held_bytes += size
+            finally:
+                release()
+            count.n += 1
+            if on_yield is not None:
+                on_yield()
+            yield path
+
     def _take_hit(self) -> tuple[str | None, bool]:
-        """The usual step of a cached epoch, in few calls (locked).
+        """The usual step of the general path for a cached file, in few calls (locked).
 
         When the next file is a hit under the gate, hand it out and look one file
-        ahead, adding that one too when it is a hit within the budget. Returns
-        ``(path, refilled)``: ``(None, False)`` when the general path must serve
-        the next file; ``refilled`` False when :meth:`fill` must look ahead.
+        ahead, adding that one too when it is a hit within the budget and a copy
+        is still in flight. Returns ``(path, refilled)``: ``(None, False)`` when
+        the general path must serve the next file; ``refilled`` False when
+        :meth:`fill` must look ahead.
         """
         pending = self.pending
         item, state = pending[0]
@@ -271,9 +348,14 @@ class _Stream:
         pending.popleft()
         self.pending_bytes -= item.size
         path = self._hand_out(item, state)
-        if self.gate_fd < 0 or self.lookahead is not None or len(pending) >= self.window:
+        if (
+            self.gate_fd < 0
+            or self.lookahead is not None
+            or len(pending) >= self.window
+            or self.copies == 0
+        ):
             return path, False
-        ahead = next(self.source, None)
+        ahead = self._next_item()
         if ahead is None:
             return path, True
         if self._fits(ahead) and self._add_gated_hit(ahead):
@@ -281,17 +363,29 @@ class _Stream:
         self.lookahead = ahead  # fill() takes it from here
         return path, False
 
-    def run(self, on_yield: Callable[[], None]) -> Iterator[str]:
+    def run(self) -> Iterator[str]:
         try:
-            self.fill()
             pending, lock = self.pending, self.lock
-            while pending:
+            while True:
+                if not pending and self.gate_fd >= 0:
+                    with lock:
+                        run, paths = (
+                            self._take_run() if self.gate_fd >= 0 and not pending else ([], [])
+                        )
+                    if run:
+                        yield from self._serve_run(run, paths)
+                        continue
+                self.fill()
+                if not pending:
+                    return
                 with lock:
                     path, refilled = self._take_hit()
                     if path is None:
                         item, state = pending.popleft()
                         self.pending_bytes -= item.size
-                        if isinstance(state, Guard):
+                        if isinstance(state, Future):
+                            self.copies -= 1
+                        elif isinstance(state, Guard):
                             # Moved under the lock: a file is always in ``pending`` or
                             # ``held`` where leaving the gate finds it.
                             path = self._hand_out(item, state)
@@ -312,7 +406,9 @@ class _Stream:
                         path = self._hand_out(item, Guard.pinned(pin))
                 if not refilled:
                     self.fill()
-                on_yield()
+                self.count.n += 1
+                if self.on_yield is not None:
+                    self.on_yield()
                 yield path
         finally:
             self.close()
@@ -343,7 +439,7 @@ class _Stream:
             self.leave_gate()  # deferred files need pins of their own
         with self.lock:
             for _, state in self.pending:
-                _drop(_settled(state))
+                drop(settled(state))
             self.pending.clear()
             held, self.held = self.held, deque()
             if self.gate_fd >= 0:
@@ -351,10 +447,10 @@ class _Stream:
                 self.gate_fd = -1
         unwatch(self)
         for _, guard, _ in held:
-            if defer and guard.pin is not None:
+            if defer and isinstance(guard, Guard) and guard.pin is not None:
                 _DEFERRED.append(guard.pin)
             else:
-                _drop(guard)
+                drop(guard)
 
 
 # --- per-process bookkeeping ------------------------------------------------------------
@@ -387,7 +483,8 @@ def serve(
     chunks: Iterable[list[Item]],
     open_source: Callable[[int], IO[bytes]],
     prefetch: int,
-    on_yield: Callable[[], None],
+    count: _tags.Count,
+    on_yield: Callable[[], None] | None = None,
     budget: int | None = None,
     hold: int | None = None,
     stat_source: Callable[[int], tuple[int, int] | None] | None = None,
@@ -400,7 +497,8 @@ def serve(
         chunks: The files, in the order to serve them, a list at a time.
         open_source: Opens the source of the file with an item's ``index``, to copy it.
         prefetch: Most files copied ahead of the consumer.
-        on_yield: Called just before each path is handed out.
+        count: Counts the paths handed out (``count.n``), before each is.
+        on_yield: Called just before each path is handed out, after ``count``.
         budget: Most bytes the stream protects at once (one file in flight is
             always allowed); None for no limit.
         hold: Inside a loader whose batches carry paths, how many batches
@@ -415,22 +513,6 @@ def serve(
     Closing the generator (or an exception, or Ctrl+C) cancels the copies in
     flight, waits for the copy and check threads, and removes their temporary files.
     """
-    return _serve(
-        cache, chunks, open_source, prefetch, on_yield, budget, hold, stat_source, check
-    )
-
-
-def _serve(
-    cache: FileCache,
-    chunks: Iterable[list[Item]],
-    open_source: Callable[[int], IO[bytes]],
-    prefetch: int,
-    on_yield: Callable[[], None],
-    budget: int | None,
-    hold: int | None,
-    stat_source: Callable[[int], tuple[int, int] | None] | None,
-    check: SourceCheck | None,
-) -> Iterator[str]:
     # A generator: nothing is locked or started before the first path is asked for.
     while _DEFERRED:
         _DEFERRED.pop().release()
@@ -442,10 +524,12 @@ def _serve(
         budget if budget is not None else 1 << 62,
         hold,
         open_source,
+        count,
+        on_yield,
         stat_source,
         check,
     )
     _STREAMS.add(stream)
     if stream.gate_fd >= 0:
         watch(stream, cache.gate)
-    yield from stream.run(on_yield)
+    yield from stream.run()

@@ -22,7 +22,8 @@ from typing import Any
 from nbtools._torch_compat import pin_memory as _pin_memory
 
 __all__ = [
-    "note",
+    "Count",
+    "track",
     "snapshot",
     "batches",
     "carries_paths",
@@ -31,8 +32,19 @@ __all__ = [
     "TaggingCollate",
 ]
 
-#: dataset uid -> (plan id, slot, paths handed out), per process.
-_LIVE: dict[str, tuple[str, int, int]] = {}
+class Count:
+    """How many paths one stream handed out of ``slot`` under ``plan_id``; the stream adds to ``n``."""
+
+    __slots__ = ("plan_id", "slot", "n")
+
+    def __init__(self, plan_id: str, slot: int) -> None:
+        self.plan_id = plan_id
+        self.slot = slot
+        self.n = 0
+
+
+#: dataset uid -> the count of its current stream, per process.
+_LIVE: dict[str, Count] = {}
 #: Batches collated in this process so far.
 _BATCHES = 0
 #: Whether batches carried cached paths: None until the first batch is made.
@@ -84,14 +96,15 @@ def _count_batch(data: Any) -> None:
     _CARRIES = carried or bool(_CARRIES)
 
 
-def note(uid: str, plan_id: str, slot: int, count: int) -> None:
-    """Record that stream ``uid`` handed out ``count`` paths of ``slot`` under ``plan_id``."""
-    _LIVE[uid] = (plan_id, slot, count)
+def track(uid: str, plan_id: str, slot: int) -> Count:
+    """Start counting the paths the stream of dataset ``uid`` hands out of ``slot``."""
+    count = _LIVE[uid] = Count(plan_id, slot)
+    return count
 
 
 def snapshot() -> dict[str, tuple[str, int, int]]:
-    """The current counts of every stream in this process."""
-    return dict(_LIVE)
+    """``uid -> (plan id, slot, paths handed out)`` of every stream in this process now."""
+    return {uid: (c.plan_id, c.slot, c.n) for uid, c in _LIVE.items()}
 
 
 class Tagged:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from itertools import islice
 from typing import IO, Any
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -17,14 +16,16 @@ from nbtools.data._cache import FileCache
 from nbtools.data._cachedir import default_cache_dir
 from nbtools.data._catalog import job_token, load_index, namespace
 from nbtools.data._index import Index, open_index
+from nbtools.data._items import check_mode, slot_items
 from nbtools.data._listing import Opener
 from nbtools.data._plan import Plan, check_same_workers, dist_info, gather
-from nbtools.data._positions import Consumed, Order, advance, slot_chunks, slot_length
+from nbtools.data._positions import Consumed, Order, advance, slot_length
 from nbtools.data._stream import Item, SourceCheck, serve
 from nbtools.data._window import check_window
 from nbtools.errors import DataError
 
 __all__ = ["VolumeDataset"]
+
 
 _log = get_logger("data.dataset")
 
@@ -32,8 +33,6 @@ _log = get_logger("data.dataset")
 #: shuffled dataset counted positions in another order and is refused.
 _STATE_VERSION = 2
 _UNSHUFFLED_STATES = (1,)  # versions whose unshuffled positions mean the same
-#: Items handed to a stream (and checked against their sources) at a time.
-_ITEMS_PER_CHUNK = 256
 
 
 class VolumeDataset(IterableDataset):
@@ -71,12 +70,17 @@ class VolumeDataset(IterableDataset):
         refresh: List the root again even when the index of an earlier launch
             looks fresh (once per job: the other ranks use the new listing).
             Needed on mounts whose directory modification times do not change.
-        check_sources: Before serving a cached copy, ``stat`` its source and copy
-            it again when its size or mtime changed (a file rewritten in place,
-            even between epochs). One metadata request per file and epoch, made
-            on a thread of the stream ahead of the consumer; on a volume whose
-            files never change in place, ``False`` trusts the listing and
-            spares the volume those requests.
+        check_sources: When to ``stat`` the source of a cached copy before serving
+            it, so that a file rewritten in place (same name, other size or
+            mtime) is copied again, never served stale. ``"launch"`` (the
+            default): each source once per launch, in the first epoch this
+            dataset serves whole (and in the part-epoch a resumed run starts
+            with); later epochs of the launch trust what that pass saw, so a
+            file rewritten in place during a launch is seen by the next
+            launch. ``"epoch"`` (or ``True``): every source in every epoch,
+            one metadata request to the volume per file and epoch. ``False``:
+            never; the listing's sizes and mtimes are trusted. Checks run on a
+            thread of the stream, ahead of the consumer.
         index_in_root: Also keep the index in the root (``.nbtools-index/``, a
             hidden directory the listing skips), so that other nodes and later
             jobs copy it instead of listing the volume again. An index found
@@ -114,7 +118,7 @@ class VolumeDataset(IterableDataset):
         prefetch: int = 16,
         min_free_bytes: int | None = None,
         refresh: bool = False,
-        check_sources: bool = True,
+        check_sources: bool | str = "launch",
         index_in_root: bool = False,
     ) -> None:
         if not isinstance(root, (str, os.PathLike)):
@@ -147,7 +151,7 @@ class VolumeDataset(IterableDataset):
         self.prefetch = prefetch
         self.min_free_bytes = min_free_bytes
         self.refresh = bool(refresh)
-        self.check_sources = bool(check_sources)
+        self.check_sources = check_mode(check_sources)
         self.index_in_root = bool(index_in_root)
         self._uid = Plan.new_id()
         self._files: Index | None = None
@@ -170,6 +174,8 @@ class VolumeDataset(IterableDataset):
         # the last plan a worker copy served.
         self._pending: Plan | None = None
         self._last_plan: Plan | None = None
+        # Whether the next epoch looks at its sources (see ``check_sources``).
+        self._checking = self.check_sources != "never"
 
     # --- public -----------------------------------------------------------------------
 
@@ -328,6 +334,9 @@ class VolumeDataset(IterableDataset):
         files = self._listing()
         check_same_workers(gather(num_workers))
         epoch, consumed, layout = self._current(files)
+        previous = self._plan
+        if previous is not None and previous.epoch == epoch and consumed.is_complete(len(files)):
+            self._checking = previous.next_checks()  # the epoch was served whole
         if self._explicit_epoch is not None:
             if self._explicit_epoch != epoch:
                 epoch, consumed = self._explicit_epoch, Consumed()
@@ -342,7 +351,8 @@ class VolumeDataset(IterableDataset):
         ):
             rotation = int(layout["rotation"][rank]) % num_workers
         plan = Plan(
-            Plan.new_id(), epoch, consumed, rank, world, num_workers, tracked, rotation, hold
+            Plan.new_id(), epoch, consumed, rank, world, num_workers, tracked, rotation, hold,
+            check=self._checking, recheck=self.check_sources == "epoch",
         )
         if plan.same_work(reuse):
             plan = reuse  # type: ignore[assignment]
@@ -380,7 +390,10 @@ class VolumeDataset(IterableDataset):
             rank, world = runtime.get_rank(), runtime.get_world_size()
             epoch = self._explicit_epoch if self._explicit_epoch is not None else self._epoch
             base = self._consumed if epoch == self._epoch else Consumed()
-            plan = Plan(Plan.new_id(), epoch, base, rank, world, num_workers, False)
+            plan = Plan(
+                Plan.new_id(), epoch, base, rank, world, num_workers, False,
+                check=self.check_sources != "never", recheck=self.check_sources == "epoch",
+            )
         if plan.num_workers != num_workers:
             raise DataError(
                 f"the dataset was planned for {plan.num_workers} workers but runs in a loader "
@@ -390,44 +403,19 @@ class VolumeDataset(IterableDataset):
         return plan
 
     def _items(self, plan: Plan, slot: int) -> Iterator[list[Item]]:
-        """The files of ``slot`` in serving order, in chunks, with their listed size and mtime.
-
-        Works from the mapped index a chunk at a time: positions, the shuffle
-        and the lookups are array operations, and nothing is built per file of
-        the dataset, only per file served.
-        """
+        """The files of ``slot`` in serving order, in chunks (see ``_items.slot_items``)."""
         files = self._listing()
-        n = len(files)
-        order = Order(n, self.seed, plan.epoch, self.shuffle)
-        prefix = namespace(files.root) + "/"
-        offsets, sizes, mtimes = files.columns()
-        blob, base = files.map, files.paths_start
-        # Blocks of positions grow to thousands (a call of the shuffle costs about
-        # as much for one position as for thousands); items go out 256 at a time.
-        for positions in slot_chunks(plan.base, n, plan.stride, slot, first=16, most=4096):
-            index = order.at(positions)
-            rows = zip(
-                index.tolist(),
-                (offsets[index] + base).tolist(),
-                (offsets[index + 1] + base).tolist(),
-                sizes[index].tolist(),
-                mtimes[index].tolist(),
-                strict=True,
-            )
-            while chunk := [
-                Item(prefix + blob[a:b].decode("utf-8", "surrogateescape"), size, mtime, i)
-                for i, a, b, size, mtime in islice(rows, _ITEMS_PER_CHUNK)
-            ]:
-                yield chunk
+        order = Order(len(files), self.seed, plan.epoch, self.shuffle)
+        return slot_items(files, order, plan.base, plan.stride, slot)
 
-    def _source_checker(self) -> SourceCheck | None:
+    def _source_checker(self, plan: Plan) -> SourceCheck | None:
         """What gives items their source's size and mtime now (None: trust the listing).
 
         The stream runs it on a thread of its own ahead of the consumer, so a
         cached copy whose source was rewritten in place is copied again.
         """
         files = self._listing()
-        if not self.check_sources or is_url(files.root):
+        if not plan.check or is_url(files.root):
             return None
         return SourceCheck(files.root, len(namespace(files.root)) + 1)
 
@@ -472,20 +460,16 @@ class VolumeDataset(IterableDataset):
         info = get_worker_info()
         budget, largest = self._stream_share(info.num_workers if info is not None else 1)
         check_window(self._open_cache(), budget, largest, self.prefetch)
-        count = 0
         self_counting = not plan.tracked and get_worker_info() is None
+        count = _tags.track(self._uid, plan.plan_id, slot)
 
         def on_yield() -> None:
-            nonlocal count
-            count += 1
-            _tags.note(self._uid, plan.plan_id, slot, count)
-            if self_counting:
-                self._record(plan.plan_id, slot, count)
+            self._record(plan.plan_id, slot, count.n)
 
-        _tags.note(self._uid, plan.plan_id, slot, 0)
         return serve(
             self._open_cache(), self._items(plan, slot), self._open_source, self.prefetch,
-            on_yield, budget, plan.hold, self._stat_source, self._source_checker(),
+            count, on_yield if self_counting else None, budget, plan.hold, self._stat_source,
+            self._source_checker(plan),
         )
 
     def __getstate__(self) -> dict[str, Any]:

@@ -97,19 +97,83 @@ def test_a_source_that_keeps_changing_during_its_copies_is_an_error_naming_it(tm
     assert leftovers == []  # nothing partial is left under the file's name
 
 
-@pytest.mark.parametrize("change", ["size", "mtime"])
-def test_a_source_rewritten_between_epochs_is_copied_again(tmp_path, change):
+def _rewrite(target, new: bytes) -> None:
+    """Rewrite ``target`` in place (its directory does not change), one second newer."""
+    before = os.stat(target)
+    target.write_bytes(new)
+    os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+
+
+def _two_files(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    target = src / "a.bin"
-    target.write_bytes(b"old content")
+    (src / "a.bin").write_bytes(b"old content")
     (src / "b.bin").write_bytes(b"other")
-    files = VolumeDataset(src, cache_dir=tmp_path / "cache")
-    first = {os.path.basename(p): open(p, "rb").read() for p in files}
-    assert first["a.bin"] == b"old content"
-    before = os.stat(target)
+    return src, src / "a.bin"
+
+
+def _read_all(files) -> dict[str, bytes]:
+    return {os.path.basename(p): open(p, "rb").read() for p in files}
+
+
+@pytest.mark.parametrize("mode", ["epoch", True])
+@pytest.mark.parametrize("change", ["size", "mtime"])
+def test_a_source_rewritten_between_epochs_is_copied_again_when_every_epoch_checks(
+    tmp_path, change, mode
+):
+    src, target = _two_files(tmp_path)
+    files = VolumeDataset(src, cache_dir=tmp_path / "cache", check_sources=mode)
+    assert _read_all(files)["a.bin"] == b"old content"
     new = b"new content, longer" if change == "size" else b"new content"
-    target.write_bytes(new)  # in place: the directory does not change
-    os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
-    second = {os.path.basename(p): open(p, "rb").read() for p in files}  # same dataset
-    assert second == {"a.bin": new, "b.bin": b"other"}
+    _rewrite(target, new)
+    assert _read_all(files) == {"a.bin": new, "b.bin": b"other"}  # same dataset, next epoch
+
+
+@pytest.mark.parametrize("change", ["size", "mtime"])
+def test_a_source_rewritten_after_a_launch_is_copied_again_by_the_next(tmp_path, change):
+    src, target = _two_files(tmp_path)
+    cache = tmp_path / "cache"
+    assert _read_all(VolumeDataset(src, cache_dir=cache))["a.bin"] == b"old content"
+    new = b"new content, longer" if change == "size" else b"new content"
+    _rewrite(target, new)
+    # A new launch reuses the index (no directory changed) and the cached copies,
+    # but looks at every source in its first epoch.
+    assert _read_all(VolumeDataset(src, cache_dir=cache)) == {"a.bin": new, "b.bin": b"other"}
+
+
+def test_the_default_looks_at_each_source_once_per_launch_then_trusts_the_copies(tmp_path):
+    src, target = _two_files(tmp_path)
+    files = VolumeDataset(src, cache_dir=tmp_path / "cache")
+    assert _read_all(files)["a.bin"] == b"old content"  # epoch 0 looked at both sources
+    _rewrite(target, b"new content, longer")
+    # Later epochs of the launch serve the copies the first epoch checked (see
+    # check_sources): no metadata request per file and epoch to the volume.
+    assert _read_all(files)["a.bin"] == b"old content"
+    assert _read_all(VolumeDataset(src, cache_dir=tmp_path / "cache"))["a.bin"] == (
+        b"new content, longer"
+    )
+
+
+def test_a_launch_resumed_part_way_looks_at_the_sources_it_skipped_in_its_next_epoch(tmp_path):
+    src, target = _two_files(tmp_path)
+    cache = tmp_path / "cache"
+    first = VolumeDataset(src, cache_dir=cache)
+    assert _read_all(first)["a.bin"] == b"old content"  # both cached
+    it = iter(first)
+    assert os.path.basename(next(it)) == "a.bin"
+    state = first.state_dict()  # a.bin consumed in epoch 1
+    it.close()
+    _rewrite(target, b"new content, longer")
+    resumed = VolumeDataset(src, cache_dir=cache)
+    resumed.load_state_dict(state)
+    assert _read_all(resumed) == {"b.bin": b"other"}  # the rest of epoch 1, checked
+    # Epoch 1 was not looked at whole in this launch: epoch 2 looks at every source.
+    assert _read_all(resumed) == {"a.bin": b"new content, longer", "b.bin": b"other"}
+    _rewrite(target, b"newer still")
+    assert _read_all(resumed)["a.bin"] == b"new content, longer"  # epoch 2 covered the launch
+
+
+@pytest.mark.parametrize("bad", ["always", 1, None, 0.5])
+def test_check_sources_takes_launch_epoch_or_false_and_says_so(tmp_path, bad):
+    with pytest.raises(ValueError, match="check_sources must be 'launch'.*'epoch'.*False"):
+        VolumeDataset(tmp_path, check_sources=bad)

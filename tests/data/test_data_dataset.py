@@ -205,3 +205,22 @@ def test_small_cache_filesystem_holds_a_dataset_several_times_larger(tmp_path, s
             assert shutil.disk_usage(small_tmpfs).free >= threshold
         assert seen == set(range(90)), f"epoch {epoch}"
         assert shutil.disk_usage(small_tmpfs).free >= threshold
+
+
+@pytest.mark.parametrize(
+    "missing", [[17], [82, 338, 594], list(range(3, 601, 37)), [0, 600]], ids=["17", "3", "37th", "ends"]
+)
+def test_cached_runs_across_chunks_with_copies_between_serve_every_file_once_in_order(
+    tmp_path, missing
+):
+    # Runs of cached files are served in bulk; a file to copy after a run that
+    # started in an earlier chunk of the listing must still come in its place.
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    make_tree(src, 601)
+    first = list(VolumeDataset(src, cache_dir=cache))
+    for k in missing:
+        os.remove(first[k])
+    files = VolumeDataset(src, cache_dir=cache, prefetch=16)  # a new process's view
+    second = list(files)
+    assert [index_of(p) for p in second] == [index_of(p) for p in first]
+    assert _read(second) == {i: content(i, 64) for i in range(601)}

@@ -55,24 +55,27 @@ def _ids(batch):
     return batch[:, 0].tolist()
 
 
-def _loader(src, cache, workers, batch_size=3, **kw):
-    files = VolumeDataset(src, cache_dir=cache, shuffle=True, seed=11)
+def _loader(src, cache, workers, batch_size=3, check_sources="launch", **kw):
+    files = VolumeDataset(src, cache_dir=cache, shuffle=True, seed=11, check_sources=check_sources)
     return DataLoader(Decode(files), batch_size=batch_size, num_workers=workers, **kw)
 
 
-def test_workers_persist_across_epochs_and_false_is_overridden(tree):
+@pytest.mark.parametrize("check", ["launch", "epoch", False])
+def test_workers_persist_across_epochs_and_false_is_overridden(tree, check):
+    # The workers' next plan (whether it looks at the sources included) is the
+    # one the loader predicts, so they are not started again.
     src, cache = tree
     with pytest.warns(UserWarning, match="persistent_workers=False is ignored"):
-        loader = _loader(src, cache, 2, persistent_workers=False)
+        loader = _loader(src, cache, 2, check_sources=check, persistent_workers=False)
     with loader:
         assert loader.persistent_workers and loader.prefetch_factor == 4
         pids = []
-        for _ in range(2):
+        for _ in range(3):
             batches = list(loader)
             assert sorted(i for b in batches for i in _ids(b)) == list(range(40))
             pids.append({p for b in batches for p in b[:, 1].tolist()})
             assert len(loader.wait_times) == len(batches)
-        assert pids[0] == pids[1] and os.getpid() not in pids[0]
+        assert pids[0] == pids[1] == pids[2] and os.getpid() not in pids[0]
 
 
 def test_position_counts_only_received_batches(tree):

@@ -1,0 +1,59 @@
+"""What a stream serves: the files of one slot, in chunks of items read from the mapped index."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+from itertools import islice
+
+from nbtools.data._ahead import Item
+from nbtools.data._catalog import namespace
+from nbtools.data._index import Index
+from nbtools.data._positions import Consumed, Order, slot_chunks
+
+__all__ = ["check_mode", "slot_items"]
+
+#: Items handed to a stream (and checked against their sources) at a time.
+_ITEMS_PER_CHUNK = 256
+
+
+def check_mode(value: object) -> str:
+    """The source-check mode named by ``check_sources``: ``launch``, ``epoch`` or ``never``."""
+    if isinstance(value, bool):
+        return "epoch" if value else "never"
+    if value in ("launch", "epoch"):
+        return value  # type: ignore[return-value]
+    raise ValueError(
+        "check_sources must be 'launch' (each source once per launch), 'epoch' (every epoch; "
+        f"also True) or False (never), got {value!r}"
+    )
+
+
+def slot_items(
+    files: Index, order: Order, base: Consumed, stride: int, slot: int
+) -> Iterator[list[Item]]:
+    """The files of ``slot`` in serving order, in chunks, with their listed size and mtime.
+
+    Works from the mapped index a chunk at a time: positions, the shuffle
+    and the lookups are array operations, and nothing is built per file of
+    the dataset, only per file served.
+    """
+    n = len(files)
+    prefix = namespace(files.root) + "/"
+    offsets, sizes, mtimes = files.columns()
+    blob, start = files.map, files.paths_start
+    make = partial(tuple.__new__, Item)  # an Item without a Python-level __new__
+    # Blocks of positions grow to thousands (a call of the shuffle costs about
+    # as much for one position as for thousands); items go out 256 at a time.
+    for positions in slot_chunks(base, n, stride, slot, first=16, most=4096):
+        index = order.at(positions)
+        starts = (offsets[index] + start).tolist()
+        ends = (offsets[index + 1] + start).tolist()
+        keys = [
+            prefix + blob[a:b].decode("utf-8", "surrogateescape")
+            for a, b in zip(starts, ends, strict=True)
+        ]
+        columns = (keys, sizes[index].tolist(), mtimes[index].tolist(), index.tolist())
+        rows = map(make, zip(*columns, strict=True))
+        while chunk := list(islice(rows, _ITEMS_PER_CHUNK)):
+            yield chunk
