@@ -82,7 +82,7 @@ class _RayCluster:
         self.cluster.shutdown()
 
 
-def _start_cluster(attempts: int = 3) -> _RayCluster:
+def _start_cluster(attempts: int = 5) -> _RayCluster:
     """Start the cluster, again from nothing if a node timed out registering.
 
     Ray gives a starting node a fixed 30 s to register with the head, whatever
