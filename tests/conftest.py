@@ -49,6 +49,9 @@ _ALLOWED_THREAD_PREFIXES = (
 )
 _IGNORED_ENV = {"PYTEST_CURRENT_TEST", "TMPDIR", "TEMP", "TMP", "COLUMNS", "LINES", "KMP_INIT_AT_FORK"}
 _SESSION_TMP: str | None = None
+#: How long a test's child processes may take to exit before they count as leaked
+#: (the leak checks' own tests, which leak on purpose, shorten it).
+_PROCESS_GRACE_S = float(os.environ.get("NBTOOLS_TESTS_PROCESS_GRACE_S", "10"))
 _SHM_BEFORE: set[str] = set()
 
 
@@ -64,12 +67,55 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         config.option.dist = "loadgroup"
 
 
+#: The notebook that runs on the Ray tests' cluster (``RAY_ADDRESS``) instead of its own.
+_RAY_NOTEBOOK = "notebooks/06_multinode_ray.ipynb"
+#: A test that starts the Ray cluster may spend several tries on it (``ray/_ray_cluster.py``).
+_RAY_TIMEOUT_S = 600
+
+
+def _uses_ray_cluster(item: pytest.Item) -> bool:
+    path = item.nodeid.split("::", 1)[0]
+    return path.startswith("tests/ray/") or path == _RAY_NOTEBOOK
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Keep each test file on one worker: its module fixtures start servers, kernels, ranks
-    and Ray clusters once, not once per worker."""
+    and Ray clusters once, not once per worker. Everything that uses a Ray cluster is one
+    group, so one cluster serves them all and no two start at once."""
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+        if _uses_ray_cluster(item):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(_RAY_TIMEOUT_S))
+        else:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
+def _ray_cluster_module():
+    """``tests/ray/_ray_cluster.py``, the same module the Ray tests' conftest imports."""
+    module = sys.modules.get("_ray_cluster")
+    if module is None:
+        import importlib.util
+
+        path = os.path.join(os.path.dirname(__file__), "ray", "_ray_cluster.py")
+        spec = importlib.util.spec_from_file_location("_ray_cluster", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["_ray_cluster"] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Notebook 06 connects to the session's Ray cluster: its kernel inherits RAY_ADDRESS."""
+    if item.nodeid.split("::", 1)[0] == _RAY_NOTEBOOK:
+        os.environ["RAY_ADDRESS"] = _ray_cluster_module().shared().address
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if item.nodeid.split("::", 1)[0] == _RAY_NOTEBOOK:
+        os.environ.pop("RAY_ADDRESS", None)
 
 
 def _shm_entries() -> set[str]:
@@ -107,6 +153,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if "_ray_cluster" in sys.modules:  # started for notebook 06 alone
+        sys.modules["_ray_cluster"].stop()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return  # the controller checks /dev/shm once for everyone
     time.sleep(0.2)
@@ -155,7 +203,7 @@ def no_leaks(request: pytest.FixtureRequest):
     problems: list[str] = []
 
     # Processes: allow a grace period for exiting ranks and workers.
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + _PROCESS_GRACE_S
     leaked = {p: c for p, c in _children().items() if p not in children_before}
     while leaked and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -117,6 +117,8 @@ def _check_copy(
     """Raise :class:`SourceChanged` unless ``copied`` bytes are the whole, unchanged source."""
     name = getattr(src, "name", None) or getattr(src, "path", None)
     source = name if isinstance(name, str) else key
+    if copied > size:
+        raise SourceChanged(source, f"listed {size} bytes, it holds more now")
     if copied != size:
         raise SourceChanged(source, f"listed {size} bytes, read {copied}")
     if after is None:
@@ -310,10 +312,13 @@ class FileCache:
             with opener() as src, open(room.fd, "wb", closefd=False) as dst:
                 before = _source_stat(src)
                 copied = 0
-                while True:
+                # One byte past the listed size tells a source that grew: a file that is
+                # still being appended to is never chased, nor written past its room.
+                limit = size + 1
+                while copied < limit:
                     if cancel.is_set():
                         raise Cancelled(key)
-                    chunk = src.read(_CHUNK)
+                    chunk = src.read(min(_CHUNK, limit - copied))
                     if not chunk:
                         break
                     dst.write(chunk)

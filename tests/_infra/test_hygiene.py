@@ -41,7 +41,8 @@ def report(tmp_path_factory) -> dict[str, str]:
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", str(root)],
         capture_output=True, text=True, timeout=300, cwd=root,
-        env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},  # only the conftest under test
+        # Only the conftest under test; the leaked process is sure to outlive a short grace.
+        env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "NBTOOLS_TESTS_PROCESS_GRACE_S": "2"},
     )
     lines: dict[str, str] = {}
     for line in proc.stdout.splitlines():
