@@ -9,8 +9,10 @@ The sections are ``offsets`` (int64, n + 1: where each path starts in ``paths``)
 file-system encoded, back to back), and the same three for the directories the
 listing entered (``dir_offsets``, ``dir_mtimes``, ``dir_paths``), which the
 freshness check stats. The header names each section's place, length and
-CRC-32, the root and pattern the index lists, the number of files, the largest
-size, a fingerprint of the paths and when and by which job it was built.
+CRC-32, the pattern the index lists and the root it was listed at (for messages:
+the paths are relative, so the index serves the same volume mounted at another
+path), the number of files, the largest size, a fingerprint of the paths and
+when and by which job it was built.
 
 Every process maps the file read-only: the pages are the page cache's, shared by
 every rank and loader worker on the node, and no process holds a Python object
@@ -18,7 +20,7 @@ per file. An index is written to a temporary name and moved into place with
 ``os.replace``, so a reader sees a complete file or none.
 
 An index is used only when it passes :func:`open_index`'s checks: owned by this
-user and writable by nobody else, the expected root, pattern and version,
+user and writable by nobody else, the expected pattern and version,
 sections inside the file and matching their CRCs, offsets in order, and every
 path a plain relative path below the root (no empty, hidden, ``.`` or ``..``
 component, no leading ``/``). The checks that read every byte (CRCs, paths)
@@ -317,7 +319,7 @@ def identity(st: os.stat_result) -> list[int]:
 def open_index(
     path: str, root: str, pattern: str, checked: list[int] | None = None
 ) -> Index:
-    """Map and check the index at ``path`` for ``root`` and ``pattern``.
+    """Map and check the index at ``path`` for ``pattern``, its files read under ``root``.
 
     ``checked``: the :func:`identity` of a file of this user's whose every
     byte an earlier open already checked. When the file opened has it, the
@@ -356,10 +358,11 @@ def open_index(
             raise IndexRefused("its header is damaged") from None
         if not isinstance(header, dict) or header.get("format") != FORMAT:
             raise IndexRefused(f"it has format {header.get('format')!r}, not {FORMAT}")
-        if header.get("root") != root or header.get("pattern") != pattern:
+        # The root it was listed at is not compared: the paths are relative, and the
+        # same volume may be mounted elsewhere on another node or in a later job.
+        if header.get("pattern") != pattern:
             raise IndexRefused(
-                f"it lists {header.get('root')!r} with pattern {header.get('pattern')!r}, "
-                f"not {root!r} with {pattern!r}"
+                f"it lists the files matching {header.get('pattern')!r}, not {pattern!r}"
             )
         deep = checked is None or identity(st) != checked
         views = {name: _section(mm, header, name, st.st_size, deep) for name in _SECTIONS}

@@ -11,8 +11,9 @@ one; two nodes writing at once leave one complete index).
 
 An index file there is not trusted blindly: it must be a regular file owned by
 this user that nobody else can write to (checked before it is copied), and
-the copy must pass the index's own checks (format, root and pattern,
-checksums, every path inside the root). A refused one is rebuilt with a
+the copy must pass the index's own checks (format, pattern, checksums,
+every path inside the root). Its paths are relative, so a node that mounts the
+volume at another path uses it too. A refused one is rebuilt with a
 warning. A root that cannot be written (a read-only mount, another user's
 directory) is used as before: each node lists it, with one warning.
 """

@@ -85,8 +85,9 @@ class VolumeDataset(IterableDataset):
             hidden directory the listing skips), so that other nodes and later
             jobs copy it instead of listing the volume again. An index found
             there is used only when it belongs to you, nobody else can write
-            to it, it passes its checks (format, root and pattern, checksums,
-            every path inside the root) and it is fresh; otherwise the root is
+            to it, it passes its checks (format, pattern, checksums, every
+            path inside the root) and it is fresh, wherever the node mounts the
+            volume (its paths are relative); otherwise the root is
             listed again, with a warning for a refused one. A root you cannot
             write is listed per node, with one warning. Local roots and mounts
             only (not fsspec URLs). The first launch that creates the

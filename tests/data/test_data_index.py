@@ -209,6 +209,30 @@ def _shared_index(src) -> str:
     return shared_path(str(src), "**/*")
 
 
+def test_an_index_kept_in_the_root_serves_the_volume_mounted_at_another_path(
+    volume, tmp_path, caplog
+):
+    src, _ = volume
+    caplog.set_level("INFO", logger="nbtools")
+    assert len(VolumeDataset(src, cache_dir=tmp_path / "node-a", index_in_root=True)) == 40
+    _backdate(src)  # the first launch made .nbtools-index: the root changed
+    assert len(VolumeDataset(src, cache_dir=tmp_path / "node-a", index_in_root=True)) == 40
+    listed = _listings(caplog)
+    # Another node mounts the same volume elsewhere: it uses the index, lists nothing.
+    elsewhere = tmp_path / "mnt" / "data"
+    elsewhere.parent.mkdir()
+    elsewhere.symlink_to(src, target_is_directory=True)
+    files = VolumeDataset(elsewhere, cache_dir=tmp_path / "node-b", index_in_root=True)
+    assert _served(files) == {i: content(i, 64) for i in range(40)}
+    index = load_index(str(elsewhere), "**/*", str(tmp_path / "node-b"), False, "t", in_root=True)
+    assert index.source(0).startswith(str(elsewhere) + "/")  # read through this node's path
+    assert _listings(caplog) == listed
+    # A change seen through the other path is seen there too.
+    (src / "d1" / "f00040.bin").write_bytes(content(40, 64))
+    assert len(VolumeDataset(elsewhere, cache_dir=tmp_path / "node-b", index_in_root=True)) == 41
+    assert _listings(caplog) == listed + 1
+
+
 def test_an_index_kept_in_the_root_is_shared_by_other_nodes_and_checked(volume, tmp_path, caplog):
     src, cache = volume
     caplog.set_level("INFO", logger="nbtools")
