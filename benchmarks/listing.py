@@ -10,7 +10,9 @@ measures for a job of 2 ranks x 2 loader workers (gloo, really started):
   ``other_node``: a launch with an empty private cache (another node), which
   copies the index the cold launch kept in the root (``index_in_root=True``;
   the tree has its ``.nbtools-index`` directory from the start, as a prepared
-  dataset would);
+  dataset would); ``two_nodes_at_once``: two such jobs (empty caches, no index
+  anywhere) started at the same moment, their listings added up: one lists
+  while the other waits for its index (the listing lease);
 * ``listings``: directories listed (``os.scandir`` calls, counted in every
   rank process) per job;
 * ``first_batch_s``: the slowest rank's time from building the dataset to its
@@ -102,7 +104,7 @@ def _old_listing(root: str) -> list[tuple[str, int, int]]:
 
 
 def _rank(rank: int, work: str, mode: str, port: int, n: int) -> None:
-    cache = f"{work}/cache-node2" if mode == "node" else f"{work}/cache"
+    cache = f"{work}/cache-{mode}" if mode.startswith("node") else f"{work}/cache"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     _count_scandir()
@@ -142,14 +144,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _job(work: str, mode: str, n: int) -> dict:
-    mp.start_processes(
-        _rank, args=(work, mode, _free_port(), n), nprocs=2, start_method="fork", join=True
-    )
+def _jobs(work: str, modes: list[str], n: int) -> dict:
+    """Jobs of 2 ranks each, started at the same moment; their listings added up."""
+    running = [
+        mp.start_processes(_rank, args=(work, mode, _free_port(), n), nprocs=2,
+                           start_method="fork", join=False)
+        for mode in modes
+    ]
+    for context in running:
+        while not context.join():
+            pass
     ranks = []
-    for r in range(2):
-        with open(f"{work}/{mode}-{r}.json") as fh:
-            ranks.append(json.load(fh))
+    for mode in modes:
+        for r in range(2):
+            with open(f"{work}/{mode}-{r}.json") as fh:
+                ranks.append(json.load(fh))
     out = {
         "listings": sum(r["scans"] for r in ranks),
         "first_batch_s": round(max(r["first_batch_s"] for r in ranks), 3),
@@ -160,6 +169,10 @@ def _job(work: str, mode: str, n: int) -> dict:
             max(r["worker_private"] for r in ranks) / n, 2
         )
     return out
+
+
+def _job(work: str, mode: str, n: int) -> dict:
+    return _jobs(work, [mode], n)
 
 
 def _make_tree(root: str, n: int) -> int:
@@ -223,6 +236,10 @@ def _measure(n: int) -> dict:
         result["warm"] = _job(work, "new", n)
         result["other_node"] = _job(work, "node", n)
         result["per_rank_listing"] = _job(work, "old", n)
+        # Two nodes start at once on a root with no index anywhere: one lists, one waits.
+        for name in os.listdir(f"{work}/tree/.nbtools-index"):
+            os.unlink(f"{work}/tree/.nbtools-index/{name}")
+        result["two_nodes_at_once"] = _jobs(work, ["node-a", "node-b"], n)
         result["scandir_walk"] = {"listings": dirs, "seconds": round(walk_s, 3)}
         return result
 

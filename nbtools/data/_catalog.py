@@ -31,8 +31,10 @@ not reused. An fsspec URL has no directory times: it is listed once per job.
 With ``index_in_root=True`` the index is also kept in the dataset root, where
 other nodes and later jobs find it (see ``_rootindex``): a node without a fresh
 private index copies that one in, checks it, and lists the root only when it
-is missing, refused or stale. An index written by a node of the same job is
-used without the freshness check, as one of this node's own would be.
+is missing, refused or stale, and only while it holds the listing lease (see
+``_rootlease``): nodes that start at the same moment wait for the one that
+lists. An index written by a node of the same job is used without the
+freshness check, as one of this node's own would be.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import fcntl
 import hashlib
 import json
 import os
+import socket
 import time
 import warnings
 
@@ -51,6 +54,7 @@ from nbtools.data._cachedir import ensure_private_dir
 from nbtools.data._index import Index, IndexRefused, IndexWriter, open_index
 from nbtools.data._listing import Progress, check_root, walk_fsspec, walk_local
 from nbtools.data._rootindex import fetch_shared, prepare_shared, publish_shared, shared_path
+from nbtools.data._rootlease import lead_or_wait
 
 __all__ = ["index_path", "job_token", "load_index", "namespace"]
 
@@ -164,10 +168,40 @@ def _usable(index: Index | None, refresh: bool, token: str) -> bool:
     return why is None
 
 
+class _RootCopy:
+    """Looks at the index kept in the root; copies it in only when it is a version not yet tried."""
+
+    def __init__(
+        self, shared: str, path: str, root: str, pattern: str, refresh: bool, token: str
+    ) -> None:
+        self.shared, self.path, self.root, self.pattern = shared, path, root, pattern
+        self.refresh, self.token = refresh, token
+        self._tried: tuple[int, int, int] | None = None
+
+    def __call__(self) -> Index | None:
+        try:
+            st = os.stat(self.shared)
+        except OSError:
+            return None
+        version = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if version == self._tried:
+            return None
+        self._tried = version
+        if not fetch_shared(self.shared, self.path):
+            return None
+        fetched = _try_open(self.path, self.root, self.pattern, shown=self.shared)
+        if not _usable(fetched, self.refresh, self.token):
+            return None
+        _log.info("using the dataset index %s", self.shared)
+        return fetched
+
+
 def _build(path: str, root: str, pattern: str, token: str, url: bool) -> None:
     listed_at = time.time_ns()
-    writer = IndexWriter(path, root, pattern, {"job": token, "listed_at_ns": listed_at,
-                                               "checkable": not url})
+    writer = IndexWriter(path, root, pattern, {
+        "job": token, "listed_at_ns": listed_at, "checkable": not url,
+        "listed_by": f"{socket.gethostname()} pid {os.getpid()}",
+    })
     try:
         if url:
             walk_fsspec(root, pattern, writer)
@@ -232,16 +266,25 @@ def load_index(
         again = _try_open(path, root, pattern)
         if _usable(again, refresh, token):
             return again  # type: ignore[return-value]
-        if shared is not None and fetch_shared(shared, path):
-            fetched = _try_open(path, root, pattern, shown=shared)
-            if _usable(fetched, refresh, token):
-                _log.info("using the dataset index %s", shared)
-                return fetched  # type: ignore[return-value]
-        if shared is not None and not prepare_shared(shared):
-            shared = None
-        _build(path, root, pattern, token, url)
+        lease = None
         if shared is not None:
-            publish_shared(path, shared)
+            look = _RootCopy(shared, path, root, pattern, refresh, token)
+            found = look()
+            if found is not None:
+                return found
+            if not prepare_shared(shared):
+                shared = None
+            else:  # one node lists for all that start now; the others wait for its index
+                lease, found = lead_or_wait(shared, token, root, look)
+                if found is not None:
+                    return found
+        try:
+            _build(path, root, pattern, token, url)
+            if shared is not None:
+                publish_shared(path, shared)
+        finally:
+            if lease is not None:
+                lease.release()
     built = open_index(path, root, pattern)
     _note_checked(built)
     return built

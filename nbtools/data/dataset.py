@@ -83,16 +83,17 @@ class VolumeDataset(IterableDataset):
             thread of the stream, ahead of the consumer.
         index_in_root: Also keep the index in the root (``.nbtools-index/``, a
             hidden directory the listing skips), so that other nodes and later
-            jobs copy it instead of listing the volume again. An index found
-            there is used only when it belongs to you, nobody else can write
-            to it, it passes its checks (format, pattern, checksums, every
-            path inside the root) and it is fresh, wherever the node mounts the
-            volume (its paths are relative); otherwise the root is
-            listed again, with a warning for a refused one. A root you cannot
-            write is listed per node, with one warning. Local roots and mounts
-            only (not fsspec URLs). The first launch that creates the
-            directory changes the root's modification time, so the next
-            launch lists once more.
+            jobs copy it instead of listing the volume again, wherever they
+            mount it (its paths are relative). An index found there is used
+            only when it belongs to you, nobody else can write to it, it
+            passes its checks (format, pattern, checksums, every path inside
+            the root) and it is fresh; otherwise the root is listed again, with
+            a warning for a refused one. Nodes that start at the same moment
+            list the root once: one holds a listing lease there while the
+            others wait for its index. A root you cannot write is listed per
+            node, with one warning. Local roots and mounts only (not fsspec
+            URLs). The first launch that creates the directory changes the
+            root's modification time, so the next launch lists once more.
 
     The list of files is an index in the cache directory, built by one process
     per node and memory-mapped by every rank and loader worker; a later launch

@@ -1,0 +1,187 @@
+"""Which node lists a dataset root when several start at once: a lease beside the shared index.
+
+With ``index_in_root=True``, a node that finds no usable index anywhere takes
+the *listing lease* before it lists: ``<root>/.nbtools-index/index-<tag>.idx.listing``,
+created with ``O_EXCL`` and holding who took it (host, pid, job, when). While
+the listing runs, a thread refreshes the lease's mtime every
+:data:`HEARTBEAT_S`; it is removed once the index is published, or the listing
+failed. A node that finds the lease taken lists nothing: it waits, polling
+the shared index, and uses the index the other node publishes. So 8 nodes of
+one job starting at the same moment list a 10-million-file root once, not 8
+times.
+
+A lease whose mtime stops changing for :data:`STALE_S` (measured on the
+waiter's own clock, so clock skew between nodes does not matter), or that
+names a dead process on this host, or is older than :data:`ABANDONED_S` by
+the clocks' own reckoning, belongs to a node that died: it is taken over,
+with a log line. The lease only saves listings; nothing is ever read from
+it but who holds it. Where it cannot work (a mount without ``O_EXCL``, two
+nodes taking over one stale lease at the same moment) two nodes both list,
+and each publishes a complete index, as without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from nbtools._internal.fs import TMP_PREFIX
+from nbtools._internal.log import get_logger
+
+__all__ = ["ABANDONED_S", "HEARTBEAT_S", "STALE_S", "ListingLease", "lead_or_wait"]
+
+_log = get_logger("data.catalog")
+
+#: How often the listing node refreshes its lease.
+HEARTBEAT_S = 2.0
+#: A lease not refreshed for this long (on the waiter's clock) is taken over.
+STALE_S = 30.0
+#: A lease whose mtime is this much older than the waiter's clock is taken over at once.
+ABANDONED_S = 600.0
+#: How often a waiting node says whom it waits for.
+_SAY_EVERY_S = 30.0
+
+T = TypeVar("T")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ListingLease:
+    """The listing lease of the index at ``shared`` (see the module docstring)."""
+
+    def __init__(self, shared: str, job: str) -> None:
+        self.path = shared + ".listing"
+        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "job": job,
+                       "since": time.time()}
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    def take(self) -> bool:
+        """Take the lease; False when another node holds it.
+
+        True also where no lease can be made (the directory refuses it): the
+        caller then lists, as it would without one.
+        """
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            _log.info("no listing lease at %s (%s): listing without one", self.path, exc)
+            return True
+        try:
+            os.write(fd, json.dumps(self.record).encode())
+        finally:
+            os.close(fd)
+        self._beat = threading.Thread(target=self._heartbeat, name="nbtools-index-lease",
+                                      daemon=True)
+        self._beat.start()
+        return True
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def release(self) -> None:
+        """Stop refreshing the lease and remove it if it is still this one."""
+        self._stop.set()
+        if self._beat is None:
+            return
+        self._beat.join()
+        self._beat = None
+        if self.holder() == self.record:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    def holder(self) -> dict[str, Any] | None:
+        """What the lease says of its holder; None when there is no lease (or it is unreadable)."""
+        try:
+            with open(self.path, "rb") as fh:
+                value = json.loads(fh.read(4096) or b"null")
+        except (OSError, ValueError):
+            return None
+        return value if isinstance(value, dict) else None
+
+    def mtime_ns(self) -> int | None:
+        try:
+            return os.stat(self.path).st_mtime_ns
+        except OSError:
+            return None
+
+    def break_stale(self, why: str) -> None:
+        """Remove a lease whose holder died (moved aside first, then removed)."""
+        aside = f"{os.path.dirname(self.path)}/{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+        try:
+            os.rename(self.path, aside)
+        except OSError:
+            return  # gone already, or another node took it over first
+        _log.warning("taking over the listing of the dataset index: %s", why)
+        with contextlib.suppress(OSError):
+            os.unlink(aside)
+
+
+def _dead(record: dict[str, Any] | None) -> bool:
+    """Whether the lease names a process of this host that is gone."""
+    if not record or record.get("host") != socket.gethostname():
+        return False
+    pid = record.get("pid")
+    return isinstance(pid, int) and pid != os.getpid() and not _pid_alive(pid)
+
+
+def lead_or_wait(
+    shared: str, job: str, root: str, look: Callable[[], T | None], poll_s: float = 0.25
+) -> tuple[ListingLease | None, T | None]:
+    """Take the listing lease, or wait for the node that holds it to publish the index.
+
+    ``look`` returns the index published in the root when it is usable, else
+    None. Returns ``(lease, None)`` when this node is to list (release the
+    lease afterwards), or ``(None, index)`` with the index another node listed.
+    """
+    lease = ListingLease(shared, job)
+    seen: int | None = None
+    unchanged_since = time.monotonic()
+    said = time.monotonic()
+    while True:
+        if lease.take():
+            found = look()  # the node that held it may have published just before
+            if found is None:
+                return lease, None
+            lease.release()
+            return None, found
+        found = look()
+        if found is not None:
+            return None, found
+        mtime = lease.mtime_ns()
+        if mtime is None:
+            continue  # released: take it, or find the index it left
+        now = time.monotonic()
+        if mtime != seen:
+            seen, unchanged_since = mtime, now
+        record = lease.holder()
+        who = f"{record.get('host')} (pid {record.get('pid')})" if record else "another node"
+        age = time.time() - mtime / 1e9
+        if _dead(record):
+            lease.break_stale(f"{who} listed {root} and died")
+        elif now - unchanged_since > STALE_S:
+            lease.break_stale(f"{who} stopped refreshing its lease {STALE_S:.0f} s ago")
+        elif age > ABANDONED_S:
+            lease.break_stale(f"{who} left its lease {age:.0f} s ago")
+        elif now - said >= _SAY_EVERY_S:
+            said = now
+            _log.info("waiting for %s, which lists %s for every node", who, root)
+        time.sleep(poll_s)

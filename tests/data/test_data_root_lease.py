@@ -1,0 +1,141 @@
+"""Nodes that start at once list a dataset root once: the listing lease beside the shared index.
+
+Each "node" is a process of its own with a private cache of its own, as on
+separate machines that mount one volume; they meet only in the root.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from nbtools.data import _rootlease
+from nbtools.data._catalog import load_index
+from nbtools.data._rootindex import publish_shared, shared_path
+from nbtools.data._rootlease import ListingLease
+
+_PATTERN = "**/*"
+
+
+def _backdate(root) -> None:
+    past = time.time() - 3600
+    for dirpath, _, _ in os.walk(root):
+        os.utime(dirpath, (past, past))
+
+
+def _node(src: str, cache: str, token: str, start, out) -> None:
+    start.wait()
+    index = load_index(src, _PATTERN, cache, False, token, in_root=True)
+    out.put((len(index), index.header["listed_by"]))
+
+
+def _run_nodes(src, caches, token: str, before_start=None) -> list[tuple[int, str]]:
+    ctx = multiprocessing.get_context("fork")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_node, args=(str(src), str(c), token, start, out)) for c in caches]
+    for proc in procs:
+        proc.start()
+    try:
+        start.set()
+        if before_start is not None:
+            before_start()
+        results = [out.get(timeout=120) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        out.close()
+        out.join_thread()
+    assert [p.exitcode for p in procs] == [0] * len(procs)
+    return results
+
+
+def _index_dir_names(src) -> list[str]:
+    return sorted(os.listdir(os.path.dirname(shared_path(str(src), _PATTERN))))
+
+
+def test_nodes_starting_at_once_list_the_root_once(tree, tmp_path):
+    src, _ = tree
+    _backdate(src)
+    results = _run_nodes(src, [tmp_path / f"node-{i}" for i in range(4)], "job-1")
+    assert {n for n, _ in results} == {40}
+    listers = {who for _, who in results}
+    assert len(listers) == 1, f"the root was listed by {sorted(listers)}"
+    assert not listers & {f"{socket.gethostname()} pid {os.getpid()}"}
+    # The lease is gone, and so is every temporary: only the index is left.
+    assert _index_dir_names(src) == [os.path.basename(shared_path(str(src), _PATTERN))]
+
+
+def test_nodes_wait_while_another_holds_the_lease_and_use_the_index_it_publishes(tree, tmp_path):
+    src, _ = tree
+    _backdate(src)
+    shared = shared_path(str(src), _PATTERN)
+    os.makedirs(os.path.dirname(shared))
+    lease = ListingLease(shared, "job-1")
+    assert lease.take()
+
+    def list_here_then_release() -> None:
+        time.sleep(1.0)  # the nodes are waiting by now; the outcome does not depend on it
+        mine = load_index(str(src), _PATTERN, str(tmp_path / "lister"), False, "job-1")
+        publish_shared(mine.path, shared)
+        lease.release()
+
+    try:
+        results = _run_nodes(src, [tmp_path / "node-a", tmp_path / "node-b"], "job-1",
+                             before_start=list_here_then_release)
+    finally:
+        lease.release()
+    assert results == [(40, f"{socket.gethostname()} pid {os.getpid()}")] * 2
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _leave_lease(src, host: str, pid: int) -> str:
+    shared = shared_path(str(src), _PATTERN)
+    os.makedirs(os.path.dirname(shared), exist_ok=True)
+    with open(shared + ".listing", "w") as fh:
+        fh.write(f'{{"host": "{host}", "pid": {pid}, "job": "old", "since": 0}}')
+    return shared + ".listing"
+
+
+def test_a_lease_left_by_a_dead_process_is_taken_over_at_once(tree, caplog):
+    src, cache = tree
+    _backdate(src)
+    caplog.set_level("INFO", logger="nbtools")
+    lease = _leave_lease(src, socket.gethostname(), _dead_pid())
+    index = load_index(str(src), _PATTERN, str(cache), False, "job-2", in_root=True)
+    assert len(index) == 40
+    assert index.header["listed_by"] == f"{socket.gethostname()} pid {os.getpid()}"
+    assert "listed " in caplog.text and "and died" in caplog.text
+    assert not os.path.exists(lease)
+
+
+def test_a_lease_nobody_refreshes_is_taken_over_after_a_while(tree, caplog, monkeypatch):
+    src, cache = tree
+    _backdate(src)
+    caplog.set_level("INFO", logger="nbtools")
+    monkeypatch.setattr(_rootlease, "STALE_S", 0.5)
+    lease = _leave_lease(src, "another-node", 12345)  # a live-looking lease of another host
+    index = load_index(str(src), _PATTERN, str(cache), False, "job-3", in_root=True)
+    assert len(index) == 40
+    assert "stopped refreshing its lease" in caplog.text
+    assert not os.path.exists(lease)
+
+
+def test_a_failed_listing_leaves_no_lease(tree):
+    src, cache = tree
+    with pytest.raises(FileNotFoundError, match="no file under"):
+        load_index(str(src), "**/*.nothing", str(cache), False, "job-4", in_root=True)
+    assert not os.path.exists(shared_path(str(src), "**/*.nothing") + ".listing")
