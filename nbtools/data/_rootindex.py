@@ -98,11 +98,23 @@ def fetch_shared(shared: str, private: str) -> bool:
 
 
 def prepare_shared(shared: str) -> bool:
-    """Create the shared directory before a listing (so that the listing sees it); False
-    when the root cannot hold it (said once)."""
+    """Create the shared directory before a listing; False when the root cannot hold it
+    (said once).
+
+    Creating it changes the root's modification time, which would make every
+    index of the root (this node's next one, other nodes' and jobs') look
+    stale. The root's time is set back to what it was: the listing that
+    follows sees whatever else changed meanwhile, and ``.nbtools-index``
+    itself is never a sample. Where the time cannot be set (a root owned by
+    someone else), the next launch lists once more.
+    """
     directory = os.path.dirname(shared)
+    root = os.path.dirname(directory)
     try:
-        os.makedirs(directory, exist_ok=True)
+        before = os.stat(root)
+        os.mkdir(directory, 0o755)
+    except FileExistsError:
+        return True
     except OSError as exc:
         _warn_once(
             directory,
@@ -110,6 +122,8 @@ def prepare_shared(shared: str) -> bool:
             "each node lists the root itself. Pass index_in_root=False to silence this",
         )
         return False
+    with contextlib.suppress(OSError):
+        os.utime(root, ns=(before.st_atime_ns, before.st_mtime_ns))
     return True
 
 

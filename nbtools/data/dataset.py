@@ -92,8 +92,7 @@ class VolumeDataset(IterableDataset):
             list the root once: one holds a listing lease there while the
             others wait for its index. A root you cannot write is listed per
             node, with one warning. Local roots and mounts only (not fsspec
-            URLs). The first launch that creates the directory changes the
-            root's modification time, so the next launch lists once more.
+            URLs).
 
     The list of files is an index in the cache directory, built by one process
     per node and memory-mapped by every rank and loader worker; a later launch
