@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from nbtools._internal.fs import TMP_PREFIX
+from nbtools._internal.fs import TMP_PREFIX, pid_alive
 from nbtools._internal.log import get_logger
 
 __all__ = ["ABANDONED_S", "HEARTBEAT_S", "STALE_S", "ListingLease", "lead_or_wait"]
@@ -48,16 +48,6 @@ ABANDONED_S = 600.0
 _SAY_EVERY_S = 30.0
 
 T = TypeVar("T")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class ListingLease:
@@ -140,7 +130,7 @@ def _dead(record: dict[str, Any] | None) -> bool:
     if not record or record.get("host") != socket.gethostname():
         return False
     pid = record.get("pid")
-    return isinstance(pid, int) and pid != os.getpid() and not _pid_alive(pid)
+    return isinstance(pid, int) and pid != os.getpid() and not pid_alive(pid)
 
 
 def lead_or_wait(
