@@ -97,3 +97,49 @@ def test_two_ranks_partition_save_identical_state_and_resume_with_any_world_size
         alone = [i for b in single for i in b.tolist()]
     assert sorted(seen + alone) == list(range(N_FILES))
     assert not dist.is_initialized()
+
+
+def _wide_rank(rank: int, root_str: str, phase: str, world: int, workers: int) -> None:
+    from pathlib import Path
+
+    root = Path(root_str)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root}/store-{phase}", rank=rank, world_size=world
+    )
+    out: dict = {}
+    try:
+        files = VolumeDataset(root / "src", cache_dir=root / "cache", shuffle=True, seed=5)
+        with DataLoader(Indices(files), batch_size=4, num_workers=workers) as loader:
+            if phase == "resume":
+                loader.load_state_dict(json.loads((root / "state.json").read_text()))
+            seen: list[int] = []
+            for batch in loader:
+                seen += batch.tolist()
+                if phase == "run" and len(seen) >= 20 + 4 * (rank % 3):  # uneven progress
+                    break
+            out = {"seen": seen, "state": loader.state_dict()}
+    finally:
+        dist.destroy_process_group()
+    (root / f"{phase}-{rank}.json").write_text(json.dumps(out))
+
+
+def _spawn_wide(root, phase: str, world: int, workers: int) -> list[dict]:
+    mp.start_processes(_wide_rank, args=(str(root), phase, world, workers), nprocs=world,
+                       start_method="fork", join=True)
+    return [json.loads((root / f"{phase}-{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.slow
+def test_eight_ranks_stop_unevenly_and_three_ranks_with_two_workers_finish_exactly_once(tmp_path):
+    n = 1000
+    make_tree(tmp_path / "src", n, dirs=10)
+    ranks = _spawn_wide(tmp_path, "run", world=8, workers=1)
+    states = [out["state"] for out in ranks]
+    assert all(s == states[0] for s in states), "every rank must save the same position"
+    seen = [i for out in ranks for i in out["seen"]]
+    assert len(seen) == len(set(seen)) == sum(20 + 4 * (r % 3) for r in range(8))
+    (tmp_path / "state.json").write_text(json.dumps(states[0]))
+
+    resumed = _spawn_wide(tmp_path, "resume", world=3, workers=2)
+    rest = [i for out in resumed for i in out["seen"]]
+    assert sorted(seen + rest) == list(range(n)), "the rest of the epoch, each file once"
