@@ -67,7 +67,8 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         config.option.dist = "loadgroup"
 
 
-#: The notebook that runs on the Ray tests' cluster (``RAY_ADDRESS``) instead of its own.
+#: The notebook that runs on the Ray tests' cluster (``RAY_ADDRESS``, set by the
+#: project's root ``conftest.py``) instead of its own.
 _RAY_NOTEBOOK = "notebooks/06_multinode_ray.ipynb"
 #: A test that starts the Ray cluster may spend several tries on it (``ray/_ray_cluster.py``).
 _RAY_TIMEOUT_S = 600
@@ -90,32 +91,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.timeout(_RAY_TIMEOUT_S))
         else:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
-
-
-def _ray_cluster_module():
-    """``tests/ray/_ray_cluster.py``, the same module the Ray tests' conftest imports."""
-    module = sys.modules.get("_ray_cluster")
-    if module is None:
-        import importlib.util
-
-        path = os.path.join(os.path.dirname(__file__), "ray", "_ray_cluster.py")
-        spec = importlib.util.spec_from_file_location("_ray_cluster", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["_ray_cluster"] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Notebook 06 connects to the session's Ray cluster: its kernel inherits RAY_ADDRESS."""
-    if item.nodeid.split("::", 1)[0] == _RAY_NOTEBOOK:
-        os.environ["RAY_ADDRESS"] = _ray_cluster_module().shared().address
-
-
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    if item.nodeid.split("::", 1)[0] == _RAY_NOTEBOOK:
-        os.environ.pop("RAY_ADDRESS", None)
 
 
 def _shm_entries() -> set[str]:
@@ -153,8 +128,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if "_ray_cluster" in sys.modules:  # started for notebook 06 alone
-        sys.modules["_ray_cluster"].stop()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return  # the controller checks /dev/shm once for everyone
     time.sleep(0.2)

@@ -1,0 +1,53 @@
+"""Hooks for the example notebooks under ``pytest --nbmake`` (``tests/conftest.py`` covers
+``tests/`` only: pytest applies a conftest's hooks to the items below it).
+
+Notebook 06 runs on the Ray tests' cluster (``tests/ray/_ray_cluster.py``) instead of
+starting one of its own: its kernel inherits ``RAY_ADDRESS``, as on a real cluster. One
+cluster per test process, never two starting at once on a small machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from types import ModuleType
+
+import pytest
+
+#: The notebook that runs on the test cluster (``tests/conftest.py`` groups it with tests/ray).
+RAY_NOTEBOOK = "notebooks/06_multinode_ray.ipynb"
+
+
+def _ray_cluster_module() -> ModuleType:
+    """``tests/ray/_ray_cluster.py``, the same module object the Ray tests' conftest imports."""
+    module = sys.modules.get("_ray_cluster")
+    if module is None:
+        path = os.path.join(os.path.dirname(__file__), "tests", "ray", "_ray_cluster.py")
+        spec = importlib.util.spec_from_file_location("_ray_cluster", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["_ray_cluster"] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+def _is_ray_notebook(item: pytest.Item) -> bool:
+    return item.nodeid.split("::", 1)[0] == RAY_NOTEBOOK
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _is_ray_notebook(item):
+        os.environ["RAY_ADDRESS"] = _ray_cluster_module().shared().address
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if _is_ray_notebook(item):
+        os.environ.pop("RAY_ADDRESS", None)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop the cluster if notebook 06 alone started it (the Ray tests' fixture stops its own)."""
+    module = sys.modules.get("_ray_cluster")
+    if module is not None:
+        module.stop()
