@@ -281,7 +281,8 @@ def load_index(
         try:
             _build(path, root, pattern, token, url)
             if shared is not None:
-                publish_shared(path, shared)
+                clean = lease is not None and lease.held and not lease.took_over
+                publish_shared(path, shared, sweep=not clean)
         finally:
             if lease is not None:
                 lease.release()

@@ -137,12 +137,18 @@ def _sweep(directory: str) -> None:
                         os.unlink(entry.path)
 
 
-def publish_shared(private: str, shared: str) -> None:
-    """Write the index at ``private`` to ``shared`` (atomically); a failure is said once."""
+def publish_shared(private: str, shared: str, sweep: bool = True) -> None:
+    """Write the index at ``private`` to ``shared`` (atomically); a failure is said once.
+
+    ``sweep``: first remove temporaries of writers that died (one listing of the
+    shared directory). A writer holding the listing lease it took cleanly knows
+    that no dead writer came before it, and skips that.
+    """
     directory = os.path.dirname(shared)
     tmp = f"{directory}/{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}.idx"
     try:
-        _sweep(directory)
+        if sweep:
+            _sweep(directory)
         shutil.copyfile(private, tmp)
         os.chmod(tmp, 0o644)
         os.replace(tmp, shared)

@@ -59,6 +59,8 @@ class ListingLease:
                        "since": time.time()}
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
+        #: Whether a dead node's lease was removed: it may have left temporaries behind.
+        self.took_over = False
 
     def take(self) -> bool:
         """Take the lease; False when another node holds it.
@@ -81,6 +83,11 @@ class ListingLease:
                                       daemon=True)
         self._beat.start()
         return True
+
+    @property
+    def held(self) -> bool:
+        """Whether this node holds a real lease (False where none could be made)."""
+        return self._beat is not None
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -120,6 +127,7 @@ class ListingLease:
             os.rename(self.path, aside)
         except OSError:
             return  # gone already, or another node took it over first
+        self.took_over = True
         _log.warning("taking over the listing of the dataset index: %s", why)
         with contextlib.suppress(OSError):
             os.unlink(aside)

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from nbtools._internal.fs import TMP_PREFIX
 from nbtools.data import _rootlease
 from nbtools.data._catalog import load_index
 from nbtools.data._rootindex import publish_shared, shared_path
@@ -115,11 +116,17 @@ def test_a_lease_left_by_a_dead_process_is_taken_over_at_once(tree, caplog):
     _backdate(src)
     caplog.set_level("INFO", logger="nbtools")
     lease = _leave_lease(src, socket.gethostname(), _dead_pid())
+    # What the dead node was writing when it died: swept by the node that takes over.
+    partial = os.path.join(os.path.dirname(lease), f"{TMP_PREFIX}999-dead.idx")
+    with open(partial, "wb") as fh:
+        fh.write(b"NBTIDX01 half")
+    os.utime(partial, (time.time() - 7200, time.time() - 7200))
     index = load_index(str(src), _PATTERN, str(cache), False, "job-2", in_root=True)
     assert len(index) == 40
     assert index.header["listed_by"] == f"{socket.gethostname()} pid {os.getpid()}"
     assert "listed " in caplog.text and "and died" in caplog.text
     assert not os.path.exists(lease)
+    assert not os.path.exists(partial)
 
 
 def test_a_lease_nobody_refreshes_is_taken_over_after_a_while(tree, caplog, monkeypatch):
