@@ -196,7 +196,9 @@ class _RootCopy:
         return fetched
 
 
-def _build(path: str, root: str, pattern: str, token: str, url: bool) -> None:
+def _build(
+    path: str, root: str, pattern: str, token: str, url: bool, progress: Progress
+) -> None:
     listed_at = time.time_ns()
     writer = IndexWriter(path, root, pattern, {
         "job": token, "listed_at_ns": listed_at, "checkable": not url,
@@ -207,7 +209,6 @@ def _build(path: str, root: str, pattern: str, token: str, url: bool) -> None:
             walk_fsspec(root, pattern, writer)
             dirs = 0
         else:
-            progress = Progress(root)
             dirs = walk_local(root, pattern, writer, progress)
         if not writer.count:
             raise FileNotFoundError(
@@ -266,7 +267,7 @@ def load_index(
         again = _try_open(path, root, pattern)
         if _usable(again, refresh, token):
             return again  # type: ignore[return-value]
-        lease = None
+        lease, progress = None, Progress(root)
         if shared is not None:
             look = _RootCopy(shared, path, root, pattern, refresh, token)
             found = look()
@@ -275,11 +276,11 @@ def load_index(
             if not prepare_shared(shared):
                 shared = None
             else:  # one node lists for all that start now; the others wait for its index
-                lease, found = lead_or_wait(shared, token, root, look)
+                lease, found = lead_or_wait(shared, token, root, look, progress)
                 if found is not None:
                     return found
         try:
-            _build(path, root, pattern, token, url)
+            _build(path, root, pattern, token, url, progress)
             if shared is not None:
                 clean = lease is not None and lease.held and not lease.took_over
                 publish_shared(path, shared, sweep=not clean)

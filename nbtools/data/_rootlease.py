@@ -3,12 +3,13 @@
 With ``index_in_root=True``, a node that finds no usable index anywhere takes
 the *listing lease* before it lists: ``<root>/.nbtools-index/index-<tag>.idx.listing``,
 created with ``O_EXCL`` and holding who took it (host, pid, job, when). While
-the listing runs, a thread refreshes the lease's mtime every
-:data:`HEARTBEAT_S`; it is removed once the index is published, or the listing
-failed. A node that finds the lease taken lists nothing: it waits, polling
-the shared index, and uses the index the other node publishes. So 8 nodes of
-one job starting at the same moment list a 10-million-file root once, not 8
-times.
+the listing runs, a thread rewrites the lease every :data:`HEARTBEAT_S` with
+how far the listing got (a new mtime each time); it is removed once the index
+is published, or the listing failed. A node that finds the lease taken lists
+nothing: it waits, polling the shared index, says on its rank 0 how far the
+other node's listing got, and uses the index that node publishes. So 8 nodes
+of one job starting at the same moment list a 10-million-file root once, not
+8 times.
 
 A lease whose mtime stops changing for :data:`STALE_S` (measured on the
 waiter's own clock, so clock skew between nodes does not matter), or that
@@ -29,8 +30,9 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from nbtools import runtime
 from nbtools._internal.fs import TMP_PREFIX, pid_alive
 from nbtools._internal.log import get_logger
 
@@ -50,13 +52,18 @@ _SAY_EVERY_S = 30.0
 T = TypeVar("T")
 
 
+def _loud() -> bool:
+    return runtime.get_rank() == 0
+
+
 class ListingLease:
     """The listing lease of the index at ``shared`` (see the module docstring)."""
 
-    def __init__(self, shared: str, job: str) -> None:
+    def __init__(self, shared: str, job: str, progress: _Counts | None = None) -> None:
         self.path = shared + ".listing"
         self.record = {"host": socket.gethostname(), "pid": os.getpid(), "job": job,
                        "since": time.time()}
+        self._progress = progress
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         #: Whether a dead node's lease was removed: it may have left temporaries behind.
@@ -90,9 +97,27 @@ class ListingLease:
         return self._beat is not None
 
     def _heartbeat(self) -> None:
+        directory = os.path.dirname(self.path)
         while not self._stop.wait(HEARTBEAT_S):
-            with contextlib.suppress(OSError):
-                os.utime(self.path)
+            current = self.holder_id()
+            if current is None:
+                continue  # being taken over (moved aside): not to be made again
+            if current != _identity(self.record):
+                return  # taken over: it is another node's now
+            state = dict(self.record)
+            if self._progress is not None:
+                state.update(files=self._progress.files, dirs=self._progress.dirs)
+            tmp = f"{directory}/{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+            try:
+                with open(tmp, "w", encoding="utf-8") as fh:
+                    json.dump(state, fh)
+                os.replace(tmp, self.path)  # readers see the old state or the new one
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.utime(self.path)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
 
     def release(self) -> None:
         """Stop refreshing the lease and remove it if it is still this one."""
@@ -101,7 +126,7 @@ class ListingLease:
             return
         self._beat.join()
         self._beat = None
-        if self.holder() == self.record:
+        if self.holder_id() == _identity(self.record):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 
@@ -113,6 +138,11 @@ class ListingLease:
         except (OSError, ValueError):
             return None
         return value if isinstance(value, dict) else None
+
+    def holder_id(self) -> tuple[Any, ...] | None:
+        """Who holds the lease (host, pid, job, since), without its progress."""
+        record = self.holder()
+        return None if record is None else _identity(record)
 
     def mtime_ns(self) -> int | None:
         try:
@@ -133,6 +163,17 @@ class ListingLease:
             os.unlink(aside)
 
 
+class _Counts(Protocol):
+    """How far a listing got (``_listing.Progress``)."""
+
+    files: int
+    dirs: int
+
+
+def _identity(record: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(record.get(k) for k in ("host", "pid", "job", "since"))
+
+
 def _dead(record: dict[str, Any] | None) -> bool:
     """Whether the lease names a process of this host that is gone."""
     if not record or record.get("host") != socket.gethostname():
@@ -142,15 +183,22 @@ def _dead(record: dict[str, Any] | None) -> bool:
 
 
 def lead_or_wait(
-    shared: str, job: str, root: str, look: Callable[[], T | None], poll_s: float = 0.25
+    shared: str,
+    job: str,
+    root: str,
+    look: Callable[[], T | None],
+    progress: _Counts | None = None,
+    poll_s: float = 0.25,
 ) -> tuple[ListingLease | None, T | None]:
     """Take the listing lease, or wait for the node that holds it to publish the index.
 
     ``look`` returns the index published in the root when it is usable, else
-    None. Returns ``(lease, None)`` when this node is to list (release the
-    lease afterwards), or ``(None, index)`` with the index another node listed.
+    None. ``progress``: how far this node's listing got, once it lists (shown
+    to the nodes that wait). Returns ``(lease, None)`` when this node is to
+    list (release the lease afterwards), or ``(None, index)`` with the index
+    another node listed.
     """
-    lease = ListingLease(shared, job)
+    lease = ListingLease(shared, job, progress)
     seen: int | None = None
     unchanged_since = time.monotonic()
     said = time.monotonic()
@@ -181,5 +229,9 @@ def lead_or_wait(
             lease.break_stale(f"{who} left its lease {age:.0f} s ago")
         elif now - said >= _SAY_EVERY_S:
             said = now
-            _log.info("waiting for %s, which lists %s for every node", who, root)
+            if _loud():
+                got = ""
+                if record and isinstance(record.get("files"), int):
+                    got = f": {record['files']} files in {record.get('dirs')} directories so far"
+                _log.info("waiting for %s, which lists %s for every node%s", who, root, got)
         time.sleep(poll_s)

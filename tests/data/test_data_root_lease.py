@@ -146,3 +146,32 @@ def test_a_failed_listing_leaves_no_lease(tree):
     with pytest.raises(FileNotFoundError, match="no file under"):
         load_index(str(src), "**/*.nothing", str(cache), False, "job-4", in_root=True)
     assert not os.path.exists(shared_path(str(src), "**/*.nothing") + ".listing")
+
+
+def test_waiting_nodes_say_how_far_the_listing_node_got(tree, tmp_path, monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    src, _ = tree
+    caplog.set_level("INFO", logger="nbtools")
+    monkeypatch.setattr(_rootlease, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(_rootlease, "_SAY_EVERY_S", 0.0)
+    shared = shared_path(str(src), _PATTERN)
+    os.makedirs(os.path.dirname(shared))
+    counts = SimpleNamespace(files=0, dirs=0)
+    lister = ListingLease(shared, "job-5", counts)
+    assert lister.take()
+    try:
+        counts.files, counts.dirs = 123_456, 789  # as the listing goes on
+        deadline = time.monotonic() + 30
+        while (lister.holder() or {}).get("files") != 123_456:
+            assert time.monotonic() < deadline, "the lease never showed the listing's progress"
+            time.sleep(0.02)
+        looks = iter([None, None, "the index"])
+        lease, found = _rootlease.lead_or_wait(shared, "job-5", str(src), lambda: next(looks),
+                                               poll_s=0.01)
+        assert (lease, found) == (None, "the index")
+        assert "123456 files in 789 directories so far" in caplog.text
+    finally:
+        lister.release()
+    assert not os.path.exists(shared + ".listing")
+    assert [n for n in os.listdir(os.path.dirname(shared)) if n.startswith(TMP_PREFIX)] == []
