@@ -8,8 +8,10 @@ cluster on a busy 2-core machine would slow both past their start timeouts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import threading
 import time
 
@@ -140,13 +142,30 @@ def _start() -> RayCluster:
     raise AssertionError(f"the test Ray cluster did not start in {_TRIES} tries")
 
 
+@contextlib.contextmanager
+def keeping_sigterm():
+    """Give SIGTERM back its handler after Ray's C++ code installed its own.
+
+    Ray's failure-signal handler (it logs "SIGTERM received" and dumps a stack)
+    is inherited by every process this one forks later, such as a
+    ``multiprocessing`` pool of another test: terminating that pool then takes
+    seconds, and can deadlock in the handler's logging in the forked child.
+    """
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+
+
 def shared() -> RayCluster:
     """This process's cluster, started on first use (``RAY_TMPDIR`` is set while it runs)."""
     global _cluster, _env_before
     if _cluster is None:
         _env_before = set(os.environ)
         os.environ["RAY_TMPDIR"] = RAY_TMP  # read by every Ray process the cluster starts
-        _cluster = _start()
+        with keeping_sigterm():
+            _cluster = _start()
     return _cluster
 
 

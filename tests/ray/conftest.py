@@ -29,7 +29,8 @@ from _ray_helpers import our_processes, wait_until_clean  # noqa: E402
 def ray_cluster():
     """The session's local Ray cluster, with this process connected as its driver."""
     cluster = _ray_cluster.shared()
-    ray.init(address=cluster.address, log_to_driver=False)
+    with _ray_cluster.keeping_sigterm():  # not Ray's handler in later tests' forked children
+        ray.init(address=cluster.address, log_to_driver=False)
     try:
         yield cluster
     finally:
