@@ -16,8 +16,11 @@ waiter's own clock, so clock skew between nodes does not matter), or that
 names a dead process on this host, or is older than :data:`ABANDONED_S` by
 the clocks' own reckoning, belongs to a node that died: it is taken over,
 with a log line. The lease only saves listings; nothing is ever read from
-it but who holds it. Where it cannot work (a mount without ``O_EXCL``, two
-nodes taking over one stale lease at the same moment) two nodes both list,
+it but who holds it, and a lease that is not a plain file of this user's
+(planted by someone else, a link, writable by others) is not waited on: the
+node lists without one, with a warning. Where it cannot work (a mount
+without ``O_EXCL``, two nodes taking over one stale lease at the same
+moment) two nodes both list,
 and each publishes a complete index, as without it.
 """
 
@@ -27,6 +30,7 @@ import contextlib
 import json
 import os
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -78,7 +82,12 @@ class ListingLease:
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except FileExistsError:
-            return False
+            why = self._foreign()
+            if why is None:
+                return False
+            _log.warning("not waiting on the listing lease %s: %s; listing without one",
+                         self.path, why)
+            return True
         except OSError as exc:
             _log.info("no listing lease at %s (%s): listing without one", self.path, exc)
             return True
@@ -90,6 +99,23 @@ class ListingLease:
                                       daemon=True)
         self._beat.start()
         return True
+
+    def _foreign(self) -> str | None:
+        """Why the lease there is not one to wait on (not a plain file of this user's
+        that only they can write: planted, or a link); None when it is."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return None  # just released: look again
+        except OSError as exc:
+            return str(exc)
+        if not stat.S_ISREG(st.st_mode):
+            return "it is not a regular file"
+        if st.st_uid != os.getuid():
+            return f"it belongs to uid {st.st_uid}, not to you (uid {os.getuid()})"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return f"other users can write to it (mode {stat.S_IMODE(st.st_mode):04o})"
+        return None
 
     @property
     def held(self) -> bool:
@@ -132,8 +158,12 @@ class ListingLease:
 
     def holder(self) -> dict[str, Any] | None:
         """What the lease says of its holder; None when there is no lease (or it is unreadable)."""
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
-            with open(self.path, "rb") as fh:
+            fd = os.open(self.path, flags)  # never follows a link, never blocks on a FIFO
+            with open(fd, "rb") as fh:
+                if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                    return None
                 value = json.loads(fh.read(4096) or b"null")
         except (OSError, ValueError):
             return None
@@ -146,7 +176,7 @@ class ListingLease:
 
     def mtime_ns(self) -> int | None:
         try:
-            return os.stat(self.path).st_mtime_ns
+            return os.lstat(self.path).st_mtime_ns
         except OSError:
             return None
 

@@ -175,3 +175,37 @@ def test_waiting_nodes_say_how_far_the_listing_node_got(tree, tmp_path, monkeypa
         lister.release()
     assert not os.path.exists(shared + ".listing")
     assert [n for n in os.listdir(os.path.dirname(shared)) if n.startswith(TMP_PREFIX)] == []
+
+
+def _plant(src, kind: str) -> str:
+    shared = shared_path(str(src), _PATTERN)
+    os.makedirs(os.path.dirname(shared), exist_ok=True)
+    lease = shared + ".listing"
+    if kind == "dangling link":
+        os.symlink("/nonexistent/nbtools-lease", lease)
+    elif kind == "fifo":
+        os.mkfifo(lease)
+    elif kind == "writable by others":
+        with open(lease, "w") as fh:
+            fh.write('{"host": "another-node", "pid": 1, "job": "x", "since": 0}')
+        os.chmod(lease, 0o666)
+    elif kind == "another user's":
+        if os.geteuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        with open(lease, "w") as fh:
+            fh.write('{"host": "another-node", "pid": 1, "job": "x", "since": 0}')
+        os.chown(lease, 4321, 4321)
+    return lease
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "fifo", "writable by others", "another user's"])
+def test_a_planted_lease_is_not_waited_on(tree, caplog, kind):
+    src, cache = tree
+    _backdate(src)
+    caplog.set_level("INFO", logger="nbtools")
+    lease = _plant(src, kind)
+    index = load_index(str(src), _PATTERN, str(cache), False, "job-6", in_root=True)
+    assert len(index) == 40
+    assert "not waiting on the listing lease" in caplog.text
+    assert os.path.lexists(lease)  # somebody else's: left where it is
+    os.unlink(lease)
