@@ -51,3 +51,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     module = sys.modules.get("_ray_cluster")
     if module is not None:
         module.stop()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The session ends with a check that it left the checkout as it found it
+    (``tests/_infra/checkout_guard.py``)."""
+    path = os.path.join(os.path.dirname(__file__), "tests", "_infra", "checkout_guard.py")
+    spec = importlib.util.spec_from_file_location("_nbtools_checkout_guard", path)
+    if spec is None or spec.loader is None or not os.path.exists(path):
+        return
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config.pluginmanager.register(module.CheckoutGuard(os.path.dirname(__file__)), "nbtools-checkout-guard")
