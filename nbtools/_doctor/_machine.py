@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import multiprocessing
 import resource
 import shutil
@@ -41,7 +42,7 @@ def check_torch() -> Finding:
         return Finding("torch", Status.FAIL, f"torch cannot be imported: {exc}",
                        "install torch>=2.9 (pip install torch) in this environment")
     details: dict[str, Any] = {
-        "torch": torch.__version__,
+        "torch": importlib.metadata.version("torch"),
         "cuda_build": torch.version.cuda,
         "gloo": dist.is_available() and dist.is_gloo_available(),
         "nccl": dist.is_available() and dist.is_nccl_available(),
