@@ -51,3 +51,43 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     module = sys.modules.get("_ray_cluster")
     if module is not None:
         module.stop()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The session ends with a check that it left the checkout as it found it
+    (``tests/_infra/checkout_guard.py``)."""
+    path = os.path.join(os.path.dirname(__file__), "tests", "_infra", "checkout_guard.py")
+    spec = importlib.util.spec_from_file_location("_nbtools_checkout_guard", path)
+    if spec is None or spec.loader is None or not os.path.exists(path):
+        return
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config.pluginmanager.register(module.CheckoutGuard(os.path.dirname(__file__)), "nbtools-checkout-guard")
+
+
+#: Lanes. The fast lane is ``-m "not slow and not kernel and not cluster and not browser and not
+#: integration"``: unit tests only. Tests are marked here by where they live (files may mark
+#: themselves too): what starts a Jupyter kernel, a Ray cluster or a browser, and the multi-process
+#: runs of tests/integration.
+_LANE_MARKS = (
+    ("notebooks/", "kernel"),
+    ("notebooks/06_multinode_ray.ipynb", "cluster"),
+    ("tests/integration/", "integration"),
+    ("tests/integration/test_launch_notebook_", "kernel"),
+    ("tests/integration/test_mlflow_ranks.py", "kernel"),
+    ("tests/integration/test_reference_samples.py", "kernel"),
+    ("tests/integration/test_user_code_", "kernel"),
+    ("tests/monitor/test_monitor_saved.py", "kernel"),
+    ("tests/pool/test_pool_magics.py", "kernel"),
+    ("tests/ray/", "cluster"),
+    ("tests/browser/", "browser"),
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with the lanes its location puts it in (see ``_LANE_MARKS``)."""
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        for prefix, mark in _LANE_MARKS:
+            if path.startswith(prefix):
+                item.add_marker(mark)

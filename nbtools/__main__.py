@@ -1,4 +1,4 @@
-"""Command line: ``python -m nbtools demo``."""
+"""Command line: ``python -m nbtools demo`` and ``python -m nbtools doctor [--json]``."""
 
 from __future__ import annotations
 
@@ -14,11 +14,23 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="2-rank CPU training run that is killed and recovers")
     demo.add_argument("--out", default="nbtools-demo", help="output directory")
+    doctor = sub.add_parser(
+        "doctor", help="check that training can run here; say what to fix (exit status 1 if not)"
+    )
+    doctor.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    doctor.add_argument("--no-smoke", action="store_true", help="skip the 2-rank smoke launch")
+    doctor.add_argument(
+        "--shm-dir", default=None, help="shared-memory filesystem to check (default /dev/shm)"
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         from nbtools._demo import run_demo
 
         return run_demo(args.out)
+    if args.command == "doctor":
+        from nbtools._doctor import run
+
+        return run(as_json=args.json, smoke=not args.no_smoke, shm_path=args.shm_dir)
     return 2
 
 

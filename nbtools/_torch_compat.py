@@ -262,7 +262,7 @@ def guard_init_process_group(active_backend: str, on_skip: Callable[[str, str], 
     original = c10d.init_process_group
     if getattr(original, "_nbtools_guard", False):
         return
-    told = []
+    told: list[bool] = []
 
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> None:

@@ -243,7 +243,7 @@ class MetricBatcher:
         while True:  # closing: keep trying until everything is written or the time is up
             if self._drain() or time.monotonic() + _CLOSE_RETRY_PAUSE >= self._deadline:
                 return
-            if is_permanent(self._error):
+            if self._error is not None and is_permanent(self._error):
                 return  # a read-only store stays read-only: close reports it at once
             time.sleep(_CLOSE_RETRY_PAUSE)
 
@@ -336,8 +336,10 @@ class MetricBatcher:
         """Write ``batch``; when the store refuses part of it, drop only the values it refuses."""
         if not batch:
             return
+        run_id = self._run_id
+        assert run_id is not None  # values are written only once the run is open
         try:
-            write_metrics(self._client, self._uri, self._run_id, batch)
+            write_metrics(self._client, self._uri, run_id, batch)
             return
         except Exception as exc:
             if not is_rejection(exc) or not self._run_accepts_writes():
@@ -346,7 +348,7 @@ class MetricBatcher:
         while parts:  # halve until each refused value stands alone
             part = parts.pop()
             try:
-                write_metrics(self._client, self._uri, self._run_id, part)
+                write_metrics(self._client, self._uri, run_id, part)
             except Exception as exc:
                 if not is_rejection(exc):
                     self._unwritten = [m for p in reversed(parts) for m in p] + part

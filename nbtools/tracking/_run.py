@@ -221,6 +221,8 @@ def _start(
         if run_id is not None:
             kwargs: dict[str, Any] = {"run_id": run_id}
         else:
+            # Without a run id the caller has resolved the experiment (_experiment_choice).
+            assert experiment is not None
             kwargs = {"experiment_id": _experiment_id(client, experiment)}
         run = mlflow.start_run(run_name=run_name, tags=tags or None, **kwargs)
         if background:

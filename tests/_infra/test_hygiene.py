@@ -14,6 +14,9 @@ import textwrap
 
 import pytest
 
+#: One pytest session in a subprocess over five test files: over 5 s on a small machine.
+pytestmark = pytest.mark.slow
+
 LEAKY = {
     "process": "import subprocess\ndef test_x():\n    subprocess.Popen(['sleep', '30'])\n",
     "thread": "import threading, time\ndef test_x():\n    threading.Thread(target=time.sleep, args=(6,), name='worker').start()\n",

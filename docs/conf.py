@@ -1,0 +1,85 @@
+"""Sphinx configuration of the nbtools documentation (``python -m sphinx -W -b html docs docs/_build/html``).
+
+The build needs no network: the example notebooks are rendered from their saved outputs
+(never executed), and intersphinx links to other projects' documentation use the inventories
+found in ``docs/_inventories/`` (``<name>.inv``); a project without one is left out, without
+a warning, and its names render as plain code.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import nbtools  # noqa: E402
+
+project = "nbtools"
+author = "nbtools maintainers"
+copyright = "nbtools maintainers"  # noqa: A001
+release = nbtools.__version__
+version = ".".join(release.split(".")[:2])
+
+extensions = [
+    "myst_nb",  # Markdown pages (MyST) and .ipynb notebooks with their saved outputs
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",  # Google-style docstrings
+    "sphinx.ext.intersphinx",
+]
+
+source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb", ".rst": "restructuredtext"}
+exclude_patterns = ["_build", "_inventories", "notebooks/.ipynb_checkpoints", "**/mlflow.db*"]
+root_doc = "index"
+
+# Notebooks are documents of their saved outputs: executing them needs ranks, kernels, a cluster.
+nb_execution_mode = "off"
+nb_output_stderr = "show"
+# Notebook cells hold IPython magics (%load_ext, %distributed) that the Python lexer does not
+# know; Pygments renders them in its relaxed mode, which is what is wanted.
+suppress_warnings = ["misc.highlighting_failure"]
+myst_enable_extensions = ["colon_fence", "deflist"]
+myst_heading_anchors = 3
+
+# The API reference documents the public names only, each listed by name in api.rst.
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+
+# Other projects' inventories, when vendored (docs/_inventories/<name>.inv); none are fetched.
+_INVENTORIES = {
+    "python": "https://docs.python.org/3",
+    "torch": "https://docs.pytorch.org/docs/stable",
+    "fsspec": "https://filesystem-spec.readthedocs.io/en/latest",
+    "ray": "https://docs.ray.io/en/latest",
+    "mlflow": "https://mlflow.org/docs/latest/api_reference",
+}
+intersphinx_mapping = {
+    name: (url, os.path.join(HERE, "_inventories", f"{name}.inv"))
+    for name, url in _INVENTORIES.items()
+    if os.path.exists(os.path.join(HERE, "_inventories", f"{name}.inv"))
+}
+intersphinx_disabled_reftypes = ["*"]
+
+html_theme = "alabaster"
+html_title = f"nbtools {release}"
+html_static_path: list[str] = []
+html_theme_options = {"description": "Resilient multi-GPU PyTorch training from a notebook"}
+
+# A broken cross-reference to an nbtools name is an error. Other projects' names resolve only
+# through vendored inventories, private nbtools names are never documented, and the public
+# names below are documented in their modules' docstrings, not on this site: all of these
+# render as plain code.
+_UNDOCUMENTED = [
+    r"nbtools\.monitor\.NVMLBackend",
+    r"nbtools\.monitor\.snapshot\.Snapshot",
+    r"nbtools\.monitor\.timing",
+]
+nitpicky = True
+nitpick_ignore_regex = [
+    (r"py:.*", r"(?!nbtools\b).*"),
+    (r"py:.*", r"nbtools\.(.*\.)?_.*"),
+    *((r"py:.*", name) for name in _UNDOCUMENTED),
+]
