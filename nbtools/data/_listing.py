@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import time
 from collections.abc import Callable
 from functools import lru_cache
@@ -214,14 +215,46 @@ def check_root(root: str) -> str:
 
 
 def _open_local(path: str) -> IO[bytes]:
+    """``path`` opened for reading, if it is a regular file.
+
+    Opened with ``O_NONBLOCK`` and checked with ``fstat`` before any read: a
+    FIFO, socket or device put on the shared volume in place of a file is
+    refused at once instead of blocking the copy for good.
+    """
     try:
-        return open(path, "rb")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise type(exc)(
             exc.errno,
             f"cannot read {path!r} from the dataset volume ({exc.strerror}); "
             "check that it exists and is readable",
         ) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DataError(
+                f"cannot read {path!r} from the dataset volume: it is {_kind(st.st_mode)}, "
+                "not a regular file; remove it from the dataset root or narrow the pattern"
+            )
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _kind(mode: int) -> str:
+    """What a file that is not a regular one is, for messages."""
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return f"a special file (mode {mode:o})"
 
 
 class Opener:
