@@ -40,21 +40,24 @@ freshness check, as one of this node's own would be.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
+import shutil
 import socket
 import time
 import warnings
 
 from nbtools._internal.fs import TMP_PREFIX
 from nbtools._internal.log import get_logger
-from nbtools.data._cachedir import ensure_private_dir
+from nbtools.data._cachedir import ENV_DIR, ensure_private_dir
 from nbtools.data._index import Index, IndexRefused, IndexWriter, open_index
 from nbtools.data._listing import Progress, check_root, walk_fsspec, walk_local
 from nbtools.data._rootindex import fetch_shared, prepare_shared, publish_shared, shared_path
 from nbtools.data._rootlease import lead_or_wait
+from nbtools.errors import CacheError
 
 __all__ = ["index_path", "job_token", "load_index", "namespace"]
 
@@ -200,6 +203,7 @@ def _build(
     path: str, root: str, pattern: str, token: str, url: bool, progress: Progress
 ) -> None:
     listed_at = time.time_ns()
+    listed = False
     writer = IndexWriter(path, root, pattern, {
         "job": token, "listed_at_ns": listed_at, "checkable": not url,
         "listed_by": f"{socket.gethostname()} pid {os.getpid()}",
@@ -216,10 +220,39 @@ def _build(
                 "(it is relative to the root, e.g. '**/*.jpg')"
             )
         _log.info("listed %s: %d files in %d directories", root, writer.count, dirs)
+        listed = True
         writer.commit()
+    except OSError as exc:
+        writer.discard()
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _no_space_for_index(path, root, writer.nbytes, listed) from exc
+        raise
     except BaseException:
         writer.discard()
         raise
+
+
+def _no_space_for_index(path: str, root: str, nbytes: int, listed: bool) -> CacheError:
+    """The error of an index that did not fit: where, how much it needs, what to change.
+
+    The writer keeps its sections in spill files until the index is complete
+    and then copies them into one file, so the filesystem holds the index
+    twice for a moment.
+    """
+    where = os.path.dirname(path)
+    try:
+        free = f"{shutil.disk_usage(where).free} bytes are free"
+    except OSError:
+        free = "its free space is unknown"
+    need = f"about {2 * nbytes}" if listed else f"more than {2 * nbytes} (the listing had not ended)"
+    exc = CacheError(
+        f"cannot write the dataset index of {root!r} in {where!r}: no space left on that "
+        f"filesystem; the index needs {need} bytes while it is written and {free}. Free "
+        f"space there, or move the cache to a larger filesystem with cache_dir= or "
+        f"${ENV_DIR}; nothing was left behind, and the next try lists again"
+    )
+    exc.errno = errno.ENOSPC
+    return exc
 
 
 @contextlib.contextmanager

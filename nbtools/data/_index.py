@@ -136,6 +136,14 @@ class IndexWriter:
         self._dirs.append((rel, mtime_ns))
 
     @property
+    def nbytes(self) -> int:
+        """About how many bytes the index holds so far (spilled, buffered and its directories)."""
+        spilled = sum(spill.length for spill in self._spills.values())
+        buffered = sum(len(values) * 8 for values in self._buffers.values()) + len(self._blob)
+        dirs = sum(len(rel) + 16 for rel, _ in self._dirs)
+        return spilled + buffered + dirs + 4096  # and a header
+
+    @property
     def fingerprint(self) -> str:
         """A digest of the paths, to recognise the same list of files."""
         return self._hash.hexdigest()[:16]

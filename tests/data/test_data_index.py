@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
+import shutil
 import struct
 import time
 import zlib
@@ -266,3 +268,29 @@ def test_an_index_kept_in_the_root_is_shared_by_other_nodes_and_checked(volume, 
         assert len(VolumeDataset(src, cache_dir=tmp_path / "cache-d", index_in_root=True)) == 40
     with pytest.raises(ValueError, match="index_in_root=True needs a local directory"):
         len(VolumeDataset("memory://nbtools-no-such-root", cache_dir=cache, index_in_root=True))
+
+
+@pytest.mark.root
+def test_an_index_that_does_not_fit_names_its_directory_and_leaves_nothing(tmp_path, mount_tmpfs):
+    from nbtools.errors import CacheError
+
+    src = tmp_path / "src"
+    for d in range(4):
+        (src / f"dir{d}").mkdir(parents=True)
+        for i in range(1000):
+            (src / f"dir{d}" / f"a-rather-long-file-name-{i:05d}.bin").write_bytes(b"")
+    fs = mount_tmpfs("50m")
+    cache = fs / "cache"
+    # Another program fills the filesystem but for 64 KB: the index needs about 200 KB.
+    filler = fs / "someone-elses-file"
+    with open(filler, "wb") as fh:
+        os.posix_fallocate(fh.fileno(), 0, shutil.disk_usage(fs).free - (64 << 10))
+    with pytest.raises(CacheError) as caught:
+        len(VolumeDataset(src, cache_dir=cache))
+    text = str(caught.value)
+    assert f"in {str(cache / '.index')!r}: no space left" in text, text
+    assert re.search(r"needs (about|more than) \d+ bytes while it is written and \d+ bytes are free", text)
+    assert "cache_dir=" in text and "NBTOOLS_CACHE_DIR" in text
+    assert os.listdir(cache / ".index") == [], "nothing half-written is left"
+    filler.unlink()  # the space is back: the same call works
+    assert len(VolumeDataset(src, cache_dir=cache)) == 4000
