@@ -43,10 +43,10 @@ from typing import IO
 
 from nbtools._internal.fs import TMP_PREFIX
 from nbtools._internal.log import get_logger
-from nbtools.data._cachedir import ensure_private_dir, min_free_from_env
+from nbtools.data._cachedir import ENV_DIR, ENV_MIN_FREE, ensure_private_dir, min_free_from_env
 from nbtools.data._gate import Gate, KnownFiles
 from nbtools.data._pins import Cancelled, Pin, pin_path
-from nbtools.data._sweep import evict_one, scan, sweep_due, sweep_temporaries
+from nbtools.data._sweep import cached_bytes, evict_one, scan, sweep_due, sweep_temporaries
 from nbtools.errors import CacheError, DataError
 
 __all__ = ["FileCache", "SourceChanged", "TMP_PREFIX"]
@@ -357,6 +357,7 @@ class FileCache:
             )
         deadline = time.monotonic() + _SPACE_WAIT_S
         delay = 0.01
+        looked = False
         while True:
             room = self._reserve(key, size)
             if room is not None:
@@ -370,6 +371,11 @@ class FileCache:
                 return None
             if cancel.is_set():
                 raise Cancelled(key)
+            if not looked:
+                # Waiting helps only when the cache's own files, once released and
+                # evicted, would make room; space that other files hold is said at once.
+                looked = True
+                self._check_foreign(key, size)
             if time.monotonic() > deadline:
                 raise _no_room(
                     f"no room for {key} in the cache at {self.dir!r}: every cached file is in "
@@ -379,6 +385,27 @@ class FileCache:
                 on_wait()
             time.sleep(delay)  # files in use by other streams are released as they advance
             delay = min(delay * 2, 0.5)
+
+    def _check_foreign(self, key: str, size: int) -> None:
+        """Raise when the copy of ``key`` cannot fit even with every cached file evicted.
+
+        The space then belongs to files that are not the cache's (another
+        program's, on the same filesystem), which no wait and no eviction frees.
+        """
+        usage = shutil.disk_usage(self.dir)
+        held = cached_bytes(self.dir, _SKIP)
+        needed = size + self.min_free + _RESERVED.get(self.dir, 0)
+        if usage.free + held >= needed:
+            return
+        foreign = max(0, usage.used - held)
+        raise _no_room(
+            f"no room for {key} ({size} bytes) in the cache at {self.dir!r}: its filesystem has "
+            f"{usage.free} bytes free and {needed} are needed (the file, and min_free_bytes="
+            f"{self.min_free} kept free); the cache's own files hold {held} bytes there, other "
+            f"files {foreign} bytes. Free space on that filesystem, lower the floor "
+            f"(min_free_bytes= or ${ENV_MIN_FREE[0]}), or move the cache to a larger "
+            f"filesystem (cache_dir= or ${ENV_DIR})"
+        )
 
     def _reserve(self, key: str, size: int) -> _Room | None:
         """Claim ``size`` bytes for a copy of ``key``, or None when that would cut into
