@@ -294,3 +294,88 @@ def test_an_index_that_does_not_fit_names_its_directory_and_leaves_nothing(tmp_p
     assert os.listdir(cache / ".index") == [], "nothing half-written is left"
     filler.unlink()  # the space is back: the same call works
     assert len(VolumeDataset(src, cache_dir=cache)) == 4000
+
+
+def _make_racy(path, at_ns: int) -> None:
+    """Give the directory ``path`` the modification time ``at_ns``, as a write then would."""
+    os.utime(path, ns=(at_ns, at_ns))
+
+
+class _CountingScans:
+    """Counts the directories listed in this process (``os.scandir`` calls)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.paths: list[str] = []
+        real = os.scandir
+
+        def scandir(path="."):
+            self.paths.append(os.fspath(path))
+            return real(path)
+
+        monkeypatch.setattr(os, "scandir", scandir)
+
+
+def test_a_volume_written_just_before_its_listing_is_rechecked_only_where_recent(
+    volume, caplog, monkeypatch
+):
+    src, cache = volume
+    caplog.set_level("INFO", logger="nbtools")
+    now = time.time_ns()
+    _make_racy(src / "d1", now)  # written in the second before the first listing
+    assert len(VolumeDataset(src, cache_dir=cache)) == 40
+    built = os.stat(_index_file(src, cache)).st_ino
+    scans = _CountingScans(monkeypatch)
+    assert len(VolumeDataset(src, cache_dir=cache)) == 40  # a later launch
+    assert _listings(caplog) == 1, "the index is reused"
+    assert os.stat(_index_file(src, cache)).st_ino == built
+    assert scans.paths == [str(src / "d1")], "only the recent directory is listed again"
+    # A file added to it within the same clock tick (its time unchanged) is seen.
+    (src / "d1" / "f00040.bin").write_bytes(content(40, 64))
+    _make_racy(src / "d1", now)
+    assert _served(VolumeDataset(src, cache_dir=cache)) == {i: content(i, 64) for i in range(41)}
+    assert _listings(caplog) == 2
+    # So is a file rewritten in the same tick (another size, the same time), and a
+    # new subdirectory.
+    before = os.stat(src / "d1" / "f00040.bin").st_mtime_ns
+    (src / "d1" / "f00040.bin").write_bytes(content(40, 65))
+    os.utime(src / "d1" / "f00040.bin", ns=(before, before))
+    _make_racy(src / "d1", now)
+    assert len(VolumeDataset(src, cache_dir=cache)) == 41
+    assert _listings(caplog) == 3
+    (src / "d1" / "sub").mkdir()
+    (src / "d1" / "sub" / "f00041.bin").write_bytes(content(41, 64))
+    _make_racy(src / "d1", now)
+    assert len(VolumeDataset(src, cache_dir=cache)) == 42
+    assert _listings(caplog) == 4
+
+
+def _make_million(root, racy: int) -> list:
+    """1,000,000 empty files in 1,000 directories, written long ago but for the last ``racy``."""
+    past = time.time() - 3600
+    dirs = []
+    for d in range(1000):
+        path = root / f"d{d:04d}"
+        path.mkdir(parents=True)
+        for i in range(1000):
+            os.close(os.open(path / f"f{d * 1000 + i:07d}.bin", os.O_CREAT | os.O_WRONLY, 0o644))
+        dirs.append(path)
+    for path in dirs[:-racy]:
+        os.utime(path, (past, past))
+    return dirs[-racy:]
+
+
+@pytest.mark.slow
+def test_the_second_launch_of_a_million_files_written_just_before_the_first_is_warm(
+    tmp_path, caplog, monkeypatch
+):
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    racy = _make_million(src, racy=3)
+    now = time.time_ns()
+    for path in (*racy, src):
+        _make_racy(path, now)
+    caplog.set_level("INFO", logger="nbtools")
+    assert len(VolumeDataset(src, cache_dir=cache)) == 1_000_000
+    scans = _CountingScans(monkeypatch)
+    assert len(VolumeDataset(src, cache_dir=cache)) == 1_000_000  # the second launch
+    assert _listings(caplog) == 1
+    assert sorted(scans.paths) == sorted([str(src), *map(str, racy)])
