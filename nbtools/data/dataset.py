@@ -11,17 +11,17 @@ from torch.utils.data import IterableDataset, get_worker_info
 from nbtools import runtime
 from nbtools._internal.location import is_url
 from nbtools._internal.log import get_logger
-from nbtools.data import _tags
-from nbtools.data._cache import FileCache
-from nbtools.data._cachedir import default_cache_dir
-from nbtools.data._catalog import job_token, load_index, namespace
-from nbtools.data._index import Index, open_index
-from nbtools.data._items import check_mode, slot_items
-from nbtools.data._listing import Opener
+from nbtools.data._cache._file_cache import FileCache
+from nbtools.data._cache._location import default_cache_dir
+from nbtools.data._listing._catalog import job_token, load_index, namespace
+from nbtools.data._listing._index import Index, open_index
+from nbtools.data._listing._volume import Opener
 from nbtools.data._plan import Plan, check_same_workers, dist_info, gather
 from nbtools.data._positions import Consumed, Order, advance, slot_length
-from nbtools.data._stream import Item, SourceCheck, serve
-from nbtools.data._window import check_window
+from nbtools.data._stream import _tags
+from nbtools.data._stream._items import check_mode, slot_items
+from nbtools.data._stream._spec import check_window
+from nbtools.data._stream._stream import Item, SourceCheck, serve
 from nbtools.errors import DataError
 
 __all__ = ["VolumeDataset"]

@@ -12,10 +12,10 @@ from typing import Any
 import torch.utils.data
 
 from nbtools import _torch_compat, events, runtime
-from nbtools.data import _tags
-from nbtools.data._driven import Link
+from nbtools.data._dataset_link import Link
 from nbtools.data._find import find_volume_datasets
 from nbtools.data._stalls import StallWatch
+from nbtools.data._stream import _tags
 from nbtools.data.dataset import VolumeDataset
 from nbtools.errors import CacheError, DataError
 

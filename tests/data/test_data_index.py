@@ -14,9 +14,10 @@ import zlib
 import pytest
 from _data_helpers import content, index_of
 
-from nbtools.data import VolumeDataset, _catalog
-from nbtools.data._catalog import index_path, load_index
-from nbtools.data._index import IndexWriter, open_index
+from nbtools.data import VolumeDataset
+from nbtools.data._listing import _catalog
+from nbtools.data._listing._catalog import index_path, load_index
+from nbtools.data._listing._index import IndexWriter, open_index
 
 
 def _backdate(root) -> None:
@@ -206,7 +207,7 @@ def test_a_million_entry_index_maps_without_a_python_object_per_file(tmp_path):
 
 
 def _shared_index(src) -> str:
-    from nbtools.data._rootindex import shared_path
+    from nbtools.data._listing._shared_index import shared_path
 
     return shared_path(str(src), "**/*")
 

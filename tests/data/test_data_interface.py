@@ -5,7 +5,8 @@ from __future__ import annotations
 import ast
 import inspect
 
-from nbtools.data import _driven, loader
+from nbtools.data import _dataset_link as _driven
+from nbtools.data import loader
 
 
 def _private_uses(module) -> set[str]:

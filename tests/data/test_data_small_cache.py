@@ -15,7 +15,7 @@ import pytest
 from _data_helpers import content, index_of, make_tree
 
 from nbtools.data import DataLoader, VolumeDataset
-from nbtools.data._cache import FileCache
+from nbtools.data._cache._file_cache import FileCache
 
 MB = 1 << 20
 

@@ -53,11 +53,16 @@ import warnings
 
 from nbtools._internal.fs import TMP_PREFIX
 from nbtools._internal.log import get_logger
-from nbtools.data._cachedir import ENV_DIR, ensure_private_dir
-from nbtools.data._index import Index, IndexRefused, IndexWriter, open_index
-from nbtools.data._listing import Progress, check_root, list_dir, walk_fsspec, walk_local
-from nbtools.data._rootindex import fetch_shared, prepare_shared, publish_shared, shared_path
-from nbtools.data._rootlease import lead_or_wait
+from nbtools.data._cache._location import ENV_DIR, ensure_private_dir
+from nbtools.data._listing._index import Index, IndexRefused, IndexWriter, open_index
+from nbtools.data._listing._lease import lead_or_wait
+from nbtools.data._listing._shared_index import (
+    fetch_shared,
+    prepare_shared,
+    publish_shared,
+    shared_path,
+)
+from nbtools.data._listing._volume import Progress, check_root, list_dir, walk_fsspec, walk_local
 from nbtools.errors import CacheError
 
 __all__ = ["index_path", "job_token", "load_index", "namespace"]

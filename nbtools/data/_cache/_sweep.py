@@ -8,7 +8,7 @@ import os
 import time
 
 from nbtools._internal.fs import TMP_PREFIX, pid_alive
-from nbtools.data._pins import still_linked
+from nbtools.data._cache._pins import still_linked
 
 __all__ = ["cached_bytes", "evict_one", "scan", "sweep_due", "sweep_temporaries"]
 

@@ -32,13 +32,13 @@ from functools import partial
 from typing import IO
 
 from nbtools._internal.log import get_logger
-from nbtools.data import _tags
-from nbtools.data._ahead import Ahead, Item, SourceCheck
-from nbtools.data._cache import FileCache
-from nbtools.data._gate import unwatch, watch
-from nbtools.data._guard import Guard, drop, settled, to_pin
-from nbtools.data._pins import Pin
-from nbtools.data._window import warn_once
+from nbtools.data._cache._file_cache import FileCache
+from nbtools.data._cache._gate import unwatch, watch
+from nbtools.data._cache._guard import Guard, drop, settled, to_pin
+from nbtools.data._cache._pins import Pin
+from nbtools.data._stream import _tags
+from nbtools.data._stream._freshness import Ahead, Item, SourceCheck
+from nbtools.data._stream._spec import warn_once
 
 __all__ = ["Guard", "Item", "SourceCheck", "serve"]
 

@@ -43,10 +43,15 @@ from typing import IO
 
 from nbtools._internal.fs import TMP_PREFIX
 from nbtools._internal.log import get_logger
-from nbtools.data._cachedir import ENV_DIR, ENV_MIN_FREE, ensure_private_dir, min_free_from_env
-from nbtools.data._gate import Gate, KnownFiles
-from nbtools.data._pins import Cancelled, Pin, pin_path
-from nbtools.data._sweep import cached_bytes, evict_one, scan, sweep_due, sweep_temporaries
+from nbtools.data._cache._gate import Gate, KnownFiles
+from nbtools.data._cache._location import (
+    ENV_DIR,
+    ENV_MIN_FREE,
+    ensure_private_dir,
+    min_free_from_env,
+)
+from nbtools.data._cache._pins import Cancelled, Pin, pin_path
+from nbtools.data._cache._sweep import cached_bytes, evict_one, scan, sweep_due, sweep_temporaries
 from nbtools.errors import CacheError, DataError
 
 __all__ = ["FileCache", "SourceChanged", "TMP_PREFIX"]
@@ -197,7 +202,7 @@ class FileCache:
     def cached(self, key: str, size: int, mtime_ns: int) -> str | None:
         """The path of the complete, up-to-date copy of ``key``, or None; no pin.
 
-        Only for a caller that holds the gate (:mod:`nbtools.data._gate`). A file
+        Only for a caller that holds the gate (:mod:`nbtools.data._cache._gate`). A file
         this process saw complete since the last eviction is not looked at again.
         """
         path = self.path_for(key)

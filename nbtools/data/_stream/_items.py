@@ -6,10 +6,10 @@ from collections.abc import Iterator
 from functools import partial
 from itertools import islice
 
-from nbtools.data._ahead import Item
-from nbtools.data._catalog import namespace
-from nbtools.data._index import Index
+from nbtools.data._listing._catalog import namespace
+from nbtools.data._listing._index import Index
 from nbtools.data._positions import Consumed, Order, slot_chunks
+from nbtools.data._stream._freshness import Item
 
 __all__ = ["check_mode", "slot_items"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from nbtools import events
 from nbtools._internal.log import get_logger
-from nbtools.data._cache import FileCache
+from nbtools.data._cache._file_cache import FileCache
 
 __all__ = ["check_window", "warn_once"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from nbtools.data._cache import FileCache
+    from nbtools.data._cache._file_cache import FileCache
     from nbtools.data._plan import Plan
     from nbtools.data.dataset import VolumeDataset
 
