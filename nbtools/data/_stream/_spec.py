@@ -1,4 +1,4 @@
-"""The copy-ahead window of a stream, and what is said when the cache is too small for it.
+"""What a stream is asked to do (:class:`StreamSpec`), and its copy-ahead window.
 
 Each stream may protect its share of the cache (see ``VolumeDataset``); when
 that share holds fewer files than ``prefetch`` asks for, the stream copies
@@ -8,13 +8,56 @@ the log and on the run's timeline (a ``cache_full`` event).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING
+
 from nbtools import events
 from nbtools._internal.log import get_logger
 from nbtools.data._cache._file_cache import FileCache
 
-__all__ = ["check_window", "warn_once"]
+if TYPE_CHECKING:
+    from nbtools.data._stream._freshness import SourceCheck
+    from nbtools.data._stream._tags import Count
+
+__all__ = ["StreamSpec", "check_window", "warn_once"]
 
 _log = get_logger("data.stream")
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """How one stream serves its items (see :func:`~nbtools.data._stream._stream.serve`).
+
+    Attributes:
+        cache: The cache to serve from.
+        open_source: Opens the source of the file with an item's ``index``, to copy it.
+        prefetch: Most files copied ahead of the consumer.
+        count: Counts the paths handed out (``count.n``), before each is.
+        on_yield: Called just before each path is handed out, after ``count``.
+        budget: Most bytes the stream protects at once (one file in flight is
+            always allowed); None for no limit.
+        hold: Inside a loader whose batches carry paths, how many batches
+            before the one being filled the loader may still hold; None outside
+            a loader.
+        stat_source: ``(size, mtime_ns)`` of the source with an item's index
+            now, or None when it cannot be looked at; a copy of a source that
+            changed while copied is made again with these (see ``FileCache``).
+        check: Gives items their source's size and mtime now, run on a thread
+            ahead of the consumer (see ``_freshness``); None trusts the items.
+    """
+
+    cache: FileCache
+    open_source: Callable[[int], IO[bytes]]
+    prefetch: int
+    count: Count
+    on_yield: Callable[[], None] | None = None
+    budget: int | None = None
+    hold: int | None = None
+    stat_source: Callable[[int], tuple[int, int] | None] | None = None
+    check: SourceCheck | None = None
+
+
 #: Cache directories whose too-small window this process already reported.
 _WARNED: set[str] = set()
 
