@@ -330,7 +330,7 @@ class VolumeDataset(IterableDataset):
         """Decide what the next iteration serves; a collective on every rank.
 
         ``hold``: batches a loader may still hold besides the one being filled
-        (see ``_stream``). Returns ``reuse`` itself when it would serve exactly
+        (see ``_stream._stream``). Returns ``reuse`` itself when it would serve exactly
         the same work.
         """
         files = self._listing()

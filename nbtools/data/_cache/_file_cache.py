@@ -5,7 +5,7 @@ Layout: ``<cache_dir>/<namespace>/<relative path>`` holds complete copies;
 (standard library, local filesystems), never ``/dev/shm``, so an interrupted
 or killed process leaves nothing that needs cleaning besides a temporary file,
 which the next process to open the cache removes. The cache directory is
-private to its user (see ``_cachedir``).
+private to its user (see ``_location``).
 
 Invariants:
 
@@ -59,7 +59,7 @@ __all__ = ["FileCache", "SourceChanged", "TMP_PREFIX"]
 _log = get_logger("data.cache")
 
 _LOCKS = ".locks"
-_SKIP = (_LOCKS, ".index")  # lock files and dataset indexes (see ``_catalog``): never evicted
+_SKIP = (_LOCKS, ".index")  # lock files and dataset indexes (see ``_listing._catalog``): never evicted
 _LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
 _CHUNK = 1 << 20
 _SPACE_WAIT_S = 120.0
@@ -224,6 +224,7 @@ class FileCache:
         mtime_ns: int,
         opener: Callable[[], IO[bytes]],
         cancel: threading.Event,
+        *,
         wait_for_space: bool = True,
         on_wait: Callable[[], None] | None = None,
     ) -> Pin | None:
@@ -270,6 +271,7 @@ class FileCache:
         mtime_ns: int,
         opener: Callable[[], IO[bytes]],
         cancel: threading.Event,
+        *,
         wait_for_space: bool = True,
         on_wait: Callable[[], None] | None = None,
         restat: Callable[[], tuple[int, int] | None] | None = None,
@@ -285,7 +287,10 @@ class FileCache:
         """
         for attempt in range(1, _COPY_TRIES + 1):
             try:
-                return self.fetch(key, size, mtime_ns, opener, cancel, wait_for_space, on_wait)
+                return self.fetch(
+                    key, size, mtime_ns, opener, cancel,
+                    wait_for_space=wait_for_space, on_wait=on_wait,
+                )
             except SourceChanged as exc:
                 now = restat() if restat is not None else None
                 if attempt == _COPY_TRIES or now is None:

@@ -149,7 +149,7 @@ class KnownFiles:
 
 
 class GateHolder(Protocol):
-    """What holds a gate and is watched: a stream of ``_stream``."""
+    """What holds a gate and is watched: a stream of ``_stream._stream``."""
 
     def leave_gate(self) -> None:
         """Pin every file the gate protects for this holder, then let the gate go."""

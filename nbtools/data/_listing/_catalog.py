@@ -30,10 +30,10 @@ reused (see :func:`_fresh`). An fsspec URL has no directory times: it is listed 
 ``refresh=True`` lists again once per job (the index records which job built it).
 
 With ``index_in_root=True`` the index is also kept in the dataset root, where
-other nodes and later jobs find it (see ``_rootindex``): a node without a fresh
+other nodes and later jobs find it (see ``_shared_index``): a node without a fresh
 private index copies that one in, checks it, and lists the root only when it
 is missing, refused or stale, and only while it holds the listing lease (see
-``_rootlease``): nodes that start at the same moment wait for the one that
+``_lease``): nodes that start at the same moment wait for the one that
 lists. An index written by a node of the same job is used without the
 freshness check, as one of this node's own would be.
 """
@@ -338,7 +338,7 @@ def load_index(
     """The checked, fresh index of ``root`` and ``pattern``, listing the root only if needed.
 
     ``in_root``: also look for the index in the root, and write it there after
-    a listing (see ``_rootindex``).
+    a listing (see ``_shared_index``).
 
     Raises:
         FileNotFoundError: the root does not exist, or no file matches.

@@ -11,7 +11,7 @@ What a stream protects from eviction, and for how long:
   (the loader starts one per epoch) or the process ends.
 
 Protection is a per-file pin, or the cache's gate while no eviction is wanted
-(see ``_gate``): a watcher thread converts a gated stream to pins as soon as
+(see ``_cache._gate``): a watcher thread converts a gated stream to pins as soon as
 another process asks to evict, also while the stream is idle.
 
 The copy-ahead window holds at most ``prefetch`` files and, counting the files
@@ -216,9 +216,8 @@ class _Stream:
                 item.mtime_ns,
                 partial(self.open_source, item.index),
                 self.cancel,
-                False,
-                None,
-                self._restat(item),
+                wait_for_space=False,
+                restat=self._restat(item),
             )
             self.pending.append([item, future])
             self.pending_bytes += item.size
@@ -386,9 +385,8 @@ class _Stream:
                             item.mtime_ns,
                             partial(self.open_source, item.index),
                             self.cancel,
-                            True,
-                            self.shed,
-                            self._restat(item),
+                            on_wait=self.shed,
+                            restat=self._restat(item),
                         )
                     with lock:
                         path = self._hand_out(item, Guard.pinned(pin))
@@ -449,7 +447,7 @@ _STREAMS: weakref.WeakSet[_Stream] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
-    # The gate's watcher forgets its streams in its own handler (see ``_gate``).
+    # The gate's watcher forgets its streams in its own handler (see ``_cache._gate``).
     for stream in list(_STREAMS):
         stream.forget_in_child()
     for pin in _DEFERRED:
