@@ -212,3 +212,52 @@ def test_the_pool_sits_above_the_backend_seam():
         if other.startswith("nbtools.launch.pool")
     ]
     assert not found, found
+
+
+#: The units of ``nbtools.data``, lowest first: each imports only units before it.
+#: The three rooms are where copies live (``_cache``), where the list of files comes
+#: from (``_listing``) and how a stream serves them (``_stream``); the rest sit around them.
+_DATA_UNITS = (
+    "_positions",
+    "_stalls",
+    "_cache",
+    "_listing",
+    "_stream",
+    "_plan",
+    "dataset",
+    "_dataset_link",
+    "loader",
+)
+
+
+def _data_unit(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["nbtools", "data"] or len(parts) == 2:
+        return None  # the package's front door imports what it exports
+    return parts[2]
+
+
+def test_data_rooms_import_downward_only():
+    edges = _nbtools_imports()
+    units = {_data_unit(m) for m in edges} - {None}
+    assert units == set(_DATA_UNITS), "a unit of nbtools.data missing from the order above"
+    rank = {unit: i for i, unit in enumerate(_DATA_UNITS)}
+    found = [
+        f"{module} imports {other}"
+        for module, others in edges.items()
+        if _data_unit(module) is not None
+        for other in others
+        if _data_unit(other) is not None
+        and _data_unit(other) != _data_unit(module)
+        and rank[_data_unit(other)] > rank[_data_unit(module)]
+    ]
+    assert not found, found
+
+
+def test_data_keeps_at_most_twelve_units_and_no_module_over_500_lines():
+    root = Path(nbtools.__file__).parent / "data"
+    direct = [p.name for p in root.iterdir() if p.name != "__pycache__" and p.name != "__init__.py"]
+    assert len(direct) <= 12, sorted(direct)
+    long = {str(p.relative_to(root)): n for p in root.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long

@@ -75,6 +75,17 @@ Loader workers are started by PyTorch's default method (``fork`` on Linux),
 which lets classes defined in notebook cells run in them. Forking after CUDA is
 initialised in the kernel is safe as long as the workers do not use CUDA; keep
 GPU work in the training loop.
+
+Layout, for readers of the code: three rooms named after their mechanism,
+``_listing`` (where the list of files comes from: listing, mapped index, the
+index kept in the root and its lease), ``_cache`` (where copies live: the
+node's file cache, eviction gate, pins, guard, sweep, cache location) and
+``_stream`` (how a stream serves them: stream, spec, freshness check, items,
+tags), each importing only the ones before it. Around them sit
+``dataset.py`` and ``loader.py``, the positions of an epoch (``_positions``),
+the plan of one iteration (``_plan``), input stalls (``_stalls``) and the
+loader's declared link to a dataset (``_dataset_link``). Start reading at
+``VolumeDataset.__iter__`` in ``dataset.py``.
 """
 
 from __future__ import annotations

@@ -4,18 +4,49 @@ from __future__ import annotations
 
 import secrets
 import sys
+import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nbtools.data._group import data_group
 from nbtools.data._positions import Consumed
 from nbtools.errors import DataError
 
-__all__ = ["Plan", "dist_info", "gather", "check_same_workers"]
+__all__ = ["IterationPlan", "check_same_workers", "data_group", "dist_info", "gather"]
+
+
+_GROUP_LOCK = threading.Lock()
+_groups: tuple[Any, Any] | None = None  # (the default group it belongs to, the data group)
+
+
+def data_group(dist: Any) -> Any:
+    """The data layer's own gloo group over every rank of the (initialised) default group.
+
+    Planning an iteration (``iter(loader)``) and ``state_dict()`` agree across
+    ranks with object collectives. On the default group they would interleave
+    with collectives other threads issue on that group at the same moment,
+    above all ``dcp.async_save``, whose whole save (plan, write, metadata) runs
+    in a background thread on the default group. Gloo matches collectives by
+    their order on a group, so a rank whose main thread gathered the data plan
+    while its save thread broadcast the save plan, and a rank that did both in
+    the other order, would wait for each other forever.
+
+    So one gloo group is created over all ranks, once per default group
+    (``dist.new_group`` synchronizes through the store, not through a
+    collective, so creating it while a save is in flight is safe). Every rank
+    reaches its first data collective at the same point of its program, so
+    every rank creates the group in the same order. ``dist.destroy_process_group()``
+    destroys it with the default group; a later ``init_process_group`` gets a new one.
+    """
+    global _groups
+    default = dist.group.WORLD
+    with _GROUP_LOCK:
+        if _groups is None or _groups[0] is not default:
+            _groups = (default, dist.new_group(backend="gloo"))
+        return _groups[1]
 
 
 @dataclass(frozen=True)
-class Plan:
+class IterationPlan:
     """What one iteration of a dataset serves.
 
     Rank ``rank`` owns slots ``rank * num_workers + worker_id`` of a global
@@ -59,7 +90,7 @@ class Plan:
         """
         return self.rank * self.num_workers + (worker_id + self.rotation) % self.num_workers
 
-    def advanced(self) -> Plan:
+    def advanced(self) -> IterationPlan:
         """The plan a persistent worker assumes next: the following epoch, from its start.
 
         Its id derives from this one, so the training process can predict it.
@@ -79,7 +110,7 @@ class Plan:
         """Whether the epoch after this one, once this one is served whole, checks sources."""
         return self.recheck or (self.check and self.base.count() > 0)
 
-    def same_work(self, other: Plan | None) -> bool:
+    def same_work(self, other: IterationPlan | None) -> bool:
         """True when ``other`` serves exactly the same files in the same places."""
         return other is not None and replace(other, plan_id=self.plan_id) == self
 
@@ -110,7 +141,7 @@ def dist_info() -> tuple[int, int]:
 def gather(obj: Any) -> list[Any]:
     """``obj`` from every rank (a collective when a group of several ranks is up).
 
-    It runs on the data layer's own group (:mod:`nbtools.data._group`), so that
+    It runs on the data layer's own group (:func:`data_group`), so that
     a ``dcp.async_save`` in flight on the default group cannot cross it.
     """
     dist = _dist()

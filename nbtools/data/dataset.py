@@ -11,17 +11,18 @@ from torch.utils.data import IterableDataset, get_worker_info
 from nbtools import runtime
 from nbtools._internal.location import is_url
 from nbtools._internal.log import get_logger
-from nbtools.data import _tags
-from nbtools.data._cache import FileCache
-from nbtools.data._cachedir import default_cache_dir
-from nbtools.data._catalog import job_token, load_index, namespace
-from nbtools.data._index import Index, open_index
-from nbtools.data._items import check_mode, slot_items
-from nbtools.data._listing import Opener
-from nbtools.data._plan import Plan, check_same_workers, dist_info, gather
+from nbtools.data._cache._file_cache import FileCache
+from nbtools.data._cache._location import default_cache_dir
+from nbtools.data._listing._catalog import job_token, load_index, namespace
+from nbtools.data._listing._index import Index, open_index
+from nbtools.data._listing._volume import Opener
+from nbtools.data._plan import IterationPlan, check_same_workers, dist_info, gather
 from nbtools.data._positions import Consumed, Order, advance, slot_length
-from nbtools.data._stream import Item, SourceCheck, serve
-from nbtools.data._window import check_window
+from nbtools.data._stream import _tags
+from nbtools.data._stream._freshness import SourceCheck
+from nbtools.data._stream._items import Item, check_mode, slot_items
+from nbtools.data._stream._spec import StreamSpec, check_window
+from nbtools.data._stream._stream import serve
 from nbtools.errors import DataError
 
 __all__ = ["VolumeDataset"]
@@ -154,7 +155,7 @@ class VolumeDataset(IterableDataset):
         self.refresh = bool(refresh)
         self.check_sources = check_mode(check_sources)
         self.index_in_root = bool(index_in_root)
-        self._uid = Plan.new_id()
+        self._uid = IterationPlan.new_id()
         self._files: Index | None = None
         # Where a copy of this dataset in another process maps the same index.
         self._index_at: tuple[str, str, str, list[int]] | None = None
@@ -164,7 +165,7 @@ class VolumeDataset(IterableDataset):
         # what the consumer received under it (slot -> count).
         self._epoch = 0
         self._consumed = Consumed()
-        self._plan: Plan | None = None
+        self._plan: IterationPlan | None = None
         self._counts: dict[int, int] = {}
         self._batches = 0  # batches a loader received under the current plan
         # Layout of the run a position was saved from: rotations per rank, to
@@ -173,8 +174,8 @@ class VolumeDataset(IterableDataset):
         self._explicit_epoch: int | None = None
         # A plan handed to the next ``__iter__`` (possibly in a worker copy), and
         # the last plan a worker copy served.
-        self._pending: Plan | None = None
-        self._last_plan: Plan | None = None
+        self._pending: IterationPlan | None = None
+        self._last_plan: IterationPlan | None = None
         # Whether the next epoch looks at its sources (see ``check_sources``).
         self._checking = self.check_sources != "never"
 
@@ -323,13 +324,13 @@ class VolumeDataset(IterableDataset):
         self,
         num_workers: int,
         tracked: bool,
-        reuse: Plan | None = None,
+        reuse: IterationPlan | None = None,
         hold: int | None = None,
-    ) -> Plan:
+    ) -> IterationPlan:
         """Decide what the next iteration serves; a collective on every rank.
 
         ``hold``: batches a loader may still hold besides the one being filled
-        (see ``_stream``). Returns ``reuse`` itself when it would serve exactly
+        (see ``_stream._stream``). Returns ``reuse`` itself when it would serve exactly
         the same work.
         """
         files = self._listing()
@@ -351,8 +352,8 @@ class VolumeDataset(IterableDataset):
             and (layout["world_size"], layout["num_workers"]) == (world, num_workers)
         ):
             rotation = int(layout["rotation"][rank]) % num_workers
-        plan = Plan(
-            Plan.new_id(), epoch, consumed, rank, world, num_workers, tracked, rotation, hold,
+        plan = IterationPlan(
+            IterationPlan.new_id(), epoch, consumed, rank, world, num_workers, tracked, rotation, hold,
             check=self._checking, recheck=self.check_sources == "epoch",
         )
         if plan.same_work(reuse):
@@ -380,7 +381,7 @@ class VolumeDataset(IterableDataset):
 
     # --- serving (any process) ----------------------------------------------------------
 
-    def _worker_plan(self, num_workers: int) -> Plan:
+    def _worker_plan(self, num_workers: int) -> IterationPlan:
         """The plan of a loader worker's copy of this dataset."""
         plan, self._pending = self._pending, None
         if plan is None and self._last_plan is not None:
@@ -391,8 +392,8 @@ class VolumeDataset(IterableDataset):
             rank, world = runtime.get_rank(), runtime.get_world_size()
             epoch = self._explicit_epoch if self._explicit_epoch is not None else self._epoch
             base = self._consumed if epoch == self._epoch else Consumed()
-            plan = Plan(
-                Plan.new_id(), epoch, base, rank, world, num_workers, False,
+            plan = IterationPlan(
+                IterationPlan.new_id(), epoch, base, rank, world, num_workers, False,
                 check=self.check_sources != "never", recheck=self.check_sources == "epoch",
             )
         if plan.num_workers != num_workers:
@@ -403,13 +404,13 @@ class VolumeDataset(IterableDataset):
         self._last_plan = plan
         return plan
 
-    def _items(self, plan: Plan, slot: int) -> Iterator[list[Item]]:
+    def _items(self, plan: IterationPlan, slot: int) -> Iterator[list[Item]]:
         """The files of ``slot`` in serving order, in chunks (see ``_items.slot_items``)."""
         files = self._listing()
         order = Order(len(files), self.seed, plan.epoch, self.shuffle)
         return slot_items(files, order, plan.base, plan.stride, slot)
 
-    def _source_checker(self, plan: Plan) -> SourceCheck | None:
+    def _source_checker(self, plan: IterationPlan) -> SourceCheck | None:
         """What gives items their source's size and mtime now (None: trust the listing).
 
         The stream runs it on a thread of its own ahead of the consumer, so a
@@ -457,7 +458,7 @@ class VolumeDataset(IterableDataset):
         capacity = self._open_cache().capacity
         return (capacity - capacity // 20) // streams, largest
 
-    def _serve(self, plan: Plan, slot: int) -> Iterator[str]:
+    def _serve(self, plan: IterationPlan, slot: int) -> Iterator[str]:
         info = get_worker_info()
         budget, largest = self._stream_share(info.num_workers if info is not None else 1)
         check_window(self._open_cache(), budget, largest, self.prefetch)
@@ -467,11 +468,18 @@ class VolumeDataset(IterableDataset):
         def on_yield() -> None:
             self._record(plan.plan_id, slot, count.n)
 
-        return serve(
-            self._open_cache(), self._items(plan, slot), self._open_source, self.prefetch,
-            count, on_yield if self_counting else None, budget, plan.hold, self._stat_source,
-            self._source_checker(plan),
+        spec = StreamSpec(
+            cache=self._open_cache(),
+            open_source=self._open_source,
+            prefetch=self.prefetch,
+            count=count,
+            on_yield=on_yield if self_counting else None,
+            budget=budget,
+            hold=plan.hold,
+            stat_source=self._stat_source,
+            check=self._source_checker(plan),
         )
+        return serve(spec, self._items(plan, slot))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -12,10 +12,9 @@ from typing import Any
 import torch.utils.data
 
 from nbtools import _torch_compat, events, runtime
-from nbtools.data import _tags
-from nbtools.data._driven import Link
-from nbtools.data._find import find_volume_datasets
+from nbtools.data._dataset_link import DatasetLink, find_volume_datasets
 from nbtools.data._stalls import StallWatch
+from nbtools.data._stream import _tags
 from nbtools.data.dataset import VolumeDataset
 from nbtools.errors import CacheError, DataError
 
@@ -134,7 +133,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self.last_wait: float = 0.0
         self._stalls = StallWatch()  # emits input_stall events for unusually long waits
         self._volumes: list[VolumeDataset] = find_volume_datasets(dataset)
-        self._links = [Link(vd) for vd in self._volumes]  # all the loader drives them by
+        self._links = [DatasetLink(vd) for vd in self._volumes]  # all the loader drives them by
         self._workers_expect: list[Any] | None = None  # plans the live workers will serve next
 
     # --- iteration ------------------------------------------------------------------
@@ -189,7 +188,7 @@ class DataLoader(torch.utils.data.DataLoader):
         """
         if not isinstance(self.dataset, VolumeDataset) or not self.prefetch_factor:
             return
-        link = Link(self.dataset)
+        link = DatasetLink(self.dataset)
         share, largest = link.stream_share(self.num_workers)
         fits = share // max(1, largest)
         per_batch = self.batch_size or 1

@@ -12,7 +12,7 @@ import time
 import pytest
 from _data_helpers import content
 
-from nbtools.data._cache import TMP_PREFIX, FileCache
+from nbtools.data._cache._file_cache import TMP_PREFIX, FileCache
 from nbtools.errors import CacheError
 
 

@@ -95,6 +95,24 @@ def test_an_unreadable_file_is_an_error_naming_it(tree):
         list(files)
 
 
+@pytest.mark.timeout(60, method="thread")  # a blocking open would wait for a writer for good
+@pytest.mark.parametrize("when", ["after the listing", "before the listing"])
+def test_a_fifo_in_place_of_a_file_is_refused_naming_it_never_opened_blocking(tree, when):
+    src, cache = tree
+    target = src / "d1" / "f00004.bin"
+    files = VolumeDataset(src, cache_dir=cache)
+    if when == "after the listing":
+        len(files)
+    target.unlink()
+    os.mkfifo(target)  # no writer ever opens it
+    with pytest.raises(DataError, match=r"f00004\.bin.* a FIFO \(named pipe\), not a regular file"):
+        list(files)
+    # Once the file is back, the dataset serves it again.
+    target.unlink()
+    target.write_bytes(content(4, 64))
+    assert sorted(index_of(p) for p in VolumeDataset(src, cache_dir=cache)) == list(range(40))
+
+
 def test_shuffle_is_a_function_of_seed_and_epoch(tree):
     src, cache = tree
 

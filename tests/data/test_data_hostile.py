@@ -12,8 +12,8 @@ import pytest
 from _data_helpers import content, index_of, make_tree
 
 from nbtools.data import VolumeDataset
-from nbtools.data._cache import TMP_PREFIX, FileCache
-from nbtools.data._cachedir import default_cache_dir
+from nbtools.data._cache._file_cache import TMP_PREFIX, FileCache
+from nbtools.data._cache._location import default_cache_dir
 from nbtools.errors import CacheError
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
+import shutil
 import struct
 import time
 import zlib
@@ -12,9 +14,10 @@ import zlib
 import pytest
 from _data_helpers import content, index_of
 
-from nbtools.data import VolumeDataset, _catalog
-from nbtools.data._catalog import index_path, load_index
-from nbtools.data._index import IndexWriter, open_index
+from nbtools.data import VolumeDataset
+from nbtools.data._listing import _catalog
+from nbtools.data._listing._catalog import index_path, load_index
+from nbtools.data._listing._index import IndexWriter, open_index
 
 
 def _backdate(root) -> None:
@@ -204,7 +207,7 @@ def test_a_million_entry_index_maps_without_a_python_object_per_file(tmp_path):
 
 
 def _shared_index(src) -> str:
-    from nbtools.data._rootindex import shared_path
+    from nbtools.data._listing._shared_index import shared_path
 
     return shared_path(str(src), "**/*")
 
@@ -266,3 +269,114 @@ def test_an_index_kept_in_the_root_is_shared_by_other_nodes_and_checked(volume, 
         assert len(VolumeDataset(src, cache_dir=tmp_path / "cache-d", index_in_root=True)) == 40
     with pytest.raises(ValueError, match="index_in_root=True needs a local directory"):
         len(VolumeDataset("memory://nbtools-no-such-root", cache_dir=cache, index_in_root=True))
+
+
+@pytest.mark.root
+def test_an_index_that_does_not_fit_names_its_directory_and_leaves_nothing(tmp_path, mount_tmpfs):
+    from nbtools.errors import CacheError
+
+    src = tmp_path / "src"
+    for d in range(4):
+        (src / f"dir{d}").mkdir(parents=True)
+        for i in range(1000):
+            (src / f"dir{d}" / f"a-rather-long-file-name-{i:05d}.bin").write_bytes(b"")
+    fs = mount_tmpfs("50m")
+    cache = fs / "cache"
+    # Another program fills the filesystem but for 64 KB: the index needs about 200 KB.
+    filler = fs / "someone-elses-file"
+    with open(filler, "wb") as fh:
+        os.posix_fallocate(fh.fileno(), 0, shutil.disk_usage(fs).free - (64 << 10))
+    with pytest.raises(CacheError) as caught:
+        len(VolumeDataset(src, cache_dir=cache))
+    text = str(caught.value)
+    assert f"in {str(cache / '.index')!r}: no space left" in text, text
+    assert re.search(r"needs (about|more than) \d+ bytes while it is written and \d+ bytes are free", text)
+    assert "cache_dir=" in text and "NBTOOLS_CACHE_DIR" in text
+    assert os.listdir(cache / ".index") == [], "nothing half-written is left"
+    filler.unlink()  # the space is back: the same call works
+    assert len(VolumeDataset(src, cache_dir=cache)) == 4000
+
+
+def _make_racy(path, at_ns: int) -> None:
+    """Give the directory ``path`` the modification time ``at_ns``, as a write then would."""
+    os.utime(path, ns=(at_ns, at_ns))
+
+
+class _CountingScans:
+    """Counts the directories listed in this process (``os.scandir`` calls)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.paths: list[str] = []
+        real = os.scandir
+
+        def scandir(path="."):
+            self.paths.append(os.fspath(path))
+            return real(path)
+
+        monkeypatch.setattr(os, "scandir", scandir)
+
+
+def test_a_volume_written_just_before_its_listing_is_rechecked_only_where_recent(
+    volume, caplog, monkeypatch
+):
+    src, cache = volume
+    caplog.set_level("INFO", logger="nbtools")
+    now = time.time_ns()
+    _make_racy(src / "d1", now)  # written in the second before the first listing
+    assert len(VolumeDataset(src, cache_dir=cache)) == 40
+    built = os.stat(_index_file(src, cache)).st_ino
+    scans = _CountingScans(monkeypatch)
+    assert len(VolumeDataset(src, cache_dir=cache)) == 40  # a later launch
+    assert _listings(caplog) == 1, "the index is reused"
+    assert os.stat(_index_file(src, cache)).st_ino == built
+    assert scans.paths == [str(src / "d1")], "only the recent directory is listed again"
+    # A file added to it within the same clock tick (its time unchanged) is seen.
+    (src / "d1" / "f00040.bin").write_bytes(content(40, 64))
+    _make_racy(src / "d1", now)
+    assert _served(VolumeDataset(src, cache_dir=cache)) == {i: content(i, 64) for i in range(41)}
+    assert _listings(caplog) == 2
+    # So is a file rewritten in the same tick (another size, the same time), and a
+    # new subdirectory.
+    before = os.stat(src / "d1" / "f00040.bin").st_mtime_ns
+    (src / "d1" / "f00040.bin").write_bytes(content(40, 65))
+    os.utime(src / "d1" / "f00040.bin", ns=(before, before))
+    _make_racy(src / "d1", now)
+    assert len(VolumeDataset(src, cache_dir=cache)) == 41
+    assert _listings(caplog) == 3
+    (src / "d1" / "sub").mkdir()
+    (src / "d1" / "sub" / "f00041.bin").write_bytes(content(41, 64))
+    _make_racy(src / "d1", now)
+    assert len(VolumeDataset(src, cache_dir=cache)) == 42
+    assert _listings(caplog) == 4
+
+
+def _make_million(root, racy: int) -> list:
+    """1,000,000 empty files in 1,000 directories, written long ago but for the last ``racy``."""
+    past = time.time() - 3600
+    dirs = []
+    for d in range(1000):
+        path = root / f"d{d:04d}"
+        path.mkdir(parents=True)
+        for i in range(1000):
+            os.close(os.open(path / f"f{d * 1000 + i:07d}.bin", os.O_CREAT | os.O_WRONLY, 0o644))
+        dirs.append(path)
+    for path in dirs[:-racy]:
+        os.utime(path, (past, past))
+    return dirs[-racy:]
+
+
+@pytest.mark.slow
+def test_the_second_launch_of_a_million_files_written_just_before_the_first_is_warm(
+    tmp_path, caplog, monkeypatch
+):
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    racy = _make_million(src, racy=3)
+    now = time.time_ns()
+    for path in (*racy, src):
+        _make_racy(path, now)
+    caplog.set_level("INFO", logger="nbtools")
+    assert len(VolumeDataset(src, cache_dir=cache)) == 1_000_000
+    scans = _CountingScans(monkeypatch)
+    assert len(VolumeDataset(src, cache_dir=cache)) == 1_000_000  # the second launch
+    assert _listings(caplog) == 1
+    assert sorted(scans.paths) == sorted([str(src), *map(str, racy)])

@@ -1,11 +1,12 @@
-"""The loader drives a dataset only through the declared interface (``_driven.Link``)."""
+"""The loader drives a dataset only through the declared interface (``DatasetLink``)."""
 
 from __future__ import annotations
 
 import ast
 import inspect
 
-from nbtools.data import _driven, loader
+from nbtools.data import _dataset_link as _driven
+from nbtools.data import loader
 
 
 def _private_uses(module) -> set[str]:
@@ -29,7 +30,7 @@ def test_the_loader_uses_no_private_member_of_the_dataset():
 
 
 def test_the_declared_interface_is_small():
-    public = [n for n in vars(_driven.Link) if not n.startswith("_")]
+    public = [n for n in vars(_driven.DatasetLink) if not n.startswith("_")]
     assert sorted(public) == sorted(
         ["dataset", "stream_id", "plan", "give_workers", "received", "received_batch",
          "finished", "cache", "stream_share"]

@@ -14,7 +14,7 @@ from _data_helpers import content, index_of, make_tree
 from torch.utils.data import IterableDataset
 
 from nbtools.data import DataLoader, VolumeDataset
-from nbtools.data._cache import TMP_PREFIX
+from nbtools.data._cache._file_cache import TMP_PREFIX
 from nbtools.errors import DataError
 
 

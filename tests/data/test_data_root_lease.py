@@ -16,10 +16,10 @@ import time
 import pytest
 
 from nbtools._internal.fs import TMP_PREFIX
-from nbtools.data import _rootlease
-from nbtools.data._catalog import load_index
-from nbtools.data._rootindex import publish_shared, shared_path
-from nbtools.data._rootlease import ListingLease
+from nbtools.data._listing import _lease as _rootlease
+from nbtools.data._listing._catalog import load_index
+from nbtools.data._listing._lease import ListingLease
+from nbtools.data._listing._shared_index import publish_shared, shared_path
 
 _PATTERN = "**/*"
 

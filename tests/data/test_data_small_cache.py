@@ -15,7 +15,7 @@ import pytest
 from _data_helpers import content, index_of, make_tree
 
 from nbtools.data import DataLoader, VolumeDataset
-from nbtools.data._cache import FileCache
+from nbtools.data._cache._file_cache import FileCache
 
 MB = 1 << 20
 
@@ -167,3 +167,26 @@ def test_files_another_process_evicted_are_copied_again_not_trusted_from_memory(
             assert fh.read() == content(index_of(path), 4096)
         seen.append(index_of(path))
     assert sorted(seen) == list(range(9))
+
+
+@pytest.mark.root
+@pytest.mark.timeout(60, method="thread")  # a wait for space that cannot come would take minutes
+def test_a_cache_filesystem_filled_by_another_program_is_said_at_once(tmp_path, mount_tmpfs):
+    fs = mount_tmpfs("50m")
+    make_tree(tmp_path / "src", 5, size=2 * MB)
+    # Another program takes all but 2.5 MB: a 2 MB file and the 1 MB floor do not fit,
+    # even with every cached file evicted.
+    filler = fs / "someone-elses-file"
+    with open(filler, "wb") as fh:
+        os.posix_fallocate(fh.fileno(), 0, shutil.disk_usage(fs).free - 5 * MB // 2)
+    with pytest.raises(OSError) as caught:
+        list(VolumeDataset(tmp_path / "src", cache_dir=fs / "cache", min_free_bytes=MB))
+    text = str(caught.value)
+    assert f"in the cache at {str(fs / 'cache')!r}" in text, text
+    assert re.search(r"has \d+ bytes free and \d+ are needed", text), text
+    assert re.search(r"the cache's own files hold \d+ bytes there, other files \d+ bytes", text)
+    assert "NBTOOLS_CACHE_MIN_FREE_BYTES" in text and "NBTOOLS_CACHE_DIR" in text
+    assert "every cached file is in use" not in text
+    filler.unlink()  # the space is back: the same call serves every file
+    files = VolumeDataset(tmp_path / "src", cache_dir=fs / "cache", min_free_bytes=MB)
+    assert sorted(index_of(p) for p in files) == list(range(5))

@@ -8,9 +8,9 @@ import os
 import time
 
 from nbtools._internal.fs import TMP_PREFIX, pid_alive
-from nbtools.data._pins import still_linked
+from nbtools.data._cache._pins import still_linked
 
-__all__ = ["evict_one", "scan", "sweep_due", "sweep_temporaries"]
+__all__ = ["cached_bytes", "evict_one", "scan", "sweep_due", "sweep_temporaries"]
 
 
 def _remove_stale_tmp(path: str, name: str) -> bool:
@@ -80,6 +80,15 @@ def scan(cache_dir: str, skip: str | tuple[str, ...]) -> list[tuple[int, str]]:
         with contextlib.suppress(FileNotFoundError):
             found.append((os.stat(path).st_ctime_ns, path))
     return found
+
+
+def cached_bytes(cache_dir: str, skip: str | tuple[str, ...]) -> int:
+    """Bytes the cached files and copies in progress take on disk (not under ``skip``)."""
+    total = 0
+    for dirpath, name in _walk(cache_dir, skip):
+        with contextlib.suppress(FileNotFoundError):
+            total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
 
 
 def evict_one(path: str) -> bool:

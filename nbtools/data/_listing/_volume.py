@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import time
 from collections.abc import Callable
 from functools import lru_cache
@@ -14,7 +15,7 @@ from nbtools._internal.location import local_path
 from nbtools._internal.log import get_logger
 from nbtools.errors import DataError
 
-__all__ = ["Opener", "Progress", "check_root", "walk_fsspec", "walk_local"]
+__all__ = ["Opener", "Progress", "check_root", "list_dir", "walk_fsspec", "walk_local"]
 
 _log = get_logger("data.listing")
 
@@ -96,6 +97,45 @@ def _matcher(pattern: str) -> Callable[[str], Any] | None:
     return None if pattern in ("**/*", "**") else _glob_regex(pattern).match
 
 
+def list_dir(
+    root: str, rel_dir: str, pattern: str
+) -> tuple[list[tuple[bytes, int, int]], list[str]]:
+    """One directory as :func:`walk_local` lists it: its files and the subdirectories it enters.
+
+    Returns ``(name, size, mtime_ns)`` of the files matching ``pattern``
+    directly in ``rel_dir`` (in listing order), and the relative paths of the
+    subdirectories a walk would enter from it (links into the root excluded).
+
+    Raises:
+        OSError: the directory cannot be read.
+    """
+    match = _matcher(pattern)
+    real_root = os.path.realpath(root)
+    prefix = f"{rel_dir}/" if rel_dir else ""
+    files: list[tuple[bytes, int, int]] = []
+    dirs: list[str] = []
+    for _, entry, is_dir in _scan_dir(f"{root}/{rel_dir}" if rel_dir else root):
+        rel = prefix + entry.name
+        try:
+            st = entry.stat()
+        except OSError:
+            continue
+        if not is_dir:
+            if match is None or match(rel):
+                files.append((entry.name.encode("utf-8", "surrogateescape"), st.st_size, st.st_mtime_ns))
+        elif entry.is_symlink() and _inside(entry.path, real_root):
+            continue
+        else:
+            dirs.append(rel)
+    return files, dirs
+
+
+def _inside(link: str, real_root: str) -> bool:
+    """True for a link to a directory inside the root (listed under its real name)."""
+    inside = os.path.relpath(os.path.realpath(link), real_root)
+    return inside == "." or (not inside.startswith("..") and not _hidden(inside))
+
+
 def walk_local(root: str, pattern: str, writer: Any, progress: Progress | None = None) -> int:
     """List ``root`` into ``writer`` (``add_files``/``add_dir``), depth first, paths sorted.
 
@@ -131,10 +171,8 @@ def walk_local(root: str, pattern: str, writer: Any, progress: Progress | None =
                     sizes.append(st.st_size)
                     mtimes.append(st.st_mtime_ns)
                 continue
-            if entry.is_symlink():
-                inside = os.path.relpath(os.path.realpath(entry.path), real_root)
-                if inside == "." or (not inside.startswith("..") and not _hidden(inside)):
-                    continue  # listed under its real name
+            if entry.is_symlink() and _inside(entry.path, real_root):
+                continue  # listed under its real name
             if (st.st_dev, st.st_ino) in seen:
                 continue
             seen.add((st.st_dev, st.st_ino))
@@ -214,14 +252,46 @@ def check_root(root: str) -> str:
 
 
 def _open_local(path: str) -> IO[bytes]:
+    """``path`` opened for reading, if it is a regular file.
+
+    Opened with ``O_NONBLOCK`` and checked with ``fstat`` before any read: a
+    FIFO, socket or device put on the shared volume in place of a file is
+    refused at once instead of blocking the copy for good.
+    """
     try:
-        return open(path, "rb")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise type(exc)(
             exc.errno,
             f"cannot read {path!r} from the dataset volume ({exc.strerror}); "
             "check that it exists and is readable",
         ) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DataError(
+                f"cannot read {path!r} from the dataset volume: it is {_kind(st.st_mode)}, "
+                "not a regular file; remove it from the dataset root or narrow the pattern"
+            )
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _kind(mode: int) -> str:
+    """What a file that is not a regular one is, for messages."""
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return f"a special file (mode {mode:o})"
 
 
 class Opener:

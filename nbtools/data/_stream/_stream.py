@@ -11,7 +11,7 @@ What a stream protects from eviction, and for how long:
   (the loader starts one per epoch) or the process ends.
 
 Protection is a per-file pin, or the cache's gate while no eviction is wanted
-(see ``_gate``): a watcher thread converts a gated stream to pins as soon as
+(see ``_cache._gate``): a watcher thread converts a gated stream to pins as soon as
 another process asks to evict, also while the stream is idle.
 
 The copy-ahead window holds at most ``prefetch`` files and, counting the files
@@ -29,18 +29,17 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import IO
 
 from nbtools._internal.log import get_logger
-from nbtools.data import _tags
-from nbtools.data._ahead import Ahead, Item, SourceCheck
-from nbtools.data._cache import FileCache
-from nbtools.data._gate import unwatch, watch
-from nbtools.data._guard import Guard, drop, settled, to_pin
-from nbtools.data._pins import Pin
-from nbtools.data._window import warn_once
+from nbtools.data._cache._gate import unwatch, watch
+from nbtools.data._cache._guard import Guard, drop, settled, to_pin
+from nbtools.data._cache._pins import Pin
+from nbtools.data._stream import _tags
+from nbtools.data._stream._freshness import Ahead
+from nbtools.data._stream._items import Item
+from nbtools.data._stream._spec import StreamSpec, warn_once
 
-__all__ = ["Guard", "Item", "SourceCheck", "serve"]
+__all__ = ["serve"]
 
 _log = get_logger("data.stream")
 #: Files handed out under the gate between two looks for ones to let go.
@@ -50,24 +49,13 @@ _RUN_MOST = 4096
 
 
 class _Stream:
-    def __init__(
-        self,
-        cache: FileCache,
-        chunks: Iterable[list[Item]],
-        prefetch: int,
-        budget: int,
-        hold: int | None,
-        open_source: Callable[[int], IO[bytes]],
-        count: _tags.Count,
-        on_yield: Callable[[], None] | None = None,
-        stat_source: Callable[[int], tuple[int, int] | None] | None = None,
-        check: SourceCheck | None = None,
-    ) -> None:
+    def __init__(self, spec: StreamSpec, chunks: Iterable[list[Item]]) -> None:
+        cache, check = spec.cache, spec.check
         self.cache = cache
-        self.open_source = open_source
-        self.stat_source = stat_source
-        self.count = count
-        self.on_yield = on_yield
+        self.open_source = spec.open_source
+        self.stat_source = spec.stat_source
+        self.count = spec.count
+        self.on_yield = spec.on_yield
         self.ahead = None if check is None else Ahead(chunks, check)
         self.chunks: Iterator[list[Item]] = (
             self.ahead.chunks() if self.ahead is not None else iter(chunks)
@@ -77,9 +65,9 @@ class _Stream:
         self.pos = 0
         #: An item taken from ``buf`` (always ``buf[pos - 1]``) that waits for room.
         self.lookahead: Item | None = None
-        self.window = max(1, prefetch)
-        self.budget = budget
-        self.hold = hold
+        self.window = max(1, spec.prefetch)
+        self.budget = spec.budget if spec.budget is not None else 1 << 62
+        self.hold = spec.hold
         self.lock = threading.Lock()
         self.cancel = threading.Event()
         #: [item, state] of files ahead of the consumer, in order.
@@ -228,9 +216,8 @@ class _Stream:
                 item.mtime_ns,
                 partial(self.open_source, item.index),
                 self.cancel,
-                False,
-                None,
-                self._restat(item),
+                wait_for_space=False,
+                restat=self._restat(item),
             )
             self.pending.append([item, future])
             self.pending_bytes += item.size
@@ -398,9 +385,8 @@ class _Stream:
                             item.mtime_ns,
                             partial(self.open_source, item.index),
                             self.cancel,
-                            True,
-                            self.shed,
-                            self._restat(item),
+                            on_wait=self.shed,
+                            restat=self._restat(item),
                         )
                     with lock:
                         path = self._hand_out(item, Guard.pinned(pin))
@@ -461,7 +447,7 @@ _STREAMS: weakref.WeakSet[_Stream] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
-    # The gate's watcher forgets its streams in its own handler (see ``_gate``).
+    # The gate's watcher forgets its streams in its own handler (see ``_cache._gate``).
     for stream in list(_STREAMS):
         stream.forget_in_child()
     for pin in _DEFERRED:
@@ -478,58 +464,19 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def serve(
-    cache: FileCache,
-    chunks: Iterable[list[Item]],
-    open_source: Callable[[int], IO[bytes]],
-    prefetch: int,
-    count: _tags.Count,
-    on_yield: Callable[[], None] | None = None,
-    budget: int | None = None,
-    hold: int | None = None,
-    stat_source: Callable[[int], tuple[int, int] | None] | None = None,
-    check: SourceCheck | None = None,
-) -> Iterator[str]:
-    """Yield the cached path of each item, in order, copying up to ``prefetch`` items ahead.
+def serve(spec: StreamSpec, chunks: Iterable[list[Item]]) -> Iterator[str]:
+    """Yield the cached path of each item, in order, copying up to ``spec.prefetch`` ahead.
 
-    Args:
-        cache: The cache to serve from.
-        chunks: The files, in the order to serve them, a list at a time.
-        open_source: Opens the source of the file with an item's ``index``, to copy it.
-        prefetch: Most files copied ahead of the consumer.
-        count: Counts the paths handed out (``count.n``), before each is.
-        on_yield: Called just before each path is handed out, after ``count``.
-        budget: Most bytes the stream protects at once (one file in flight is
-            always allowed); None for no limit.
-        hold: Inside a loader whose batches carry paths, how many batches
-            before the one being filled the loader may still hold; None outside
-            a loader.
-        stat_source: ``(size, mtime_ns)`` of the source with an item's index
-            now, or None when it cannot be looked at; a copy of a source that
-            changed while copied is made again with these (see ``FileCache``).
-        check: Gives items their source's size and mtime now, run on a thread
-            ahead of the consumer (see ``_ahead``); None trusts the items.
-
+    ``chunks``: the files, in the order to serve them, a list at a time.
     Closing the generator (or an exception, or Ctrl+C) cancels the copies in
     flight, waits for the copy and check threads, and removes their temporary files.
     """
     # A generator: nothing is locked or started before the first path is asked for.
     while _DEFERRED:
         _DEFERRED.pop().release()
-    _tags.watch_prefix(cache.dir + os.sep)
-    stream = _Stream(
-        cache,
-        chunks,
-        prefetch,
-        budget if budget is not None else 1 << 62,
-        hold,
-        open_source,
-        count,
-        on_yield,
-        stat_source,
-        check,
-    )
+    _tags.watch_prefix(spec.cache.dir + os.sep)
+    stream = _Stream(spec, chunks)
     _STREAMS.add(stream)
     if stream.gate_fd >= 0:
-        watch(stream, cache.gate)
+        watch(stream, spec.cache.gate)
     yield from stream.run()

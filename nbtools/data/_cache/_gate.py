@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Protocol
 
-__all__ = ["Gate", "Holder", "KnownFiles", "watch", "unwatch"]
+__all__ = ["Gate", "GateHolder", "KnownFiles", "watch", "unwatch"]
 
 _FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
 _POLL_S = 0.01
@@ -148,15 +148,15 @@ class KnownFiles:
 # --- the watcher --------------------------------------------------------------------------
 
 
-class Holder(Protocol):
-    """What holds a gate and is watched: a stream of ``_stream``."""
+class GateHolder(Protocol):
+    """What holds a gate and is watched: a stream of ``_stream._stream``."""
 
     def leave_gate(self) -> None:
         """Pin every file the gate protects for this holder, then let the gate go."""
 
 
 #: The holders being watched, each with the gate it holds.
-_WATCHED: dict[Holder, Gate] = {}
+_WATCHED: dict[GateHolder, Gate] = {}
 _WATCH_LOCK = threading.Lock()
 _WATCHER: list[threading.Thread] = []
 
@@ -174,7 +174,7 @@ def _watch_loop() -> None:
         time.sleep(_POLL_S)
 
 
-def watch(holder: Holder, gate: Gate) -> None:
+def watch(holder: GateHolder, gate: Gate) -> None:
     """Call ``holder.leave_gate()`` as soon as an eviction of ``gate`` is wanted, until unwatched."""
     with _WATCH_LOCK:
         _WATCHED[holder] = gate
@@ -184,7 +184,7 @@ def watch(holder: Holder, gate: Gate) -> None:
             thread.start()
 
 
-def unwatch(holder: Holder) -> None:
+def unwatch(holder: GateHolder) -> None:
     """Stop watching ``holder`` (idempotent); the watcher ends when none is left."""
     with _WATCH_LOCK:
         _WATCHED.pop(holder, None)

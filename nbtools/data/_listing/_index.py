@@ -31,6 +31,7 @@ modified, a file has another identity and is read in full again.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import json
@@ -65,6 +66,14 @@ class IndexRefused(Exception):
 
 def _pad(n: int) -> int:
     return -n % 8
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 class _Spill:
@@ -110,12 +119,16 @@ class IndexWriter:
         self._end = 0
         self.count = 0
         self.largest = 0
+        self._utf8 = True
 
     def add_files(self, rels: list[bytes], sizes: list[int], mtimes: list[int]) -> None:
         """Files in path order, ``rels`` their file-system encoded paths relative to the root."""
         if not rels:
             return
-        self._blob += b"".join(rels)
+        joined = b"".join(rels)
+        if self._utf8 and not joined.isascii():
+            self._utf8 = _is_utf8(joined)
+        self._blob += joined
         self._hash.update(b"\0".join(rels) + b"\0")
         offsets = list(accumulate(map(len, rels), initial=self._end))
         self._end = offsets[-1]
@@ -134,6 +147,14 @@ class IndexWriter:
     def add_dir(self, rel: bytes, mtime_ns: int) -> None:
         """One directory the listing entered (``b""`` for the root) and its mtime then."""
         self._dirs.append((rel, mtime_ns))
+
+    @property
+    def nbytes(self) -> int:
+        """About how many bytes the index holds so far (spilled, buffered and its directories)."""
+        spilled = sum(spill.length for spill in self._spills.values())
+        buffered = sum(len(values) * 8 for values in self._buffers.values()) + len(self._blob)
+        dirs = sum(len(rel) + 16 for rel, _ in self._dirs)
+        return spilled + buffered + dirs + 4096  # and a header
 
     @property
     def fingerprint(self) -> str:
@@ -164,6 +185,7 @@ class IndexWriter:
             dirs=len(self._dirs),
             largest=self.largest,
             fingerprint=self.fingerprint,
+            utf8=self._utf8,
         )
         # Place the sections after a header whose own length depends on them.
         for _ in range(3):
@@ -258,11 +280,54 @@ class Index:
         """The path or URL of file ``i`` on the volume."""
         return f"{self.root}/{self.relpath(i)}"
 
+    def _path_bytes(self, i: int) -> bytes:
+        base = self.paths_start
+        return self.map[base + self.offsets[i] : base + self.offsets[i + 1]]
+
+    def files_in(self, rel: str) -> list[tuple[bytes, int, int]] | None:
+        """``(name, size, mtime_ns)`` of the files listed directly in directory ``rel``.
+
+        A binary search over the sorted paths, skipping each subdirectory's
+        files with another: the cost grows with the directory, not the tree.
+        None for an index whose paths are not all UTF-8 (their byte order may
+        then differ from the listing's order, so no search is trusted).
+        """
+        if not self.header.get("utf8"):
+            return None
+        paths = _Paths(self)
+        prefix = os.fsencode(rel) + b"/" if rel else b""
+        i, n, out = bisect.bisect_left(paths, prefix), len(self), []
+        while i < n:
+            path = paths[i]
+            if not path.startswith(prefix):
+                break
+            rest = path[len(prefix) :]
+            slash = rest.find(b"/")
+            if slash < 0:
+                out.append((rest, self.sizes[i], self.mtimes[i]))
+                i += 1
+            else:  # "0" follows "/": the first path after this subdirectory's
+                i = bisect.bisect_left(paths, prefix + rest[:slash] + b"0", i)
+        return out
+
     def directories(self):
         """``(relative path, mtime_ns when listed)`` of every directory entered."""
         offs, blob = self.dir_offsets, self.dir_paths
         for i in range(len(self.dir_mtimes)):
             yield os.fsdecode(bytes(blob[offs[i] : offs[i + 1]])), self.dir_mtimes[i]
+
+
+class _Paths:
+    """The paths of an index as a sequence of bytes, for :mod:`bisect`."""
+
+    def __init__(self, index: Index) -> None:
+        self._index = index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, i: int) -> bytes:
+        return self._index._path_bytes(i)
 
 
 def _section(

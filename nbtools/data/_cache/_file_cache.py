@@ -5,7 +5,7 @@ Layout: ``<cache_dir>/<namespace>/<relative path>`` holds complete copies;
 (standard library, local filesystems), never ``/dev/shm``, so an interrupted
 or killed process leaves nothing that needs cleaning besides a temporary file,
 which the next process to open the cache removes. The cache directory is
-private to its user (see ``_cachedir``).
+private to its user (see ``_location``).
 
 Invariants:
 
@@ -43,10 +43,15 @@ from typing import IO
 
 from nbtools._internal.fs import TMP_PREFIX
 from nbtools._internal.log import get_logger
-from nbtools.data._cachedir import ensure_private_dir, min_free_from_env
-from nbtools.data._gate import Gate, KnownFiles
-from nbtools.data._pins import Cancelled, Pin, pin_path
-from nbtools.data._sweep import evict_one, scan, sweep_due, sweep_temporaries
+from nbtools.data._cache._gate import Gate, KnownFiles
+from nbtools.data._cache._location import (
+    ENV_DIR,
+    ENV_MIN_FREE,
+    ensure_private_dir,
+    min_free_from_env,
+)
+from nbtools.data._cache._pins import Cancelled, Pin, pin_path
+from nbtools.data._cache._sweep import cached_bytes, evict_one, scan, sweep_due, sweep_temporaries
 from nbtools.errors import CacheError, DataError
 
 __all__ = ["FileCache", "SourceChanged", "TMP_PREFIX"]
@@ -54,7 +59,7 @@ __all__ = ["FileCache", "SourceChanged", "TMP_PREFIX"]
 _log = get_logger("data.cache")
 
 _LOCKS = ".locks"
-_SKIP = (_LOCKS, ".index")  # lock files and dataset indexes (see ``_catalog``): never evicted
+_SKIP = (_LOCKS, ".index")  # lock files and dataset indexes (see ``_listing._catalog``): never evicted
 _LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
 _CHUNK = 1 << 20
 _SPACE_WAIT_S = 120.0
@@ -197,7 +202,7 @@ class FileCache:
     def cached(self, key: str, size: int, mtime_ns: int) -> str | None:
         """The path of the complete, up-to-date copy of ``key``, or None; no pin.
 
-        Only for a caller that holds the gate (:mod:`nbtools.data._gate`). A file
+        Only for a caller that holds the gate (:mod:`nbtools.data._cache._gate`). A file
         this process saw complete since the last eviction is not looked at again.
         """
         path = self.path_for(key)
@@ -219,6 +224,7 @@ class FileCache:
         mtime_ns: int,
         opener: Callable[[], IO[bytes]],
         cancel: threading.Event,
+        *,
         wait_for_space: bool = True,
         on_wait: Callable[[], None] | None = None,
     ) -> Pin | None:
@@ -265,6 +271,7 @@ class FileCache:
         mtime_ns: int,
         opener: Callable[[], IO[bytes]],
         cancel: threading.Event,
+        *,
         wait_for_space: bool = True,
         on_wait: Callable[[], None] | None = None,
         restat: Callable[[], tuple[int, int] | None] | None = None,
@@ -280,7 +287,10 @@ class FileCache:
         """
         for attempt in range(1, _COPY_TRIES + 1):
             try:
-                return self.fetch(key, size, mtime_ns, opener, cancel, wait_for_space, on_wait)
+                return self.fetch(
+                    key, size, mtime_ns, opener, cancel,
+                    wait_for_space=wait_for_space, on_wait=on_wait,
+                )
             except SourceChanged as exc:
                 now = restat() if restat is not None else None
                 if attempt == _COPY_TRIES or now is None:
@@ -357,6 +367,7 @@ class FileCache:
             )
         deadline = time.monotonic() + _SPACE_WAIT_S
         delay = 0.01
+        looked = False
         while True:
             room = self._reserve(key, size)
             if room is not None:
@@ -370,6 +381,11 @@ class FileCache:
                 return None
             if cancel.is_set():
                 raise Cancelled(key)
+            if not looked:
+                # Waiting helps only when the cache's own files, once released and
+                # evicted, would make room; space that other files hold is said at once.
+                looked = True
+                self._check_foreign(key, size)
             if time.monotonic() > deadline:
                 raise _no_room(
                     f"no room for {key} in the cache at {self.dir!r}: every cached file is in "
@@ -379,6 +395,27 @@ class FileCache:
                 on_wait()
             time.sleep(delay)  # files in use by other streams are released as they advance
             delay = min(delay * 2, 0.5)
+
+    def _check_foreign(self, key: str, size: int) -> None:
+        """Raise when the copy of ``key`` cannot fit even with every cached file evicted.
+
+        The space then belongs to files that are not the cache's (another
+        program's, on the same filesystem), which no wait and no eviction frees.
+        """
+        usage = shutil.disk_usage(self.dir)
+        held = cached_bytes(self.dir, _SKIP)
+        needed = size + self.min_free + _RESERVED.get(self.dir, 0)
+        if usage.free + held >= needed:
+            return
+        foreign = max(0, usage.used - held)
+        raise _no_room(
+            f"no room for {key} ({size} bytes) in the cache at {self.dir!r}: its filesystem has "
+            f"{usage.free} bytes free and {needed} are needed (the file, and min_free_bytes="
+            f"{self.min_free} kept free); the cache's own files hold {held} bytes there, other "
+            f"files {foreign} bytes. Free space on that filesystem, lower the floor "
+            f"(min_free_bytes= or ${ENV_MIN_FREE[0]}), or move the cache to a larger "
+            f"filesystem (cache_dir= or ${ENV_DIR})"
+        )
 
     def _reserve(self, key: str, size: int) -> _Room | None:
         """Claim ``size`` bytes for a copy of ``key``, or None when that would cut into

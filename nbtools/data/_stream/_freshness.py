@@ -14,7 +14,7 @@ the thread keeps ahead; the thread waits in the kernel with the GIL released.
 
 What is checked ahead is at most ``depth`` chunks old when served; a copy made
 later still compares the source before and after it reads it (see
-``_cache``), so a source that changes after its check is never served partial.
+``_cache._file_cache``), so a source that changes after its check is never served partial.
 """
 
 from __future__ import annotations
@@ -24,21 +24,10 @@ import os
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import NamedTuple
 
-__all__ = ["Ahead", "Item", "SourceCheck"]
+from nbtools.data._stream._items import Item
 
-
-class Item(NamedTuple):
-    """One file to serve: its cache key, size and mtime to expect, and its index in the listing.
-
-    The stream opens the source (``open_source(index)``) only when it copies the file.
-    """
-
-    key: str
-    size: int
-    mtime_ns: int
-    index: int
+__all__ = ["Ahead", "SourceCheck"]
 
 
 class SourceCheck:

@@ -24,15 +24,16 @@ directory does not change; each file's own size and mtime are compared when
 it is served, so its copy is made again), nor anything on a mount whose
 directory mtimes do not change (some FUSE and object-store mounts): use
 ``refresh=True`` there. A directory modified within ``_RACY_NS`` before it was
-listed could have changed unseen in the same clock tick, so such an index is
-not reused. An fsspec URL has no directory times: it is listed once per job.
+listed could have changed unseen in the same clock tick: such a directory (and
+only it) is listed again and compared with the index before the index is
+reused (see :func:`_fresh`). An fsspec URL has no directory times: it is listed once per job.
 ``refresh=True`` lists again once per job (the index records which job built it).
 
 With ``index_in_root=True`` the index is also kept in the dataset root, where
-other nodes and later jobs find it (see ``_rootindex``): a node without a fresh
+other nodes and later jobs find it (see ``_shared_index``): a node without a fresh
 private index copies that one in, checks it, and lists the root only when it
 is missing, refused or stale, and only while it holds the listing lease (see
-``_rootlease``): nodes that start at the same moment wait for the one that
+``_lease``): nodes that start at the same moment wait for the one that
 lists. An index written by a node of the same job is used without the
 freshness check, as one of this node's own would be.
 """
@@ -40,21 +41,29 @@ freshness check, as one of this node's own would be.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
+import shutil
 import socket
 import time
 import warnings
 
 from nbtools._internal.fs import TMP_PREFIX
 from nbtools._internal.log import get_logger
-from nbtools.data._cachedir import ensure_private_dir
-from nbtools.data._index import Index, IndexRefused, IndexWriter, open_index
-from nbtools.data._listing import Progress, check_root, walk_fsspec, walk_local
-from nbtools.data._rootindex import fetch_shared, prepare_shared, publish_shared, shared_path
-from nbtools.data._rootlease import lead_or_wait
+from nbtools.data._cache._location import ENV_DIR, ensure_private_dir
+from nbtools.data._listing._index import Index, IndexRefused, IndexWriter, open_index
+from nbtools.data._listing._lease import lead_or_wait
+from nbtools.data._listing._shared_index import (
+    fetch_shared,
+    prepare_shared,
+    publish_shared,
+    shared_path,
+)
+from nbtools.data._listing._volume import Progress, check_root, list_dir, walk_fsspec, walk_local
+from nbtools.errors import CacheError
 
 __all__ = ["index_path", "job_token", "load_index", "namespace"]
 
@@ -62,6 +71,7 @@ _log = get_logger("data.catalog")
 
 _DIR = ".index"
 _CHECKED = ".checked"
+_SETTLED = ".settled"
 _RACY_NS = 2_000_000_000
 _JOB_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT")
 
@@ -87,11 +97,22 @@ def job_token(fallback: str) -> str:
 
 
 def _fresh(index: Index) -> str | None:
-    """None when no listed directory changed since the listing; else what changed."""
+    """None when no listed directory changed since the listing; else what changed.
+
+    A directory modified within ``_RACY_NS`` before it was listed (or before
+    its last re-check) may have changed again in the same clock tick, which
+    its time would not show: those directories alone are listed again and
+    compared with the index. When they match, the time of that re-check is
+    noted next to the index (``.settled``), so a later launch re-checks only
+    what is still that recent.
+    """
     if not index.header.get("checkable"):
         return "the root has no directory times to check"
-    listed_at = int(index.header.get("listed_at_ns", 0))
+    started = time.time_ns()
+    racy_after = max(int(index.header.get("listed_at_ns", 0)), _settled(index)) - _RACY_NS
     root = index.root
+    known: set[str] = set()
+    racy: list[str] = []
     for rel, mtime in index.directories():
         path = f"{root}/{rel}" if rel else root
         try:
@@ -100,9 +121,50 @@ def _fresh(index: Index) -> str | None:
             return f"directory {path!r} is gone"
         if st.st_mtime_ns != mtime:
             return f"directory {path!r} changed"
-        if mtime >= listed_at - _RACY_NS:
-            return f"directory {path!r} changed just before it was listed"
+        known.add(rel)
+        if mtime >= racy_after:
+            racy.append(rel)
+    for rel in racy:
+        why = _recheck(index, rel, known)
+        if why is not None:
+            return why
+    if racy:
+        _note_settled(index, started)
     return None
+
+
+def _recheck(index: Index, rel: str, known: set[str]) -> str | None:
+    """None when directory ``rel`` holds what the index lists there; else what differs."""
+    path = f"{index.root}/{rel}" if rel else index.root
+    listed = index.files_in(rel)
+    if listed is None:
+        return f"directory {path!r} changed just before it was listed"
+    try:
+        files, dirs = list_dir(index.root, rel, str(index.header.get("pattern")))
+    except OSError:
+        return f"directory {path!r} cannot be read"
+    if files != listed:
+        return f"directory {path!r} changed in the second it was listed"
+    if any(d not in known for d in dirs):
+        return f"directory {path!r} has a new subdirectory"
+    return None
+
+
+def _settled(index: Index) -> int:
+    """When the recent directories of this version of the index were last re-checked (ns)."""
+    try:
+        with open(index.path + _SETTLED, encoding="ascii") as fh:
+            value = json.load(fh)
+    except (OSError, ValueError):
+        return 0
+    if not isinstance(value, dict) or value.get("identity") != index.identity:
+        return 0
+    at = value.get("at_ns")
+    return at if isinstance(at, int) else 0
+
+
+def _note_settled(index: Index, at_ns: int) -> None:
+    _write_note(index.path + _SETTLED, {"identity": index.identity, "at_ns": at_ns})
 
 
 def _checked(path: str) -> list[int] | None:
@@ -123,11 +185,16 @@ def _note_checked(index: Index) -> None:
     """
     if time.time_ns() - index.identity[-1] < _RACY_NS:
         return
-    tmp = f"{index.path}.{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+    _write_note(index.path + _CHECKED, index.identity)
+
+
+def _write_note(path: str, value: object) -> None:
+    """Write a small JSON note next to an index, whole or not at all (a failure is harmless)."""
+    tmp = f"{path}.{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
     try:
         with open(tmp, "w", encoding="ascii") as fh:
-            json.dump(index.identity, fh)
-        os.replace(tmp, index.path + _CHECKED)
+            json.dump(value, fh)
+        os.replace(tmp, path)
     except OSError:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -200,6 +267,7 @@ def _build(
     path: str, root: str, pattern: str, token: str, url: bool, progress: Progress
 ) -> None:
     listed_at = time.time_ns()
+    listed = False
     writer = IndexWriter(path, root, pattern, {
         "job": token, "listed_at_ns": listed_at, "checkable": not url,
         "listed_by": f"{socket.gethostname()} pid {os.getpid()}",
@@ -216,10 +284,39 @@ def _build(
                 "(it is relative to the root, e.g. '**/*.jpg')"
             )
         _log.info("listed %s: %d files in %d directories", root, writer.count, dirs)
+        listed = True
         writer.commit()
+    except OSError as exc:
+        writer.discard()
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _no_space_for_index(path, root, writer.nbytes, listed) from exc
+        raise
     except BaseException:
         writer.discard()
         raise
+
+
+def _no_space_for_index(path: str, root: str, nbytes: int, listed: bool) -> CacheError:
+    """The error of an index that did not fit: where, how much it needs, what to change.
+
+    The writer keeps its sections in spill files until the index is complete
+    and then copies them into one file, so the filesystem holds the index
+    twice for a moment.
+    """
+    where = os.path.dirname(path)
+    try:
+        free = f"{shutil.disk_usage(where).free} bytes are free"
+    except OSError:
+        free = "its free space is unknown"
+    need = f"about {2 * nbytes}" if listed else f"more than {2 * nbytes} (the listing had not ended)"
+    exc = CacheError(
+        f"cannot write the dataset index of {root!r} in {where!r}: no space left on that "
+        f"filesystem; the index needs {need} bytes while it is written and {free}. Free "
+        f"space there, or move the cache to a larger filesystem with cache_dir= or "
+        f"${ENV_DIR}; nothing was left behind, and the next try lists again"
+    )
+    exc.errno = errno.ENOSPC
+    return exc
 
 
 @contextlib.contextmanager
@@ -241,7 +338,7 @@ def load_index(
     """The checked, fresh index of ``root`` and ``pattern``, listing the root only if needed.
 
     ``in_root``: also look for the index in the root, and write it there after
-    a listing (see ``_rootindex``).
+    a listing (see ``_shared_index``).
 
     Raises:
         FileNotFoundError: the root does not exist, or no file matches.

@@ -2,24 +2,29 @@
 
 ``DataLoader`` plans each iteration of every ``VolumeDataset`` it reads, hands
 the plan to the worker copies it is about to start, and reports what the
-training loop received. It does all of that through :class:`Link`, and through
+training loop received. It does all of that through :class:`DatasetLink`, and through
 nothing else of the dataset besides the public ``state_dict`` /
-``load_state_dict``.
+``load_state_dict``. :func:`find_volume_datasets` finds the datasets a
+loader drives inside the one it was given.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import itertools
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from nbtools.data._cache import FileCache
-    from nbtools.data._plan import Plan
+    from nbtools.data._cache._file_cache import FileCache
+    from nbtools.data._plan import IterationPlan
     from nbtools.data.dataset import VolumeDataset
 
-__all__ = ["Link"]
+__all__ = ["DatasetLink", "find_volume_datasets"]
+
+_MAX_DEPTH = 4
+_MAX_CHILDREN = 64  # a wrapper's large sample lists are not searched through
 
 
-class Link:
+class DatasetLink:
     """A loader's handle on one ``VolumeDataset``.
 
     Args:
@@ -36,14 +41,14 @@ class Link:
         """The id under which the dataset's streams tag the batches they feed."""
         return self.dataset._uid
 
-    def plan(self, num_workers: int, reuse: Plan | None, hold: int | None) -> Plan:
+    def plan(self, num_workers: int, reuse: IterationPlan | None, hold: int | None) -> IterationPlan:
         """Decide what the next iteration serves (a collective on every rank).
 
         Returns ``reuse`` itself when it would serve exactly the same work.
         """
         return self.dataset._prepare(num_workers, tracked=True, reuse=reuse, hold=hold)
 
-    def give_workers(self, plan: Plan | None) -> None:
+    def give_workers(self, plan: IterationPlan | None) -> None:
         """The plan the worker copies made next (started or forked) serve; None after."""
         self.dataset._pending = plan
 
@@ -66,3 +71,36 @@ class Link:
     def stream_share(self, num_workers: int) -> tuple[int, int]:
         """``(bytes, largest file)``: what one stream may hold of the node's cache."""
         return self.dataset._stream_share(num_workers)
+
+
+def find_volume_datasets(dataset: Any) -> list[Any]:
+    """``VolumeDataset`` instances reachable from ``dataset`` through attributes,
+    lists, tuples and dict values (four levels deep, the first 64 items of a
+    container), in a stable order."""
+    from nbtools.data.dataset import VolumeDataset
+
+    found: list[Any] = []
+    seen: set[int] = set()
+
+    def visit(obj: Any, depth: int) -> None:
+        if id(obj) in seen or depth > _MAX_DEPTH:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, VolumeDataset):
+            found.append(obj)
+            return
+        if isinstance(obj, (list, tuple)):
+            children = list(obj[:_MAX_CHILDREN])
+        elif isinstance(obj, dict):
+            children = list(itertools.islice(obj.values(), _MAX_CHILDREN))
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            children = list(vars(obj).values())
+        else:
+            return
+        for child in children:
+            if isinstance(child, (str, bytes, int, float, bool)) or child is None:
+                continue
+            visit(child, depth + 1)
+
+    visit(dataset, 0)
+    return found

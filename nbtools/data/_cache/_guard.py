@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Optional
 
-from nbtools.data._pins import Pin, pin_path
+from nbtools.data._cache._pins import Pin, pin_path
 
 __all__ = ["Guard", "State", "drop", "settled", "to_pin"]
 

@@ -1,17 +1,30 @@
-"""What a stream serves: the files of one slot, in chunks of items read from the mapped index."""
+"""What a stream serves: :class:`Item`, one file, and a slot's files in chunks of items
+read from the mapped index."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import partial
 from itertools import islice
+from typing import NamedTuple
 
-from nbtools.data._ahead import Item
-from nbtools.data._catalog import namespace
-from nbtools.data._index import Index
+from nbtools.data._listing._catalog import namespace
+from nbtools.data._listing._index import Index
 from nbtools.data._positions import Consumed, Order, slot_chunks
 
-__all__ = ["check_mode", "slot_items"]
+__all__ = ["Item", "check_mode", "slot_items"]
+
+class Item(NamedTuple):
+    """One file to serve: its cache key, size and mtime to expect, and its index in the listing.
+
+    The stream opens the source (``open_source(index)``) only when it copies the file.
+    """
+
+    key: str
+    size: int
+    mtime_ns: int
+    index: int
+
 
 #: Items handed to a stream (and checked against their sources) at a time.
 _ITEMS_PER_CHUNK = 256

@@ -23,15 +23,15 @@ import tempfile
 
 from nbtools.errors import CacheError
 
-__all__ = ["default_cache_dir", "ensure_private_dir", "min_free_from_env"]
+__all__ = ["ENV_DIR", "ENV_MIN_FREE", "default_cache_dir", "ensure_private_dir", "min_free_from_env"]
 
-_ENV_DIR = "NBTOOLS_CACHE_DIR"
-_ENV_MIN_FREE = ("NBTOOLS_CACHE_MIN_FREE_BYTES", "SGC_FSLAYER_MIN_FREE_DISK_BYTES")
+ENV_DIR = "NBTOOLS_CACHE_DIR"
+ENV_MIN_FREE = ("NBTOOLS_CACHE_MIN_FREE_BYTES", "SGC_FSLAYER_MIN_FREE_DISK_BYTES")
 
 
 def min_free_from_env() -> int | None:
     """The free-space floor of the cache filesystem from the environment, or None when unset."""
-    for name in _ENV_MIN_FREE:
+    for name in ENV_MIN_FREE:
         value = os.environ.get(name, "").strip()
         if value:
             try:
@@ -47,7 +47,7 @@ def min_free_from_env() -> int | None:
 
 
 def _home_cache_dir() -> str | None:
-    explicit = os.environ.get(_ENV_DIR, "").strip()
+    explicit = os.environ.get(ENV_DIR, "").strip()
     if explicit:
         return os.path.abspath(os.path.expanduser(explicit))
     xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
@@ -71,7 +71,7 @@ def default_cache_dir() -> str:
         try:
             os.makedirs(preferred, mode=0o700, exist_ok=True)
         except OSError:
-            if os.environ.get(_ENV_DIR, "").strip():
+            if os.environ.get(ENV_DIR, "").strip():
                 raise
         else:
             return preferred
@@ -91,7 +91,7 @@ def _refuse(path: str, why: str) -> CacheError:
     exc = CacheError(
         f"refusing the cache directory {path!r}: {why}. Files another user can place there "
         "would be served as training data. Remove it, or pass cache_dir= (or set "
-        f"{_ENV_DIR}) to a directory of your own, e.g. ~/.cache/nbtools"
+        f"{ENV_DIR}) to a directory of your own, e.g. ~/.cache/nbtools"
     )
     exc.errno = errno.EPERM
     return exc
