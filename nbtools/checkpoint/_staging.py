@@ -7,6 +7,7 @@ or load gets its own subdirectory, removed afterwards, also after a failure.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import sys
@@ -17,7 +18,15 @@ from typing import Any
 from nbtools._internal.fs import free_bytes, pid_alive
 from nbtools.errors import StagingSpaceError
 
-__all__ = ["staging_base", "staging_area", "check_space", "progress"]
+__all__ = [
+    "staging_base",
+    "staging_area",
+    "check_space",
+    "space_error",
+    "used_bytes",
+    "sweep",
+    "progress",
+]
 
 # Free space kept in reserve beyond the estimate (filesystem overhead, other users).
 _RESERVE_BYTES = 16 << 20
@@ -44,15 +53,77 @@ def check_space(base: str, needed: int, what: str) -> None:
         )
 
 
+def used_bytes(path: str) -> int:
+    """Bytes of the files directly in ``path`` (what a failed write had staged so far)."""
+    total = 0
+    with contextlib.suppress(OSError), os.scandir(path) as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                total += entry.stat(follow_symlinks=False).st_blocks * 512
+    return total
+
+
+_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def _names_no_space(exc: BaseException) -> bool:
+    """True when ``exc`` or an error it was raised from or during is out-of-space."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in _SPACE_ERRNOS:
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def space_error(
+    exc: BaseException, base: str, needed: int, what: str
+) -> StagingSpaceError | None:
+    """The :class:`StagingSpaceError` to raise for a failed write into ``base``, or None.
+
+    A full disk shows as ``ENOSPC``/``EDQUOT``, or, where a library writes through
+    its own layers (torch's zip writer), as an unrelated internal error: a failure
+    while that filesystem holds less than the bytes still to be written counts too.
+
+    Args:
+        exc: The error the write raised.
+        base: The staging directory written into.
+        needed: Bytes this write needed in ``base`` in all (at least what it had
+            staged when it failed).
+        what: What was being written, e.g. ``"rank 1 saving /vol/step_2"``.
+    """
+    free = free_bytes(base)
+    if not (_names_no_space(exc) or free < min(needed, _RESERVE_BYTES)):
+        return None
+    return StagingSpaceError(
+        f"staging directory {base} is full: {free / 2**20:.1f} MiB free, about "
+        f"{needed / 2**20:.1f} MiB needed there; {what} could not write its shards "
+        f"({type(exc).__name__}: {exc}). Free some space there, or point "
+        "NBTOOLS_STAGING_DIR (or staging_dir=) at a larger local disk"
+    )
+
+
 _PREFIX = "nbtools-stage-"
 
 
-def _sweep(base: str) -> None:
-    """Remove staging directories of processes that died without cleaning up (e.g. SIGKILL)."""
-    for name in os.listdir(base):
+def sweep(base: str) -> list[str]:
+    """Remove staging directories of processes that died without cleaning up (e.g. SIGKILL).
+
+    Returns the names removed. A base that does not exist holds nothing to sweep.
+    """
+    try:
+        names = os.listdir(base)
+    except OSError:  # no such directory, or not one this user may list
+        return []
+    removed = []
+    for name in names:
         pid = name[len(_PREFIX) :].split("-", 1)[0]
         if name.startswith(_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+            removed.append(name)
+    return removed
 
 
 @contextlib.contextmanager
@@ -62,7 +133,7 @@ def staging_area(base: str) -> Iterator[str]:
     Directories left by dead processes are removed first.
     """
     os.makedirs(base, exist_ok=True)
-    _sweep(base)
+    sweep(base)
     path = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=base)
     try:
         yield path

@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from nbtools import runtime
 from nbtools._internal.log import get_logger
 from nbtools._internal.runinfo import active_mlflow_run_id
-from nbtools.checkpoint import _report, _state
+from nbtools.checkpoint import _report, _staging, _state
 from nbtools.checkpoint._checks import (
     SaveCase,
     SaveVerdict,
@@ -131,6 +131,9 @@ class CheckpointManager:
         self.async_save = async_save
         self.save_on_close = save_on_close
         self._staging_dir = staging_dir
+        # What a killed run's save left in the staging directory goes now, not at the
+        # next save: a run may restore and train long before it saves.
+        _staging.sweep(_staging.staging_base(staging_dir))
         self._sync_files = sync_files
         self.restored_step: int | None = None
         self.last_saved_step: int | None = None
@@ -198,6 +201,7 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
+        _staging.sweep(_staging.staging_base(self._staging_dir))  # a killed writer's leftovers
         step, blob, self.skipped = restore_newest(
             self._target, objs, self._pg, self._staging_dir, planner
         )

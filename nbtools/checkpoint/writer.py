@@ -268,6 +268,7 @@ class VolumeWriter(StorageWriter):
                             move,
                             bar,
                             token,
+                            needed,
                         )
                         for n, bucket in enumerate(buckets)
                     ]
@@ -285,13 +286,26 @@ class VolumeWriter(StorageWriter):
         move: bool,
         bar: Any,
         token: str,
+        needed: int,
     ) -> list[WriteResult]:
         local = os.path.join(stage, name)
-        with open(local, "wb") as fh:
-            # A file moved into place is the final one: its fsync can start while writing.
-            results = write_shard(
-                fh, name, items, planner, writeback=move and self.sync_files, token=token
+        try:
+            with open(local, "wb") as fh:
+                # A file moved into place is the final one: its fsync can start while writing.
+                results = write_shard(
+                    fh, name, items, planner, writeback=move and self.sync_files, token=token
+                )
+        except (OSError, RuntimeError) as exc:
+            staged = _staging.used_bytes(stage)
+            full = _staging.space_error(
+                exc,
+                self._staging_base,
+                max(needed, staged),
+                f"rank {self.rank} saving {self.path}",
             )
+            if full is None:
+                raise
+            raise full from exc
         size = os.path.getsize(local)
         self._target.upload(local, name, fsync=self.sync_files, move=move)
         uploaded = self._target.size(name)
