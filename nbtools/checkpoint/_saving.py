@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbtools._internal.fs import TMP_PREFIX
+from nbtools._internal.holder import Holder, Liveness, machine_id
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint._layout import (
     METADATA_NAME,
@@ -39,7 +40,6 @@ from nbtools.checkpoint._layout import (
     save_mark_name,
     save_mark_tag,
 )
-from nbtools.checkpoint._process import machine_id, started
 from nbtools.checkpoint._target import Target
 from nbtools.checkpoint.reader import read_metadata
 from nbtools.errors import CheckpointError
@@ -69,10 +69,11 @@ _warned: set[str] = set()
 
 def begin(target: Target, tag: str) -> None:
     """Publish the marker of the save ``tag`` (before it writes anything) and note it here."""
+    me = Holder.me()
     record = {
-        "pid": os.getpid(),
-        "started": started(os.getpid()),
-        "machine": machine_id(),
+        "pid": me.pid,
+        "started": me.started,
+        "machine": me.machine,
         "host": socket.gethostname(),
         "time": time.time(),
     }
@@ -106,13 +107,8 @@ def _state(tag: str, record: Any) -> str:
         pid = record.get("pid")
         if pid == os.getpid():
             return "live" if _running_here(tag) else "stale"
-        since = started(pid) if isinstance(pid, int) else None
-        alive = since is not None and (
-            since == -1.0
-            or not isinstance(record.get("started"), (int, float))
-            or abs(since - float(record["started"])) < 1.0
-        )
-        return "live" if alive else "stale"
+        holder = Holder.from_record(record)  # without a start time: judged by its pid
+        return "live" if holder is not None and holder.alive() is Liveness.ALIVE else "stale"
     try:
         age = time.time() - float(record.get("time", 0))
     except (TypeError, ValueError):

@@ -15,7 +15,8 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from nbtools._internal.fs import free_bytes, pid_alive
+from nbtools._internal.fs import free_bytes
+from nbtools._internal.holder import process_started
 from nbtools.errors import StagingSpaceError
 
 __all__ = [
@@ -120,10 +121,26 @@ def sweep(base: str) -> list[str]:
     removed = []
     for name in names:
         pid = name[len(_PREFIX) :].split("-", 1)[0]
-        if name.startswith(_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
+        if name.startswith(_PREFIX) and pid.isdigit() and _dead(os.path.join(base, name), int(pid)):
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
             removed.append(name)
     return removed
+
+
+def _dead(path: str, pid: int) -> bool:
+    """Whether the process that made staging directory ``path`` is gone.
+
+    Its process id names it; a process with that id that started after the
+    directory last changed is another one (the id was reused).
+    """
+    started = process_started(pid)
+    if started is None:
+        return True
+    try:
+        changed = os.lstat(path).st_mtime
+    except OSError:
+        return False  # gone already, or not ours to judge
+    return started != -1.0 and started > changed + 1.0
 
 
 @contextlib.contextmanager

@@ -242,6 +242,20 @@ def test_a_killed_writers_staging_is_swept_by_a_restore(tmp_path):
         assert not os.path.exists(stage)
 
 
+def test_staging_named_by_a_reused_process_id_is_swept(tmp_path):
+    from nbtools.checkpoint import _staging
+
+    newer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        old = tmp_path / f"nbtools-stage-{newer.pid}-x1"  # a killed writer's, an hour ago
+        old.mkdir()
+        os.utime(old, (os.path.getmtime(old) - 3600,) * 2)
+        assert _staging.sweep(str(tmp_path)) == [old.name]
+    finally:
+        newer.kill()
+        newer.wait()
+
+
 def test_a_live_writers_staging_is_kept(tmp_path):
     from nbtools.checkpoint import _staging
 
