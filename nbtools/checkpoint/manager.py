@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from nbtools import runtime
 from nbtools._internal.log import get_logger
 from nbtools._internal.runinfo import active_mlflow_run_id
-from nbtools.checkpoint import _report, _staging, _state
+from nbtools.checkpoint import _report, _state
 from nbtools.checkpoint._checks import (
     SaveCase,
     SaveVerdict,
@@ -43,15 +43,16 @@ from nbtools.checkpoint._checks import (
 from nbtools.checkpoint._collective import agree, final_step
 from nbtools.checkpoint._errors import unwrap
 from nbtools.checkpoint._forks import track
-from nbtools.checkpoint._layout import METADATA_NAME, step_dir_name
+from nbtools.checkpoint._host_buffers import ReusableStager
 from nbtools.checkpoint._lease import WriterLease
 from nbtools.checkpoint._quiet import quiet_single_process_warning
 from nbtools.checkpoint._report import SaveTiming
 from nbtools.checkpoint._restore import restore_newest
 from nbtools.checkpoint._retention import RetentionWorker
-from nbtools.checkpoint._roots import check_root
-from nbtools.checkpoint._stager import ReusableStager
-from nbtools.checkpoint._target import Target
+from nbtools.checkpoint._storage import _scratch
+from nbtools.checkpoint._storage._layout import METADATA_NAME, step_dir_name
+from nbtools.checkpoint._storage._roots import check_root
+from nbtools.checkpoint._storage._target import Target
 from nbtools.checkpoint.discovery import is_foreign, root_target
 from nbtools.checkpoint.writer import VolumeWriter
 from nbtools.errors import CheckpointError
@@ -133,7 +134,7 @@ class CheckpointManager:
         self._staging_dir = staging_dir
         # What a killed run's save left in the staging directory goes now, not at the
         # next save: a run may restore and train long before it saves.
-        _staging.sweep(_staging.staging_base(staging_dir))
+        _scratch.sweep(_scratch.staging_base(staging_dir))
         self._sync_files = sync_files
         self.restored_step: int | None = None
         self.last_saved_step: int | None = None
@@ -201,7 +202,7 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
-        _staging.sweep(_staging.staging_base(self._staging_dir))  # a killed writer's leftovers
+        _scratch.sweep(_scratch.staging_base(self._staging_dir))  # a killed writer's leftovers
         step, blob, self.skipped = restore_newest(
             self._target, objs, self._pg, self._staging_dir, planner
         )

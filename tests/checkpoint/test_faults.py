@@ -17,7 +17,7 @@ from ckpt_training import Net
 from nbtools import events
 from nbtools.checkpoint import CheckpointManager, find_latest_valid
 from nbtools.checkpoint._retention import purge
-from nbtools.checkpoint._target import LocalTarget
+from nbtools.checkpoint._storage._target import LocalTarget
 from nbtools.errors import CheckpointError, CorruptCheckpointError, StagingSpaceError
 
 
@@ -184,24 +184,24 @@ def test_a_staging_disk_that_fills_during_an_async_save_is_named_with_its_free_s
 
 @pytest.mark.root
 def test_torchs_own_write_error_on_a_full_staging_disk_reads_as_a_space_error(mount_tmpfs):
-    from nbtools.checkpoint import _staging
+    from nbtools.checkpoint._storage import _scratch
 
     staging = mount_tmpfs("4m")
     with pytest.raises(OSError), open(staging / "filler", "wb") as fh:
         fh.write(b"x" * (8 << 20))
     torch_error = RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 704 vs 598")
-    err = _staging.space_error(torch_error, str(staging), 6 << 20, "rank 0 saving /vol/step_2")
+    err = _scratch.space_error(torch_error, str(staging), 6 << 20, "rank 0 saving /vol/step_2")
     assert isinstance(err, StagingSpaceError)
     assert str(err).startswith(f"staging directory {staging} is full: 0.0 MiB free, about 6.0 MiB")
     os.unlink(staging / "filler")  # the space is back: the same error is not a space problem
-    assert _staging.space_error(torch_error, str(staging), 1 << 20, "saving") is None
+    assert _scratch.space_error(torch_error, str(staging), 1 << 20, "saving") is None
 
 
 _KILLED_WRITER = textwrap.dedent(
     """
     import os, sys, time
-    from nbtools.checkpoint import _staging
-    with _staging.staging_area(sys.argv[1]) as stage:
+    from nbtools.checkpoint._storage import _scratch
+    with _scratch.staging_area(sys.argv[1]) as stage:
         with open(os.path.join(stage, "__0_0.distcp"), "wb") as fh:
             fh.write(os.urandom(1 << 20))
         print(stage, flush=True)
@@ -243,23 +243,23 @@ def test_a_killed_writers_staging_is_swept_by_a_restore(tmp_path):
 
 
 def test_staging_named_by_a_reused_process_id_is_swept(tmp_path):
-    from nbtools.checkpoint import _staging
+    from nbtools.checkpoint._storage import _scratch
 
     newer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         old = tmp_path / f"nbtools-stage-{newer.pid}-x1"  # a killed writer's, an hour ago
         old.mkdir()
         os.utime(old, (os.path.getmtime(old) - 3600,) * 2)
-        assert _staging.sweep(str(tmp_path)) == [old.name]
+        assert _scratch.sweep(str(tmp_path)) == [old.name]
     finally:
         newer.kill()
         newer.wait()
 
 
 def test_a_live_writers_staging_is_kept(tmp_path):
-    from nbtools.checkpoint import _staging
+    from nbtools.checkpoint._storage import _scratch
 
-    with _staging.staging_area(str(tmp_path)) as stage:
+    with _scratch.staging_area(str(tmp_path)) as stage:
         with CheckpointManager(tmp_path / "root", staging_dir=tmp_path):
             assert os.path.isdir(stage)
 

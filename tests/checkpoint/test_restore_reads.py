@@ -21,8 +21,8 @@ from _restore_servers import s3_env, s3_served, s3_server, s3_stall
 from torch.distributed.checkpoint.api import CheckpointException
 
 from nbtools.checkpoint import CheckpointManager, VolumeReader, VolumeWriter
-from nbtools.checkpoint._coop_read import plan_reads
-from nbtools.checkpoint._ranges import crc32_of, fetch_range, split
+from nbtools.checkpoint._storage._coop_read import plan_reads
+from nbtools.checkpoint._storage._ranges import crc32_of, fetch_range, split
 from nbtools.errors import CheckpointStallError, CorruptCheckpointError, StagingSpaceError
 
 s3fs = pytest.importorskip("s3fs")

@@ -25,7 +25,7 @@ from nbtools._internal.location import (
     unwritable_reason,
     url_protocols,
 )
-from nbtools.checkpoint._mounts import is_remote_fs
+from nbtools.checkpoint._storage._mounts import is_remote_fs
 
 __all__ = ["Target", "LocalTarget", "FsspecTarget", "open_target", "can_open"]
 

@@ -197,7 +197,7 @@ def exchange(
         staged: The local staging file of a relative path.
         cuda_destinations: Whether this rank loads into CUDA tensors.
         on_bytes: Called with the payload bytes of each message fetched by another rank.
-        timings: A :class:`~nbtools.checkpoint._staged_read.Timings` to add phases to.
+        timings: A :class:`~nbtools.checkpoint._storage._staged_read.Timings` to add phases to.
         delivery: Where handed-over records go on this rank.
         memory: Bytes of message buffers (at least two messages are in flight).
     """

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from nbtools.checkpoint._target import Target
+from nbtools.checkpoint._storage._target import Target
 from nbtools.errors import CheckpointStallError
 
 __all__ = ["split", "FetchPool", "fetch_range", "crc32_of", "stall_message"]

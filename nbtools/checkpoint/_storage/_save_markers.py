@@ -33,14 +33,14 @@ from typing import Any
 from nbtools._internal.fs import TMP_PREFIX
 from nbtools._internal.holder import Holder, Liveness, machine_id
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint._layout import (
+from nbtools.checkpoint._storage._layout import (
     METADATA_NAME,
     RANK_METADATA_RE,
     is_shard,
     save_mark_name,
     save_mark_tag,
 )
-from nbtools.checkpoint._target import Target
+from nbtools.checkpoint._storage._target import Target
 from nbtools.checkpoint.reader import read_metadata
 from nbtools.errors import CheckpointError
 
