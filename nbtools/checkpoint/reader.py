@@ -41,41 +41,18 @@ from nbtools._internal.log import get_logger
 from nbtools.checkpoint._storage import _scratch
 from nbtools.checkpoint._storage._coop_read import NOTE
 from nbtools.checkpoint._storage._delivery import Delivery, Slice, dense_destination, saved_data
-from nbtools.checkpoint._storage._layout import METADATA_NAME, RANK_METADATA_RE, rank_metadata_name
+from nbtools.checkpoint._storage._layout import METADATA_NAME, rank_metadata_name
 from nbtools.checkpoint._storage._rank_local import check_rank_local
-from nbtools.checkpoint._storage._safe_pickle import check_weights_only, load_metadata
+from nbtools.checkpoint._storage._safe_pickle import check_weights_only, read_metadata
 from nbtools.checkpoint._storage._shards import item_checksum, read_item_into, verify_items
 from nbtools.checkpoint._storage._staged_read import StagedFetch, Timings
 from nbtools.checkpoint._storage._target import Target, can_open, open_target
 from nbtools.checkpoint._storage._transforms import StreamTransforms, descriptors_of
-from nbtools.errors import CheckpointNotFoundError, CorruptCheckpointError
+from nbtools.errors import CorruptCheckpointError
 
 __all__ = ["VolumeReader", "read_metadata"]
 
 _log = get_logger("checkpoint")
-
-
-def read_metadata(target: Target, where: str, name: str = METADATA_NAME) -> Metadata:
-    """Read and safely unpickle the metadata file ``name`` of a checkpoint directory target."""
-    try:
-        data = target.read_bytes(name)
-    except FileNotFoundError:
-        if name == METADATA_NAME:
-            rank_local = sorted(n for n in target.listdir() if RANK_METADATA_RE.match(n))
-            hint = (
-                f" (it holds the rank-local metadata {', '.join(rank_local[:4])}: it was saved "
-                "with use_collectives=False, so load it on as many ranks, each reading its own)"
-                if rank_local
-                else ""
-            )
-            raise CheckpointNotFoundError(
-                f"{where} has no {METADATA_NAME}: it is not a complete checkpoint{hint}"
-            ) from None
-        raise CheckpointNotFoundError(
-            f"{where} has no {name}: no rank-local checkpoint of this rank is there (it was "
-            "saved by fewer ranks, or with use_collectives=True, or not completely)"
-        ) from None
-    return load_metadata(data, f"{where}/{name}")
 
 
 def _writable_view(tensor: torch.Tensor) -> memoryview:

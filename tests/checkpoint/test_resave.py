@@ -136,7 +136,7 @@ DRIVER = textwrap.dedent(
 
     def listing():
         target = open_target(path)
-        from nbtools.checkpoint.reader import read_metadata
+        from nbtools.checkpoint._storage._safe_pickle import read_metadata
         named = {i.relative_path for i in read_metadata(target, path).storage_data.values()}
         return {"names": sorted(target.listdir()), "named": sorted(named)}
 

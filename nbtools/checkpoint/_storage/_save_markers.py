@@ -40,8 +40,8 @@ from nbtools.checkpoint._storage._layout import (
     save_mark_name,
     save_mark_tag,
 )
+from nbtools.checkpoint._storage._safe_pickle import read_metadata
 from nbtools.checkpoint._storage._target import Target
-from nbtools.checkpoint.reader import read_metadata
 from nbtools.errors import CheckpointError
 
 __all__ = [
