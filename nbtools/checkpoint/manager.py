@@ -203,9 +203,8 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         _scratch.sweep(_scratch.staging_base(self._staging_dir))  # a killed writer's leftovers
-        step, blob, self.skipped = restore_newest(
-            self._target, objs, self._pg, self._staging_dir, planner
-        )
+        restored = restore_newest(self._target, objs, self._pg, self._staging_dir, planner)
+        step, blob, self.skipped = restored.step, restored.blob, restored.skipped
         self.restored_step = step
         if step is None:
             return 0

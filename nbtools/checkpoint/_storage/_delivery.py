@@ -96,7 +96,7 @@ def dense_destination(target: torch.Tensor, dtype: torch.dtype, shape: Any) -> b
 
 
 class Delivery:
-    """Where the records handed to one rank go (see :class:`~nbtools.checkpoint._storage._coop_read.Delivery`).
+    """Where the records handed to one rank go (see :class:`~nbtools.checkpoint._storage._coop_read.Receiver`).
 
     Args:
         plan: This rank's load plan.

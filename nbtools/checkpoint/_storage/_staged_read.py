@@ -183,7 +183,7 @@ class StagedFetch:
         note: dict[str, Any],
         planner: LoadPlanner,
         stage: str,
-        delivery: _coop_read.Delivery,
+        delivery: _coop_read.Receiver,
     ) -> None:
         """Stage every record ``plan`` reads under ``stage``, fetched or handed over, verified;
         handed-over tensors whose destination takes their bytes as they are go to
@@ -250,14 +250,14 @@ class StagedFetch:
                         group,
                         dist.get_rank(group),
                         messages,
-                        needed,
-                        ready,
-                        staged,
-                        lambda: _cuda_destinations(plan, planner),
-                        on_bytes,
-                        timings,
-                        delivery,
-                        2 * self.chunk_size,
+                        needed=needed,
+                        ready=ready,
+                        staged=staged,
+                        cuda_destinations=lambda: _cuda_destinations(plan, planner),
+                        on_bytes=on_bytes,
+                        timings=timings,
+                        delivery=delivery,
+                        memory=2 * self.chunk_size,
                     )
             for key in fetch:
                 ready(key)
