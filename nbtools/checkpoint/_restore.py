@@ -238,5 +238,6 @@ def restore_newest(
             message=f"restored {directory.url}",
             step=step,
             seconds=round(time.perf_counter() - started, 4),
+            tier="volume",
         )
     return restored
