@@ -22,7 +22,9 @@ How the package is laid out, in two halves:
   ``_host_buffers`` (the reused copy an async save stages from), ``_restore``
   (the newest checkpoint that verifies), ``_lease`` (one writer per root),
   ``_retention`` (keeping ``keep``), ``_checks``, ``_collective``, ``_forks``,
-  ``_report``, ``_quiet`` and ``_errors``.
+  ``_report``, ``_quiet`` and ``_errors``; and ``_memory/``, the memory tier
+  (``memory_every``): snapshots in node-local shared memory that a restarted
+  rank restores from before the volume.
 """
 
 from __future__ import annotations

@@ -175,6 +175,25 @@ def test_a_damaged_or_planted_snapshot_is_never_loaded(tmp_path, shm, caplog):
     assert "does not match its checksum" in text
 
 
+@pytest.mark.root
+def test_a_slot_another_user_planted_is_skipped(tmp_path, shm, caplog):
+    net, opt = _net()
+    with (
+        pytest.raises(RuntimeError),
+        CheckpointManager(tmp_path / "root", every=10, memory_every=3, async_save=False) as ckpt,
+    ):
+        _train(ckpt, net, opt, range(13))
+        raise RuntimeError("killed")
+    newest = max(shm.rglob("*.slot"), key=lambda p: p.stat().st_mtime)
+    os.chown(newest, 65534, 65534)  # nobody's now, mode still 600
+    caplog.set_level(logging.WARNING, logger="nbtools")
+    with CheckpointManager(tmp_path / "root", memory_every=3, async_save=False) as again:
+        assert again.restore(model=net, optimizer=opt) == 11  # rank 0's step 12 is not trusted
+        assert again.restored_tier == "volume"
+    assert "owned by uid 65534" in caplog.text
+    newest.unlink()
+
+
 @pytest.mark.slow
 def test_snapshots_of_a_job_whose_keeper_died_are_swept(tmp_path, shm):
     # A run started by hand keeps its own snapshots; killed, nobody restores them.
