@@ -283,3 +283,54 @@ def test_nothing_is_left_in_dev_shm_after_a_clean_close(tmp_path, monkeypatch):
         _train(ckpt, net, opt, range(3))
         assert set(os.listdir("/dev/shm")) - before == {f"nbtools-snapshots-{os.geteuid()}"}
     assert set(os.listdir("/dev/shm")) - before == set()
+
+
+@pytest.mark.slow
+def test_distributed_ranks_recover_from_memory_after_a_rank_is_killed(tmp_path, shm):
+    from nbtools import distributed
+
+    @distributed(processes=2, max_restarts=1, output="none")
+    def train(root):
+        import os
+        import signal
+
+        import torch
+        import torch.distributed as dist
+
+        from nbtools.checkpoint import CheckpointManager
+        from nbtools.runtime import get_restart_count
+
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        with CheckpointManager(root, every=5, memory_every=2, async_save=False) as ckpt:
+            start = ckpt.restore(model=net, optimizer=opt)
+            for step in range(start, 10):
+                torch.manual_seed(step)
+                opt.zero_grad()
+                net(torch.randn(2, 4)).sum().backward()
+                for p in net.parameters():
+                    dist.all_reduce(p.grad)
+                opt.step()
+                ckpt.maybe_save(step, model=net, optimizer=opt)
+                if step == 7 and dist.get_rank() == 1 and get_restart_count() == 0:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        weights = [float(p.double().sum()) for p in net.parameters()]
+        return get_restart_count(), ckpt.restored_step, ckpt.restored_tier, weights
+
+    results = train.distributed(str(tmp_path / "root"))
+    # The volume holds step 5; both ranks hold snapshots of step 6 (rank 1 died at 7).
+    assert [r[:3] for r in results] == [(1, 6, "memory"), (1, 6, "memory")]
+    # Bit-exact with an uninterrupted run (the all-reduce of two equal gradients doubles them).
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(10):
+        torch.manual_seed(step)
+        opt.zero_grad()
+        net(torch.randn(2, 4)).sum().backward()
+        for p in net.parameters():
+            p.grad.mul_(2)
+        opt.step()
+    assert results[0][3] == results[1][3] == [float(p.double().sum()) for p in net.parameters()]
+    assert not any(p.is_file() for p in shm.rglob("*"))  # closed cleanly: removed
