@@ -334,3 +334,21 @@ def test_distributed_ranks_recover_from_memory_after_a_rank_is_killed(tmp_path, 
         opt.step()
     assert results[0][3] == results[1][3] == [float(p.double().sum()) for p in net.parameters()]
     assert not any(p.is_file() for p in shm.rglob("*"))  # closed cleanly: removed
+
+
+def test_a_launch_that_ended_for_good_drops_its_snapshots(tmp_path, shm, monkeypatch):
+    from nbtools.checkpoint._memory import end_run
+
+    net, opt = _net()
+    for run in ("ended", "other"):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", run)
+        with (
+            pytest.raises(RuntimeError),
+            CheckpointManager(tmp_path / run, memory_every=1, async_save=False) as ckpt,
+        ):
+            _train(ckpt, net, opt, range(2))
+            raise RuntimeError("killed")  # kept for a restart
+    assert len(end_run("ended")) == 1
+    assert len(list(shm.rglob("*.slot"))) == 2  # the other run's two slots stay
+    assert len(end_run("other")) == 1
+    assert _files(shm) == []

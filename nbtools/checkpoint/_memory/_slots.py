@@ -47,6 +47,7 @@ __all__ = [
     "drop_job_if_empty",
     "sweep",
     "sweep_temporaries",
+    "drop_jobs",
 ]
 
 _log = get_logger("checkpoint")
@@ -299,3 +300,27 @@ def sweep_temporaries(directory: str, rank: int) -> None:
             if name.startswith(f"{_TMP}r{rank}-"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(directory, name))
+
+
+def drop_jobs(prefix: str, base: str | None = None) -> list[str]:
+    """Remove every job directory of this user whose key starts with ``prefix``; their names.
+
+    The launcher's hook for a launch that ended for good (``"run:<run id>|"``):
+    its snapshots serve no restart any more.
+    """
+    user = os.path.join(base or snapshot_base(), f"nbtools-snapshots-{os.geteuid()}")
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(user):
+            path = os.path.join(user, name)
+            try:
+                with open(os.path.join(path, _KEEPER)) as fh:
+                    key = json.load(fh).get("key")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(key, str) and key.startswith(prefix):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(name)
+    with contextlib.suppress(OSError):
+        os.rmdir(user)  # when no job is left
+    return removed
