@@ -221,13 +221,13 @@ class CheckpointManager:
             volume_step = agreed_volume_step(self._pg, self._target)
             got = memory_restore(self._memory, _state.classify(objs), self._pg, volume_step)
             if got is not None:
-                step, blob = got
-                report(step, time.perf_counter() - started)
-                self.restored_step, self.restored_tier, self.skipped = step, "memory", []
+                held, snapshot = got
+                report(held, time.perf_counter() - started)
+                self.restored_step, self.restored_tier, self.skipped = held, "memory", []
                 self.last_saved_step = volume_step
-                self.extra = dict(blob.get("extra") or {})
-                self.mlflow_run_id = blob.get("mlflow_run_id")
-                return step + 1
+                self.extra = dict(snapshot.get("extra") or {})
+                self.mlflow_run_id = snapshot.get("mlflow_run_id")
+                return held + 1
         restored = restore_newest(self._target, objs, self._pg, self._staging_dir, planner)
         step, blob, self.skipped = restored.step, restored.blob, restored.skipped
         self.restored_step = step

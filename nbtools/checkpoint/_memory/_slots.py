@@ -268,12 +268,10 @@ def drop_job_if_empty(directory: str) -> None:
 def sweep(user: str, own: str | None = None) -> list[str]:
     """Remove the job directories under ``user`` whose keeper process is dead; their names.
 
-    ``own`` (this job's directory) is never removed; temporary files in it that a
-    dead writer left are (a live one's are younger than its keeper, but a rank
-    restarts with a new process: any temporary file of this job at manager
-    start belongs to a writer that is gone).
+    ``own`` (this job's directory) is never removed: a restarted rank's keeper may
+    differ from the one recorded, and the job goes on.
     """
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(user)
     except FileNotFoundError:
