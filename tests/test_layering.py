@@ -254,10 +254,43 @@ def test_data_rooms_import_downward_only():
     assert not found, found
 
 
+def test_the_checkpoint_storage_half_never_imports_the_manager_half():
+    # How bytes move (checkpoint/_storage/) sits below writer.py and reader.py; the
+    # manager half (state, host buffers, lease, retention, tiers) sits above both.
+    edges = _nbtools_imports()
+    assert "nbtools.checkpoint._storage._target" in edges
+    found = [
+        f"{module} imports {other}"
+        for module, others in edges.items()
+        if module.startswith("nbtools.checkpoint._storage")
+        for other in others
+        if other.startswith("nbtools.checkpoint")
+        and not other.startswith("nbtools.checkpoint._storage")
+    ]
+    assert not found, found
+
+
 def test_data_keeps_at_most_twelve_units_and_no_module_over_500_lines():
     root = Path(nbtools.__file__).parent / "data"
     direct = [p.name for p in root.iterdir() if p.name != "__pycache__" and p.name != "__init__.py"]
     assert len(direct) <= 12, sorted(direct)
     long = {str(p.relative_to(root)): n for p in root.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long
+
+
+def test_the_checkpoint_package_stays_walkable():
+    # At most 20 modules and rooms directly in checkpoint/, and no module over 500 lines.
+    root = Path(nbtools.__file__).parent / "checkpoint"
+    entries = sorted(
+        p.name
+        for p in root.iterdir()
+        if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").is_file()
+    )
+    assert len(entries) <= 20, entries
+    long = [
+        f"{p.relative_to(root)}: {n} lines"
+        for p in sorted(root.rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > 500
+    ]
     assert not long, long

@@ -91,7 +91,7 @@ def test_narrow_tensor_by_index_matches_torch(offsets, sizes):
 
 
 def test_storage_info_is_the_dcp_record_the_allow_list_names():
-    from nbtools.checkpoint._safe_pickle import _ALLOWED, load_metadata
+    from nbtools.checkpoint._storage._safe_pickle import _ALLOWED, load_metadata
 
     cls = compat.storage_info_class()
     assert (cls.__module__, cls.__name__) in _ALLOWED
@@ -168,7 +168,7 @@ def test_dataloader_iterator_and_worker_shutdown(no_fallback):
 def test_stager_needs_no_synchronize_call():
     from torch.distributed.checkpoint.staging import AsyncStager
 
-    from nbtools.checkpoint._stager import ReusableStager
+    from nbtools.checkpoint._host_buffers import ReusableStager
 
     assert isinstance(AsyncStager.__dict__.get("should_synchronize_after_execute"), property)
     assert ReusableStager().should_synchronize_after_execute is False
@@ -178,7 +178,7 @@ def test_torch_metadata_loader_is_used_where_torch_has_one(monkeypatch):
     from torch.distributed.checkpoint import filesystem
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from nbtools.checkpoint._safe_pickle import load_metadata
+    from nbtools.checkpoint._storage._safe_pickle import load_metadata
     from nbtools.errors import UnsafeCheckpointError
 
     has_own = hasattr(filesystem, "add_safe_metadata_globals")

@@ -9,6 +9,22 @@
 - :func:`find_latest_valid`: the newest complete checkpoint under a root;
   :func:`latest_checkpoint`: the same, with its step.
 - :func:`export`: model weights as one ``torch.save`` file.
+
+How the package is laid out, in two halves:
+
+- ``_storage/``, how bytes move: the storage targets, shards and checksums, the
+  scratch disk, save markers, ranged and read-once restore reads. It imports
+  nothing from the rest of the package; its ``__init__`` gives the tour.
+- ``writer.py`` and ``reader.py``, the DCP storage backends built on it, with
+  ``discovery.py`` (which checkpoints a root holds) and ``export.py``.
+- the manager half, above them: ``manager.py`` (start reading here) with
+  ``_state`` (what a checkpoint holds: objects, per-rank blob, RNG streams),
+  ``_host_buffers`` (the reused copy an async save stages from), ``_restore``
+  (the newest checkpoint that verifies), ``_lease`` (one writer per root),
+  ``_retention`` (keeping ``keep``), ``_checks``, ``_collective``, ``_forks``,
+  ``_report``, ``_quiet`` and ``_errors``; and ``_memory/``, the memory tier
+  (``memory_every``): snapshots in node-local shared memory that a restarted
+  rank restores from before the volume.
 """
 
 from __future__ import annotations

@@ -35,10 +35,9 @@ import time
 import uuid
 from typing import Any
 
-import psutil
-
+from nbtools._internal.holder import Holder, Liveness, machine_id
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint._target import Target
+from nbtools.checkpoint._storage._target import Target
 from nbtools.errors import CheckpointError
 
 __all__ = ["LEASE_NAME", "LeasePending", "WriterLease"]
@@ -66,29 +65,6 @@ class LeasePending(CheckpointError):
     """
 
 
-def _machine() -> str:
-    """This machine and pid namespace: where a process id means the same process."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            boot = fh.read().strip()
-    except OSError:
-        boot = ""
-    try:
-        pidns = str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        pidns = ""
-    return f"{socket.gethostname()}/{boot}/{pidns}"
-
-
-def _started(pid: int) -> float | None:
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return None
-    except psutil.Error:
-        return -1.0  # exists but cannot be inspected
-
-
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -103,17 +79,15 @@ def _describe(record: dict[str, Any]) -> str:
 
 def _local_verdict(record: dict[str, Any]) -> bool:
     """Whether a lease written on this machine is held by a live writer."""
-    pid = record.get("pid")
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid == os.getpid():
+    holder = Holder.from_record(record)
+    if holder is None or holder.pid == os.getpid():
         return False  # no holder, or an earlier manager of this process: superseded
     renewed = _number(record.get("time"))
     if renewed is None or time.time() - renewed > EXPIRE_S:
         return False  # no heartbeat, or not renewed: its writer stopped
-    recorded = _number(record.get("started"))
-    started = _started(pid)
-    if recorded is None or started is None:
-        return False
-    return started == -1.0 or abs(started - recorded) < 1.0
+    if holder.started is None:
+        return False  # a lease without a start time is no evidence of anything
+    return holder.alive() is Liveness.ALIVE
 
 
 class WriterLease:
@@ -164,12 +138,13 @@ class WriterLease:
 
     def _write(self) -> None:
         self._beat += 1
+        me = Holder.me()
         record = {
             "token": self._token,
-            "pid": os.getpid(),
-            "started": _started(os.getpid()),
+            "pid": me.pid,
+            "started": me.started,
             "host": socket.gethostname(),
-            "machine": _machine(),
+            "machine": me.machine,
             "since": self._since,
             "time": time.time(),
             "beat": self._beat,
@@ -179,7 +154,7 @@ class WriterLease:
     # --- judging another writer's lease ----------------------------------------------
 
     def _refuse(self, record: dict[str, Any]) -> CheckpointError:
-        if record.get("machine") == _machine() and record.get("pid") == os.getpid():
+        if record.get("machine") == machine_id() and record.get("pid") == os.getpid():
             return CheckpointError(
                 f"a newer CheckpointManager of this process saves under {self._target.url} "
                 "now, so this one does not; close this one and use the newer one"
@@ -204,7 +179,7 @@ class WriterLease:
         """``"gone"``, ``"live"`` or ``"pending"`` for a lease that is not ours."""
         if self._takeover:
             return "gone"
-        if record.get("machine") == _machine():
+        if record.get("machine") == machine_id():
             return "live" if _local_verdict(record) else "gone"
         renewed = _number(record.get("time"))
         if renewed is None or time.time() - renewed > MAX_AGE_S:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -26,14 +27,14 @@ from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import agree, gather
 from nbtools.checkpoint._errors import unwrap
-from nbtools.checkpoint._layout import METADATA_NAME, step_dir_name
 from nbtools.checkpoint._quiet import quiet_single_process_warning
-from nbtools.checkpoint._target import Target
+from nbtools.checkpoint._storage._layout import METADATA_NAME, step_dir_name
+from nbtools.checkpoint._storage._target import Target
 from nbtools.checkpoint.discovery import candidates
 from nbtools.checkpoint.reader import VolumeReader
 from nbtools.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["newest_verified", "restore_newest"]
+__all__ = ["Restored", "newest_verified", "restore_newest"]
 
 _log = get_logger("checkpoint")
 
@@ -41,6 +42,36 @@ _log = get_logger("checkpoint")
 MAX_LOST = 50
 
 Loaded = tuple[dict[str, Any], dict[str, Any]]
+
+
+@dataclass
+class Restored:
+    """What a restore loaded.
+
+    Attributes:
+        directory: The checkpoint loaded; None when the root holds none.
+        step: Its step; None when the root holds none.
+        state: The model and optimizer state loaded (as DCP filled it in).
+        blob: This rank's per-rank state (RNG streams, stateful objects,
+            ``extra``, ``mlflow_run_id``).
+        skipped: ``(url, reason)`` of each newer checkpoint passed over because
+            its data did not verify.
+    """
+
+    directory: Target | None = None
+    step: int | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+    blob: dict[str, Any] = field(default_factory=dict)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """Rank 0's word to every rank: the step to try next, or the error that ends the search
+    (neither: no checkpoint is left)."""
+
+    step: int | None = None
+    error: BaseException | None = None
 
 
 def _lost(directory: Target) -> bool:
@@ -63,7 +94,7 @@ def newest_verified(
     target: Target,
     load: Callable[[Target, Any], Loaded],
     pg: Any,
-) -> tuple[Target | None, int | None, dict[str, Any], dict[str, Any], list[tuple[str, str]]]:
+) -> Restored:
     """Load the newest checkpoint under ``target`` that verifies on every rank.
 
     Rank 0 chooses; the ranks agree on the step only and each opens that step's
@@ -76,9 +107,7 @@ def newest_verified(
         pg: The process group of the ranks (None: one process).
 
     Returns:
-        ``(directory, step, state, blob, skipped)``; directory and step are None
-        when the root holds no checkpoint. ``skipped`` lists ``(url, reason)`` of
-        the newer checkpoints passed over.
+        The checkpoint loaded, and those passed over (see :class:`Restored`).
 
     Raises:
         CorruptCheckpointError: Checkpoints exist but none verifies.
@@ -88,18 +117,18 @@ def newest_verified(
     passed: set[int] = set()  # steps skipped as corrupt
     lost = 0
     while True:
-        verdict, metadata = None, None
+        verdict, metadata = _Choice(), None
         if found is not None:
             try:
                 item = next(found, None)
                 if item is not None:
-                    verdict, metadata = item[0], item[2]
+                    verdict, metadata = _Choice(step=item[0]), item[2]
             except Exception as exc:  # noqa: BLE001 - every rank must raise it, not hang
-                verdict = exc
-        choice = agree(pg, verdict)
-        if isinstance(choice, BaseException):
-            raise choice
-        if choice is None:
+                verdict = _Choice(error=exc)
+        choice: _Choice = agree(pg, verdict)
+        if choice.error is not None:
+            raise choice.error
+        if choice.step is None:
             if skipped:
                 listed = "; ".join(f"{url}: {reason}" for url, reason in skipped)
                 raise CorruptCheckpointError(
@@ -107,8 +136,8 @@ def newest_verified(
                     "restore may hold values loaded in part: recreate them before starting "
                     "afresh, or move the damaged checkpoints away"
                 )
-            return None, None, {}, {}, skipped
-        step = choice
+            return Restored(skipped=skipped)
+        step = choice.step
         directory = target.child(step_dir_name(step))
         url = directory.url
         state: dict[str, Any] = {}
@@ -122,7 +151,7 @@ def newest_verified(
             error = unwrap(exc, f"restoring {url}")
         outcomes = gather(pg, (_kind(error), str(error) if error is not None else ""))
         if all(kind == "ok" for kind, _ in outcomes):
-            return directory, step, state, blob, skipped
+            return Restored(directory, step, state, blob, skipped)
         if agree(pg, _lost(directory) if runtime.get_rank() == 0 else None):
             lost += 1
             if lost > MAX_LOST:
@@ -177,7 +206,7 @@ def restore_newest(
     pg: Any,
     staging_dir: str | os.PathLike[str] | None,
     planner: Any = None,
-) -> tuple[int | None, dict[str, Any], list[tuple[str, str]]]:
+) -> Restored:
     """``CheckpointManager.restore``: load the newest verified checkpoint into ``objs``.
 
     Reads through :class:`VolumeReader` (staging in ``staging_dir``; model and
@@ -186,22 +215,22 @@ def restore_newest(
     ``checkpoint_restored`` event).
 
     Returns:
-        ``(step, blob, skipped)``: step is None when the root holds no
-        checkpoint; ``blob`` is this rank's per-rank state (``extra``,
-        ``mlflow_run_id``); ``skipped`` as in :func:`newest_verified`.
+        What was restored (:class:`Restored`; its ``step`` is None when the root
+        holds no checkpoint).
     """
     started = time.perf_counter()
     kinds = _state.classify(objs)
     if pg is None:
         quiet_single_process_warning()
-    directory, step, state, blob, skipped = newest_verified(
+    restored = newest_verified(
         target,
         lambda directory, metadata: _load(kinds, directory, metadata, pg, staging_dir, planner),
         pg,
     )
+    directory, step = restored.directory, restored.step
     if directory is None or step is None:
-        return None, {}, skipped
-    _state.apply_state(kinds, state, blob)
+        return restored
+    _state.apply_state(kinds, restored.state, restored.blob)
     _log.info("restored %s; resuming at step %d", directory.url, step + 1)
     if runtime.get_rank() == 0:
         events.emit(
@@ -209,5 +238,6 @@ def restore_newest(
             message=f"restored {directory.url}",
             step=step,
             seconds=round(time.perf_counter() - started, 4),
+            tier="volume",
         )
-    return step, blob, skipped
+    return restored

@@ -43,15 +43,17 @@ from nbtools.checkpoint._checks import (
 from nbtools.checkpoint._collective import agree, final_step
 from nbtools.checkpoint._errors import unwrap
 from nbtools.checkpoint._forks import track
-from nbtools.checkpoint._layout import METADATA_NAME, step_dir_name
+from nbtools.checkpoint._host_buffers import ReusableStager
 from nbtools.checkpoint._lease import WriterLease
+from nbtools.checkpoint._memory._tier import MemoryTier, agreed_volume_step, memory_restore, report
 from nbtools.checkpoint._quiet import quiet_single_process_warning
 from nbtools.checkpoint._report import SaveTiming
 from nbtools.checkpoint._restore import restore_newest
 from nbtools.checkpoint._retention import RetentionWorker
-from nbtools.checkpoint._roots import check_root
-from nbtools.checkpoint._stager import ReusableStager
-from nbtools.checkpoint._target import Target
+from nbtools.checkpoint._storage import _scratch
+from nbtools.checkpoint._storage._layout import METADATA_NAME, step_dir_name
+from nbtools.checkpoint._storage._roots import check_root
+from nbtools.checkpoint._storage._target import Target
 from nbtools.checkpoint.discovery import is_foreign, root_target
 from nbtools.checkpoint.writer import VolumeWriter
 from nbtools.errors import CheckpointError
@@ -96,9 +98,16 @@ class CheckpointManager:
         takeover: Take the root's writer lease even when its holder looks alive
             (it stops saving at its next heartbeat or save). For a root whose
             previous writer is known to be gone.
+        memory_every: ``maybe_save`` also snapshots the same state into node-local
+            shared memory (``/dev/shm``, or ``NBTOOLS_SNAPSHOT_DIR``) when
+            ``step % memory_every == 0``; the snapshots outlive a killed rank, and
+            ``restore`` loads the newest step every rank holds from there when it
+            is at least as new as the volume's. None (the default): no snapshots.
 
     Attributes:
         restored_step: Step of the checkpoint ``restore`` loaded, or None.
+        restored_tier: Where ``restore`` loaded it from: ``"memory"`` or
+            ``"volume"`` (None before a restore, or when there was nothing).
         last_saved_step: Step of the last checkpoint completed and published
             (by this manager, or the one restored).
         mlflow_run_id: MLflow run id of the restored checkpoint or of the last save
@@ -119,8 +128,10 @@ class CheckpointManager:
         sync_files: bool = True,
         save_on_close: bool = True,
         takeover: bool = False,
+        memory_every: int | None = None,
     ) -> None:
         self.every = positive("every", every)
+        self.memory_every = positive("memory_every", memory_every)
         self.keep = positive("keep", keep)
         if not isinstance(save_on_close, bool):
             raise TypeError(f"save_on_close must be a bool, not {type(save_on_close).__name__}")
@@ -131,8 +142,12 @@ class CheckpointManager:
         self.async_save = async_save
         self.save_on_close = save_on_close
         self._staging_dir = staging_dir
+        # What a killed run's save left in the staging directory goes now, not at the
+        # next save: a run may restore and train long before it saves.
+        _scratch.sweep(_scratch.staging_base(staging_dir))
         self._sync_files = sync_files
         self.restored_step: int | None = None
+        self.restored_tier: str | None = None
         self.last_saved_step: int | None = None
         self.mlflow_run_id: str | None = None
         self.extra: dict[str, Any] = {}
@@ -165,6 +180,8 @@ class CheckpointManager:
         self._deferred = False  # a due save waits for the lease's verdict
         # A manager dropped without close() (a notebook cell run again) frees the root.
         self._release = weakref.finalize(self, self._lease.release if self._lease else _noop)
+        self._memory = MemoryTier(self.memory_every, self.root) if self.memory_every else None
+        self._failed = False  # closed on an error: snapshots stay for the restart
         self._closed = False
 
     def _check_open(self) -> None:
@@ -198,12 +215,25 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
-        step, blob, self.skipped = restore_newest(
-            self._target, objs, self._pg, self._staging_dir, planner
-        )
+        _scratch.sweep(_scratch.staging_base(self._staging_dir))  # a killed writer's leftovers
+        if self._memory is not None:
+            started = time.perf_counter()
+            volume_step = agreed_volume_step(self._pg, self._target)
+            got = memory_restore(self._memory, _state.classify(objs), self._pg, volume_step)
+            if got is not None:
+                held, snapshot = got
+                report(held, time.perf_counter() - started)
+                self.restored_step, self.restored_tier, self.skipped = held, "memory", []
+                self.last_saved_step = volume_step
+                self.extra = dict(snapshot.get("extra") or {})
+                self.mlflow_run_id = snapshot.get("mlflow_run_id")
+                return held + 1
+        restored = restore_newest(self._target, objs, self._pg, self._staging_dir, planner)
+        step, blob, self.skipped = restored.step, restored.blob, restored.skipped
         self.restored_step = step
         if step is None:
             return 0
+        self.restored_tier = "volume"
         self.last_saved_step = step
         self.extra = dict(blob.get("extra") or {})
         self.mlflow_run_id = blob.get("mlflow_run_id")
@@ -223,9 +253,25 @@ class CheckpointManager:
         check_extra(extra)
         self._raise_failed()
         self._last_seen = (step, dict(objs), extra)
+        if self._memory is not None and self._memory.due(step):
+            self._snapshot(step, objs, extra)
         if not self._deferred and (self.every is None or step % self.every != 0):
             return False
         return self.save(step, extra=extra, **objs)
+
+    def _snapshot(self, step: int, objs: dict[str, Any], extra: dict[str, Any] | None) -> None:
+        """This rank's memory snapshot of ``step``: the state a checkpoint of it holds."""
+        assert self._memory is not None
+        run_id = active_mlflow_run_id() or self.mlflow_run_id
+        state = _state.build_state(
+            step,
+            _state.classify(objs),
+            runtime.get_rank(),
+            runtime.get_world_size(),
+            extra or {},
+            run_id,
+        )
+        self._memory.snapshot(step, state)
 
     def save(self, step: int, *, extra: dict[str, Any] | None = None, **objs: Any) -> bool:
         """Checkpoint ``objs`` as ``step`` (asynchronously unless ``async_save=False``).
@@ -388,11 +434,15 @@ class CheckpointManager:
         """
         if self._closed:
             return
+        finished = False
         try:
             self.wait()
             if self.save_on_close if final_save is None else final_save:
                 self._save_last_seen()
+            finished = not self._failed
         finally:
+            if self._memory is not None:
+                self._memory.close(keep=not finished)
             self._closed = True
             self._last_seen = None
             if self._retention is not None:
@@ -408,6 +458,7 @@ class CheckpointManager:
         if exc_type is None:
             self.close()
             return
+        self._failed = True
         try:
             self.close(final_save=False)  # the state after a failure is not a finished step
         except Exception as close_exc:  # noqa: BLE001 - keep the original error

@@ -4,9 +4,9 @@ Metadata is read with a restricted unpickler. Where the target is remote (a
 URL, a network or FUSE mount) the byte ranges of the items a rank's plan names
 are fetched into local staging, each range several ranks need by one rank only
 and handed to the others over the process group, checked against its recorded
-CRC-32 where it was fetched (:mod:`nbtools.checkpoint._staged_read`); a handed
+CRC-32 where it was fetched (:mod:`nbtools.checkpoint._storage._staged_read`); a handed
 tensor whose destination is a dense CPU tensor of its dtype and shape is copied
-from the message straight into it (:mod:`nbtools.checkpoint._deliver`). A
+from the message straight into it (:mod:`nbtools.checkpoint._storage._delivery`). A
 local directory is read in place, each item checked as it is read. Only
 verified bytes are loaded. Non-tensor values are checked to
 be loadable with ``torch.load(weights_only=True)`` before DCP's planner
@@ -38,44 +38,21 @@ from torch.futures import Future
 
 from nbtools import _torch_compat
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint import _staging
-from nbtools.checkpoint._coop_read import NOTE
-from nbtools.checkpoint._deliver import Delivery, Slice, dense_destination, saved_data
-from nbtools.checkpoint._layout import METADATA_NAME, RANK_METADATA_RE, rank_metadata_name
-from nbtools.checkpoint._rank_local import check_rank_local
-from nbtools.checkpoint._safe_pickle import check_weights_only, load_metadata
-from nbtools.checkpoint._shards import item_checksum, read_item_into, verify_items
-from nbtools.checkpoint._staged_read import StagedFetch, Timings
-from nbtools.checkpoint._target import Target, can_open, open_target
-from nbtools.checkpoint._transforms import StreamTransforms, descriptors_of
-from nbtools.errors import CheckpointNotFoundError, CorruptCheckpointError
+from nbtools.checkpoint._storage import _scratch
+from nbtools.checkpoint._storage._coop_read import NOTE
+from nbtools.checkpoint._storage._delivery import Delivery, Slice, dense_destination, saved_data
+from nbtools.checkpoint._storage._layout import METADATA_NAME, rank_metadata_name
+from nbtools.checkpoint._storage._rank_local import check_rank_local
+from nbtools.checkpoint._storage._safe_pickle import check_weights_only, read_metadata
+from nbtools.checkpoint._storage._shards import item_checksum, read_item_into, verify_items
+from nbtools.checkpoint._storage._staged_read import StagedFetch, Timings
+from nbtools.checkpoint._storage._target import Target, can_open, open_target
+from nbtools.checkpoint._storage._transforms import StreamTransforms, descriptors_of
+from nbtools.errors import CorruptCheckpointError
 
 __all__ = ["VolumeReader", "read_metadata"]
 
 _log = get_logger("checkpoint")
-
-
-def read_metadata(target: Target, where: str, name: str = METADATA_NAME) -> Metadata:
-    """Read and safely unpickle the metadata file ``name`` of a checkpoint directory target."""
-    try:
-        data = target.read_bytes(name)
-    except FileNotFoundError:
-        if name == METADATA_NAME:
-            rank_local = sorted(n for n in target.listdir() if RANK_METADATA_RE.match(n))
-            hint = (
-                f" (it holds the rank-local metadata {', '.join(rank_local[:4])}: it was saved "
-                "with use_collectives=False, so load it on as many ranks, each reading its own)"
-                if rank_local
-                else ""
-            )
-            raise CheckpointNotFoundError(
-                f"{where} has no {METADATA_NAME}: it is not a complete checkpoint{hint}"
-            ) from None
-        raise CheckpointNotFoundError(
-            f"{where} has no {name}: no rank-local checkpoint of this rank is there (it was "
-            "saved by fewer ranks, or with use_collectives=True, or not completely)"
-        ) from None
-    return load_metadata(data, f"{where}/{name}")
 
 
 def _writable_view(tensor: torch.Tensor) -> memoryview:
@@ -150,7 +127,7 @@ class VolumeReader(StorageReader):
             min_chunk_size=int(min_chunk_size),
             read_timeout=float(read_timeout),
         )
-        self._staging_base = _staging.staging_base(staging_dir)
+        self._staging_base = _scratch.staging_base(staging_dir)
         self._stage_choice = stage
         self._open(path)
         self.thread_count = self._fetch.thread_count = max(1, thread_count)
@@ -234,7 +211,7 @@ class VolumeReader(StorageReader):
             )
         if self._stage:
             note = plan.storage_data.get(NOTE) if isinstance(plan.storage_data, dict) else None
-            with _staging.staging_area(self._staging_base) as stage:
+            with _scratch.staging_area(self._staging_base) as stage:
                 delivery = Delivery(
                     plan,
                     self.storage_data,

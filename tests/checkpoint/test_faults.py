@@ -5,6 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -13,7 +17,7 @@ from ckpt_training import Net
 from nbtools import events
 from nbtools.checkpoint import CheckpointManager, find_latest_valid
 from nbtools.checkpoint._retention import purge
-from nbtools.checkpoint._target import LocalTarget
+from nbtools.checkpoint._storage._target import LocalTarget
 from nbtools.errors import CheckpointError, CorruptCheckpointError, StagingSpaceError
 
 
@@ -145,6 +149,119 @@ def test_a_refused_save_states_the_reserve_and_leaves_no_step_directory(
     assert needs < free < needs + reserve, message  # the figures agree with the refusal
     assert sorted(os.listdir(root)) == ["step_1"]  # no empty step_2/
     assert os.listdir(staging) == []
+
+
+@pytest.mark.root
+def test_a_staging_disk_that_fills_during_an_async_save_is_named_with_its_free_space(
+    tmp_path, mount_tmpfs
+):
+    staging = mount_tmpfs("24m")
+    root = tmp_path / "root"
+    # The space check passes (the extra's size is not known before it is written), and
+    # the shard write then runs into the end of the 24 MiB filesystem.
+    with CheckpointManager(root, async_save=True, staging_dir=staging) as ckpt:
+        ckpt.save(1, model=torch.nn.Linear(2, 2))
+        ckpt.wait()
+        with pytest.raises(StagingSpaceError) as info:
+            ckpt.save(2, model=torch.nn.Linear(2, 2), extra={"blob": os.urandom(40 << 20)})
+            ckpt.wait()
+    message = str(info.value)
+    assert message.startswith(f"staging directory {staging} is full: "), message
+    free, needed = (
+        float(x) for x in re.search(r"([\d.]+) MiB free, about ([\d.]+) MiB needed", message).groups()
+    )
+    assert free < 1 < needed, message
+    assert "NBTOOLS_STAGING_DIR" in message and "rank 0" in message
+    assert "inline_container" not in message.split(". Free")[0].split("(")[0]
+    assert isinstance(info.value, OSError)
+    assert sorted(os.listdir(root)) == ["step_1"]  # the failed step is never published
+    assert os.listdir(staging) == []  # and its partial shards are gone
+    # Once the space is back, the next save works.
+    with CheckpointManager(root, async_save=True, staging_dir=staging) as ckpt:
+        ckpt.save(3, model=torch.nn.Linear(2, 2))
+    assert sorted(os.listdir(root)) == ["step_1", "step_3"]
+
+
+@pytest.mark.root
+def test_torchs_own_write_error_on_a_full_staging_disk_reads_as_a_space_error(mount_tmpfs):
+    from nbtools.checkpoint._storage import _scratch
+
+    staging = mount_tmpfs("4m")
+    with pytest.raises(OSError), open(staging / "filler", "wb") as fh:
+        fh.write(b"x" * (8 << 20))
+    torch_error = RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 704 vs 598")
+    err = _scratch.space_error(torch_error, str(staging), 6 << 20, "rank 0 saving /vol/step_2")
+    assert isinstance(err, StagingSpaceError)
+    assert str(err).startswith(f"staging directory {staging} is full: 0.0 MiB free, about 6.0 MiB")
+    os.unlink(staging / "filler")  # the space is back: the same error is not a space problem
+    assert _scratch.space_error(torch_error, str(staging), 1 << 20, "saving") is None
+
+
+_KILLED_WRITER = textwrap.dedent(
+    """
+    import os, sys, time
+    from nbtools.checkpoint._storage import _scratch
+    with _scratch.staging_area(sys.argv[1]) as stage:
+        with open(os.path.join(stage, "__0_0.distcp"), "wb") as fh:
+            fh.write(os.urandom(1 << 20))
+        print(stage, flush=True)
+        time.sleep(600)
+    """
+)
+
+
+def _killed_writer(staging) -> str:
+    """A process that stages a shard the way a save does and is SIGKILLed mid-save."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, str(staging)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        stage = proc.stdout.readline().strip()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+    assert stage and os.path.isdir(stage)
+    return stage
+
+
+def test_a_killed_writers_staging_is_swept_when_a_manager_starts(tmp_path):
+    staging = tmp_path / "staging"
+    stage = _killed_writer(staging)
+    with CheckpointManager(tmp_path / "root", staging_dir=staging):
+        assert not os.path.exists(stage)
+
+
+def test_a_killed_writers_staging_is_swept_by_a_restore(tmp_path):
+    staging = tmp_path / "staging"
+    root = tmp_path / "root"
+    _saved(root, 1)
+    with CheckpointManager(root, staging_dir=staging) as ckpt:
+        stage = _killed_writer(staging)  # killed while this run trains, before it saves
+        assert ckpt.restore(model=torch.nn.Linear(64, 64)) == 2
+        assert not os.path.exists(stage)
+
+
+def test_staging_named_by_a_reused_process_id_is_swept(tmp_path):
+    from nbtools.checkpoint._storage import _scratch
+
+    newer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        old = tmp_path / f"nbtools-stage-{newer.pid}-x1"  # a killed writer's, an hour ago
+        old.mkdir()
+        os.utime(old, (os.path.getmtime(old) - 3600,) * 2)
+        assert _scratch.sweep(str(tmp_path)) == [old.name]
+    finally:
+        newer.kill()
+        newer.wait()
+
+
+def test_a_live_writers_staging_is_kept(tmp_path):
+    from nbtools.checkpoint._storage import _scratch
+
+    with _scratch.staging_area(str(tmp_path)) as stage:
+        with CheckpointManager(tmp_path / "root", staging_dir=tmp_path):
+            assert os.path.isdir(stage)
 
 
 # --- retention -------------------------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nbtools.checkpoint import CheckpointManager
-from nbtools.checkpoint._stager import ReusableStager
+from nbtools.checkpoint._host_buffers import ReusableStager
 
 pytestmark = [
     pytest.mark.gpu,

@@ -11,8 +11,9 @@ import psutil
 import pytest
 from ckpt_training import Net
 
+from nbtools._internal.holder import machine_id as _machine
 from nbtools.checkpoint import CheckpointManager, _lease
-from nbtools.checkpoint._lease import LEASE_NAME, _machine
+from nbtools.checkpoint._lease import LEASE_NAME
 from nbtools.errors import CheckpointError
 
 MONTH_S = 30 * 24 * 3600.0

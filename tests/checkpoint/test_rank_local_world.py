@@ -10,8 +10,8 @@ import torch.distributed.checkpoint as dcp
 
 from nbtools import distributed
 from nbtools.checkpoint import VolumeReader, VolumeWriter
-from nbtools.checkpoint._rank_local import check_rank_local
-from nbtools.checkpoint._target import open_target
+from nbtools.checkpoint._storage._rank_local import check_rank_local
+from nbtools.checkpoint._storage._target import open_target
 from nbtools.errors import DistributedError
 from nbtools.launch import _env
 

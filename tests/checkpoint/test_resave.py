@@ -38,7 +38,7 @@ DRIVER = textwrap.dedent(
     import torch.distributed.checkpoint as dcp
     from nbtools.checkpoint import VolumeReader, VolumeWriter, find_latest_valid
     from nbtools.checkpoint.discovery import validate
-    from nbtools.checkpoint._target import open_target
+    from nbtools.checkpoint._storage._target import open_target
 
     url, out_file, points_wanted = sys.argv[1], sys.argv[2], int(sys.argv[3])
     path = url + "/step_8"
@@ -136,7 +136,7 @@ DRIVER = textwrap.dedent(
 
     def listing():
         target = open_target(path)
-        from nbtools.checkpoint.reader import read_metadata
+        from nbtools.checkpoint._storage._safe_pickle import read_metadata
         named = {i.relative_path for i in read_metadata(target, path).storage_data.values()}
         return {"names": sorted(target.listdir()), "named": sorted(named)}
 

@@ -21,8 +21,9 @@ from _restore_servers import s3_env, s3_served, s3_server, s3_stall
 from torch.distributed.checkpoint.api import CheckpointException
 
 from nbtools.checkpoint import CheckpointManager, VolumeReader, VolumeWriter
-from nbtools.checkpoint._coop_read import plan_reads
-from nbtools.checkpoint._ranges import crc32_of, fetch_range, split
+from nbtools.checkpoint._storage._coop_read import plan_reads
+from nbtools.checkpoint._storage._ranges import crc32_of, fetch_range, split
+from nbtools.checkpoint._storage._target import LocalTarget
 from nbtools.errors import CheckpointStallError, CorruptCheckpointError, StagingSpaceError
 
 s3fs = pytest.importorskip("s3fs")
@@ -115,7 +116,7 @@ def test_records_are_checked_from_the_crcs_of_the_blocks_as_fetched(tmp_path):
     data = os.urandom(3 * MiB + 7)
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "f").write_bytes(data)
-    target = type("T", (), {"local_path": str(tmp_path / "src")})()
+    target = LocalTarget(tmp_path / "src")
     records = [(0, MiB // 2), (MiB // 2, 2 * MiB), (5 * MiB // 2, MiB // 2 + 7)]
     cuts = [offset for offset, _ in records[1:]]
     dest = str(tmp_path / "staged")

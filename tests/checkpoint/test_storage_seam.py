@@ -20,11 +20,11 @@ from nbtools._internal.location import is_url, local_path, unwritable_reason, ur
 from nbtools.checkpoint import (
     CheckpointManager,
     VolumeWriter,
-    _mounts,
     find_latest_valid,
     latest_checkpoint,
 )
-from nbtools.checkpoint._target import FsspecTarget, LocalTarget, Target, open_target
+from nbtools.checkpoint._storage import _mounts
+from nbtools.checkpoint._storage._target import FsspecTarget, LocalTarget, Target, open_target
 
 PACKAGE = Path(__file__).resolve().parents[2] / "nbtools"
 

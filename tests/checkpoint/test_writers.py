@@ -13,8 +13,9 @@ import pytest
 import torch
 from ckpt_training import Net
 
+from nbtools._internal.holder import machine_id as _machine
 from nbtools.checkpoint import CheckpointManager, find_latest_valid
-from nbtools.checkpoint._lease import LEASE_NAME, _machine
+from nbtools.checkpoint._lease import LEASE_NAME
 from nbtools.errors import CheckpointError
 
 # A run saving every step with keep=1 until told to stop. It reports as JSON lines:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from nbtools.checkpoint import CheckpointManager
@@ -69,8 +70,13 @@ DRIVER = textwrap.dedent(
         pos = Position()
         random.seed(10 + rank); np.random.seed(20 + rank); torch.manual_seed(30 + rank)
         objs = dict(model=model, optimizer=opt, sched=sched, data=pos)
-        ckpt = None if phase == "ref" else CheckpointManager(f"{work}/root", every=EVERY, keep=2)
+        memory = int(os.environ["MEMORY_EVERY"]) if os.environ.get("MEMORY_EVERY") else None
+        ckpt = None if phase == "ref" else CheckpointManager(
+            f"{work}/root", every=EVERY, keep=2, memory_every=memory)
         start = ckpt.restore(**objs) if ckpt else 0
+        if ckpt and rank == 0:
+            print(f"phase {phase}: restored step {ckpt.restored_step} from {ckpt.restored_tier}",
+                  flush=True)
         for step in range(start, TOTAL):
             x = torch.randn(8, 4) + random.random() + float(np.random.rand())
             loss = model(x).pow(2).mean()
@@ -135,8 +141,14 @@ class _Net(torch.nn.Module):
         self.head = torch.nn.Linear(16, 1)
 
 
-def test_killed_rank_restart_is_bit_identical(tmp_path, monkeypatch):
+@pytest.mark.parametrize("memory_every", [None, 2], ids=["volume", "memory"])
+def test_killed_rank_restart_is_bit_identical(tmp_path, monkeypatch, memory_every):
     monkeypatch.setenv("NBTOOLS_STAGING_DIR", str(tmp_path / "staging"))
+    if memory_every:  # one job across the restart: snapshots in the test's own directory
+        (tmp_path / "shm").mkdir()
+        monkeypatch.setenv("NBTOOLS_SNAPSHOT_DIR", str(tmp_path / "shm"))
+        monkeypatch.setenv("MEMORY_EVERY", str(memory_every))
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "memory-tier-test")
     # torch creates its inductor cache dir on first optimizer use; keep it in tmp_path.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     script = tmp_path / "driver.py"
@@ -151,6 +163,9 @@ def test_killed_rank_restart_is_bit_identical(tmp_path, monkeypatch):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "killed phase ended as expected" in proc.stdout
+    if memory_every:  # rank 1 died after its snapshot of step 6; the volume had step 3
+        assert "phase resumed: restored step 6 from memory" in proc.stdout, proc.stdout
+        assert [p for p in (tmp_path / "shm").rglob("*") if p.is_file()] == []
 
     for rank in (0, 1):
         ref = torch.load(tmp_path / f"ref_rank{rank}.pt", weights_only=False)

@@ -31,17 +31,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbtools._internal.fs import TMP_PREFIX
+from nbtools._internal.holder import Holder, Liveness, machine_id
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint._layout import (
+from nbtools.checkpoint._storage._layout import (
     METADATA_NAME,
     RANK_METADATA_RE,
     is_shard,
     save_mark_name,
     save_mark_tag,
 )
-from nbtools.checkpoint._process import machine_id, started
-from nbtools.checkpoint._target import Target
-from nbtools.checkpoint.reader import read_metadata
+from nbtools.checkpoint._storage._safe_pickle import read_metadata
+from nbtools.checkpoint._storage._target import Target
 from nbtools.errors import CheckpointError
 
 __all__ = [
@@ -69,10 +69,11 @@ _warned: set[str] = set()
 
 def begin(target: Target, tag: str) -> None:
     """Publish the marker of the save ``tag`` (before it writes anything) and note it here."""
+    me = Holder.me()
     record = {
-        "pid": os.getpid(),
-        "started": started(os.getpid()),
-        "machine": machine_id(),
+        "pid": me.pid,
+        "started": me.started,
+        "machine": me.machine,
         "host": socket.gethostname(),
         "time": time.time(),
     }
@@ -106,13 +107,8 @@ def _state(tag: str, record: Any) -> str:
         pid = record.get("pid")
         if pid == os.getpid():
             return "live" if _running_here(tag) else "stale"
-        since = started(pid) if isinstance(pid, int) else None
-        alive = since is not None and (
-            since == -1.0
-            or not isinstance(record.get("started"), (int, float))
-            or abs(since - float(record["started"])) < 1.0
-        )
-        return "live" if alive else "stale"
+        holder = Holder.from_record(record)  # without a start time: judged by its pid
+        return "live" if holder is not None and holder.alive() is Liveness.ALIVE else "stale"
     try:
         age = time.time() - float(record.get("time", 0))
     except (TypeError, ValueError):

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from nbtools.errors import CheckpointError, CheckpointStallError, CorruptCheckpointError
 
-__all__ = ["Key", "NOTE", "Delivery", "plan_reads", "exchange", "group_of", "describe_group"]
+__all__ = ["Key", "NOTE", "Receiver", "plan_reads", "exchange", "group_of", "describe_group"]
 
 #: A stored record: ``(relative_path, offset, length)``.
 Key = tuple[str, int, int]
@@ -146,7 +146,7 @@ def _error_code(exc: BaseException) -> int:
     return 3
 
 
-class Delivery(Protocol):
+class Receiver(Protocol):
     """How a rank takes the records handed to it (see :func:`exchange`)."""
 
     def frame(self, key: Key) -> tuple[int, int]:
@@ -170,13 +170,14 @@ def exchange(
     group: Any,
     me: int,
     messages: list[tuple[int, tuple[tuple[Key, int, int], ...]]],
+    *,
     needed: set[Key],
     ready: Callable[[Key], None],
     staged: Callable[[str], str],
     cuda_destinations: Callable[[], bool],
     on_bytes: Callable[[int], None],
     timings: Any,
-    delivery: Delivery,
+    delivery: Receiver,
     memory: int,
 ) -> None:
     """Run the broadcasts of ``messages`` on this rank (every rank calls it alike).
@@ -197,7 +198,7 @@ def exchange(
         staged: The local staging file of a relative path.
         cuda_destinations: Whether this rank loads into CUDA tensors.
         on_bytes: Called with the payload bytes of each message fetched by another rank.
-        timings: A :class:`~nbtools.checkpoint._staged_read.Timings` to add phases to.
+        timings: A :class:`~nbtools.checkpoint._storage._staged_read.Timings` to add phases to.
         delivery: Where handed-over records go on this rank.
         memory: Bytes of message buffers (at least two messages are in flight).
     """
@@ -311,7 +312,7 @@ def _pack(
     payload: int,
     ready: Callable[[Key], None],
     staged: Callable[[str], str],
-    delivery: Delivery,
+    delivery: Receiver,
     timings: Any,
 ) -> BaseException | None:
     """Fill ``buf`` with a message this rank fetched; on failure, with the error."""

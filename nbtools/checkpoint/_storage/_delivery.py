@@ -5,7 +5,7 @@ it as one run of bytes. :func:`saved_data` finds that run (reading the
 archive's small framing only). Where a rank loads a whole saved tensor into a
 dense CPU tensor of the same dtype and shape, those bytes are the
 destination's memory: a local load reads them straight into it, and a
-hand-off (:func:`~nbtools.checkpoint._coop_read.exchange`) copies them there
+hand-off (:func:`~nbtools.checkpoint._storage._coop_read.exchange`) copies them there
 from the message, with :class:`Delivery`, instead of staging them.
 """
 
@@ -21,8 +21,8 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
 from nbtools import _torch_compat
-from nbtools.checkpoint._coop_read import Key
-from nbtools.checkpoint._transforms import descriptors_of
+from nbtools.checkpoint._storage._coop_read import Key
+from nbtools.checkpoint._storage._transforms import descriptors_of
 
 __all__ = ["Slice", "saved_data", "dense_destination", "Delivery"]
 
@@ -96,7 +96,7 @@ def dense_destination(target: torch.Tensor, dtype: torch.dtype, shape: Any) -> b
 
 
 class Delivery:
-    """Where the records handed to one rank go (see :class:`~nbtools.checkpoint._coop_read.Delivery`).
+    """Where the records handed to one rank go (see :class:`~nbtools.checkpoint._storage._coop_read.Receiver`).
 
     Args:
         plan: This rank's load plan.

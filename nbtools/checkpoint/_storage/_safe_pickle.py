@@ -15,9 +15,11 @@ import pickle
 from typing import Any
 
 from nbtools import _torch_compat
-from nbtools.errors import CorruptCheckpointError, UnsafeCheckpointError
+from nbtools.checkpoint._storage._layout import METADATA_NAME, RANK_METADATA_RE
+from nbtools.checkpoint._storage._target import Target
+from nbtools.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["load_metadata", "check_weights_only"]
+__all__ = ["load_metadata", "read_metadata", "check_weights_only"]
 
 # Classes by (module, name). Dataclasses and enums of DCP metadata only: their
 # constructors and ``__setstate__`` set attributes and nothing else.
@@ -144,3 +146,26 @@ def check_weights_only(data: bytes | memoryview, where: str) -> None:
         ) from None
     except Exception as exc:  # noqa: BLE001
         raise CorruptCheckpointError(f"{where}: a saved value cannot be read ({exc})") from None
+
+
+def read_metadata(target: Target, where: str, name: str = METADATA_NAME) -> Any:
+    """Read and safely unpickle the metadata file ``name`` of a checkpoint directory target."""
+    try:
+        data = target.read_bytes(name)
+    except FileNotFoundError:
+        if name == METADATA_NAME:
+            rank_local = sorted(n for n in target.listdir() if RANK_METADATA_RE.match(n))
+            hint = (
+                f" (it holds the rank-local metadata {', '.join(rank_local[:4])}: it was saved "
+                "with use_collectives=False, so load it on as many ranks, each reading its own)"
+                if rank_local
+                else ""
+            )
+            raise CheckpointNotFoundError(
+                f"{where} has no {METADATA_NAME}: it is not a complete checkpoint{hint}"
+            ) from None
+        raise CheckpointNotFoundError(
+            f"{where} has no {name}: no rank-local checkpoint of this rank is there (it was "
+            "saved by fewer ranks, or with use_collectives=True, or not completely)"
+        ) from None
+    return load_metadata(data, f"{where}/{name}")

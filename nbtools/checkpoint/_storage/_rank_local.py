@@ -11,8 +11,8 @@ DCP's wrapping of errors, so the error the user sees is this one.
 
 from __future__ import annotations
 
-from nbtools.checkpoint._layout import METADATA_NAME, RANK_METADATA_RE
-from nbtools.checkpoint._target import Target
+from nbtools.checkpoint._storage._layout import METADATA_NAME, RANK_METADATA_RE
+from nbtools.checkpoint._storage._target import Target
 from nbtools.errors import CheckpointError
 
 __all__ = ["check_rank_local"]

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from nbtools.checkpoint._target import Target
+from nbtools.checkpoint._storage._target import Target
 from nbtools.errors import CheckpointStallError
 
 __all__ = ["split", "FetchPool", "fetch_range", "crc32_of", "stall_message"]
@@ -173,20 +173,6 @@ class FetchPool:
             thread.join(timeout=0.0 if self._running else 5.0)
 
 
-def _fsspec_range(target: Any, path: str, start: int, end: int, timeout: float) -> bytes:
-    fs = target.fs
-    if getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None:
-        from fsspec.asyn import sync
-
-        try:
-            return sync(fs.loop, fs._cat_file, path, start=start, end=end, timeout=timeout)
-        except Exception as exc:
-            if type(exc).__name__ == "FSTimeoutError":
-                raise TimeoutError(str(exc) or "request timed out") from exc
-            raise
-    return fs.cat_file(path, start=start, end=end)
-
-
 def _crcs(data: bytes, at: int, cuts: list[int]) -> list[tuple[int, int, int]]:
     """``(offset, length, crc32)`` of ``data`` (at file offset ``at``), cut at ``cuts``."""
     view = memoryview(data)
@@ -215,27 +201,14 @@ def fetch_range(
     """
     cuts = sorted(cuts or [])
     blocks: list[tuple[int, int, int]] = []
+    # Mounts: small blocks, so that progress shows often; stores: fewer, larger requests.
+    piece = _BLOCK if target.local_path is not None else _REQUEST
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT, 0o600)
     try:
         done = 0
-        if target.local_path is not None:
-            src = os.open(os.path.join(target.local_path, name), os.O_RDONLY)
-            try:
-                while done < length:
-                    data = os.pread(src, min(_BLOCK, length - done), start + done)
-                    if not data:
-                        raise EOFError(f"{name} ends before byte {start + length}")
-                    os.pwrite(fd, data, start + done)
-                    blocks += _crcs(data, start + done, cuts)
-                    done += len(data)
-                    progress(len(data))
-            finally:
-                os.close(src)
-            return blocks
-        path = f"{target.root}/{name}" if getattr(target, "root", "") else name
         while done < length:
-            n = min(_REQUEST, length - done)
-            data = _fsspec_range(target, path, start + done, start + done + n, timeout)
+            n = min(piece, length - done)
+            data = target.read_range(name, start + done, start + done + n, timeout)
             if len(data) != n:
                 raise EOFError(f"{name} ends before byte {start + length}")
             os.pwrite(fd, data, start + done)

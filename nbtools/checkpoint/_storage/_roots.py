@@ -22,8 +22,8 @@ import os
 import stat
 
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint._layout import METADATA_NAME
-from nbtools.checkpoint._target import Target
+from nbtools.checkpoint._storage._layout import METADATA_NAME
+from nbtools.checkpoint._storage._target import Target
 from nbtools.errors import CheckpointError
 
 __all__ = ["check_root", "open_root_reason", "untrusted_reason", "skip_untrusted"]

@@ -25,7 +25,8 @@ from nbtools._internal.location import (
     unwritable_reason,
     url_protocols,
 )
-from nbtools.checkpoint._mounts import is_remote_fs
+from nbtools.checkpoint._storage._fsspec_compat import cat_range
+from nbtools.checkpoint._storage._mounts import is_remote_fs
 
 __all__ = ["Target", "LocalTarget", "FsspecTarget", "open_target", "can_open"]
 
@@ -79,6 +80,15 @@ class Target(Protocol):
 
     def open_read(self, rel: str) -> IO[bytes]:
         """The file ``rel``, open for binary reading."""
+        ...
+
+    def read_range(self, rel: str, start: int, end: int, timeout: float) -> bytes:
+        """Bytes ``[start, end)`` of the file ``rel``; fewer where the file ends first.
+
+        A request that can be cancelled (an async object store's) is cancelled after
+        ``timeout`` seconds with ``TimeoutError``; a read of a mount cannot be, and
+        is watched by the caller instead.
+        """
         ...
 
     def publish_bytes(self, rel: str, data: bytes) -> None:
@@ -169,6 +179,20 @@ class LocalTarget:
 
     def open_read(self, rel: str) -> IO[bytes]:
         return open(self._path(rel), "rb")
+
+    def read_range(self, rel: str, start: int, end: int, timeout: float) -> bytes:
+        fd = os.open(self._path(rel), os.O_RDONLY)
+        try:
+            parts, at = [], start
+            while at < end:
+                data = os.pread(fd, end - at, at)
+                if not data:
+                    break  # the file ends here
+                parts.append(data)
+                at += len(data)
+            return b"".join(parts)
+        finally:
+            os.close(fd)
 
     def publish_bytes(self, rel: str, data: bytes) -> None:
         try:
@@ -285,6 +309,9 @@ class FsspecTarget:
 
     def open_read(self, rel: str) -> IO[bytes]:
         return self.fs.open(self._path(rel), "rb")
+
+    def read_range(self, rel: str, start: int, end: int, timeout: float) -> bytes:
+        return cat_range(self.fs, self._path(rel), start, end, timeout)
 
     def publish_bytes(self, rel: str, data: bytes) -> None:
         # One PUT: object stores make an object visible only once it is complete.

@@ -3,7 +3,7 @@
 :class:`StagedFetch` is the part of :class:`~nbtools.checkpoint.VolumeReader`
 that runs when files are staged (object stores, network and FUSE mounts). It
 notes each rank's group rank in its local plan, decides on the coordinator
-who fetches which record (:func:`~nbtools.checkpoint._coop_read.plan_reads`)
+who fetches which record (:func:`~nbtools.checkpoint._storage._coop_read.plan_reads`)
 or why each rank reads for itself, and on every rank fetches its records into
 the load's staging directory, hands shared ones over and verifies checksums,
 before the reader loads anything from there.
@@ -27,11 +27,17 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from nbtools import runtime
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint import _coop_read, _staging
-from nbtools.checkpoint._coop_read import NOTE, Key
-from nbtools.checkpoint._ranges import FetchPool, crc32_of, fetch_range, split, stall_message
-from nbtools.checkpoint._shards import item_checksum, verify_items
-from nbtools.checkpoint._target import Target
+from nbtools.checkpoint._storage import _coop_read, _scratch
+from nbtools.checkpoint._storage._coop_read import NOTE, Key
+from nbtools.checkpoint._storage._ranges import (
+    FetchPool,
+    crc32_of,
+    fetch_range,
+    split,
+    stall_message,
+)
+from nbtools.checkpoint._storage._shards import item_checksum, verify_items
+from nbtools.checkpoint._storage._target import Target
 from nbtools.errors import CheckpointError, CheckpointStallError, CorruptCheckpointError
 
 __all__ = ["StagedFetch"]
@@ -177,7 +183,7 @@ class StagedFetch:
         note: dict[str, Any],
         planner: LoadPlanner,
         stage: str,
-        delivery: _coop_read.Delivery,
+        delivery: _coop_read.Receiver,
     ) -> None:
         """Stage every record ``plan`` reads under ``stage``, fetched or handed over, verified;
         handed-over tensors whose destination takes their bytes as they are go to
@@ -189,7 +195,7 @@ class StagedFetch:
         handed = {k for _, segs in messages for k, _, _ in segs}
         fetch += sorted(needed - set(fetch) - handed)  # items a planner added late
         staged_bytes = sum(k[2] for k in set(fetch) | needed)
-        _staging.check_space(os.path.dirname(stage), staged_bytes, f"loading {self.where}")
+        _scratch.check_space(os.path.dirname(stage), staged_bytes, f"loading {self.where}")
         rank = runtime.get_rank()
         own = sum(k[2] for k in fetch if k not in handed)
         bar = _bar(own + (note.get("shared", 0) if coop else 0), rank == 0)
@@ -244,14 +250,14 @@ class StagedFetch:
                         group,
                         dist.get_rank(group),
                         messages,
-                        needed,
-                        ready,
-                        staged,
-                        lambda: _cuda_destinations(plan, planner),
-                        on_bytes,
-                        timings,
-                        delivery,
-                        2 * self.chunk_size,
+                        needed=needed,
+                        ready=ready,
+                        staged=staged,
+                        cuda_destinations=lambda: _cuda_destinations(plan, planner),
+                        on_bytes=on_bytes,
+                        timings=timings,
+                        delivery=delivery,
+                        memory=2 * self.chunk_size,
                     )
             for key in fetch:
                 ready(key)

@@ -1,0 +1,324 @@
+"""Snapshot files in node-local shared memory: where they live, who may trust them.
+
+Layout: ``<base>/nbtools-snapshots-<uid>/`` (mode 0700, owned by the user; base
+is ``NBTOOLS_SNAPSHOT_DIR`` or ``/dev/shm``) holds one directory per job, named
+from the job's key. In it, ``keeper`` records the process whose life bounds the
+job's snapshots (the launching process of the ranks), and each rank keeps at
+most two complete snapshots, ``r<rank>-<random>.slot`` (mode 0600): its newest
+and the one before, so a rank killed while it writes a snapshot (the third
+file, under a temporary name) leaves the previous ones whole, and every rank
+still holds the step before.
+
+A slot opens with a fixed-size header (JSON: job, rank, world size, step,
+payload size and CRC-32), then the payload. A slot is used only when it is a
+regular file of this user with mode 0600, in a directory of this user that
+nobody else can write, and its header, size and checksum agree; anything else
+is skipped with a warning, like a corrupt checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import stat
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+from nbtools._internal.holder import Holder, Liveness
+from nbtools._internal.log import get_logger
+from nbtools.errors import CheckpointError
+
+__all__ = [
+    "Slot",
+    "snapshot_base",
+    "user_dir",
+    "job_path",
+    "job_dir",
+    "write_slot",
+    "read_slot",
+    "slots",
+    "remove",
+    "drop_job_if_empty",
+    "sweep",
+    "sweep_temporaries",
+    "drop_jobs",
+]
+
+_log = get_logger("checkpoint")
+
+_MAGIC = b"NBTSNAP1"
+#: Bytes before the payload: the magic, then the JSON header padded with spaces.
+HEADER_BYTES = 4096
+_KEEPER = "keeper"
+_TMP = ".tmp-"
+
+
+def snapshot_base() -> str:
+    """Where the per-user snapshot directory is made: ``NBTOOLS_SNAPSHOT_DIR`` or /dev/shm."""
+    return os.environ.get("NBTOOLS_SNAPSHOT_DIR") or "/dev/shm"
+
+
+def _owned_private(path: str, what: str) -> None:
+    """Raise unless ``path`` is a real directory of this user that nobody else can use."""
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise CheckpointError(f"{what} {path} is not a directory (a link or a file); remove it")
+    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise CheckpointError(
+            f"{what} {path} belongs to uid {info.st_uid} with mode {info.st_mode & 0o777:o}, "
+            "not to this user with mode 700: snapshots there cannot be trusted; remove it"
+        )
+
+
+def user_dir(base: str | None = None) -> str:
+    """This user's snapshot directory under ``base``, made (0700) if absent and checked."""
+    path = os.path.join(base or snapshot_base(), f"nbtools-snapshots-{os.geteuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    _owned_private(path, "the snapshot directory")
+    return path
+
+
+def job_path(user: str, key: str) -> str:
+    """Where the directory of the job ``key`` is under ``user``."""
+    return os.path.join(user, f"job-{hashlib.sha256(key.encode()).hexdigest()[:32]}")
+
+
+def job_dir(user: str, key: str, keeper: Holder) -> str:
+    """The directory of the job ``key``, made (0700, with its keeper record) if absent."""
+    path = job_path(user, key)
+    try:
+        try:
+            os.mkdir(path, 0o700)
+        except FileNotFoundError:  # the user directory was just removed as empty
+            user_dir(os.path.dirname(user))
+            os.mkdir(path, 0o700)
+    except FileExistsError:
+        _owned_private(path, "the job's snapshot directory")
+        return path
+    fd = os.open(os.path.join(path, _KEEPER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump({**keeper.record(), "key": key}, fh)
+    return path
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One complete snapshot file of a rank, as its header describes it."""
+
+    path: str
+    rank: int
+    world: int
+    step: int
+    size: int
+    crc: int
+
+
+class _Crc:
+    """A write-only file wrapper that keeps the CRC-32 and count of what passes through."""
+
+    def __init__(self, fh: IO[bytes]) -> None:
+        self.fh, self.crc, self.size = fh, 0, 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += len(view)
+        return self.fh.write(view)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def write_slot(directory: str, key: str, rank: int, world: int, step: int, dump: Any) -> Slot:
+    """Write a snapshot through ``dump(file)`` under a temporary name, then publish it.
+
+    Nothing half-written is ever a slot: the file gets its final (random) name
+    only after its header with the checksum is in place. On any error the
+    temporary file is removed and the error raised.
+    """
+    tmp = os.path.join(directory, f"{_TMP}r{rank}-{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(b"\0" * HEADER_BYTES)
+            body = _Crc(fh)
+            dump(body)
+            fh.flush()
+            head = {"job": key, "rank": rank, "world": world, "step": step}
+            head.update(size=body.size, crc=body.crc)
+            data = _MAGIC + json.dumps(head).encode()
+            if len(data) > HEADER_BYTES:
+                raise CheckpointError("snapshot header too long (a job key of over 3 KB)")
+            fh.seek(0)
+            fh.write(data.ljust(HEADER_BYTES, b" "))
+        final = os.path.join(directory, f"r{rank}-{secrets.token_hex(16)}.slot")
+        os.rename(tmp, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return Slot(final, rank, world, step, body.size, body.crc)
+
+
+def _header(fh: IO[bytes]) -> dict[str, Any]:
+    data = fh.read(HEADER_BYTES)
+    if len(data) != HEADER_BYTES or not data.startswith(_MAGIC):
+        raise ValueError("no snapshot header")
+    head = json.loads(data[len(_MAGIC) :].decode())
+    if not isinstance(head, dict):
+        raise ValueError("a header that is not a record")
+    return head
+
+
+def slots(directory: str, key: str, rank: int, world: int) -> Iterator[Slot]:
+    """The complete snapshots of ``rank`` in ``directory`` whose file and header can be
+    trusted (the checksum is checked on :func:`read_slot`); others are skipped with a warning."""
+    try:
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return
+    for name in names:
+        if not (name.startswith(f"r{rank}-") and name.endswith(".slot")):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as exc:
+            _log.warning("skipping snapshot %s: cannot open it (%s)", path, exc)
+            continue
+        with os.fdopen(fd, "rb") as fh:
+            info = os.fstat(fd)
+            why = None
+            if not stat.S_ISREG(info.st_mode):
+                why = "not a regular file"
+            elif info.st_uid != os.geteuid() or info.st_mode & 0o077:
+                why = f"owned by uid {info.st_uid} with mode {info.st_mode & 0o777:o}, not 600"
+            else:
+                try:
+                    head = _header(fh)
+                    slot = Slot(
+                        path,
+                        int(head["rank"]),
+                        int(head["world"]),
+                        int(head["step"]),
+                        int(head["size"]),
+                        int(head["crc"]),
+                    )
+                except (ValueError, KeyError, TypeError) as exc:
+                    why = f"a damaged header ({exc})"
+                else:
+                    if head.get("job") != key or slot.rank != rank or slot.world != world:
+                        why = "a snapshot of another job, rank or world size"
+                    elif info.st_size != HEADER_BYTES + slot.size:
+                        why = (
+                            f"{info.st_size} bytes where its header says {HEADER_BYTES + slot.size}"
+                        )
+            if why is not None:
+                _log.warning("skipping snapshot %s: %s", path, why)
+                continue
+        yield slot
+
+
+def read_slot(slot: Slot) -> bytes:
+    """The payload of ``slot``, checked against its CRC-32.
+
+    Raises:
+        CheckpointError: The file changed or its bytes do not match the checksum.
+    """
+    fd = os.open(slot.path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as fh:
+        fh.seek(HEADER_BYTES)
+        data = fh.read()
+    if len(data) != slot.size or zlib.crc32(data) != slot.crc:
+        raise CheckpointError(
+            f"snapshot {slot.path} of step {slot.step} does not match its checksum "
+            f"({len(data)} of {slot.size} bytes); it is not used"
+        )
+    return data
+
+
+def remove(paths: list[str]) -> None:
+    """Delete snapshot files (absent ones are fine)."""
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def drop_job_if_empty(directory: str) -> None:
+    """Remove a job directory that holds no snapshot (its keeper record goes with it)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    if all(n == _KEEPER for n in names):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, _KEEPER))
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+            os.rmdir(os.path.dirname(directory))  # the user's, when no other job is left
+
+
+def sweep(user: str, own: str | None = None) -> list[str]:
+    """Remove the job directories under ``user`` whose keeper process is dead; their names.
+
+    ``own`` (this job's directory) is never removed: a restarted rank's keeper may
+    differ from the one recorded, and the job goes on.
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(user)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        path = os.path.join(user, name)
+        if path == own:
+            continue
+        try:
+            with open(os.path.join(path, _KEEPER)) as fh:
+                keeper = Holder.from_record(json.load(fh))
+        except (OSError, ValueError):
+            keeper = None
+        if keeper is None or keeper.alive() is Liveness.DEAD:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def sweep_temporaries(directory: str, rank: int) -> None:
+    """Remove what a killed writer of ``rank`` left half-written in ``directory``."""
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(directory):
+            if name.startswith(f"{_TMP}r{rank}-"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(directory, name))
+
+
+def drop_jobs(prefix: str, base: str | None = None) -> list[str]:
+    """Remove every job directory of this user whose key starts with ``prefix``; their names.
+
+    The launcher's hook for a launch that ended for good (``"run:<run id>|"``):
+    its snapshots serve no restart any more.
+    """
+    user = os.path.join(base or snapshot_base(), f"nbtools-snapshots-{os.geteuid()}")
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(user):
+            path = os.path.join(user, name)
+            try:
+                with open(os.path.join(path, _KEEPER)) as fh:
+                    key = json.load(fh).get("key")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(key, str) and key.startswith(prefix):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(name)
+    with contextlib.suppress(OSError):
+        os.rmdir(user)  # when no job is left
+    return removed

@@ -1,0 +1,176 @@
+"""Local staging space: where shards are written before upload and after download.
+
+The base directory is ``NBTOOLS_STAGING_DIR`` or the system temp dir. Each save
+or load gets its own subdirectory, removed afterwards, also after a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+from nbtools._internal.fs import free_bytes
+from nbtools._internal.holder import process_started
+from nbtools.errors import StagingSpaceError
+
+__all__ = [
+    "staging_base",
+    "staging_area",
+    "check_space",
+    "space_error",
+    "used_bytes",
+    "sweep",
+    "progress",
+]
+
+# Free space kept in reserve beyond the estimate (filesystem overhead, other users).
+_RESERVE_BYTES = 16 << 20
+# Transfers below this size never show a progress bar.
+_PROGRESS_MIN_BYTES = 256 << 20
+
+
+def staging_base(staging_dir: str | os.PathLike[str] | None = None) -> str:
+    """The directory under which per-save staging directories are created."""
+    base = os.fspath(staging_dir) if staging_dir else os.environ.get("NBTOOLS_STAGING_DIR")
+    return base or tempfile.gettempdir()
+
+
+def check_space(base: str, needed: int, what: str) -> None:
+    """Raise :class:`StagingSpaceError` unless ``base`` has room for ``needed`` bytes."""
+    free = free_bytes(base)
+    if needed + _RESERVE_BYTES > free:
+        raise StagingSpaceError(
+            f"{what} needs about {needed / 2**20:.1f} MiB of local staging space plus a "
+            f"reserve of {_RESERVE_BYTES / 2**20:.1f} MiB kept free on that filesystem "
+            f"({(needed + _RESERVE_BYTES) / 2**20:.1f} MiB in all), but {base} has "
+            f"{free / 2**20:.1f} MiB free; free some space or point NBTOOLS_STAGING_DIR "
+            "(or staging_dir=) at a larger local disk"
+        )
+
+
+def used_bytes(path: str) -> int:
+    """Bytes of the files directly in ``path`` (what a failed write had staged so far)."""
+    total = 0
+    with contextlib.suppress(OSError), os.scandir(path) as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                total += entry.stat(follow_symlinks=False).st_blocks * 512
+    return total
+
+
+_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def _names_no_space(exc: BaseException) -> bool:
+    """True when ``exc`` or an error it was raised from or during is out-of-space."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in _SPACE_ERRNOS:
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def space_error(
+    exc: BaseException, base: str, needed: int, what: str
+) -> StagingSpaceError | None:
+    """The :class:`StagingSpaceError` to raise for a failed write into ``base``, or None.
+
+    A full disk shows as ``ENOSPC``/``EDQUOT``, or, where a library writes through
+    its own layers (torch's zip writer), as an unrelated internal error: a failure
+    while that filesystem holds less than the bytes still to be written counts too.
+
+    Args:
+        exc: The error the write raised.
+        base: The staging directory written into.
+        needed: Bytes this write needed in ``base`` in all (at least what it had
+            staged when it failed).
+        what: What was being written, e.g. ``"rank 1 saving /vol/step_2"``.
+    """
+    free = free_bytes(base)
+    if not (_names_no_space(exc) or free < min(needed, _RESERVE_BYTES)):
+        return None
+    return StagingSpaceError(
+        f"staging directory {base} is full: {free / 2**20:.1f} MiB free, about "
+        f"{needed / 2**20:.1f} MiB needed there; {what} could not write its shards "
+        f"({type(exc).__name__}: {exc}). Free some space there, or point "
+        "NBTOOLS_STAGING_DIR (or staging_dir=) at a larger local disk"
+    )
+
+
+_PREFIX = "nbtools-stage-"
+
+
+def sweep(base: str) -> list[str]:
+    """Remove staging directories of processes that died without cleaning up (e.g. SIGKILL).
+
+    Returns the names removed. A base that does not exist holds nothing to sweep.
+    """
+    try:
+        names = os.listdir(base)
+    except OSError:  # no such directory, or not one this user may list
+        return []
+    removed = []
+    for name in names:
+        pid = name[len(_PREFIX) :].split("-", 1)[0]
+        if name.startswith(_PREFIX) and pid.isdigit() and _dead(os.path.join(base, name), int(pid)):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def _dead(path: str, pid: int) -> bool:
+    """Whether the process that made staging directory ``path`` is gone.
+
+    Its process id names it; a process with that id that started after the
+    directory last changed is another one (the id was reused).
+    """
+    started = process_started(pid)
+    if started is None:
+        return True
+    try:
+        changed = os.lstat(path).st_mtime
+    except OSError:
+        return False  # gone already, or not ours to judge
+    return started != -1.0 and started > changed + 1.0
+
+
+@contextlib.contextmanager
+def staging_area(base: str) -> Iterator[str]:
+    """A fresh private directory under ``base``, removed on exit whatever happens.
+
+    Directories left by dead processes are removed first.
+    """
+    os.makedirs(base, exist_ok=True)
+    sweep(base)
+    path = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=base)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress(total: int, desc: str, main: bool) -> Any:
+    """A byte progress bar on the main rank in an interactive session, else a no-op."""
+    interactive = "ipykernel" in sys.modules or sys.stderr.isatty()
+    if not (main and interactive and total >= _PROGRESS_MIN_BYTES):
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, leave=False)

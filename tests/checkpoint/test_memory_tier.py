@@ -1,0 +1,354 @@
+"""The memory tier: snapshots in node-local shared memory that a restart restores from."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from nbtools import events
+from nbtools.checkpoint import CheckpointManager
+
+# A training run defined in __main__ (as in a notebook cell): every step draws from the
+# global RNG, so a resume that lost the RNG streams or a step shows in the draws.
+_RUN = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    import torch
+    from nbtools.checkpoint import CheckpointManager
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    root, memory_every, kill_at, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    ckpt = CheckpointManager(root, every=20, memory_every=None if memory_every == "-" else int(memory_every))
+    start = ckpt.restore(model=net, optimizer=opt)
+    draws = {}
+    for step in range(start, steps):
+        x = torch.randn(4, 8)
+        draws[step] = float(x.sum())
+        opt.zero_grad()
+        net(x).pow(2).mean().backward()
+        opt.step()
+        ckpt.maybe_save(step, model=net, optimizer=opt)
+        if step == kill_at:
+            ckpt.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.close()
+    print(json.dumps({"start": start, "tier": ckpt.restored_tier, "draws": draws,
+                      "weights": [float(p.double().sum()) for p in net.parameters()]}))
+    """
+)
+
+
+@pytest.fixture
+def shm(tmp_path, monkeypatch):
+    """A snapshot base of the test's own (the real /dev/shm is used by one test only)."""
+    path = tmp_path / "shm"
+    path.mkdir()
+    monkeypatch.setenv("NBTOOLS_SNAPSHOT_DIR", str(path))
+    return path
+
+
+def _run(tmp_path, root, memory_every, kill_at, steps=30, run_id="job-1"):
+    script = tmp_path / "train.py"
+    script.write_text(_RUN)
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": run_id}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(root), str(memory_every), str(kill_at), str(steps)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    if kill_at >= 0:
+        assert proc.returncode == -signal.SIGKILL, proc.stderr
+        return None
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _files(path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_from_memory_exactly_as_if_never_killed(tmp_path, shm):
+    reference = _run(tmp_path, tmp_path / "ref", "-", -1)
+    _run(tmp_path, tmp_path / "root", 5, kill_at=27)
+    steps = sorted(p.name for p in (tmp_path / "root").iterdir() if p.name.startswith("step_"))
+    assert steps == ["step_0", "step_20"]
+    resumed = _run(tmp_path, tmp_path / "root", 5, -1)
+    # Snapshot of step 25, newer than the volume's step 20: two steps trained again, not seven.
+    assert (resumed["start"], resumed["tier"]) == (26, "memory")
+    assert resumed["weights"] == reference["weights"]
+    assert resumed["draws"] == {k: v for k, v in reference["draws"].items() if int(k) >= 26}
+    assert _files(shm) == []  # the clean close removed every snapshot
+
+
+def _train(ckpt, net, opt, steps):
+    for step in steps:
+        opt.zero_grad()
+        net(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        ckpt.maybe_save(step, model=net, optimizer=opt)
+
+
+def _net():
+    net = torch.nn.Linear(4, 4)
+    return net, torch.optim.SGD(net.parameters(), lr=0.1)
+
+
+def test_the_volume_wins_when_it_holds_a_newer_step(tmp_path, shm):
+    net, opt = _net()
+    with (
+        pytest.raises(RuntimeError, match="stop"),
+        CheckpointManager(tmp_path / "root", every=5, memory_every=10, async_save=False) as ckpt,
+    ):
+        _train(ckpt, net, opt, range(16))
+        raise RuntimeError("stop")  # a failed run keeps its snapshots
+    assert any(p.name.endswith(".slot") for p in shm.rglob("*"))
+    with CheckpointManager(tmp_path / "root", memory_every=10, async_save=False) as again:
+        assert again.restore(model=net, optimizer=opt) == 16  # volume 15 > memory 10
+        assert again.restored_tier == "volume"
+    restored = [e for e in events.log(kinds=["checkpoint_restored"]) if str(tmp_path) in e.message]
+    assert restored[-1].fields["tier"] == "volume"
+
+
+def test_a_run_restores_its_newest_snapshot_and_says_the_tier(tmp_path, shm):
+    net, opt = _net()
+    with (
+        pytest.raises(RuntimeError),
+        CheckpointManager(tmp_path / "root", every=10, memory_every=3, async_save=False) as ckpt,
+    ):
+        _train(ckpt, net, opt, range(13))
+        saved = {k: v.clone() for k, v in net.state_dict().items()}  # as of step 12
+        raise RuntimeError("killed")
+    fresh, fresh_opt = _net()
+    with CheckpointManager(tmp_path / "root", memory_every=3, async_save=False) as again:
+        assert again.restore(model=fresh, optimizer=fresh_opt) == 13  # memory 12 > volume 10
+        assert again.restored_tier == "memory"
+        for name, value in fresh.state_dict().items():
+            assert torch.equal(value, saved[name])
+    restored = events.log(kinds=["checkpoint_restored"])[-1]
+    assert (restored.step, restored.fields["tier"]) == (12, "memory")
+    assert _files(shm) == []
+
+
+def test_a_damaged_or_planted_snapshot_is_never_loaded(tmp_path, shm, caplog):
+    net, opt = _net()
+    with (
+        pytest.raises(RuntimeError),
+        CheckpointManager(tmp_path / "root", every=10, memory_every=3, async_save=False) as ckpt,
+    ):
+        _train(ckpt, net, opt, range(13))
+        raise RuntimeError("killed")
+    slots = sorted(shm.rglob("*.slot"), key=lambda p: p.stat().st_mtime)
+    newest = slots[-1]
+    data = bytearray(newest.read_bytes())
+    data[-100] ^= 0xFF  # a flipped bit in the payload: the checksum tells
+    newest.write_bytes(bytes(data))
+    planted = newest.parent / "r0-planted.slot"
+    planted.write_bytes(newest.read_bytes())
+    planted.chmod(0o644)  # mode 644: nobody's snapshot to trust
+    caplog.set_level(logging.WARNING, logger="nbtools")
+    with CheckpointManager(tmp_path / "root", memory_every=3, async_save=False) as again:
+        assert again.restore(model=net, optimizer=opt) == 11  # the volume's step 10
+        assert again.restored_tier == "volume"
+    text = caplog.text
+    assert "r0-planted.slot: owned by uid" in text and "mode 644" in text
+    assert "does not match its checksum" in text
+
+
+@pytest.mark.root
+def test_a_slot_another_user_planted_is_skipped(tmp_path, shm, caplog):
+    net, opt = _net()
+    with (
+        pytest.raises(RuntimeError),
+        CheckpointManager(tmp_path / "root", every=10, memory_every=3, async_save=False) as ckpt,
+    ):
+        _train(ckpt, net, opt, range(13))
+        raise RuntimeError("killed")
+    newest = max(shm.rglob("*.slot"), key=lambda p: p.stat().st_mtime)
+    os.chown(newest, 65534, 65534)  # nobody's now, mode still 600
+    caplog.set_level(logging.WARNING, logger="nbtools")
+    with CheckpointManager(tmp_path / "root", memory_every=3, async_save=False) as again:
+        assert again.restore(model=net, optimizer=opt) == 11  # rank 0's step 12 is not trusted
+        assert again.restored_tier == "volume"
+    assert "owned by uid 65534" in caplog.text
+    newest.unlink()
+
+
+@pytest.mark.slow
+def test_snapshots_of_a_job_whose_keeper_died_are_swept(tmp_path, shm):
+    # A run started by hand keeps its own snapshots; killed, nobody restores them.
+    _run(tmp_path, tmp_path / "root", 2, kill_at=5, run_id="")
+    assert any(p.name.endswith(".slot") for p in shm.rglob("*"))
+    with CheckpointManager(tmp_path / "other", memory_every=2):
+        assert not any(p.name.endswith(".slot") for p in shm.rglob("*"))
+    assert _files(shm) == []
+
+
+@pytest.mark.root
+def test_a_shared_memory_mount_too_small_warns_once_and_falls_back(
+    tmp_path, mount_tmpfs, monkeypatch, caplog
+):
+    small = mount_tmpfs("64m")
+    monkeypatch.setenv("NBTOOLS_SNAPSHOT_DIR", str(small))
+    big = torch.nn.Linear(2048, 2048)  # 16 MiB of weights, 48 MiB with Adam: two slots do not fit
+    opt = torch.optim.Adam(big.parameters())
+    big(torch.ones(1, 2048)).sum().backward()
+    opt.step()
+    caplog.set_level(logging.WARNING, logger="nbtools")
+    with CheckpointManager(tmp_path / "root", memory_every=1, async_save=False) as ckpt:
+        for step in range(3):
+            ckpt.maybe_save(step, model=big, optimizer=opt)
+    warnings = [
+        r.getMessage() for r in caplog.records if "memory snapshots are off" in r.getMessage()
+    ]
+    assert len(warnings) == 1, warnings
+    assert (
+        "MiB free" in warnings[0]
+        and "--shm-size" in warnings[0]
+        and "NBTOOLS_SNAPSHOT_DIR" in warnings[0]
+    )
+    assert not any(p.name.endswith(".slot") or p.name.startswith(".tmp-") for p in small.rglob("*"))
+
+
+@pytest.mark.slow
+def test_a_snapshot_killed_halfway_leaves_the_previous_one_whole(tmp_path, shm):
+    writer = textwrap.dedent(
+        """
+        import os, sys, time
+        from nbtools.checkpoint._memory import _slots
+        user = _slots.user_dir()
+        from nbtools._internal.holder import Holder
+        job = _slots.job_dir(user, sys.argv[1], Holder.me())
+        _slots.write_slot(job, sys.argv[1], 0, 1, 5, lambda fh: fh.write(b"x" * 1000))
+        def half(fh):
+            fh.write(b"y" * 500)
+            print("halfway", flush=True)
+            time.sleep(600)
+        _slots.write_slot(job, sys.argv[1], 0, 1, 6, half)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", writer, "key"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "halfway"
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    from nbtools.checkpoint._memory import _slots
+
+    user = _slots.user_dir()
+    job = _slots.job_path(user, "key")
+    assert [s.step for s in _slots.slots(job, "key", 0, 1)] == [5]
+    assert _slots.read_slot(next(_slots.slots(job, "key", 0, 1))) == b"x" * 1000
+    _slots.sweep(user)  # its keeper is dead: the job goes, the half-written file with it
+    assert _files(shm) == [f"nbtools-snapshots-{os.geteuid()}"]
+    os.rmdir(user)
+
+
+@pytest.mark.parametrize(
+    "bad, error", [(0, ValueError), (-3, ValueError), ("10", TypeError), (2.5, TypeError)]
+)
+def test_memory_every_must_be_a_positive_int(tmp_path, bad, error):
+    with pytest.raises(error, match="memory_every"):
+        CheckpointManager(tmp_path / "root", memory_every=bad)
+
+
+def test_nothing_is_left_in_dev_shm_after_a_clean_close(tmp_path, monkeypatch):
+    monkeypatch.delenv("NBTOOLS_SNAPSHOT_DIR", raising=False)
+    before = set(os.listdir("/dev/shm"))
+    net, opt = _net()
+    with CheckpointManager(tmp_path / "root", memory_every=1, async_save=False) as ckpt:
+        _train(ckpt, net, opt, range(3))
+        assert set(os.listdir("/dev/shm")) - before == {f"nbtools-snapshots-{os.geteuid()}"}
+    assert set(os.listdir("/dev/shm")) - before == set()
+
+
+@pytest.mark.slow
+def test_distributed_ranks_recover_from_memory_after_a_rank_is_killed(tmp_path, shm):
+    from nbtools import distributed
+
+    @distributed(processes=2, max_restarts=1, output="none")
+    def train(root):
+        import os
+        import signal
+
+        import torch
+        import torch.distributed as dist
+
+        from nbtools.checkpoint import CheckpointManager
+        from nbtools.runtime import get_restart_count
+
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        with CheckpointManager(root, every=5, memory_every=2, async_save=False) as ckpt:
+            start = ckpt.restore(model=net, optimizer=opt)
+            for step in range(start, 10):
+                torch.manual_seed(step)
+                opt.zero_grad()
+                net(torch.randn(2, 4)).sum().backward()
+                for p in net.parameters():
+                    dist.all_reduce(p.grad)
+                opt.step()
+                ckpt.maybe_save(step, model=net, optimizer=opt)
+                if step == 7 and dist.get_rank() == 1 and get_restart_count() == 0:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        weights = [float(p.double().sum()) for p in net.parameters()]
+        return get_restart_count(), ckpt.restored_step, ckpt.restored_tier, weights
+
+    results = train.distributed(str(tmp_path / "root"))
+    # The volume holds step 5; both ranks hold snapshots of step 6 (rank 1 died at 7).
+    assert [r[:3] for r in results] == [(1, 6, "memory"), (1, 6, "memory")]
+    # Bit-exact with an uninterrupted run (the all-reduce of two equal gradients doubles them).
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(10):
+        torch.manual_seed(step)
+        opt.zero_grad()
+        net(torch.randn(2, 4)).sum().backward()
+        for p in net.parameters():
+            p.grad.mul_(2)
+        opt.step()
+    assert results[0][3] == results[1][3] == [float(p.double().sum()) for p in net.parameters()]
+    assert not any(p.is_file() for p in shm.rglob("*"))  # closed cleanly: removed
+
+
+def test_a_launch_that_ended_for_good_drops_its_snapshots(tmp_path, shm, monkeypatch):
+    from nbtools.checkpoint._memory import end_run
+
+    net, opt = _net()
+    for run in ("ended", "other"):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", run)
+        with (
+            pytest.raises(RuntimeError),
+            CheckpointManager(tmp_path / run, memory_every=1, async_save=False) as ckpt,
+        ):
+            _train(ckpt, net, opt, range(2))
+            raise RuntimeError("killed")  # kept for a restart
+    assert len(end_run("ended")) == 1
+    assert len(list(shm.rglob("*.slot"))) == 2  # the other run's two slots stay
+    assert len(end_run("other")) == 1
+    assert _files(shm) == []
