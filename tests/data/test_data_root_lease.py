@@ -209,3 +209,27 @@ def test_a_planted_lease_is_not_waited_on(tree, caplog, kind):
     assert "not waiting on the listing lease" in caplog.text
     assert os.path.lexists(lease)  # somebody else's: left where it is
     os.unlink(lease)
+
+
+def test_a_lease_whose_pid_now_belongs_to_another_process_is_dead():
+    # The holder's pid was reused: it runs, but started long after the lease was written.
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ours = _rootlease.Holder.me().record()
+        reused = {"host": socket.gethostname(), **ours, "pid": sleeper.pid,
+                  "started": ours["started"] - 3600, "job": "old", "since": time.time()}
+        assert _rootlease._dead(reused)
+        same = dict(reused, started=_proc_started(sleeper.pid))
+        assert not _rootlease._dead(same)
+        # A lease of an older version (host and pid only) is judged by the pid alone.
+        assert not _rootlease._dead({"host": socket.gethostname(), "pid": sleeper.pid})
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert _rootlease._dead({"host": socket.gethostname(), "pid": sleeper.pid})
+
+
+def _proc_started(pid: int) -> float | None:
+    from nbtools._internal.holder import process_started
+
+    return process_started(pid)

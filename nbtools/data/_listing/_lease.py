@@ -37,7 +37,8 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from nbtools import runtime
-from nbtools._internal.fs import TMP_PREFIX, pid_alive
+from nbtools._internal.fs import TMP_PREFIX
+from nbtools._internal.holder import Holder, Liveness, machine_id
 from nbtools._internal.log import get_logger
 
 __all__ = ["ABANDONED_S", "HEARTBEAT_S", "STALE_S", "ListingLease", "lead_or_wait"]
@@ -65,7 +66,9 @@ class ListingLease:
 
     def __init__(self, shared: str, job: str, progress: _Counts | None = None) -> None:
         self.path = shared + ".listing"
-        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "job": job,
+        # host/pid/job/since are what every version reads; machine and started (the
+        # holder's pid namespace and start time) tell a reused pid apart.
+        self.record = {"host": socket.gethostname(), **Holder.me().record(), "job": job,
                        "since": time.time()}
         self._progress = progress
         self._stop = threading.Event()
@@ -205,11 +208,17 @@ def _identity(record: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def _dead(record: dict[str, Any] | None) -> bool:
-    """Whether the lease names a process of this host that is gone."""
-    if not record or record.get("host") != socket.gethostname():
+    """Whether the lease names a process of this machine that is gone (a reused pid is gone)."""
+    if not record:
         return False
-    pid = record.get("pid")
-    return isinstance(pid, int) and pid != os.getpid() and not pid_alive(pid)
+    holder = Holder.from_record(record)
+    if holder is None:
+        # A lease of an older version names host and pid only.
+        pid = record.get("pid")
+        if record.get("host") != socket.gethostname() or not isinstance(pid, int):
+            return False
+        holder = Holder(machine_id(), pid, None)
+    return holder.pid != os.getpid() and holder.alive() is Liveness.DEAD
 
 
 def lead_or_wait(
