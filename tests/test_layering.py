@@ -26,6 +26,7 @@ def _imported_after(code: str) -> list[str]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_core_packages_import_no_front_end():
     code = "\n".join(
         [

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 DRIVER = textwrap.dedent(
     r"""
     import json, os, signal, sys, threading
@@ -103,6 +105,7 @@ DRIVER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sigkill_at_any_point_of_a_save_leaves_a_loadable_checkpoint(tmp_path):
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)

@@ -214,6 +214,7 @@ def _assert_old_or_new(report: dict, url: str) -> None:
     assert files["names"] == sorted([".metadata", *files["named"]]), files
 
 
+@pytest.mark.slow
 def test_sigkill_while_replacing_a_local_checkpoint_leaves_old_or_new(tmp_path):
     root = tmp_path / "root"
     report = _run_driver(tmp_path, str(root), 26)
@@ -342,6 +343,7 @@ def test_a_save_of_another_live_process_here_is_refused(tmp_path):
     assert _load(path)["step"] == 5
 
 
+@pytest.mark.slow
 def test_a_marker_left_by_a_killed_process_does_not_block_and_is_cleaned(tmp_path):
     path = tmp_path / "step_8"
     dcp.save(_state(1), storage_writer=VolumeWriter(path))

@@ -125,6 +125,7 @@ def test_latest_checkpoint_gives_step_and_path(tmp_path):
         latest_checkpoint(root, verify="yes")
 
 
+@pytest.mark.slow
 def test_importing_checkpoint_changes_no_warning_filter():
     # torch, numpy and sympy add filters of their own when imported: import them first.
     probe = (

@@ -57,6 +57,7 @@ def _start(script, root, stop):
     )
 
 
+@pytest.mark.slow
 def test_a_second_process_saving_into_the_same_root_is_refused(tmp_path):
     script = tmp_path / "writer.py"
     script.write_text(WRITER)

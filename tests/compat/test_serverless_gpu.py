@@ -111,6 +111,7 @@ def test_bad_input_is_a_clear_error(kwargs, error, words, caplog):
     assert "WARNING" not in caplog.text  # nothing said about a call that did not happen
 
 
+@pytest.mark.slow
 def test_import_nbtools_and_its_core_never_import_compat():
     probe = (
         "import json, sys\n"
@@ -123,6 +124,7 @@ def test_import_nbtools_and_its_core_never_import_compat():
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
+@pytest.mark.slow
 def test_no_module_outside_compat_imports_it():
     for path in sorted((ROOT / "nbtools").rglob("*.py")):
         if "compat" in path.relative_to(ROOT / "nbtools").parts:

@@ -186,6 +186,7 @@ def test_concurrent_builders_leave_one_complete_index(tree):
         assert leftovers == []
 
 
+@pytest.mark.slow
 def test_a_million_entry_index_maps_without_a_python_object_per_file(tmp_path):
     import tracemalloc
 

@@ -34,6 +34,7 @@ def _events_files(client, run_id: str, tmp_path) -> list[list[dict]]:
     return out
 
 
+@pytest.mark.slow
 def test_the_events_of_the_run_are_stored_when_the_logger_closes(client, experiment, tmp_path):
     events.emit("before", message="emitted before the logger: not part of the run")
     with MlflowLogger(experiment, run_name="with-events", events_to_mlflow=True) as run:
@@ -53,6 +54,7 @@ def test_the_events_of_the_run_are_stored_when_the_logger_closes(client, experim
     assert run._recorder._arrived not in events.bus()._subscribers
 
 
+@pytest.mark.slow
 def test_a_resumed_run_keeps_the_events_of_every_session(client, experiment, tmp_path):
     with MlflowLogger(experiment, events_to_mlflow=True) as first:
         events.emit("launch", message="2 ranks")

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from nbtools.tracking._mlflow_compat import run_stack
 
 
+@pytest.mark.slow
 def test_the_run_stack_is_the_list_mlflows_active_run_reads(tracking_uri):
     import mlflow
 
@@ -22,6 +25,7 @@ def test_the_run_stack_is_the_list_mlflows_active_run_reads(tracking_uri):
     assert stack == []
 
 
+@pytest.mark.slow
 def test_autologging_asks_the_switch_that_turn_autologging_off_answers():
     # Run in a child: the switch stays off for the rest of the process.
     import subprocess

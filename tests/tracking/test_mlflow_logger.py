@@ -25,6 +25,7 @@ def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
+@pytest.mark.slow
 def test_metrics_reach_the_store_in_the_background_and_the_run_ends(client):
     with MlflowLogger("exp-basic", run_name="baseline") as run:
         run.flush()  # the writer is named after the run once the run is open
@@ -135,6 +136,7 @@ def test_resuming_an_unknown_run_says_what_to_do(tracking_uri):
     assert mlflow.active_run() is None  # nothing is left on MLflow's run stack
 
 
+@pytest.mark.slow
 def test_the_logger_returns_while_a_new_store_is_still_being_created(tmp_path, monkeypatch, client):
     import sqlite3
 
@@ -224,6 +226,7 @@ def test_a_failed_write_is_kept_retried_and_reported(client):
     assert [s for s, _ in _history(client, run.run_id, "loss")] == list(range(50))
 
 
+@pytest.mark.slow
 def test_a_logger_left_open_is_flushed_and_ended_when_the_interpreter_exits(client, tracking_uri):
     script = textwrap.dedent(
         """

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from mlflow import MlflowClient
 
 SCRIPT = """
@@ -55,6 +56,7 @@ def test_a_rank_other_than_zero_records_nothing_and_its_script_still_runs(tmp_pa
     assert not db.exists(), "rank 1 never touched the store"
 
 
+@pytest.mark.slow
 def test_rank_zero_is_unchanged_and_says_once_what_other_ranks_do(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     MlflowClient(tracking_uri=uri).search_experiments()  # the kernel created the store
@@ -88,6 +90,7 @@ KERNEL = """
 """
 
 
+@pytest.mark.slow
 def test_the_kernel_creates_the_store_only_for_code_that_uses_mlflow(tmp_path):
     db = tmp_path / "new" / "mlflow.db"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
@@ -134,6 +137,7 @@ CHOSEN_IN_KERNEL = """
 """
 
 
+@pytest.mark.slow
 def test_the_tracking_uri_and_experiment_chosen_in_the_kernel_reach_the_ranks(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env.update(MLFLOW_DISABLE_TELEMETRY="true")

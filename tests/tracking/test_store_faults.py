@@ -54,6 +54,7 @@ def read_only_dir(tmp_path):
     subprocess.run(undo, check=True)
 
 
+@pytest.mark.slow
 def test_a_store_that_cannot_be_written_is_reported_at_once_as_permanent(read_only_dir):
     uri = f"sqlite:///{read_only_dir / 'mlflow.db'}"
     proc = _python(

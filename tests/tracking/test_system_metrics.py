@@ -11,6 +11,7 @@ if not hasattr(monitor, "Sampler"):  # pragma: no cover - monitor package not th
     pytest.skip("nbtools.monitor has no Sampler yet", allow_module_level=True)
 
 
+@pytest.mark.slow
 def test_each_poll_becomes_one_step_of_mlflow_system_metrics(client):
     clock = iter(range(1000, 2000, 10))
     local = monitor.SimulatedBackend(2, host="here", unsupported=("power",))
