@@ -15,7 +15,9 @@ first, then the buffers in order.
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
+import errno
 import io
 import mmap
 import os
@@ -25,7 +27,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Framed", "pack", "dump", "load", "result_path", "out_of_band"]
+__all__ = [
+    "Framed",
+    "pack",
+    "dump",
+    "write",
+    "framed_size",
+    "load",
+    "result_path",
+    "out_of_band",
+]
 
 _MAGIC = b"NBR1"
 _LEN = struct.Struct("<Q")
@@ -149,19 +160,61 @@ def pack(value: Any) -> Framed:
 
 
 def dump(value: Any, path: str) -> None:
-    """Pickle ``value`` once into ``path``, large buffers out of band (created 0600)."""
-    head, buffers = _pickled(value)
-    parts = [head, *(b.raw() for b in buffers)]
+    """Pickle ``value`` once into ``path``, large buffers out of band (created 0600).
+
+    Raises:
+        OSError: the file could not be written (a full disk); nothing is left at ``path``.
+            Pickling errors propagate as they are.
+    """
+    write(pack(value), path)
+
+
+def framed_size(framed: Framed) -> int:
+    """Bytes :func:`write` puts on disk for ``framed``."""
+    parts = [memoryview(framed.data), *(_raw(b) for b in framed.buffers)]
+    offset = len(_MAGIC) + _LEN.size * (1 + len(parts))
+    for part in parts:
+        offset += _padding(offset) + part.nbytes
+    return offset
+
+
+def write(framed: Framed, path: str) -> None:
+    """Write ``framed`` to ``path`` (created 0600) in the layout :func:`load` reads.
+
+    The whole size is reserved before anything is written, so a full disk fails
+    at once rather than after most of the bytes; on any error the partial file
+    is removed, so the disk gets its space back and no half-written result exists.
+
+    Raises:
+        OSError: the file could not be written; nothing is left at ``path``.
+    """
+    parts = [memoryview(framed.data), *(_raw(b) for b in framed.buffers)]
+    total = framed_size(framed)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        header = _MAGIC + _LEN.pack(len(parts)) + b"".join(_LEN.pack(p.nbytes) for p in parts)
-        out.write(header)
-        offset = len(header)
-        for part in parts:
-            pad = _padding(offset)
-            out.write(b"\0" * pad)
-            out.write(part)
-            offset += pad + part.nbytes
+    try:
+        with os.fdopen(fd, "wb") as out:
+            try:
+                os.posix_fallocate(out.fileno(), 0, total)
+            except OSError as exc:
+                # Filesystems without fallocate still get the write below; a full one does not.
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+            header = _MAGIC + _LEN.pack(len(parts)) + b"".join(_LEN.pack(p.nbytes) for p in parts)
+            out.write(header)
+            offset = len(header)
+            for part in parts:
+                pad = _padding(offset)
+                out.write(b"\0" * pad)
+                out.write(part)
+                offset += pad + part.nbytes
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+
+
+def _raw(buffer: Any) -> memoryview:
+    return buffer.raw() if isinstance(buffer, pickle.PickleBuffer) else memoryview(buffer)
 
 
 def load(path: str) -> Framed:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import tempfile
+
 import numpy as np
 import pytest
 import torch
 
-from nbtools import distributed
+from nbtools import DistributedError, distributed
 from nbtools.launch import _results
 
 
@@ -82,3 +86,47 @@ def test_a_1_gib_return_value_arrives_whole():
 
     first, second = one_gib.distributed()
     assert second is None and first.nbytes == 1024**3 and float(first.sum()) == 1024**3 // 4
+
+
+def test_a_write_that_fails_midway_leaves_no_partial_file(mount_tmpfs, monkeypatch):
+    mnt = mount_tmpfs("1m")
+    path = str(mnt / "result.pkl")
+    # As on a filesystem without fallocate: the disk fills during the write itself.
+    def no_fallocate(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, "not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_fallocate)
+    with pytest.raises(OSError) as info:
+        _results.dump(torch.zeros(2 * 1024 * 1024 // 4), path)
+    assert info.value.errno == errno.ENOSPC
+    assert os.listdir(mnt) == []
+
+
+@pytest.mark.slow
+def test_a_return_value_larger_than_tmpdir_names_rank_size_dir_and_fix(mount_tmpfs, monkeypatch):
+    mnt = mount_tmpfs("64m")
+    monkeypatch.setattr(tempfile, "tempdir", str(mnt))
+
+    @distributed(processes=2, output="none")
+    def big():
+        import torch
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            return torch.ones(100 * 1000 * 1000 // 4)  # 100 MB
+        return 1
+
+    with pytest.raises(DistributedError) as info:
+        big.distributed()
+    message = str(info.value)
+    assert "rank 1: its return value (100 MB) could not be written to" in message
+    assert str(mnt) in message and "no space left on device" in message
+    assert "free space in TMPDIR or return less" in message
+    assert "ResultWriteError" in message
+    assert "cannot be sent back" not in message and "without raising" not in message
+    assert os.listdir(mnt) == []  # nothing half-written stays on the full disk
+
+    # Once the space is back, the same call works.
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    results = big.distributed()
+    assert results[0] == 1 and results[1].nbytes == 100 * 1000 * 1000
