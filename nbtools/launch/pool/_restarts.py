@@ -129,9 +129,9 @@ class Generations:
         if not self.backend.interrupts_blocked_calls:
             why = (
                 f" (on {self.backend.name} a rank runs your code in an actor thread, which no "
-                "signal reaches: an interrupt stops Python code there, but not a call blocked in "
-                "time.sleep, I/O or C code; such cells can wait in short steps, e.g. a loop of "
-                "time.sleep(0.1))"
+                "signal reaches: an interrupt stops Python code and time.sleep there, but not a "
+                "call blocked in a lock, a queue, I/O or C code; such cells can wait in short "
+                "steps, e.g. event.wait(0.5) in a loop, or with a timeout)"
             )
         _log.warning(
             "interrupted: rank%s %s did not stop within %.0f s%s; %s",
