@@ -210,10 +210,7 @@ def _publish_result(result: object, spec: RankSpec) -> None:
     try:
         framed = _results.pack(result)
     except Exception as exc:
-        raise PicklingError(
-            f"the return value of rank {spec.rank} ({type(result).__qualname__}) cannot be sent back "
-            f"to the caller: {exc}. Return plain data (numbers, lists, dicts, tensors on CPU)."
-        ) from exc
+        raise PicklingError(_results.unpicklable_message(result, spec.rank, exc)) from exc
     path = _results.result_path(spec.run_dir, spec.rank)
     try:
         _results.write(framed, path)

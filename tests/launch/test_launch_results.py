@@ -130,3 +130,71 @@ def test_a_return_value_larger_than_tmpdir_names_rank_size_dir_and_fix(mount_tmp
     monkeypatch.setattr(tempfile, "tempdir", None)
     results = big.distributed()
     assert results[0] == 1 and results[1].nbytes == 100 * 1000 * 1000
+
+
+def test_an_unpicklable_part_is_named_by_its_path_inside_the_value():
+    import threading
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(2, 2)
+            self.inner.lock = threading.Lock()
+
+    value = {"model": Holder(), "n": [1, 2]}
+    assert _results.find_unpicklable(value) == 'result["model"].inner.lock (a lock)'.replace('"', "'")
+    assert _results.find_unpicklable({"ok": torch.ones(3)}) is None
+
+
+CELL_MODEL_SCRIPT = """
+import threading
+import torch
+from nbtools import DistributedError, distributed
+
+class Net(torch.nn.Module):  # lives in __main__, as a class from a notebook cell does
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(256, 256)  # 256 KiB of weights: out of band
+
+    def forward(self, x):
+        return self.body(x)
+
+@distributed(processes=2, output="none")
+def train():
+    torch.manual_seed(0)
+    return {"model": Net(), "step": 3}
+
+results = train.distributed()
+assert all(type(r["model"]).__name__ == "Net" for r in results), results
+x = torch.ones(1, 256)
+assert torch.equal(results[0]["model"](x), results[1]["model"](x))
+assert results[1]["model"].body.weight.is_contiguous()
+
+@distributed(processes=2, output="none")
+def locked():
+    net = Net()
+    net.lock = threading.Lock()
+    return {"model": net}
+
+try:
+    locked.distributed()
+except DistributedError as exc:
+    print(exc)
+else:
+    raise AssertionError("a lock came back")
+"""
+
+
+@pytest.mark.slow
+def test_a_model_of_a_class_from_main_comes_back_from_every_rank(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(CELL_MODEL_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "result['model'].lock (a lock) cannot be pickled" in proc.stdout, proc.stdout
+    assert "PicklingError" in proc.stdout

@@ -175,11 +175,10 @@ class RankActor:
         try:
             blob = cloudpickle.dumps(result)
         except Exception as exc:
-            raise TypeError(
-                f"the return value of rank {spec['rank']} ({type(result).__qualname__}) cannot be "
-                f"sent back to the caller: {exc}. Return plain data (numbers, lists, dicts, "
-                "tensors on CPU)."
-            ) from exc
+            from nbtools.errors import PicklingError
+            from nbtools.launch._results import unpicklable_message
+
+            raise PicklingError(unpicklable_message(result, spec["rank"], exc)) from exc
         if dist.is_initialized():
             dist.destroy_process_group()
         return blob
