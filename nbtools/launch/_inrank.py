@@ -10,13 +10,24 @@ that differs from a notebook kernel in ways that user code notices:
   start method a plain Linux notebook has, ``fork``.
 - The default process group already exists, so a user's own
   ``init_process_group`` must be a no-op (:func:`guard_user_group_calls`).
+- Functions and classes from notebook cells arrive by value, so ``__main__``
+  does not hold them and pickling them by reference (``multiprocessing``,
+  ``torch.save``) fails. :func:`adopt_main` makes the function's notebook
+  globals the rank's ``__main__``, as ipyparallel does for its engines, and
+  :func:`pickle_main_by_value` lets ``multiprocessing`` send such names to
+  ``spawn`` and ``forkserver`` children by value, since those children have no
+  notebook to import them from (under ``torchrun`` they re-import the script).
 
 These functions run in the rank only, never in the caller.
 """
 
 from __future__ import annotations
 
+import builtins
 import multiprocessing
+import sys
+import types
+from typing import Any
 
 from nbtools import _torch_compat
 from nbtools._internal import hooks
@@ -28,6 +39,9 @@ __all__ = [
     "mark_in_rank",
     "in_rank",
     "private_temp_dir",
+    "adopt_main",
+    "bind_to",
+    "pickle_main_by_value",
 ]
 
 _log = get_logger("launch")
@@ -92,3 +106,55 @@ def _skipped(requested: str, active_backend: str) -> None:
         if kind == "CPU"
         else "Remove the call or pass the backend above.",
     )
+
+
+def adopt_main(fn: Any) -> Any:
+    """Make ``fn``'s notebook globals this rank's ``__main__``; return ``fn`` bound to them.
+
+    Only for a function from ``__main__`` (a notebook cell or a script): a cell
+    function it calls, a cell class it uses, then resolve as ``__main__.name``,
+    as in the kernel. Any other function is returned as it is.
+    """
+    if not isinstance(fn, types.FunctionType) or fn.__module__ != "__main__":
+        return fn
+    main = types.ModuleType("__main__")
+    namespace = main.__dict__
+    namespace["__builtins__"] = builtins
+    for name, value in fn.__globals__.items():
+        if not name.startswith("__"):
+            namespace[name] = value
+    sys.modules["__main__"] = main
+    return bind_to(fn, namespace)
+
+
+def bind_to(fn: types.FunctionType, namespace: dict[str, Any]) -> types.FunctionType:
+    """``fn`` with ``namespace`` as its globals (ipyparallel's ``interactive``)."""
+    bound = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    bound.__kwdefaults__ = fn.__kwdefaults__
+    bound.__qualname__ = fn.__qualname__
+    bound.__module__ = fn.__module__
+    bound.__doc__ = fn.__doc__
+    bound.__dict__.update(fn.__dict__)
+    return bound
+
+
+def pickle_main_by_value() -> None:
+    """Let ``multiprocessing`` pickle ``__main__``'s functions and classes by value (cloudpickle).
+
+    A ``spawn`` or ``forkserver`` child of a rank starts with an empty
+    ``__main__``: a cell-defined dataset class sent by reference would not be
+    found there. Everything else keeps ``multiprocessing``'s own pickling.
+    """
+    from multiprocessing.reduction import ForkingPickler
+
+    if getattr(ForkingPickler, "reducer_override", None) is _main_by_value:
+        return
+    ForkingPickler.reducer_override = _main_by_value  # type: ignore[attr-defined]
+
+
+def _main_by_value(pickler: Any, obj: Any) -> Any:
+    if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
+        import cloudpickle
+
+        return cloudpickle.loads, (cloudpickle.dumps(obj),)
+    return NotImplemented

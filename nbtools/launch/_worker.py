@@ -139,6 +139,9 @@ def _run(payload: bytes, spec: RankSpec) -> None:
     # Unpickle after the guards are in place: a function that refers to
     # ``init_process_group`` by name resolves to the guarded version.
     fn, args, kwargs = cloudpickle.loads(payload)
+    # Cell-defined names resolve by reference here as in the kernel (multiprocessing, torch.save).
+    fn = _inrank.adopt_main(fn)
+    _inrank.pickle_main_by_value()
     try:
         dist.init_process_group(
             backend=spec.backend,

@@ -41,7 +41,7 @@ import time
 import types
 from typing import Any
 
-from nbtools.launch import _results
+from nbtools.launch import _inrank, _results
 from nbtools.launch._records import failure_record, flush_events
 from nbtools.launch.pool._channel import ChannelClosed, Link, connect
 
@@ -76,6 +76,7 @@ class _Server:
         self.lent: dict[str, Any] = {}  # notebook names a function brought, still unchanged here
         self._saved_main = sys.modules.get("__main__")
         sys.modules["__main__"] = self.main
+        _inrank.pickle_main_by_value()  # spawn and forkserver children get the cells' names
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._running: int | None = None  # seq of the command running user code
@@ -265,15 +266,7 @@ class _Server:
             if name not in self.ns or (lent is not _MISSING and self.ns[name] is lent):
                 self.ns[name] = value
                 self.lent[name] = value
-        bound = types.FunctionType(
-            fn.__code__, self.ns, fn.__name__, fn.__defaults__, fn.__closure__
-        )
-        bound.__kwdefaults__ = fn.__kwdefaults__
-        bound.__qualname__ = fn.__qualname__
-        bound.__module__ = fn.__module__
-        bound.__doc__ = fn.__doc__
-        bound.__dict__.update(fn.__dict__)
-        return bound
+        return _inrank.bind_to(fn, self.ns)
 
     def close(self) -> None:
         if self._in_main and self._saved_handler is not None:

@@ -1,0 +1,106 @@
+"""Names defined in notebook cells behave in a rank as in the kernel, both ways.
+
+A real kernel defines a function, a dataset and a model class in cells, so they
+live in the kernel's ``__main__`` and reach the ranks by value. Inside the
+ranks, code that pickles them by reference (``multiprocessing.Pool.map``,
+``spawn`` and ``forkserver`` loader workers, ``torch.save``) must find them,
+and a model of the cell's class must come back from every rank.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from _user_code_nb import NotebookKernel
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    with NotebookKernel(tmp_path_factory.mktemp("kernel")) as nb:
+        nb.run(textwrap.dedent("""\
+            import multiprocessing
+            import torch
+            from torch.utils.data import DataLoader, Dataset
+            from nbtools import distributed
+        """))
+        nb.run(textwrap.dedent("""\
+            def cube(x):
+                return x ** 3
+
+
+            class Squares(Dataset):
+                def __len__(self):
+                    return 6
+
+                def __getitem__(self, i):
+                    return i * i
+
+
+            class Net(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.body = torch.nn.Linear(128, 256)   # 128 KiB: travels out of band
+
+                def forward(self, x):
+                    return self.body(x)
+        """))
+        yield nb
+
+
+def test_a_cell_defined_model_comes_back_from_every_rank_equal_to_rank_0s(kernel):
+    kernel.run(textwrap.dedent("""\
+        @distributed(processes=2, output="none")
+        def train():
+            import torch.distributed as dist
+
+            torch.manual_seed(0)
+            net = Net()
+            for p in net.parameters():
+                dist.broadcast(p.data, 0)
+            return net
+
+        models = train.distributed()
+    """))
+    assert kernel.eval("[type(m).__name__ for m in models]") == ["Net", "Net"]
+    assert kernel.eval("isinstance(models[1], Net)") is True
+    assert kernel.eval(
+        "all(torch.equal(a, b) for a, b in zip(models[0].state_dict().values(), "
+        "models[1].state_dict().values()))"
+    ) is True
+
+
+def test_cell_functions_and_classes_resolve_by_reference_inside_ranks(kernel, tmp_path):
+    kernel.run(textwrap.dedent(f"""\
+        @distributed(processes=2, output="none")
+        def by_reference(folder):
+            import os
+            import torch.distributed as dist
+
+            rank = dist.get_rank()
+            out = {{}}
+            with multiprocessing.Pool(2) as pool:           # the rank's default: fork
+                out["fork"] = pool.map(cube, range(4))
+            with multiprocessing.get_context("spawn").Pool(1) as pool:
+                out["spawn"] = pool.map(cube, range(3))
+            for method in ("spawn", "forkserver"):
+                loader = DataLoader(Squares(), batch_size=3, num_workers=1,
+                                    multiprocessing_context=method)
+                out[method + " loader"] = [int(v) for batch in loader for v in batch]
+            path = os.path.join(folder, f"net-{{rank}}.pt")
+            torch.save(Net(), path)                          # pickles Net by reference
+            out["saved"] = path
+            return out
+
+        found = by_reference.distributed({str(tmp_path)!r})
+    """))
+    found = kernel.eval("[{k: v for k, v in f.items() if k != 'saved'} for f in found]")
+    for rank in found:
+        assert rank["fork"] == [0, 1, 8, 27] and rank["spawn"] == [0, 1, 8]
+        assert rank["spawn loader"] == rank["forkserver loader"] == [0, 1, 4, 9, 16, 25]
+    # What a rank saved loads in the kernel as the cell's own class.
+    assert kernel.eval(
+        "[isinstance(torch.load(f['saved'], weights_only=False), Net) for f in found]"
+    ) == [True, True]
