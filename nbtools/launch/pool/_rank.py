@@ -205,10 +205,8 @@ class _Server:
             fn = self._bind(fn)
         return _dumps(fn(*args, **kwargs))
 
-    def _do_push(self, blob: bytes) -> _results.Framed:
-        import cloudpickle
-
-        names = cloudpickle.loads(blob)
+    def _do_push(self, framed: _results.Framed) -> _results.Framed:
+        names = framed.loads()  # large tensors use the received memory in place
         self.ns.update(names)
         for name in names:
             self.lent.pop(name, None)  # pushed names belong to the rank now
