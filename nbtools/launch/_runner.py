@@ -31,7 +31,7 @@ from typing import TypeVar
 from nbtools import events
 from nbtools._internal.log import get_logger
 from nbtools.errors import DistributedError
-from nbtools.launch import _watch
+from nbtools.launch import _leftovers, _watch
 from nbtools.launch._backend import Failed, GroupSpec, LaunchBackend, Outcome
 from nbtools.launch._failures import describe, forms_again
 from nbtools.launch._output import OutputForwarder
@@ -216,7 +216,15 @@ def report_leftovers(left: dict[int, list[str]]) -> None:
     or a restart): nbtools ended it as part of stopping them, so the user's code
     did nothing wrong, and only the debug log says so.
     """
-    for rank, commands in sorted(left.items()):
+    for rank, found in sorted(left.items()):
+        services = [c for c in found if _leftovers.is_library_service(c)]
+        if services:
+            # A library's own per-process service (wandb-core): it ends at interpreter exit,
+            # which a rank reaches only after this; nothing for the user to change.
+            _log.info("rank %d: stopped %s", rank, "; ".join(services))
+        commands = [c for c in found if c not in services]
+        if not commands:
+            continue
         what = "a process" if len(commands) == 1 else f"{len(commands)} processes"
         named = "; ".join(commands[:5]) + ("; ..." if len(commands) > 5 else "")
         if rank < 0:
