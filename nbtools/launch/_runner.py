@@ -31,7 +31,7 @@ from typing import TypeVar
 from nbtools import events
 from nbtools._internal.log import get_logger
 from nbtools.errors import DistributedError
-from nbtools.launch import _leftovers, _watch
+from nbtools.launch import _kernel_logging, _leftovers, _watch
 from nbtools.launch._backend import Failed, GroupSpec, LaunchBackend, Outcome
 from nbtools.launch._failures import describe, forms_again
 from nbtools.launch._output import OutputForwarder
@@ -96,7 +96,7 @@ def run(
             restart_count=restarts,
             max_restarts=plan.max_restarts,
             attempt_dir=os.path.join(run_dir, f"attempt{index}"),
-            env=collector.environment(),
+            env={**collector.environment(), **_kernel_logging.environment()},
         )
         os.mkdir(spec.attempt_dir)
         outcome = _attempt(backend, spec, plan, localize, began if index == 0 else None)

@@ -104,3 +104,33 @@ def test_cell_functions_and_classes_resolve_by_reference_inside_ranks(kernel, tm
     assert kernel.eval(
         "[isinstance(torch.load(f['saved'], weights_only=False), Net) for f in found]"
     ) == [True, True]
+
+
+def test_the_kernels_logging_configuration_applies_in_ranks_and_the_functions_own_wins(kernel):
+    kernel.run(textwrap.dedent("""\
+        import logging
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s|%(name)s|%(message)s")
+    """))
+    text = kernel.run(textwrap.dedent("""\
+        @distributed(processes=2)
+        def logs():
+            import torch.distributed as dist
+
+            logging.getLogger("train").info("step %d", dist.get_rank())
+            logging.getLogger("train").debug("not shown at INFO")
+
+        logs.distributed()
+    """))
+    assert "[rank 0] INFO|train|step 0" in text and "[rank 1] INFO|train|step 1" in text, text
+    assert "not shown" not in text
+
+    text = kernel.run(textwrap.dedent("""\
+        @distributed(processes=2)
+        def configures():
+            logging.basicConfig(level=logging.WARNING, format="OWN %(message)s")
+            logging.getLogger("train").info("hidden")
+            logging.getLogger("train").warning("shown")
+
+        configures.distributed()
+    """))
+    assert "[rank 0] OWN shown" in text and "hidden" not in text, text

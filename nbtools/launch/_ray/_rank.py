@@ -30,7 +30,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from nbtools.launch import _inrank, _leftovers
+from nbtools.launch import _inrank, _kernel_logging, _leftovers
 from nbtools.launch._leftovers import LEFTOVER_GRACE_S
 from nbtools.launch._ray import _ray_compat
 from nbtools.launch._records import GROUP_PHASE, failure_record
@@ -150,6 +150,7 @@ class RankActor:
         if spec["device"] is not None:  # before anything in the payload can touch a device
             torch.cuda.set_device(spec["device"])
         _inrank.mark_in_rank()
+        _kernel_logging.apply()
         _inrank.restore_start_method()
         _inrank.guard_user_group_calls(spec["backend"])
         fn, args, kwargs = cloudpickle.loads(payload)
