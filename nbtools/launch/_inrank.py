@@ -17,6 +17,11 @@ that differs from a notebook kernel in ways that user code notices:
   :func:`pickle_main_by_value` lets ``multiprocessing`` send such names to
   ``spawn`` and ``forkserver`` children by value, since those children have no
   notebook to import them from (under ``torchrun`` they re-import the script).
+- On a gloo-only default group (CPU ranks), DCP's ``async_save`` runs its
+  collectives from a background thread on the same group as the training
+  loop's (DDP's all-reduce): the two interleave and hang.
+  :func:`separate_async_saves` gives those saves a gloo group of their own, as
+  ``gpus=N`` ranks have with ``cpu:gloo,cuda:nccl``.
 
 These functions run in the rank only, never in the caller.
 """
@@ -24,6 +29,8 @@ These functions run in the rank only, never in the caller.
 from __future__ import annotations
 
 import builtins
+import importlib.abc
+import importlib.util
 import multiprocessing
 import sys
 import types
@@ -42,6 +49,7 @@ __all__ = [
     "adopt_main",
     "bind_to",
     "pickle_main_by_value",
+    "separate_async_saves",
 ]
 
 _log = get_logger("launch")
@@ -158,3 +166,72 @@ def _main_by_value(pickler: Any, obj: Any) -> Any:
 
         return cloudpickle.loads, (cloudpickle.dumps(obj),)
     return NotImplemented
+
+
+def separate_async_saves() -> None:
+    """Give ``dcp.async_save`` calls without a ``process_group`` a gloo group of their own.
+
+    Only when the default group is gloo-only: with ``cpu:gloo,cuda:nccl`` the
+    training loop's collectives run on NCCL and the saves' on gloo already.
+    The group is made at the first such save, which every rank calls together
+    (a save is collective), so every rank makes it at the same point. DCP is
+    not imported for this: the change is made when user code imports it.
+    """
+    module = sys.modules.get(_SAVER)
+    if module is not None:
+        _wrap_async_save(module)
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
+
+
+_SAVER = "torch.distributed.checkpoint.state_dict_saver"
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Wraps ``async_save`` as soon as DCP's saver module has run (one shot)."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != _SAVER:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        loader = getattr(spec, "loader", None)
+        if spec is None or loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module: types.ModuleType) -> None:
+            run(module)
+            _wrap_async_save(module)  # before ``dcp/__init__`` takes the name from it
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _wrap_async_save(saver: types.ModuleType) -> None:
+    original = saver.async_save
+    if getattr(original, "_nbtools_separate", False):
+        return
+    groups: list[Any] = []
+
+    def async_save(*args: Any, **kwargs: Any) -> Any:
+        import torch.distributed as dist
+
+        if (
+            kwargs.get("process_group") is None
+            and not kwargs.get("no_dist", False)
+            and dist.is_initialized()
+            and str(dist.get_backend()) == "gloo"
+        ):
+            if not groups:
+                groups.append(dist.new_group(backend="gloo"))
+            kwargs["process_group"] = groups[0]
+        return original(*args, **kwargs)
+
+    async_save._nbtools_separate = True  # type: ignore[attr-defined]
+    async_save.__doc__ = original.__doc__
+    async_save.__wrapped__ = original  # type: ignore[attr-defined]
+    saver.async_save = async_save  # type: ignore[attr-defined]
+    package = sys.modules.get("torch.distributed.checkpoint")
+    if package is not None and getattr(package, "async_save", None) is original:
+        package.async_save = async_save  # type: ignore[attr-defined]

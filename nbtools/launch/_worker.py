@@ -143,6 +143,7 @@ def _run(payload: bytes, spec: RankSpec) -> None:
     # Cell-defined names resolve by reference here as in the kernel (multiprocessing, torch.save).
     fn = _inrank.adopt_main(fn)
     _inrank.pickle_main_by_value()
+    _inrank.separate_async_saves()
     try:
         dist.init_process_group(
             backend=spec.backend,
