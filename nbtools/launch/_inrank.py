@@ -221,7 +221,7 @@ def _wrap_async_save(saver: types.ModuleType) -> None:
             kwargs.get("process_group") is None
             and not kwargs.get("no_dist", False)
             and dist.is_initialized()
-            and str(dist.get_backend()) == "gloo"
+            and "nccl" not in str(dist.get_backend())  # gloo-only: one queue for everything
         ):
             if not groups:
                 groups.append(dist.new_group(backend="gloo"))
