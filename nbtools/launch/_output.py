@@ -53,6 +53,7 @@ _MAYBE_MOVE = re.compile(r"\n+(?:\r[^\n]*)?$")
 _HOLD_S = 0.5
 # The file name of code sent by value (see ``_sources``).
 _DYNAMIC = '"<dynamic-code>"'
+_WARNED = "<dynamic-code>:"
 
 
 class _Sink:
@@ -163,7 +164,8 @@ class _Tail:
     def _prefixed(self, body: str) -> str:
         body = self.torch_prefix.sub("", body, count=1)
         localize = self.owner.localize
-        if localize is not None and _DYNAMIC in body:  # a frame of a stack dump
+        if localize is not None and (_DYNAMIC in body or body.startswith(_WARNED)):
+            # a frame of a stack dump, or a warning from code sent by value
             return "\n".join(self.prefix + line for line in localize(body).split("\n"))
         return self.prefix + body
 

@@ -106,6 +106,30 @@ def test_cell_functions_and_classes_resolve_by_reference_inside_ranks(kernel, tm
     ) == [True, True]
 
 
+def test_a_warning_from_cell_code_names_the_cell_and_shows_the_source_line(kernel):
+    kernel.run(textwrap.dedent("""\
+        import warnings
+
+
+        def check(x):
+            if x > 1:
+                warnings.warn("x is large")   # line 6 of this cell
+            return x
+    """))
+    cell = len(kernel.nb.cells)
+    text = kernel.run(textwrap.dedent("""\
+        @distributed(processes=2)
+        def warns():
+            return check(5)
+
+        warns.distributed()
+    """))
+    label = f"Cell In[{kernel.nb.cells[cell - 1].execution_count}], line 6: UserWarning: x is large"
+    assert f"[rank 0] {label}" in text, text
+    assert '[rank 0]   warnings.warn("x is large")' in text, text
+    assert "<dynamic-code>" not in text
+
+
 def test_the_kernels_logging_configuration_applies_in_ranks_and_the_functions_own_wins(kernel):
     kernel.run(textwrap.dedent("""\
         import logging
