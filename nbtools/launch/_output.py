@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from nbtools.launch import _display
+
 __all__ = ["OutputForwarder", "OUTPUT_MODES"]
 
 #: ``all``: every rank; ``rank0``: global rank 0 only; ``none``: nothing.
@@ -140,6 +142,17 @@ class _Tail:
                 self.after_cr = True
                 if self.updates and body.strip():
                     out.append(self.sink.update(self._prefixed(body)))
+                continue
+            if _display.MARK in body:
+                # Rich output (rank 0): shown by the kernel's display, after the text before it.
+                if out:
+                    self.sink.dst.write("".join(out))
+                    self.sink.dst.flush()
+                    out = []
+                fallback = _display.show(body, self.rank)
+                if fallback:
+                    out.append(self._finished(self._prefixed(fallback)))
+                self.after_cr = False
                 continue
             out.append(self._finished(self._prefixed(body)))
             self.after_cr = False

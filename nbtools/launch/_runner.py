@@ -31,7 +31,7 @@ from typing import TypeVar
 from nbtools import events
 from nbtools._internal.log import get_logger
 from nbtools.errors import DistributedError
-from nbtools.launch import _kernel_logging, _leftovers, _watch
+from nbtools.launch import _display, _kernel_logging, _leftovers, _watch
 from nbtools.launch._backend import Failed, GroupSpec, LaunchBackend, Outcome
 from nbtools.launch._failures import describe, forms_again
 from nbtools.launch._output import OutputForwarder
@@ -88,6 +88,7 @@ def run(
 
     def attempt() -> Outcome:
         index = next(indexes)
+        attempt_dir = os.path.join(run_dir, f"attempt{index}")
         spec = GroupSpec(
             payload=payload,
             world_size=plan.world_size,
@@ -95,8 +96,12 @@ def run(
             run_id=run_id,
             restart_count=restarts,
             max_restarts=plan.max_restarts,
-            attempt_dir=os.path.join(run_dir, f"attempt{index}"),
-            env={**collector.environment(), **_kernel_logging.environment()},
+            attempt_dir=attempt_dir,
+            env={
+                **collector.environment(),
+                **_kernel_logging.environment(),
+                **_display.environment(attempt_dir),
+            },
         )
         os.mkdir(spec.attempt_dir)
         outcome = _attempt(backend, spec, plan, localize, began if index == 0 else None)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from nbtools._internal.fs import free_bytes
 from nbtools.errors import PicklingError, ResultWriteError
-from nbtools.launch import _inrank, _kernel_logging, _leftovers, _results
+from nbtools.launch import _display, _inrank, _kernel_logging, _leftovers, _results
 from nbtools.launch._env import settle_forkserver
 from nbtools.launch._leftovers import LEFTOVER_GRACE_S
 from nbtools.launch._records import GROUP_PHASE, failure_record, flush_events
@@ -135,6 +135,7 @@ def _run(payload: bytes, spec: RankSpec) -> None:
         torch.cuda.set_device(spec.rank)
     _inrank.mark_in_rank()
     _kernel_logging.apply()
+    _display.install()
     _inrank.restore_start_method()
     _inrank.guard_user_group_calls(spec.backend)
     # Unpickle after the guards are in place: a function that refers to

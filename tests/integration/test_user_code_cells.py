@@ -158,3 +158,37 @@ def test_the_kernels_logging_configuration_applies_in_ranks_and_the_functions_ow
         configures.distributed()
     """))
     assert "[rank 0] OWN shown" in text and "hidden" not in text, text
+
+
+def test_rich_output_of_rank_0_reaches_the_cell_as_rich_output(kernel):
+    kernel.run(textwrap.dedent("""\
+        @distributed(processes=2)
+        def report():
+            import torch.distributed as dist
+            import matplotlib.pyplot as plt
+            import pandas as pd
+            from IPython.display import HTML, Markdown, display
+
+            print("before")
+            display(pd.DataFrame({"loss": [0.5, 0.25]}))
+            display(Markdown("**done**"), HTML("<i>rank</i>"))
+            plt.plot([1, 2, 3])
+            plt.show()
+            print("after")
+            return dist.get_rank()
+
+        report.distributed()
+    """))
+    outputs = kernel.nb.cells[-1].outputs
+    rich = [o for o in outputs if o.output_type == "display_data"]
+    kinds = [sorted(o.data) for o in rich]
+    assert len(rich) == 4, kinds  # rank 0's only: the table, the Markdown, the HTML, the figure
+    assert "text/html" in rich[0].data and "<table" in rich[0].data["text/html"]
+    assert rich[1].data["text/markdown"] == "**done**"
+    assert rich[2].data["text/html"] == "<i>rank</i>"
+    assert "image/png" in rich[3].data and len(rich[3].data["image/png"]) > 1000
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "[rank 0] before" in text and "[rank 0] after" in text
+    assert "Figure(" not in text and "loss" not in text  # no text stand-ins
+    order = [o.output_type for o in outputs]
+    assert order.index("display_data") > 0  # "before" came first

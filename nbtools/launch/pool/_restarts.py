@@ -28,7 +28,7 @@ from collections.abc import Callable
 from nbtools import events
 from nbtools._internal.log import get_logger
 from nbtools.errors import DistributedError, LaunchError
-from nbtools.launch import _kernel_logging
+from nbtools.launch import _display, _kernel_logging
 from nbtools.launch._backend import Failed, GroupSpec, LaunchBackend
 from nbtools.launch._failures import RankFailure, describe
 from nbtools.launch._runner import Plan, until_formed
@@ -107,7 +107,11 @@ class Generations:
             restart_count=self.restarts,
             max_restarts=self.max_restarts if self.max_restarts is not None else 2**31 - 1,
             attempt_dir=attempt_dir,
-            env={**self.collector.environment(), **_kernel_logging.environment()},
+            env={
+                **self.collector.environment(),
+                **_kernel_logging.environment(),
+                **_display.environment(attempt_dir),
+            },
         )
         try:
             self.ranks = Ranks.start(self.backend, spec, self.plan.output)
