@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 from nbtools.launch import _display
+from nbtools.launch._stack_dumps import StackFolder
 
 __all__ = ["OutputForwarder", "OUTPUT_MODES"]
 
@@ -106,6 +107,7 @@ class _Tail:
         self.after_cr = False  # the text pending follows a carriage return: a bar in progress
         self.hold_until: float | None = None  # until when trailing newlines are held back
         self.bars = False  # this rank has drawn a carriage-return bar
+        self.stacks = StackFolder()  # this stream's stack dumps, folded to the user's frames
 
     def pump(self, final: bool) -> bool:
         """Forward what the file has gained; True when it had anything new."""
@@ -154,8 +156,14 @@ class _Tail:
                     out.append(self._finished(self._prefixed(fallback)))
                 self.after_cr = False
                 continue
-            out.append(self._finished(self._prefixed(body)))
+            folded, in_dump = self.stacks.feed(body)
+            out.extend(self._finished(self._prefixed(line)) for line in folded)
+            if not in_dump:
+                out.append(self._finished(self._prefixed(body)))
             self.after_cr = False
+        if not new or final:
+            # A dump arrives whole within a read or two: fold it once the rank is quiet.
+            out.extend(self._finished(self._prefixed(line)) for line in self.stacks.flush())
         rest = text[pos:]
         self.pending = rest + held
         if final and self.pending:
@@ -229,6 +237,15 @@ class OutputForwarder:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_output = time.monotonic()
+
+    @property
+    def stacks(self) -> dict[int, str]:
+        """Every rank's stack dumps as they were written, in full (the cell shows them folded)."""
+        dumps: dict[int, list[str]] = {}
+        for tail in self._tails:
+            if tail.stacks.full:
+                dumps.setdefault(tail.rank, []).extend(tail.stacks.full)
+        return {rank: "\n".join(lines) + "\n" for rank, lines in sorted(dumps.items())}
 
     def start(self) -> OutputForwarder:
         """Begin forwarding in the background."""

@@ -196,6 +196,7 @@ def _attempt(
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             _watch.interrupted_stacks(group, forwarder)
+            exc.stacks = forwarder.stacks  # type: ignore[attr-defined]  # the cell shows them folded
         group.stop()
         raise
     finally:

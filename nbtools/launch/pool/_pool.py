@@ -321,7 +321,9 @@ class RankPool:
                 replies = ranks.call(op, arg, self._plan.hang_timeout)
             except RanksInterrupted as exc:
                 self._gens.after_interrupt(exc)
-                raise KeyboardInterrupt from None
+                interrupt = KeyboardInterrupt()
+                interrupt.stacks = ranks.forwarder.stacks  # type: ignore[attr-defined]
+                raise interrupt from None
             except RanksStuck as exc:
                 raise self._gens.after_stuck(exc, localize) from None
             except RanksLost as exc:
