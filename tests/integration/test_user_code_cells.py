@@ -192,3 +192,15 @@ def test_rich_output_of_rank_0_reaches_the_cell_as_rich_output(kernel):
     assert "Figure(" not in text and "loss" not in text  # no text stand-ins
     order = [o.output_type for o in outputs]
     assert order.index("display_data") > 0  # "before" came first
+
+
+def test_rich_output_of_a_distributed_cell_reaches_that_cell(kernel):
+    kernel.run("%load_ext nbtools\n%distributed start --processes 2")
+    try:
+        kernel.run("%%distributed\nimport pandas as pd\nfrom IPython.display import display")
+        kernel.run("%%distributed\ndisplay(pd.DataFrame({'acc': [0.9]}))\nprint('shown')")
+        outputs = kernel.nb.cells[-1].outputs
+        rich = [o for o in outputs if o.output_type == "display_data"]
+        assert len(rich) == 1 and "<table" in rich[0].data["text/html"], outputs
+    finally:
+        kernel.run("%distributed stop")
