@@ -157,7 +157,7 @@ def pickle_main_by_value() -> None:
 
     if getattr(ForkingPickler, "reducer_override", None) is _main_by_value:
         return
-    ForkingPickler.reducer_override = _main_by_value  # type: ignore[attr-defined]
+    setattr(ForkingPickler, "reducer_override", _main_by_value)  # noqa: B010 - a class attribute
 
 
 def _main_by_value(pickler: Any, obj: Any) -> Any:

@@ -38,9 +38,10 @@ def environment() -> dict[str, str]:
         if getattr(handler, "_nbtools_kernel", False):
             continue
         formatter = handler.formatter or logging.Formatter()
-        style = next(
-            (key for key, cls in logging._STYLES.items() if isinstance(formatter._style, cls[0])),
-            "%",
+        style = (
+            "{" if isinstance(formatter._style, logging.StrFormatStyle)
+            else "$" if isinstance(formatter._style, logging.StringTemplateStyle)
+            else "%"
         )
         handlers.append(
             {

@@ -323,8 +323,9 @@ class _WakeableSleep:
 
     def remove(self) -> None:
         """Give ``time.sleep`` back."""
+        real = self._real
         if time.sleep is self:
-            time.sleep = self._real
+            time.sleep = real
 
 
 def _dumps(value: Any, what: str = "") -> _results.Framed:
