@@ -33,7 +33,17 @@ import sys
 import types
 from typing import Any
 
-__all__ = ["ENV", "MARK", "environment", "install", "publish", "show", "mime_bundle", "shown"]
+__all__ = [
+    "ENV",
+    "MARK",
+    "RICH_OUTPUT_MODES",
+    "environment",
+    "install",
+    "publish",
+    "show",
+    "mime_bundle",
+    "shown",
+]
 
 #: Carries the directory for bundles to rank 0 (JSON); set only when the caller is a kernel.
 ENV = "NBTOOLS_RICH_OUTPUT"
@@ -45,14 +55,26 @@ _state: dict[str, Any] = {}
 _numbers = itertools.count()
 
 
-def environment(directory: str) -> dict[str, str]:
-    """``{ENV: ...}`` when the caller is an IPython kernel that can show rich output, else ``{}``."""
+#: ``rank0``: rank 0's rich output reaches the cell, the other ranks' is dropped; ``all``:
+#: every rank's, each labelled by its rank; ``none``: text only.
+RICH_OUTPUT_MODES = ("rank0", "all", "none")
+
+
+def environment(directory: str, ranks: str = "rank0") -> dict[str, str]:
+    """``{ENV: ...}`` when the caller is an IPython kernel that can show rich output, else ``{}``.
+
+    Args:
+        directory: the launch's private directory, where ranks leave their bundles.
+        ranks: one of :data:`RICH_OUTPUT_MODES`.
+    """
+    if ranks == "none":
+        return {}
     ipython = sys.modules.get("IPython")
     get = getattr(ipython, "get_ipython", None)
     shell = get() if callable(get) else None
     if shell is None or not hasattr(shell, "kernel"):
         return {}  # a terminal or a script: text is all there is
-    return {ENV: json.dumps({"dir": directory})}
+    return {ENV: json.dumps({"dir": directory, "ranks": ranks})}
 
 
 def install() -> None:
@@ -61,10 +83,11 @@ def install() -> None:
     if not text:
         return
     try:
-        directory = json.loads(text)["dir"]
+        config = json.loads(text)
+        directory, ranks = config["dir"], config.get("ranks", "rank0")
     except (ValueError, KeyError, TypeError):
         return
-    if os.environ.get("RANK", "0") != "0":
+    if ranks != "all" and os.environ.get("RANK", "0") != "0":
         _state["drop"] = True  # the cell shows rank 0's rich output, not N copies of it
     elif os.path.isdir(directory):
         _state["dir"] = directory
@@ -115,6 +138,8 @@ def show(line: str, rank: int) -> str | None:
     display = getattr(getattr(ipython, "display", None), "display", None)
     if display is None or not isinstance(bundle, dict):
         return str(bundle.get("text/plain", "")) if isinstance(bundle, dict) else None
+    if rank != 0:
+        print(f"[rank {rank}]", file=sys.stdout, flush=True)  # rich_output="all": whose it is
     display(bundle, raw=True)
     return None
 
@@ -150,8 +175,9 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _display(*objs: Any, include: Any = None, exclude: Any = None, raw: bool = False,
-             **_: Any) -> None:
+def _display(
+    *objs: Any, include: Any = None, exclude: Any = None, raw: bool = False, **_: Any
+) -> None:
     if _state.get("drop"):
         return
     for obj in objs:

@@ -39,8 +39,10 @@ def environment() -> dict[str, str]:
             continue
         formatter = handler.formatter or logging.Formatter()
         style = (
-            "{" if isinstance(formatter._style, logging.StrFormatStyle)
-            else "$" if isinstance(formatter._style, logging.StringTemplateStyle)
+            "{"
+            if isinstance(formatter._style, logging.StrFormatStyle)
+            else "$"
+            if isinstance(formatter._style, logging.StringTemplateStyle)
             else "%"
         )
         handlers.append(
