@@ -8,6 +8,11 @@ Every variant runs the same work: one ``all_reduce`` of a one-element tensor.
 - ``ipyparallel_ms``: ``view.apply_sync(fn)`` on 2 ipyparallel engines whose torch
   process group was formed once beforehand (the baseline notebook users know).
 
+- ``push_1gib_s``: ``pool.push(x=<1 GiB tensor>)`` to 2 ranks, against
+  ``file_roundtrip_1gib_s``, a ``torch.save`` + ``torch.load`` of the same tensor
+  through a local file, measured in the same run (goal: push <= 1.5x the round trip);
+  ``pull_2x512mib_s`` pulls a 512 MiB tensor from each rank.
+
 With CUDA, ``gpu`` adds the first call, the warm call without a pool and the warm
 pool call on one GPU. Prints one JSON line. Run: ``python benchmarks/pool.py``
 (the ipyparallel baseline needs ``pip install ipyparallel``).
@@ -64,6 +69,44 @@ def _pool_ms(**ranks) -> float:
     with RankPool(output="none", **ranks) as pool:
         pool.run(_all_reduce)
         return _median_ms(lambda: pool.run(_all_reduce), WARM_POOL)
+
+
+def _push_vs_file() -> dict:
+    import torch
+
+    from nbtools.launch import RankPool
+
+    x = torch.ones(1024**3 // 4)  # 1 GiB
+    with RankPool(processes=WORLD, output="none") as pool:
+        pool.execute("import torch")
+        start = time.perf_counter()
+        pool.push(x=x)
+        push = time.perf_counter() - start
+        sums = pool.execute("float(x.sum())")
+        assert sums == [float(x.numel())] * WORLD, sums
+        pool.execute("del x\nhalf = torch.ones(512 * 1024**2 // 4)")
+        start = time.perf_counter()
+        halves = pool.pull("half")
+        pull = time.perf_counter() - start
+        del halves
+        pool.execute("del half")
+    scratch = tempfile.mkdtemp(prefix="nbtools-bench-file-")
+    try:
+        path = os.path.join(scratch, "x.pt")
+        start = time.perf_counter()
+        torch.save(x, path)
+        back = torch.load(path)
+        roundtrip = time.perf_counter() - start
+        assert back.numel() == x.numel()
+        del back
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {
+        "push_1gib_s": round(push, 3),
+        "file_roundtrip_1gib_s": round(roundtrip, 3),
+        "push_vs_file": round(push / roundtrip, 3),
+        "pull_2x512mib_s": round(pull, 3),
+    }
 
 
 def _cell_ms() -> float:
@@ -138,6 +181,7 @@ def main() -> None:
     pool = _pool_ms(processes=WORLD)
     cell = _cell_ms()
     ipp, ipp_version = _ipp_ms()
+    transfer = _push_vs_file()
     result = {
         "benchmark": "pool",
         "ranks": WORLD,
@@ -148,7 +192,9 @@ def main() -> None:
         "ipyparallel_version": ipp_version,
         "pool_vs_distributed": round(pool / warm, 4),
         "pool_vs_ipyparallel": round(pool / ipp, 4) if ipp else None,
+        **transfer,
         "goals_met": {
+            "push_le_1.5x_file_roundtrip": transfer["push_vs_file"] <= 1.5,
             "pool_le_5ms": pool <= 5.0,
             "pool_le_0.1x_distributed": pool <= 0.1 * warm,
             "pool_le_1x_ipyparallel": None if ipp is None else pool <= ipp,

@@ -13,6 +13,7 @@ __all__ = [
     "LaunchError",
     "PoolError",
     "PicklingError",
+    "ResultWriteError",
     "MissingDependencyError",
     "UnsupportedTorchError",
     "CheckpointError",
@@ -69,6 +70,10 @@ class PoolError(NbtoolsError, RuntimeError):
 
 class PicklingError(NbtoolsError, TypeError):
     """The function or one of its arguments cannot be sent to the ranks."""
+
+
+class ResultWriteError(NbtoolsError, OSError):
+    """A rank's return value could not be written where the caller reads it (a full ``TMPDIR``)."""
 
 
 class MissingDependencyError(NbtoolsError, ImportError):

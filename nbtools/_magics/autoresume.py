@@ -25,6 +25,7 @@ from IPython.core.error import UsageError
 from IPython.display import display
 
 from nbtools._internal.location import local_path, unwritable_reason
+from nbtools._magics import cell_number
 from nbtools.errors import CheckpointError
 
 __all__ = ["AutoresumeOptions", "run_autoresume"]
@@ -118,7 +119,7 @@ def _compile_body(shell: Any, cell: str) -> tuple[Any, Any]:
     # The blank first line stands for the magic's own line: line numbers match the cell.
     source = "\n" + shell.transform_cell(cell)
     tree = shell.transform_ast(shell.compile.ast_parse(source))
-    filename = shell.compile.cache(source, shell.execution_count, raw_code="\n" + cell)
+    filename = shell.compile.cache(source, cell_number(shell), raw_code="\n" + cell)
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = shell.compile(ast.Expression(tree.body.pop().value), filename, "eval")

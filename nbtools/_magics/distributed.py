@@ -22,6 +22,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
+from nbtools._magics import cell_number
+
 __all__ = ["DistributedMagics", "format_status"]
 
 _USAGE = (
@@ -180,7 +182,7 @@ class DistributedMagics(Magics):
     def _cell(self, cell: str) -> None:
         __tracebackhide__ = True
         pool = self._require()
-        filename = f"<distributed In[{self.shell.execution_count}]>"
+        filename = f"<distributed In[{cell_number(self.shell)}]>"
         compile(cell, filename, "exec")  # a syntax error is shown here, before any rank runs
         from nbtools.errors import DistributedError
 

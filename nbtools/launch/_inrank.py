@@ -10,13 +10,31 @@ that differs from a notebook kernel in ways that user code notices:
   start method a plain Linux notebook has, ``fork``.
 - The default process group already exists, so a user's own
   ``init_process_group`` must be a no-op (:func:`guard_user_group_calls`).
+- Functions and classes from notebook cells arrive by value, so ``__main__``
+  does not hold them and pickling them by reference (``multiprocessing``,
+  ``torch.save``) fails. :func:`adopt_main` makes the function's notebook
+  globals the rank's ``__main__``, as ipyparallel does for its engines, and
+  :func:`pickle_main_by_value` lets ``multiprocessing`` send such names to
+  ``spawn`` and ``forkserver`` children by value, since those children have no
+  notebook to import them from (under ``torchrun`` they re-import the script).
+- On a gloo-only default group (CPU ranks), DCP's ``async_save`` runs its
+  collectives from a background thread on the same group as the training
+  loop's (DDP's all-reduce): the two interleave and hang.
+  :func:`separate_async_saves` gives those saves a gloo group of their own, as
+  ``gpus=N`` ranks have with ``cpu:gloo,cuda:nccl``.
 
 These functions run in the rank only, never in the caller.
 """
 
 from __future__ import annotations
 
+import builtins
+import importlib.abc
+import importlib.util
 import multiprocessing
+import sys
+import types
+from typing import Any
 
 from nbtools import _torch_compat
 from nbtools._internal import hooks
@@ -28,6 +46,10 @@ __all__ = [
     "mark_in_rank",
     "in_rank",
     "private_temp_dir",
+    "adopt_main",
+    "bind_to",
+    "pickle_main_by_value",
+    "separate_async_saves",
 ]
 
 _log = get_logger("launch")
@@ -92,3 +114,124 @@ def _skipped(requested: str, active_backend: str) -> None:
         if kind == "CPU"
         else "Remove the call or pass the backend above.",
     )
+
+
+def adopt_main(fn: Any) -> Any:
+    """Make ``fn``'s notebook globals this rank's ``__main__``; return ``fn`` bound to them.
+
+    Only for a function from ``__main__`` (a notebook cell or a script): a cell
+    function it calls, a cell class it uses, then resolve as ``__main__.name``,
+    as in the kernel. Any other function is returned as it is.
+    """
+    if not isinstance(fn, types.FunctionType) or fn.__module__ != "__main__":
+        return fn
+    main = types.ModuleType("__main__")
+    namespace = main.__dict__
+    namespace["__builtins__"] = builtins
+    for name, value in fn.__globals__.items():
+        if not name.startswith("__"):
+            namespace[name] = value
+    sys.modules["__main__"] = main
+    return bind_to(fn, namespace)
+
+
+def bind_to(fn: types.FunctionType, namespace: dict[str, Any]) -> types.FunctionType:
+    """``fn`` with ``namespace`` as its globals (ipyparallel's ``interactive``)."""
+    bound = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    bound.__kwdefaults__ = fn.__kwdefaults__
+    bound.__qualname__ = fn.__qualname__
+    bound.__module__ = fn.__module__
+    bound.__doc__ = fn.__doc__
+    bound.__dict__.update(fn.__dict__)
+    return bound
+
+
+def pickle_main_by_value() -> None:
+    """Let ``multiprocessing`` pickle ``__main__``'s functions and classes by value (cloudpickle).
+
+    A ``spawn`` or ``forkserver`` child of a rank starts with an empty
+    ``__main__``: a cell-defined dataset class sent by reference would not be
+    found there. Everything else keeps ``multiprocessing``'s own pickling.
+    """
+    from multiprocessing.reduction import ForkingPickler
+
+    if getattr(ForkingPickler, "reducer_override", None) is _main_by_value:
+        return
+    setattr(ForkingPickler, "reducer_override", _main_by_value)  # noqa: B010 - a class attribute
+
+
+def _main_by_value(pickler: Any, obj: Any) -> Any:
+    if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
+        import cloudpickle
+
+        return cloudpickle.loads, (cloudpickle.dumps(obj),)
+    return NotImplemented
+
+
+def separate_async_saves() -> None:
+    """Give ``dcp.async_save`` calls without a ``process_group`` a gloo group of their own.
+
+    Only when the default group is gloo-only: with ``cpu:gloo,cuda:nccl`` the
+    training loop's collectives run on NCCL and the saves' on gloo already.
+    The group is made at the first such save, which every rank calls together
+    (a save is collective), so every rank makes it at the same point. DCP is
+    not imported for this: the change is made when user code imports it.
+    """
+    module = sys.modules.get(_SAVER)
+    if module is not None:
+        _wrap_async_save(module)
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
+
+
+_SAVER = "torch.distributed.checkpoint.state_dict_saver"
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Wraps ``async_save`` as soon as DCP's saver module has run (one shot)."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != _SAVER:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        loader = getattr(spec, "loader", None)
+        if spec is None or loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module: types.ModuleType) -> None:
+            run(module)
+            _wrap_async_save(module)  # before ``dcp/__init__`` takes the name from it
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _wrap_async_save(saver: types.ModuleType) -> None:
+    original = saver.async_save
+    if getattr(original, "_nbtools_separate", False):
+        return
+    groups: list[Any] = []
+
+    def async_save(*args: Any, **kwargs: Any) -> Any:
+        import torch.distributed as dist
+
+        if (
+            kwargs.get("process_group") is None
+            and not kwargs.get("no_dist", False)
+            and dist.is_initialized()
+            and "nccl" not in str(dist.get_backend())  # gloo-only: one queue for everything
+        ):
+            if not groups:
+                groups.append(dist.new_group(backend="gloo"))
+            kwargs["process_group"] = groups[0]
+        return original(*args, **kwargs)
+
+    async_save._nbtools_separate = True  # type: ignore[attr-defined]
+    async_save.__doc__ = original.__doc__
+    async_save.__wrapped__ = original  # type: ignore[attr-defined]
+    saver.async_save = async_save  # type: ignore[attr-defined]
+    package = sys.modules.get("torch.distributed.checkpoint")
+    if package is not None and getattr(package, "async_save", None) is original:
+        package.async_save = async_save  # type: ignore[attr-defined]

@@ -29,9 +29,14 @@ __all__ = [
     "describe_process",
     "lead_own_group",
     "has_children",
+    "is_library_service",
 ]
 
 _STOP_GRACE_S = 1.0
+# Per-process services that a library starts for the process and ends itself at interpreter
+# exit (W&B's ``wandb-core`` after ``run.finish()``): a rank's process never exits on its own
+# before nbtools stops what it left, so finding them is no fault of the user's code.
+_LIBRARY_SERVICES = ("wandb-core", "wandb-service", "wandb_internal")
 #: How long what a rank left running may take to end by itself once the rank returned.
 LEFTOVER_GRACE_S = 2.0
 
@@ -61,6 +66,12 @@ def describe_process(proc: psutil.Process) -> str:
     elif len(cmdline) > 200:
         cmdline = cmdline[:197] + "..."
     return f"{cmdline!r} (pid {proc.pid})"
+
+
+def is_library_service(description: str) -> bool:
+    """Whether a :func:`describe_process` text names a library's per-process service."""
+    command = description.rsplit(" (pid ", 1)[0]
+    return any(service in command for service in _LIBRARY_SERVICES)
 
 
 def _members(pgid: int, exclude: set[int]) -> list[psutil.Process]:

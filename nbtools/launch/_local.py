@@ -15,10 +15,12 @@ after a failure or an interrupt, here (:mod:`nbtools.launch._leftovers`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import pickle
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -56,6 +58,8 @@ _POLL_S = 0.005
 _STOP_GRACE_S = 2
 # How long a rank that vanished may take to have its exit status reach torch.
 _EXIT_STATUS_WAIT_S = 1.0
+# Under this much free space, a rank that left no failure record is taken to have had no room.
+_FULL_DISK_BYTES = 1024 * 1024
 # Stacks are written by the ranks' signal handlers; wait for them to reach the cell.
 # torch's elastic loggers report every closed process; the caller gets one DistributedError instead.
 _ELASTIC_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
@@ -209,8 +213,9 @@ class LocalGroup:
             # code, says how; "exited with code 0" only when that is what happened.
             if early not in failures:
                 code = exited.get(early)
-                failures[early] = (
-                    from_exit(early, code, attempt) if code else from_early_exit(early, attempt)
+                failures[early] = _with_full_disk(
+                    from_exit(early, code, attempt) if code else from_early_exit(early, attempt),
+                    attempt_dir,
                 )
             return Failed(failures, early, returned)
         codes = {r: f.exitcode for r, f in result.failures.items()}
@@ -231,7 +236,7 @@ class LocalGroup:
             # to, even when a peer's error in the collective was recorded (or reported
             # by torch) first.
             for rank in silent:
-                failures[rank] = from_exit(rank, codes[rank], attempt)
+                failures[rank] = _with_full_disk(from_exit(rank, codes[rank], attempt), attempt_dir)
             return Failed(failures, silent[0], returned)
         # Every rank that raised wrote a record; the earliest one is the cause, since
         # peers of a failed rank fail later, in the collective they were waiting in.
@@ -281,6 +286,27 @@ class LocalGroup:
             return left
         finally:
             self._quiet.close()
+
+
+def _with_full_disk(failure: RankFailure, attempt_dir: str) -> RankFailure:
+    """``failure`` of a rank that left no record, saying so when its directory is full.
+
+    A rank whose failure record cannot be written (a full ``TMPDIR``) would otherwise
+    read as an unexplained exit.
+    """
+    if failure.exitcode is not None and failure.exitcode < 0:
+        return failure  # killed by a signal: not for want of space
+    try:
+        free = shutil.disk_usage(attempt_dir).free
+    except OSError:
+        return failure
+    if free >= _FULL_DISK_BYTES:
+        return failure
+    return dataclasses.replace(
+        failure,
+        message=f"{failure.message}; its launch directory {attempt_dir} is full ({free} bytes "
+        "free), so it could not report why: free space in TMPDIR",
+    )
 
 
 def _start(args: dict, envs: dict, logs: DefaultLogsSpecs) -> PContext:

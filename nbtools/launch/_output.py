@@ -33,6 +33,9 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from nbtools.launch import _display
+from nbtools.launch._stack_dumps import StackFolder
+
 __all__ = ["OutputForwarder", "OUTPUT_MODES"]
 
 #: ``all``: every rank; ``rank0``: global rank 0 only; ``none``: nothing.
@@ -53,6 +56,7 @@ _MAYBE_MOVE = re.compile(r"\n+(?:\r[^\n]*)?$")
 _HOLD_S = 0.5
 # The file name of code sent by value (see ``_sources``).
 _DYNAMIC = '"<dynamic-code>"'
+_WARNED = "<dynamic-code>:"
 
 
 class _Sink:
@@ -103,6 +107,7 @@ class _Tail:
         self.after_cr = False  # the text pending follows a carriage return: a bar in progress
         self.hold_until: float | None = None  # until when trailing newlines are held back
         self.bars = False  # this rank has drawn a carriage-return bar
+        self.stacks = StackFolder()  # this stream's stack dumps, folded to the user's frames
 
     def pump(self, final: bool) -> bool:
         """Forward what the file has gained; True when it had anything new."""
@@ -140,8 +145,25 @@ class _Tail:
                 if self.updates and body.strip():
                     out.append(self.sink.update(self._prefixed(body)))
                 continue
-            out.append(self._finished(self._prefixed(body)))
+            if _display.MARK in body:
+                # Rich output (rank 0): shown by the kernel's display, after the text before it.
+                if out:
+                    self.sink.dst.write("".join(out))
+                    self.sink.dst.flush()
+                    out = []
+                fallback = _display.show(body, self.rank)
+                if fallback:
+                    out.append(self._finished(self._prefixed(fallback)))
+                self.after_cr = False
+                continue
+            folded, in_dump = self.stacks.feed(body)
+            out.extend(self._finished(self._prefixed(line)) for line in folded)
+            if not in_dump:
+                out.append(self._finished(self._prefixed(body)))
             self.after_cr = False
+        if not new or final:
+            # A dump arrives whole within a read or two: fold it once the rank is quiet.
+            out.extend(self._finished(self._prefixed(line)) for line in self.stacks.flush())
         rest = text[pos:]
         self.pending = rest + held
         if final and self.pending:
@@ -163,7 +185,8 @@ class _Tail:
     def _prefixed(self, body: str) -> str:
         body = self.torch_prefix.sub("", body, count=1)
         localize = self.owner.localize
-        if localize is not None and _DYNAMIC in body:  # a frame of a stack dump
+        if localize is not None and (_DYNAMIC in body or body.startswith(_WARNED)):
+            # a frame of a stack dump, or a warning from code sent by value
             return "\n".join(self.prefix + line for line in localize(body).split("\n"))
         return self.prefix + body
 
@@ -214,6 +237,15 @@ class OutputForwarder:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_output = time.monotonic()
+
+    @property
+    def stacks(self) -> dict[int, str]:
+        """Every rank's stack dumps as they were written, in full (the cell shows them folded)."""
+        dumps: dict[int, list[str]] = {}
+        for tail in self._tails:
+            if tail.stacks.full:
+                dumps.setdefault(tail.rank, []).extend(tail.stacks.full)
+        return {rank: "\n".join(lines) + "\n" for rank, lines in sorted(dumps.items())}
 
     def start(self) -> OutputForwarder:
         """Begin forwarding in the background."""

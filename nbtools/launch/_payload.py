@@ -3,8 +3,8 @@
 Everything travels by cloudpickle, so functions, closures, lambdas and classes
 defined in notebook cells work. Packing happens before any process starts; when
 it fails, the closure, globals, defaults and arguments are pickled one by one to
-name the variable that cannot travel. :func:`pack_push` does the same for the
-names a pool pushes; :func:`unpack_values` loads what the ranks send back.
+name the variable that cannot travel. :func:`pack_push` pickles the names a
+pool pushes, large tensors out of band; :func:`unpack_values` loads what the ranks send back.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Any
 import cloudpickle
 
 from nbtools.errors import DistributedError, PicklingError
-from nbtools.launch._results import Framed
+from nbtools.launch._results import Framed, find_unpicklable
+from nbtools.launch._results import pack as pack_result
 
 __all__ = ["pack", "pack_push", "unpack_values"]
 
@@ -59,13 +60,17 @@ def pack(fn: Callable, args: tuple, kwargs: dict) -> bytes:
         ) from exc
 
 
-def pack_push(names: dict[str, Any] | None, values: dict[str, Any]) -> bytes:
-    """Cloudpickle the names ``RankPool.push`` sets: ``names`` merged with ``values``.
+def pack_push(names: dict[str, Any] | None, values: dict[str, Any]) -> Framed:
+    """Pickle the names ``RankPool.push`` sets (``names`` merged with ``values``) once.
+
+    Large tensors and arrays stay out of band, as in a rank's return value
+    (:func:`nbtools.launch._results.pack`): the channel sends them from their own
+    memory, and each rank maps what it receives without another copy.
 
     Raises:
         TypeError: ``names`` is neither None nor a dict.
         ValueError: a name is not a Python name.
-        PicklingError: a value cannot be pickled; the message names it.
+        PicklingError: a value cannot be pickled; the message names it and the part inside it.
     """
     if names is not None and not isinstance(names, dict):
         raise TypeError(f"push() takes a dict or keyword arguments, got {type(names).__name__}")
@@ -73,15 +78,19 @@ def pack_push(names: dict[str, Any] | None, values: dict[str, Any]) -> bytes:
     for name in merged:
         if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
             raise ValueError(f"push(): {name!r} is not a Python name")
-    for name, value in merged.items():
-        try:
-            cloudpickle.dumps(value)
-        except Exception as exc:  # noqa: BLE001 - pickling raises many types
-            raise PicklingError(
-                f"push(): {name!r} ({type(value).__qualname__}) cannot be sent to the ranks: "
-                f"{exc}. Create it on the ranks instead (pool.execute or %%distributed)."
-            ) from None
-    return cloudpickle.dumps(merged)
+    try:
+        return pack_result(merged)
+    except Exception as exc:  # noqa: BLE001 - pickling raises many types
+        for name, value in merged.items():
+            where = find_unpicklable(value, name)
+            if where is not None:
+                inside = where[len(name) : len(name) + 1] in ("[", ".")
+                why = f"{where} cannot be pickled" if inside else _pickle_error(value)
+                raise PicklingError(
+                    f"push(): {name!r} ({type(value).__qualname__}) cannot be sent to the ranks: "
+                    f"{why}. Create it on the ranks instead (pool.execute or %%distributed)."
+                ) from None
+        raise PicklingError(f"push(): the values cannot be sent to the ranks: {exc}") from exc
 
 
 def unpack_values(blobs: Iterable[tuple[int, bytes | Framed]], what: str) -> list[Any]:

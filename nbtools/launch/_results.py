@@ -15,17 +15,32 @@ first, then the buffers in order.
 
 from __future__ import annotations
 
-import copyreg
+import contextlib
+import errno
 import io
 import mmap
 import os
 import pickle
 import struct
+import threading
+import types
+from collections import ChainMap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Framed", "pack", "dump", "load", "result_path", "out_of_band"]
+__all__ = [
+    "Framed",
+    "pack",
+    "dump",
+    "write",
+    "framed_size",
+    "load",
+    "result_path",
+    "out_of_band",
+    "find_unpicklable",
+    "unpicklable_message",
+]
 
 _MAGIC = b"NBR1"
 _LEN = struct.Struct("<Q")
@@ -97,17 +112,94 @@ def _pickler_class() -> type:
 def _new_pickler_class() -> type:
     import cloudpickle
 
-    class _ResultPickler(cloudpickle.Pickler):
-        # Keyed by exact type: a Parameter or another subclass keeps torch's own reduction.
-        dispatch_table = copyreg.dispatch_table.copy()
-
+    own: dict[type, Callable[[Any], Any]] = {}
     try:
         import torch
 
-        _ResultPickler.dispatch_table[torch.Tensor] = _reduce_tensor
+        # Keyed by exact type: a Parameter or another subclass keeps torch's own reduction.
+        own[torch.Tensor] = _reduce_tensor
     except ImportError:  # pragma: no cover - ranks always have torch
         pass
+
+    class _ResultPickler(cloudpickle.Pickler):
+        # In front of cloudpickle's own table, never instead of it: classes, functions and
+        # code defined in a cell travel by value as cloudpickle carries them.
+        dispatch_table = ChainMap(own, cloudpickle.Pickler.dispatch_table)
+
     return _ResultPickler
+
+
+def find_unpicklable(value: Any, root: str = "result") -> str | None:
+    """Where inside ``value`` the part that cannot be pickled sits, e.g. ``result["model"].lock``.
+
+    Walks dicts, lists, tuples, sets and objects' attributes (an ``nn.Module``'s
+    submodules included) down to the innermost part that fails alone. Returns
+    None when every part pickles alone (the value fails as a whole).
+    """
+    if _pickles(value):
+        return None
+    path, current = root, value
+    for _ in range(_MAX_DEPTH):
+        for step, child in _children(current):
+            if not _pickles(child):
+                path, current = path + step, child
+                break
+        else:
+            break
+    return f"{path} ({_kind(current)})"
+
+
+def unpicklable_message(result: object, rank: int, exc: BaseException) -> str:
+    """Why rank ``rank``'s return value cannot travel, naming the part inside it that fails."""
+    where = find_unpicklable(result)
+    part = f"{where} cannot be pickled" if where else "it cannot be pickled"
+    return (
+        f"the return value of rank {rank} ({type(result).__qualname__}) cannot be sent back to "
+        f"the caller: {part} ({type(exc).__name__}: {exc}). Leave such parts out of what the "
+        "function returns (return the model's state_dict(), or drop the lock or open file)."
+    )
+
+
+_MAX_DEPTH = 12
+
+
+def _pickles(value: Any) -> bool:
+    try:
+        _pickler_class()(io.BytesIO(), protocol=5, buffer_callback=lambda b: False).dump(value)
+    except Exception:  # noqa: BLE001 - pickling raises many types
+        return False
+    return True
+
+
+def _children(value: Any) -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return [(f"[{k!r}]", v) for k, v in value.items()]
+    if isinstance(value, (list, tuple)):
+        return [(f"[{i}]", v) for i, v in enumerate(value)]
+    if isinstance(value, (set, frozenset)):
+        return [(f" item {v!r}"[:60], v) for v in value]
+    try:
+        attrs = dict(vars(value))
+    except TypeError:
+        return []
+    children = []
+    for name, child in attrs.items():
+        if name in ("_modules", "_parameters", "_buffers") and isinstance(child, dict):
+            # An nn.Module's submodules, parameters and buffers read as its attributes.
+            children += [(f".{k}", v) for k, v in child.items() if v is not None]
+        else:
+            children.append((f".{name}", child))
+    return children
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, (type(threading.Lock()), type(threading.RLock()))):
+        return "a lock"
+    if isinstance(value, io.IOBase):
+        return "an open file"
+    if isinstance(value, types.GeneratorType):
+        return "a generator"
+    return f"a {type(value).__qualname__}"
 
 
 def out_of_band(buffers: list[pickle.PickleBuffer]) -> Callable[[pickle.PickleBuffer], bool]:
@@ -149,19 +241,61 @@ def pack(value: Any) -> Framed:
 
 
 def dump(value: Any, path: str) -> None:
-    """Pickle ``value`` once into ``path``, large buffers out of band (created 0600)."""
-    head, buffers = _pickled(value)
-    parts = [head, *(b.raw() for b in buffers)]
+    """Pickle ``value`` once into ``path``, large buffers out of band (created 0600).
+
+    Raises:
+        OSError: the file could not be written (a full disk); nothing is left at ``path``.
+            Pickling errors propagate as they are.
+    """
+    write(pack(value), path)
+
+
+def framed_size(framed: Framed) -> int:
+    """Bytes :func:`write` puts on disk for ``framed``."""
+    parts = [memoryview(framed.data), *(_raw(b) for b in framed.buffers)]
+    offset = len(_MAGIC) + _LEN.size * (1 + len(parts))
+    for part in parts:
+        offset += _padding(offset) + part.nbytes
+    return offset
+
+
+def write(framed: Framed, path: str) -> None:
+    """Write ``framed`` to ``path`` (created 0600) in the layout :func:`load` reads.
+
+    The whole size is reserved before anything is written, so a full disk fails
+    at once rather than after most of the bytes; on any error the partial file
+    is removed, so the disk gets its space back and no half-written result exists.
+
+    Raises:
+        OSError: the file could not be written; nothing is left at ``path``.
+    """
+    parts = [memoryview(framed.data), *(_raw(b) for b in framed.buffers)]
+    total = framed_size(framed)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        header = _MAGIC + _LEN.pack(len(parts)) + b"".join(_LEN.pack(p.nbytes) for p in parts)
-        out.write(header)
-        offset = len(header)
-        for part in parts:
-            pad = _padding(offset)
-            out.write(b"\0" * pad)
-            out.write(part)
-            offset += pad + part.nbytes
+    try:
+        with os.fdopen(fd, "wb") as out:
+            try:
+                os.posix_fallocate(out.fileno(), 0, total)
+            except OSError as exc:
+                # Filesystems without fallocate still get the write below; a full one does not.
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+            header = _MAGIC + _LEN.pack(len(parts)) + b"".join(_LEN.pack(p.nbytes) for p in parts)
+            out.write(header)
+            offset = len(header)
+            for part in parts:
+                pad = _padding(offset)
+                out.write(b"\0" * pad)
+                out.write(part)
+                offset += pad + part.nbytes
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+
+
+def _raw(buffer: Any) -> memoryview:
+    return buffer.raw() if isinstance(buffer, pickle.PickleBuffer) else memoryview(buffer)
 
 
 def load(path: str) -> Framed:

@@ -31,7 +31,7 @@ from typing import TypeVar
 from nbtools import events
 from nbtools._internal.log import get_logger
 from nbtools.errors import DistributedError
-from nbtools.launch import _watch
+from nbtools.launch import _display, _kernel_logging, _leftovers, _watch
 from nbtools.launch._backend import Failed, GroupSpec, LaunchBackend, Outcome
 from nbtools.launch._failures import describe, forms_again
 from nbtools.launch._output import OutputForwarder
@@ -88,6 +88,7 @@ def run(
 
     def attempt() -> Outcome:
         index = next(indexes)
+        attempt_dir = os.path.join(run_dir, f"attempt{index}")
         spec = GroupSpec(
             payload=payload,
             world_size=plan.world_size,
@@ -95,8 +96,12 @@ def run(
             run_id=run_id,
             restart_count=restarts,
             max_restarts=plan.max_restarts,
-            attempt_dir=os.path.join(run_dir, f"attempt{index}"),
-            env=collector.environment(),
+            attempt_dir=attempt_dir,
+            env={
+                **collector.environment(),
+                **_kernel_logging.environment(),
+                **_display.environment(attempt_dir),
+            },
         )
         os.mkdir(spec.attempt_dir)
         outcome = _attempt(backend, spec, plan, localize, began if index == 0 else None)
@@ -191,6 +196,7 @@ def _attempt(
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             _watch.interrupted_stacks(group, forwarder)
+            exc.stacks = forwarder.stacks  # type: ignore[attr-defined]  # the cell shows them folded
         group.stop()
         raise
     finally:
@@ -216,7 +222,15 @@ def report_leftovers(left: dict[int, list[str]]) -> None:
     or a restart): nbtools ended it as part of stopping them, so the user's code
     did nothing wrong, and only the debug log says so.
     """
-    for rank, commands in sorted(left.items()):
+    for rank, found in sorted(left.items()):
+        services = [c for c in found if _leftovers.is_library_service(c)]
+        if services:
+            # A library's own per-process service (wandb-core): it ends at interpreter exit,
+            # which a rank reaches only after this; nothing for the user to change.
+            _log.info("rank %d: stopped %s", rank, "; ".join(services))
+        commands = [c for c in found if c not in services]
+        if not commands:
+            continue
         what = "a process" if len(commands) == 1 else f"{len(commands)} processes"
         named = "; ".join(commands[:5]) + ("; ..." if len(commands) > 5 else "")
         if rank < 0:

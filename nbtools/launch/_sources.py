@@ -20,10 +20,15 @@ __all__ = ["localizer"]
 
 # A traceback writes 'line N, in name'; faulthandler's stack dumps 'line N in name'.
 _FRAME = re.compile(r'^(\s*)File "<dynamic-code>", line (\d+)(,?) in (\S+)$')
+# What ``warnings`` prints for code without a source file: '<dynamic-code>:N: Category: text'.
+_WARNING = re.compile(r"^<dynamic-code>:(\d+): (.*)$")
 
 
 def localizer(fn: Callable) -> Callable[[str], str]:
-    """A function that rewrites ``<dynamic-code>`` frames of a traceback or stack dump for ``fn``'s code."""
+    """A function that rewrites ``<dynamic-code>`` frames of a traceback or stack dump for ``fn``'s code.
+
+    Warnings that name ``<dynamic-code>`` are rewritten too, with their source line.
+    """
     codes: dict[str, list[types.CodeType]] = {}
     for code in _reachable_code(fn):
         codes.setdefault(code.co_name, []).append(code)
@@ -31,6 +36,10 @@ def localizer(fn: Callable) -> Callable[[str], str]:
     def localize(text: str) -> str:
         out = []
         for line in text.splitlines():
+            warned = _WARNING.match(line)
+            if warned is not None:
+                out.extend(_warning(codes, int(warned.group(1)), warned.group(2)) or [line])
+                continue
             match = _FRAME.match(line)
             found = _find(codes, match.group(4), int(match.group(2))) if match else None
             if found is None:
@@ -45,6 +54,28 @@ def localizer(fn: Callable) -> Callable[[str], str]:
         return "\n".join(out) + ("\n" if text.endswith("\n") else "")
 
     return localize
+
+
+def _warning(codes: dict[str, list[types.CodeType]], lineno: int, rest: str) -> list[str]:
+    """A warning's first line named as the kernel names it, and its source line; [] if unknown.
+
+    ``warnings`` gives no function name, so the code is the innermost one holding the line.
+    """
+    holding = [
+        code
+        for found in codes.values()
+        for code in found
+        if any(line == lineno for _, _, line in code.co_lines())
+    ]
+    if not holding:
+        return []
+    code = min(holding, key=lambda c: max((ln for _, _, ln in c.co_lines() if ln), default=0))
+    where = cell_label(code.co_filename) or code.co_filename
+    lines = [f"{where}, line {lineno}: {rest}"]
+    source = linecache.getline(code.co_filename, lineno).strip()
+    if source:
+        lines.append(f"  {source}")
+    return lines
 
 
 def _find(codes: dict[str, list[types.CodeType]], name: str, lineno: int) -> types.CodeType | None:

@@ -14,7 +14,9 @@ says every rank has returned, then ends what it left running.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import faulthandler
 import gc
 import json
@@ -26,7 +28,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from nbtools.launch import _inrank, _leftovers, _results
+from nbtools._internal.fs import free_bytes
+from nbtools.errors import PicklingError, ResultWriteError
+from nbtools.launch import _display, _inrank, _kernel_logging, _leftovers, _results
 from nbtools.launch._env import settle_forkserver
 from nbtools.launch._leftovers import LEFTOVER_GRACE_S
 from nbtools.launch._records import GROUP_PHASE, failure_record, flush_events
@@ -130,11 +134,17 @@ def _run(payload: bytes, spec: RankSpec) -> None:
     if spec.use_cuda:  # before anything in the payload can touch a device
         torch.cuda.set_device(spec.rank)
     _inrank.mark_in_rank()
+    _kernel_logging.apply()
+    _display.install()
     _inrank.restore_start_method()
     _inrank.guard_user_group_calls(spec.backend)
     # Unpickle after the guards are in place: a function that refers to
     # ``init_process_group`` by name resolves to the guarded version.
     fn, args, kwargs = cloudpickle.loads(payload)
+    # Cell-defined names resolve by reference here as in the kernel (multiprocessing, torch.save).
+    fn = _inrank.adopt_main(fn)
+    _inrank.pickle_main_by_value()
+    _inrank.separate_async_saves()
     try:
         dist.init_process_group(
             backend=spec.backend,
@@ -197,14 +207,50 @@ def _finish(spec: RankSpec) -> None:
 
 
 def _publish_result(result: object, spec: RankSpec) -> None:
-    """Leave the return value for the caller, pickled once (see :mod:`._results`)."""
+    """Leave the return value for the caller, pickled once (see :mod:`._results`).
+
+    A value that cannot be pickled and a file that cannot be written (a full
+    ``TMPDIR``) are told apart: the first is the user's value, the second the
+    machine's disk, and each message says what to do about it.
+    """
     try:
-        _results.dump(result, _results.result_path(spec.run_dir, spec.rank))
+        framed = _results.pack(result)
     except Exception as exc:
-        raise TypeError(
-            f"the return value of rank {spec.rank} ({type(result).__qualname__}) cannot be sent back "
-            f"to the caller: {exc}. Return plain data (numbers, lists, dicts, tensors on CPU)."
+        raise PicklingError(_results.unpicklable_message(result, spec.rank, exc)) from exc
+    path = _results.result_path(spec.run_dir, spec.rank)
+    try:
+        _results.write(framed, path)
+    except OSError as exc:
+        size = _results.framed_size(framed)
+        reason = exc.strerror.lower() if exc.strerror else str(exc)
+        free = _free_bytes(spec.run_dir)
+        free_text = f" ({_human(free)} free)" if free is not None else ""
+        advice = (
+            "free space in TMPDIR or return less"
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            else "check TMPDIR or return less"
+        )
+        raise ResultWriteError(
+            exc.errno,
+            f"rank {spec.rank}: its return value ({_human(size)}) could not be written to "
+            f"{spec.run_dir}: {reason}{free_text}; {advice}",
         ) from exc
+
+
+def _free_bytes(directory: str) -> int | None:
+    try:
+        return free_bytes(directory)
+    except OSError:
+        return None
+
+
+def _human(n: int) -> str:
+    """``n`` bytes in the unit a person reads at a glance (decimal, as ``df -H``)."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}".replace(".0 ", " ")
+        n /= 1000  # type: ignore[assignment]
+    return f"{n} B"  # pragma: no cover
 
 
 def _mirror_caller_environment(names: frozenset[str]) -> None:
@@ -224,8 +270,17 @@ def _publish_failure(spec: RankSpec, exc: BaseException, phase: str = "") -> Non
         with open(tmp, "w") as fh:
             json.dump(record, fh)
         os.replace(tmp, path)
-    except OSError:
-        pass  # the caller still sees the non-zero exit and reports it
+    except OSError as write_error:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        # The record cannot reach the caller (its directory is full): say it on stderr, which
+        # the caller shows when it can, and the caller names the full directory on its own.
+        print(
+            f"rank {spec.rank} failed with {record['exc_type']}: {record['message']} "
+            f"(its failure record could not be written to {spec.run_dir}: {write_error})",
+            file=sys.__stderr__,
+            flush=True,
+        )
 
 
 def _die_with_parent_chain(caller_pid: int, caller_dir: str) -> None:

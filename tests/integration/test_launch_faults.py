@@ -255,3 +255,26 @@ def test_processes_of_ranks_stopped_after_a_failure_raise_no_advice(tmp_path, ca
     assert left, "the stopped ranks' child was not found and stopped"
     assert all(r.levelno < logging.WARNING for r in left), [r.getMessage() for r in left]
     assert not any("End what a rank starts" in r.getMessage() for r in caplog.records)
+
+
+def test_a_librarys_per_process_service_is_stopped_without_advice(tmp_path, caplog):
+    # W&B starts ``wandb-core`` per process and ends it at interpreter exit, after
+    # ``run.finish()``; a rank is stopped before its interpreter exits, so nbtools ends it.
+    # A stand-in of the same name plays it here; a plain leftover still gets the advice.
+    caplog.set_level(logging.DEBUG, logger="nbtools")
+    service = tmp_path / "wandb-core"
+    service.write_text('#!/bin/bash\nexec -a "$0" sleep 1000\n')  # keeps its name
+    service.chmod(0o755)
+
+    @distributed(processes=2, output="none")
+    def uses_a_service(path):
+        import subprocess
+
+        subprocess.Popen([path, "--port-filename", "/dev/null"])
+        return 1
+
+    assert uses_a_service.distributed(str(service)) == [1, 1]
+    stopped = [r for r in caplog.records if "wandb-core" in r.getMessage()]
+    assert stopped, "the service was not found and stopped"
+    assert all(r.levelno < logging.WARNING for r in stopped), [r.getMessage() for r in stopped]
+    assert not any("End what a rank starts" in r.getMessage() for r in caplog.records)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 
@@ -276,3 +277,51 @@ def test_gpu_ranks_use_their_device_and_nccl_with_cuda_initialised_here():
     results = on_gpu.distributed()
     assert [r[0] for r in results] == list(range(count))
     assert all(r[1] == count and "nccl" in r[2] for r in results)
+
+
+DDP_ASYNC_SAVE = """
+import os, sys
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.nn.parallel import DistributedDataParallel as DDP
+from nbtools import distributed
+
+ROOT = sys.argv[1]
+
+@distributed(processes=2, output="none")
+def train(steps):
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(64, 64))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    future = None
+    for step in range(steps):
+        loss = model(torch.randn(8, 64)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()               # DDP's all-reduce on the default (gloo) group
+        optimizer.step()
+        if future is not None:
+            future.result()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        # As the reference documents: on the default group, the save in the background.
+        future = dcp.async_save({"model": model_sd, "optim": optim_sd, "step": step},
+                                checkpoint_id=os.path.join(ROOT, f"step_{step}"))
+    future.result()
+    return step
+
+print(train.distributed(6))
+"""
+
+
+@pytest.mark.slow
+def test_ddp_with_async_saves_on_the_default_gloo_group_finishes(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(DDP_ASYNC_SAVE)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt")],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("[5, 5]"), proc.stdout
+    assert all((tmp_path / "ckpt" / f"step_{i}" / ".metadata").exists() for i in range(6))

@@ -178,3 +178,49 @@ def test_real_nested_tqdm_bars_keep_other_ranks_lines_intact(tmp_path):
     finals = [line for line in lines if "epoch" in line]
     assert len(finals) == 2 and all("100%" in line for line in finals), lines
     assert not [line for line in lines if "eval" in line], lines  # leave=False bars vanish
+
+
+DUMP_SCRIPT = """
+import faulthandler, sys, threading, time
+
+def user_loop(stop):      # the user's thread: its frame is kept
+    while not stop.wait(0.01):
+        pass
+
+stop = threading.Event()
+threading.Thread(target=user_loop, args=(stop,), name="user").start()
+for _ in range(3):        # library threads: folded
+    threading.Thread(target=threading.Event().wait, args=(5,), daemon=True).start()
+time.sleep(0.2)
+faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+stop.set()
+"""
+
+
+def test_a_stack_dump_is_folded_to_user_frames_and_kept_whole(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "user_script.py"
+    script.write_text(DUMP_SCRIPT)
+    dump = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60
+    ).stderr
+    assert dump.count("(most recent call first)") == 5, dump  # a real faulthandler dump
+
+    outs, errs = _files(tmp_path, ranks=1)
+    stderr = io.StringIO()
+    forwarder = OutputForwarder(outs, errs, "all", io.StringIO(), stderr).start()
+    with open(errs[0], "w") as fh:
+        fh.write(dump + "after the dump\n")
+    forwarder.stop()
+    shown = stderr.getvalue().splitlines()
+    assert all(line.startswith("[rank 0] ") for line in shown)
+    assert any("user_script.py" in line and "in user_loop" in line for line in shown), shown
+    assert not any("in _bootstrap" in line for line in shown), shown  # library frames folded
+    assert any("threading.py" in line and "in wait" in line for line in shown)  # where it waits
+    assert shown[-2] == "[rank 0] +3 threads of nbtools and libraries (the whole dump: the exception's .stacks)"
+    assert shown[-1] == "[rank 0] after the dump"
+    assert len(shown) < 12
+    assert forwarder.stacks[0].count("(most recent call first)") == 5  # kept in full
+    assert "threading.py" in forwarder.stacks[0]

@@ -197,3 +197,15 @@ def test_the_last_step_is_saved_once(ip, tmp_path, caplog):
     assert result.success, result.error_in_exec
     assert "already exists" not in caplog.text  # what a second save of step 9 would log
     assert sorted(p.name for p in root.iterdir()) == ["step_0", "step_4", "step_8", "step_9"]
+
+
+def test_the_body_is_named_after_its_own_cell(ip, tmp_path):
+    _setup(ip, stop_at=2, stop_with="ValueError('diverged')")
+    for _ in range(2):  # numbered cells before it, as in a notebook
+        ip.run_cell("pass", store_history=True)
+    result = ip.run_cell(f"%%autoresume {tmp_path / 'ckpt'} --every 3" + BODY, store_history=True)
+    tb = result.error_in_exec.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    # IPython shows a file of its cache as "Cell In[N]" through this map.
+    assert ip.compile._filename_map[tb.tb_frame.f_code.co_filename] == result.execution_count

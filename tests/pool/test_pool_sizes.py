@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -50,3 +52,58 @@ def test_a_quarter_gigabyte_value_is_pushed_and_pulled():
         del first, second
         pool.execute("del big")
         assert pool.execute("1") == [1, 1]
+
+
+def test_a_pushed_tensor_travels_out_of_band_and_an_unpicklable_part_is_named():
+    from nbtools.errors import PicklingError
+    from nbtools.launch import _payload
+
+    framed = _payload.pack_push(None, {"x": torch.ones(4 * _MIB // 4)})
+    assert len(framed.buffers) == 1 and len(framed.data) < 10_000  # not inside the pickle
+    cell = _cell(
+        "import threading\n"
+        "class Holder:\n"
+        "    def __init__(self):\n"
+        "        self.lock = threading.Lock()\n"
+    )
+    with pytest.raises(PicklingError, match=r"'state'.*state\['model'\]\.lock \(a lock\)"):
+        _payload.pack_push(None, {"state": {"model": cell["Holder"](), "n": 1}})
+
+
+def test_a_cell_class_and_a_large_tensor_pushed_together_arrive_intact():
+    cell = _cell(
+        "class Config:  # a notebook class: travels by value\n"
+        "    def __init__(self, lr):\n"
+        "        self.lr = lr\n"
+    )
+    x = torch.arange(16 * _MIB // 4, dtype=torch.float32)
+    with RankPool(processes=2, output="none") as pool:
+        pool.push(config=cell["Config"](0.5), x=x)
+        assert pool.execute("(type(config).__name__, config.lr, float(x[-1]))") == [
+            ("Config", 0.5, float(x[-1]))
+        ] * 2
+        pool.execute("x += 1")  # the received tensor is the rank's own, writable
+        assert all(torch.equal(b, x + 1) for b in pool.pull("x"))
+
+
+def _memory_files() -> list[str]:
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return [n for n in names if "nbtools-push" in n]
+
+
+def test_a_large_push_is_shared_in_memory_once_and_closed_after_the_call():
+    x = torch.ones(32 * _MIB // 4)
+    with RankPool(processes=2, output="none") as pool:
+        pool.push(x=x)
+        assert _memory_files() == []  # the kernel's descriptor went with the call
+        mapped = pool.execute("open('/proc/self/maps').read().count('nbtools-push')")
+        assert all(count >= 1 for count in mapped), mapped  # each rank maps the kernel's pages
+        pool.execute("x[0] = 5.0")  # copy-on-write: the rank's change is its own
+        assert x[0] == 1.0 and [float(v[0]) for v in pool.pull("x")] == [5.0, 5.0]
+        pool.execute("del x\nimport gc\ngc.collect()")
+        assert pool.execute("open('/proc/self/maps').read().count('nbtools-push')") == [0, 0]

@@ -290,3 +290,22 @@ def test_sigint_to_the_caller_removes_every_actor(ray_cluster, tmp_path):
         proc.stdin.close()
         proc.wait(timeout=60)
         proc.stdout.close()
+
+
+CELL_FUNCTIONS = """
+import multiprocessing
+
+def cube(x):  # a function of a cell: lives in __main__, travels by value
+    return x ** 3
+
+def by_reference():
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.map(cube, range(3))
+"""
+
+
+def test_cell_functions_resolve_by_reference_in_ray_ranks(ray_cluster):
+    namespace = {"__name__": "__main__"}
+    exec(compile(CELL_FUNCTIONS, "<cell>", "exec"), namespace)  # noqa: S102 - a test's own cell
+    fn = distributed(processes=2, cluster="ray", output="none")(namespace["by_reference"])
+    assert fn.distributed() == [[0, 1, 8], [0, 1, 8]]

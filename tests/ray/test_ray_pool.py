@@ -113,6 +113,7 @@ def test_an_interrupt_on_ray_ranks_stops_python_code_and_says_what_it_cannot_sto
             thread.join()
         assert pool.pids == pids and pool.pull("x") == [1, 1]  # Python code stopped: state kept
 
+        # time.sleep in the actor thread ends at the interrupt, as in the kernel: state kept.
         marker.unlink()
         thread = _when_written(marker, lambda _: os.kill(os.getpid(), signal.SIGINT))
         try:
@@ -123,7 +124,23 @@ def test_an_interrupt_on_ray_ranks_stops_python_code_and_says_what_it_cannot_sto
                 )
         finally:
             thread.join()
-        assert "time.sleep" in caplog.text and "actor thread" in caplog.text, caplog.text
+        assert pool.pids == pids and pool.pull("x") == [1, 1]
+        assert pool.execute("time.sleep(0.01)\n2") == [2, 2]  # sleeps still sleep afterwards
+
+        # A wait no interrupt reaches in a thread: the ranks are replaced, and the message
+        # says what to write instead.
+        marker.unlink()
+        thread = _when_written(marker, lambda _: os.kill(os.getpid(), signal.SIGINT))
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                pool.execute(
+                    "import threading\n"
+                    f"if dist.get_rank() == 0:\n    open({str(marker)!r}, 'w').write('go')\n"
+                    "threading.Event().wait(600)"
+                )
+        finally:
+            thread.join()
+        assert "actor thread" in caplog.text and "event.wait(0.5)" in caplog.text, caplog.text
         assert pool.execute("1") == [1, 1]
     assert live_placement_groups() == []
 

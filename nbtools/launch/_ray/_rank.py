@@ -30,7 +30,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from nbtools.launch import _inrank, _leftovers
+from nbtools.launch import _display, _inrank, _kernel_logging, _leftovers
 from nbtools.launch._leftovers import LEFTOVER_GRACE_S
 from nbtools.launch._ray import _ray_compat
 from nbtools.launch._records import GROUP_PHASE, failure_record
@@ -150,9 +150,15 @@ class RankActor:
         if spec["device"] is not None:  # before anything in the payload can touch a device
             torch.cuda.set_device(spec["device"])
         _inrank.mark_in_rank()
+        _kernel_logging.apply()
+        _display.install()
         _inrank.restore_start_method()
         _inrank.guard_user_group_calls(spec["backend"])
         fn, args, kwargs = cloudpickle.loads(payload)
+        # As in a local rank: cell-defined names resolve by reference, saves get their own group.
+        fn = _inrank.adopt_main(fn)
+        _inrank.pickle_main_by_value()
+        _inrank.separate_async_saves()
         timings["loaded"] = time.time()
         store = self._store
         if store is None:
@@ -175,11 +181,10 @@ class RankActor:
         try:
             blob = cloudpickle.dumps(result)
         except Exception as exc:
-            raise TypeError(
-                f"the return value of rank {spec['rank']} ({type(result).__qualname__}) cannot be "
-                f"sent back to the caller: {exc}. Return plain data (numbers, lists, dicts, "
-                "tensors on CPU)."
-            ) from exc
+            from nbtools.errors import PicklingError
+            from nbtools.launch._results import unpicklable_message
+
+            raise PicklingError(unpicklable_message(result, spec["rank"], exc)) from exc
         if dist.is_initialized():
             dist.destroy_process_group()
         return blob

@@ -14,9 +14,9 @@ with :func:`hmac.compare_digest`; only then may it send frames. Connections are
 handshaken side by side without blocking (:meth:`Listener.poll`), so one silent
 or hostile peer neither stalls nor aborts the start.
 
-A frame is one pickle (protocol 5) and its out-of-band buffers: a header of
-two 8-byte big-endian numbers (the pickle's length, how many buffers), each
-buffer's length (8 bytes each), the pickle, then the buffers. A large value
+A frame is one pickle (protocol 5) and its out-of-band buffers
+(:mod:`nbtools.launch.pool._frames`); to a local rank, large buffers go by
+shared memory, written once for every rank (a pushed tensor). A large value
 (a rank's result tensors, :func:`nbtools.launch._results.pack`) is thus
 pickled once and sent from its own memory; the reader receives each buffer
 into memory of its own and unpickles with them in place. The kernel reads
@@ -36,26 +36,28 @@ import pickle
 import select
 import selectors
 import socket
-import struct
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 from nbtools._internal.log import get_logger
-from nbtools.launch._results import out_of_band
+from nbtools.launch.pool._frames import (
+    HEADER,
+    LENGTH,
+    SHARED_FLAG,
+    Frame,
+    Parts,
+    frame,
+    memory,
+    open_shared,
+)
 
 __all__ = [
     "Listener", "Link", "connect", "frame", "wait_readable", "ChannelClosed", "socket_directory",
 ]
 
 _log = get_logger("launch")
-_HEADER = struct.Struct("!QQ")  # the pickle's length, the number of out-of-band buffers
-_LENGTH = struct.Struct("!Q")
-# A small message without buffers is written in one piece.
-_ONE_PIECE = 64 * 1024
-# Received buffers at least this large are anonymous memory maps.
-_MAP_AT_LEAST = 1 << 20
 # More buffers than this in one frame: not a frame nbtools wrote.
 _MAX_BUFFERS = 1 << 20
 _CHALLENGE_BYTES = 32
@@ -77,31 +79,8 @@ _MAX_UNIX_PATH = 100
 # How long a blocked write waits before it reports progress to its caller.
 _WRITE_WAIT_S = 0.05
 
-#: One frame, as the buffers that are written one after the other.
-Frame = tuple[Any, ...]
-
-
 class ChannelClosed(ConnectionError):
     """The other end of a link has gone away (or the link can no longer be used)."""
-
-
-def frame(message: Any) -> Frame:
-    """``message`` as one frame: the header, its pickle, its large buffers (not copied)."""
-    kept: list[pickle.PickleBuffer] = []
-    data = pickle.dumps(message, protocol=5, buffer_callback=out_of_band(kept))
-    buffers = [buffer.raw() for buffer in kept]
-    head = _HEADER.pack(len(data), len(buffers)) + b"".join(
-        _LENGTH.pack(view.nbytes) for view in buffers
-    )
-    if not buffers and len(data) < _ONE_PIECE:
-        return (head + data,)  # one write for a small message: one system call, one packet
-    return (head, data, *buffers)
-
-
-def _memory(size: int) -> bytearray | mmap.mmap:
-    """Writable memory for one received buffer: mapped when large (zeroed lazily, by the
-    kernel, as the bytes arrive, instead of once more beforehand)."""
-    return mmap.mmap(-1, size) if size >= _MAP_AT_LEAST else bytearray(size)
 
 
 def _proof(key: bytes, role: bytes, challenge: bytes) -> bytes:
@@ -116,13 +95,15 @@ class Link:
         rank: the rank at the other end (kernel side), or this rank (rank side).
     """
 
-    def __init__(self, sock: socket.socket, rank: int = -1) -> None:
+    def __init__(self, sock: socket.socket, rank: int = -1, share_memory: bool = False) -> None:
         self.sock = sock
+        #: Large buffers go to the other end by shared memory (kernel side, local ranks).
+        self.share_memory = share_memory
         self.rank = rank
         self.closed = False
         # Reading a frame, one part after the other: the header, the buffers' lengths,
         # then the pickle and the buffers (``_parts``); ``_into`` is the part being filled.
-        self._head = bytearray(_HEADER.size)
+        self._head = bytearray(HEADER.size)
         self._into = self._head
         self._got = 0
         self._size = 0
@@ -146,6 +127,8 @@ class Link:
         if self.closed:
             raise ChannelClosed(f"rank {self.rank}'s channel is closed")
         interrupted: KeyboardInterrupt | None = None
+        if self.share_memory and isinstance(data, Parts):
+            data = data.for_local_rank()
         for part in data:
             view = memoryview(part).cast("B")
             sent = 0
@@ -205,14 +188,14 @@ class Link:
         """Move past every part that is complete; a frame complete now joins ``messages``."""
         while self._got == len(self._into):
             if self._into is self._head:
-                self._size, count = _HEADER.unpack(self._head)
+                self._size, count = HEADER.unpack(self._head)
                 if count > _MAX_BUFFERS:
                     raise ChannelClosed(f"rank {self.rank} sent a frame of {count} parts")
                 self._parts = []
-                self._into = bytearray(count * _LENGTH.size)  # the buffers' lengths
+                self._into = bytearray(count * LENGTH.size)  # the buffers' lengths
             elif not self._parts:
-                lengths = [n for (n,) in _LENGTH.iter_unpack(self._into)]
-                self._parts = [bytearray(self._size), *(_memory(n) for n in lengths)]
+                lengths = [n for (n,) in LENGTH.iter_unpack(self._into)]
+                self._parts = [bytearray(self._size), *(memory(n) for n in lengths)]
                 self._into = self._parts[0]
             else:
                 index = next(i for i, part in enumerate(self._parts) if part is self._into) + 1
@@ -228,15 +211,19 @@ class Link:
 
     def recv(self) -> Any:
         """Block until one message arrives (rank side)."""
-        size, count = _HEADER.unpack(self._exactly(_HEADER.size))
+        size, count = HEADER.unpack(self._exactly(HEADER.size))
+        if count & SHARED_FLAG:
+            (length,) = LENGTH.unpack(self._exactly(LENGTH.size))
+            buffers = open_shared(bytes(self._exactly(length)))
+            return pickle.loads(self._exactly(size), buffers=buffers)
         if count > _MAX_BUFFERS:
             raise ChannelClosed(f"the kernel sent a frame of {count} parts")
-        lengths = [n for (n,) in _LENGTH.iter_unpack(self._exactly(count * _LENGTH.size))]
+        lengths = [n for (n,) in LENGTH.iter_unpack(self._exactly(count * LENGTH.size))]
         data = self._exactly(size)
-        return pickle.loads(data, buffers=[self._exactly(n) for n in lengths])
+        return pickle.loads(data, buffers=[self._exactly(n, memory(n)) for n in lengths])
 
-    def _exactly(self, size: int) -> bytearray:
-        data = bytearray(size)
+    def _exactly(self, size: int, into: bytearray | mmap.mmap | None = None) -> Any:
+        data = bytearray(size) if into is None else into
         view = memoryview(data)
         got = 0
         while got < size:
@@ -292,7 +279,7 @@ class _Handshake:
             if not hmac.compare_digest(digest, _proof(self.key, _RANK_PROOF, self.challenge)):
                 raise ChannelClosed("the peer did not prove the pool's key")
             theirs = bytes(self.answer[_DIGEST_BYTES:])
-            self.link = Link(self.sock)
+            self.link = Link(self.sock, share_memory=self.sock.family == socket.AF_UNIX)
             # The kernel's proof: raw bytes, like the challenge (written whole, as a frame is).
             self.link.send_frame((_proof(self.key, _KERNEL_PROOF, theirs), b""))
         # Authenticated: the first frame is the rank's hello.

@@ -234,8 +234,8 @@ class RankPool:
 
     def push(self, names: dict[str, Any] | None = None, /, **values: Any) -> None:
         """Set names in every rank's namespace: ``push(lr=0.1)`` or ``push({"lr": 0.1})``."""
-        blob = _payload.pack_push(names, values)
-        self._call("push", blob, uses=blob)
+        framed = _payload.pack_push(names, values)
+        self._call("push", framed, uses=bytes(framed.data))
 
     def pull(self, *names: str) -> Any:
         """Values of names in every rank's namespace.
@@ -321,7 +321,9 @@ class RankPool:
                 replies = ranks.call(op, arg, self._plan.hang_timeout)
             except RanksInterrupted as exc:
                 self._gens.after_interrupt(exc)
-                raise KeyboardInterrupt from None
+                interrupt = KeyboardInterrupt()
+                interrupt.stacks = ranks.forwarder.stacks  # type: ignore[attr-defined]
+                raise interrupt from None
             except RanksStuck as exc:
                 raise self._gens.after_stuck(exc, localize) from None
             except RanksLost as exc:

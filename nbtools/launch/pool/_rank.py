@@ -14,8 +14,15 @@ defined in cells pickle by value, and code that looks names up in
 Interrupts. A reader thread receives every frame; an interrupt for the running
 command raises ``KeyboardInterrupt`` in the thread running user code (a real
 SIGINT in the main thread, so ``time.sleep`` and friends wake up; an
-asynchronous exception in a rank that serves from another thread). Outside
-user code an interrupt is ignored.
+asynchronous exception in a rank that serves from another thread, a Ray
+actor's). Outside user code an interrupt is ignored.
+
+No signal wakes a thread other than the main one, and an asynchronous exception
+is raised only at the next bytecode, so a rank serving from another thread
+gives ``time.sleep`` a stand-in for that thread while it serves: a sleep on a
+lock that the interrupt releases (:class:`_WakeableSleep`). An interrupted
+``time.sleep`` then ends at once, as it does in the kernel, and the rank's
+state is kept.
 """
 
 from __future__ import annotations
@@ -30,10 +37,11 @@ import signal
 import socket
 import sys
 import threading
+import time
 import types
 from typing import Any
 
-from nbtools.launch import _results
+from nbtools.launch import _inrank, _results
 from nbtools.launch._records import failure_record, flush_events
 from nbtools.launch.pool._channel import ChannelClosed, Link, connect
 
@@ -68,6 +76,7 @@ class _Server:
         self.lent: dict[str, Any] = {}  # notebook names a function brought, still unchanged here
         self._saved_main = sys.modules.get("__main__")
         sys.modules["__main__"] = self.main
+        _inrank.pickle_main_by_value()  # spawn and forkserver children get the cells' names
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._running: int | None = None  # seq of the command running user code
@@ -75,8 +84,11 @@ class _Server:
         self._in_main = threading.current_thread() is threading.main_thread()
         self._saved_handler: Any = None
         self._positions: tuple[int, int] = (-1, -1)
+        self._sleep: _WakeableSleep | None = None
         if self._in_main:
             self._saved_handler = signal.signal(signal.SIGINT, self._on_sigint)
+        else:
+            self._sleep = _WakeableSleep(self._thread)
         self._reader = threading.Thread(target=self._read, name="nbtools-pool-reader", daemon=True)
         self._reader.start()
 
@@ -101,9 +113,12 @@ class _Server:
             if self._in_main:
                 signal.pthread_kill(self._thread, signal.SIGINT)
             else:
+                # Raised at the serving thread's next bytecode; a sleep there ends first.
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(
                     ctypes.c_ulong(self._thread), ctypes.py_object(KeyboardInterrupt)
                 )
+                if self._sleep is not None:
+                    self._sleep.wake()
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         if self._running is not None:
@@ -131,6 +146,8 @@ class _Server:
         try:
             with self._lock:
                 self._running = seq
+                if self._sleep is not None:
+                    self._sleep.arm()
             try:
                 value = getattr(self, "_do_" + op)(arg)
             finally:
@@ -188,10 +205,8 @@ class _Server:
             fn = self._bind(fn)
         return _dumps(fn(*args, **kwargs))
 
-    def _do_push(self, blob: bytes) -> _results.Framed:
-        import cloudpickle
-
-        names = cloudpickle.loads(blob)
+    def _do_push(self, framed: _results.Framed) -> _results.Framed:
+        names = framed.loads()  # large tensors use the received memory in place
         self.ns.update(names)
         for name in names:
             self.lent.pop(name, None)  # pushed names belong to the rank now
@@ -249,19 +264,13 @@ class _Server:
             if name not in self.ns or (lent is not _MISSING and self.ns[name] is lent):
                 self.ns[name] = value
                 self.lent[name] = value
-        bound = types.FunctionType(
-            fn.__code__, self.ns, fn.__name__, fn.__defaults__, fn.__closure__
-        )
-        bound.__kwdefaults__ = fn.__kwdefaults__
-        bound.__qualname__ = fn.__qualname__
-        bound.__module__ = fn.__module__
-        bound.__doc__ = fn.__doc__
-        bound.__dict__.update(fn.__dict__)
-        return bound
+        return _inrank.bind_to(fn, self.ns)
 
     def close(self) -> None:
         if self._in_main and self._saved_handler is not None:
             signal.signal(signal.SIGINT, self._saved_handler)
+        if self._sleep is not None:
+            self._sleep.remove()
         if self._saved_main is not None:
             sys.modules["__main__"] = self._saved_main
         self.link.close()
@@ -270,13 +279,64 @@ class _Server:
 _MISSING = object()
 
 
+class _WakeableSleep:
+    """``time.sleep`` for one thread that an interrupt ends at once; other threads sleep as before.
+
+    Installed as ``time.sleep`` while a rank serves from a thread that is not the
+    main one. That thread sleeps by waiting on a held lock with a timeout;
+    :meth:`wake` releases the lock. The interrupt's asynchronous exception is set
+    before the wake, so the sleeper raises ``KeyboardInterrupt`` as soon as it
+    returns, as an interrupted ``time.sleep`` does in the main thread. Code that
+    took ``time.sleep`` by name before the rank started keeps the plain one.
+    """
+
+    def __init__(self, thread: int) -> None:
+        self._thread = thread
+        self._lock = threading.Lock()
+        self._lock.acquire()  # held: a sleeper waits until its timeout or a wake
+        self._real = time.sleep
+        time.sleep = self  # type: ignore[assignment]
+
+    def __call__(self, seconds: float) -> None:
+        if threading.get_ident() != self._thread:
+            return self._real(seconds)
+        if seconds < 0:
+            raise ValueError("sleep length must be non-negative")
+        deadline = time.monotonic() + seconds
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if self._lock.acquire(timeout=min(left, threading.TIMEOUT_MAX)):
+                return None  # woken: the pending KeyboardInterrupt is raised next
+
+    def arm(self) -> None:
+        """Take back a wake that came when nothing slept (before a new command)."""
+        self._lock.acquire(blocking=False)
+
+    def wake(self) -> None:
+        """End the serving thread's sleep now (its interrupt is already pending)."""
+        try:
+            self._lock.release()
+        except RuntimeError:
+            pass  # already released: a second interrupt before the sleeper woke
+
+    def remove(self) -> None:
+        """Give ``time.sleep`` back."""
+        real = self._real
+        if time.sleep is self:
+            time.sleep = real
+
+
 def _dumps(value: Any, what: str = "") -> _results.Framed:
     """``value`` pickled once for the kernel, its large tensors and arrays out of band."""
     try:
         return _results.pack(value)
     except Exception as exc:
         what = what or f"the value ({type(value).__qualname__})"
-        raise _Unpicklable(f"{what} cannot be sent to the notebook: {exc}") from exc
+        where = _results.find_unpicklable(value, "value")
+        part = f": {where} cannot be pickled" if where and where[5:6] in ("[", ".") else ""
+        raise _Unpicklable(f"{what} cannot be sent to the notebook{part} ({exc})") from exc
 
 
 class _Unpicklable(TypeError):

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from nbtools import events
 from nbtools._internal.log import get_logger
 from nbtools.errors import DistributedError, LaunchError
+from nbtools.launch import _display, _kernel_logging
 from nbtools.launch._backend import Failed, GroupSpec, LaunchBackend
 from nbtools.launch._failures import RankFailure, describe
 from nbtools.launch._runner import Plan, until_formed
@@ -106,7 +107,11 @@ class Generations:
             restart_count=self.restarts,
             max_restarts=self.max_restarts if self.max_restarts is not None else 2**31 - 1,
             attempt_dir=attempt_dir,
-            env=self.collector.environment(),
+            env={
+                **self.collector.environment(),
+                **_kernel_logging.environment(),
+                **_display.environment(attempt_dir),
+            },
         )
         try:
             self.ranks = Ranks.start(self.backend, spec, self.plan.output)
@@ -129,9 +134,9 @@ class Generations:
         if not self.backend.interrupts_blocked_calls:
             why = (
                 f" (on {self.backend.name} a rank runs your code in an actor thread, which no "
-                "signal reaches: an interrupt stops Python code there, but not a call blocked in "
-                "time.sleep, I/O or C code; such cells can wait in short steps, e.g. a loop of "
-                "time.sleep(0.1))"
+                "signal reaches: an interrupt stops Python code and time.sleep there, but not a "
+                "call blocked in a lock, a queue, I/O or C code; such cells can wait in short "
+                "steps, e.g. event.wait(0.5) in a loop, or with a timeout)"
             )
         _log.warning(
             "interrupted: rank%s %s did not stop within %.0f s%s; %s",
