@@ -33,6 +33,10 @@ _hooks.register(
     in_rank="nbtools.tracking._launch:in_rank",
 )
 
+# The checkpoint memory tier's snapshots of a launch end with it: each launch that ends
+# for good (returned, failed past max_restarts, interrupted) drops them on this node.
+_hooks.at_launch_end("nbtools.checkpoint._memory:end_run")
+
 if TYPE_CHECKING:  # pragma: no cover
     from nbtools import events
     from nbtools.launch import distributed

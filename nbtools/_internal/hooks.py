@@ -12,6 +12,11 @@ to call at two moments of a launch. Registering imports nothing.
   the function uses, a cell's helper that uses it). Having imported the library
   or configured it in the environment is not enough: a launch that does not use
   it pays one scan of the payload, nothing more.
+- :func:`launch_ended` runs in the launching process once a launch has ended for
+  good (its ranks returned, failed past ``max_restarts``, or were interrupted),
+  with the launch's run id: a core package that keeps per-launch state outside
+  the ranks (the checkpoint memory tier's snapshots) registers a function for it
+  with :func:`at_launch_end`, by name, as integrations do.
 - :func:`rank_started` runs in every rank at its start. An integration's
   function runs once its library is imported in the rank: at once when it
   already is, else right after the rank's code first imports it, so a rank
@@ -32,7 +37,15 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-__all__ = ["Integration", "before_launch", "rank_started", "register", "registered"]
+__all__ = [
+    "Integration",
+    "at_launch_end",
+    "before_launch",
+    "launch_ended",
+    "rank_started",
+    "register",
+    "registered",
+]
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,7 @@ class Integration:
 
 
 _REGISTRY: dict[str, Integration] = {}
+_AT_END: list[str] = []
 _LOCK = threading.Lock()
 
 
@@ -63,16 +77,34 @@ def register(library: str, *, before_launch: str | None = None, in_rank: str | N
         _REGISTRY[library] = Integration(library, before_launch, in_rank)
 
 
+def at_launch_end(target: str) -> None:
+    """Call ``target`` (``"package.module:function"``) with the run id of every launch that
+    ends for good in this process. Imports nothing; registering twice calls it once."""
+    if not isinstance(target, str) or target.count(":") != 1:
+        raise ValueError(f"a launch-end hook names its function as 'module:function', got {target!r}")
+    with _LOCK:
+        if target not in _AT_END:
+            _AT_END.append(target)
+
+
+def launch_ended(run_id: str) -> None:
+    """In the launching process, after a launch ended for good: run every launch-end hook."""
+    with _LOCK:
+        targets = list(_AT_END)
+    for target in targets:
+        _call(target, "after the launch ended", run_id)
+
+
 def registered() -> list[Integration]:
     """The integrations registered in this process."""
     with _LOCK:
         return list(_REGISTRY.values())
 
 
-def _call(target: str, moment: str) -> None:
+def _call(target: str, moment: str, *args: Any) -> None:
     module_name, _, function = target.partition(":")
     try:
-        getattr(importlib.import_module(module_name), function)()
+        getattr(importlib.import_module(module_name), function)(*args)
     except Exception as exc:  # noqa: BLE001 - an integration never breaks a launch or an import
         from nbtools._internal.log import get_logger
 

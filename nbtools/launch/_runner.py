@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from nbtools import events
+from nbtools._internal import hooks
 from nbtools._internal.log import get_logger
 from nbtools.errors import DistributedError
 from nbtools.launch import _display, _kernel_logging, _leftovers, _watch
@@ -147,6 +148,7 @@ def run(
             backend.close()
         finally:
             shutil.rmtree(run_dir, ignore_errors=True)
+            hooks.launch_ended(run_id)
 
 
 def until_formed(attempt: Callable[[], T]) -> T:
