@@ -57,6 +57,7 @@ def test_a_truncated_result_file_is_an_error_not_a_value(tmp_path):
         _results.load(path)
 
 
+@pytest.mark.slow
 def test_ranks_return_1_mib_and_large_tensors_exactly():
     @distributed(processes=2, output="none")
     def tensors(n):

@@ -41,6 +41,7 @@ def tracking(tmp_path, monkeypatch):
     return MlflowClient(tracking_uri=uri)
 
 
+@pytest.mark.slow
 def test_an_interrupted_cell_continues_the_same_mlflow_run(ip, tmp_path, tracking, capsys):
     root = tmp_path / "ckpt"
     notebook = tmp_path / "project" / "train.ipynb"

@@ -58,6 +58,7 @@ def test_bad_arguments_are_one_line(ip, capsys, args, message):
     assert _sampler_threads() == []
 
 
+@pytest.mark.slow
 def test_pane_samples_become_mlflow_system_metrics_and_events_an_artifact(
     ip, tmp_path, monkeypatch
 ):

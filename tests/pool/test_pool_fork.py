@@ -53,6 +53,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_a_forked_child_that_exits_leaves_the_parents_pool_running(tmp_path):
     script = tmp_path / "forking_kernel.py"
     script.write_text(SCRIPT)

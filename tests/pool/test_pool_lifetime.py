@@ -116,6 +116,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_notebook_functions_see_rank_globals_and_the_exit_leaves_nothing(tmp_path):
     script = tmp_path / "notebook_like.py"
     script.write_text(SCRIPT)
