@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent('''
     import json, multiprocessing, os, sys
     from nbtools.launch import RankPool, distributed
