@@ -21,7 +21,8 @@ Figures:
   (goal <= 0.25); ``restore_s`` the restore alone;
   ``kill_to_rank_started_s`` the part before the restarted rank 0 ran the
   training function (detecting the failure, stopping the survivors, starting
-  the new ranks, forming the group);
+  the new ranks, forming the group), ``kill_to_restore_started_s`` that plus
+  building the model and the manager;
 - ``steps_trained_again``: the steps between the restored step and the kill;
 - ``volume_bytes_read_on_restore``: object bytes the server served during the
   restart's restore (goal for memory: 0);
@@ -97,7 +98,7 @@ def _train(cfg: dict) -> dict:
     endpoint = cfg["endpoint"]
     served = (lambda: s3_served(endpoint)) if endpoint else (lambda: 0)
     before = served() if rank == 0 else 0
-    began = time.perf_counter()
+    began, restoring = time.perf_counter(), time.time()
     start = ckpt.restore(model=model, optimizer=opt)
     dist.barrier()
     restore_s = time.perf_counter() - began
@@ -146,6 +147,7 @@ def _train(cfg: dict) -> dict:
         "tier": ckpt.restored_tier,
         "restore_s": restore_s,
         "entered": entered,
+        "restoring": restoring,
         "read": read,
         "first_done": done[0],
         "copy_s": statistics.median(copies),
@@ -166,6 +168,7 @@ def _launch(cfg: dict) -> dict:
         "tier": result["tier"],
         "kill_to_next_step_s": round(result["first_done"] - killed, 2),
         "kill_to_rank_started_s": round(result["entered"] - killed, 2),
+        "kill_to_restore_started_s": round(result["restoring"] - killed, 2),
         "restore_s": round(result["restore_s"], 2),
         "steps_trained_again": cfg["kill_at"] - result["restored_step"],
         "volume_bytes_read_on_restore": result["read"],

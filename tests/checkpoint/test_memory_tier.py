@@ -314,6 +314,7 @@ def test_distributed_ranks_recover_from_memory_after_a_rank_is_killed(tmp_path, 
                 opt.step()
                 ckpt.maybe_save(step, model=net, optimizer=opt)
                 if step == 7 and dist.get_rank() == 1 and get_restart_count() == 0:
+                    ckpt.wait()  # step 6's snapshot, written in the background, is complete
                     os.kill(os.getpid(), signal.SIGKILL)
         weights = [float(p.double().sum()) for p in net.parameters()]
         return get_restart_count(), ckpt.restored_step, ckpt.restored_tier, weights
