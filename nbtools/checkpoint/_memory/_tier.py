@@ -172,8 +172,12 @@ class MemoryTier:
     def _write(self, step: int, staged: dict[str, Any]) -> None:
         try:
             # Keep the newest complete slot while the new one is written: at most two.
-            older = [s for s in self._own() if s.step != step][-1:]
-            _slots.remove([s.path for s in self._own() if s not in older])
+            # The file of the one that goes is reused for the new one.
+            own = self._own()
+            older = [s for s in own if s.step != step][-1:]
+            drop = [s for s in own if s not in older]
+            reuse = drop.pop(0) if drop else None
+            _slots.remove([s.path for s in drop])
             _slots.write_slot(
                 self.directory,
                 self.key,
@@ -181,6 +185,7 @@ class MemoryTier:
                 self.world,
                 step,
                 lambda fh: torch.save(staged, fh),
+                reuse=reuse,
             )
         except Exception as exc:  # noqa: BLE001 - reported by wait(), on the training thread
             self._error = (
