@@ -170,6 +170,7 @@ def report(outcome: DemoOutcome, html: str | None = None) -> list[str]:
             loss_curve(cfg.tracking_uri, outcome.recovered_results[0]["run_id"]),
             killed_at=cfg.kill_at,
             restored_step=outcome.recovered_results[0]["restored_step"],
+            restored_tier=outcome.recovered_results[0].get("restored_tier"),
         )
         fig.write_html(html, include_plotlyjs=True)  # offline: no CDN needed to open it
     return problems
@@ -217,7 +218,10 @@ def run_demo(out: str = "nbtools-demo") -> int:
     problems = report(outcome, html)
     first = outcome.recovered_results[0]
     print()
-    print(f"restarts:      {first['restart']} (restored step_{first['restored_step']})")
+    print(
+        f"restarts:      {first['restart']} (restored step {first['restored_step']} "
+        f"from {first['restored_tier']})"
+    )
     print(
         f"wall time:     {outcome.recovered_seconds:.1f} s killed and recovered, "
         f"{outcome.reference_seconds:.1f} s uninterrupted"

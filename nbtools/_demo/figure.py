@@ -13,6 +13,7 @@ def recovery_figure(
     *,
     killed_at: int | None = None,
     restored_step: int | None = None,
+    restored_tier: str | None = None,
     title: str = "A rank killed, the group restarted, the run finished: same curve",
 ) -> Any:
     """A plotly figure: the uninterrupted curve as a wide band, the recovered one over it.
@@ -22,6 +23,7 @@ def recovery_figure(
         recovered: Loss by step of the killed-and-recovered run.
         killed_at: Step after which a rank was killed (a red line).
         restored_step: Step of the checkpoint the restart loaded (a green line).
+        restored_tier: Where it came from (``"memory"`` or ``"volume"``), for its label.
         title: Figure title.
     """
     import plotly.graph_objects as go  # noqa: TID251 - figures are the front end's job
@@ -67,7 +69,8 @@ def recovery_figure(
         fig.add_vline(
             x=restored_step,
             line={"color": "#2ca02c", "dash": "dot"},
-            annotation_text=f"restored step_{restored_step}",
+            annotation_text=f"restored step {restored_step}"
+            + (f" from {restored_tier}" if restored_tier else ""),
             annotation_position="bottom left",
         )
     fig.update_layout(

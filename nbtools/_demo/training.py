@@ -3,7 +3,9 @@
 :func:`train` is meant for ``@distributed(processes=2, max_restarts=2)``. On the
 first attempt rank ``kill_rank`` SIGKILLs itself after step ``kill_at``; the
 launcher restarts the group, the checkpoint manager restores model, optimizer
-and data position, the MLflow run continues, and training finishes. Every rank
+and data position (from the node-local memory snapshot when every rank holds
+one newer than the volume's checkpoint), the MLflow run continues, and training
+finishes. Every rank
 appends what it consumed at each step to ``records/rank<R>.jsonl`` so that the
 exactly-once property can be checked afterwards.
 """
@@ -42,7 +44,9 @@ class DemoConfig:
         run_name: MLflow run name.
         epochs: Passes over the data.
         batch_size: Samples per rank per step.
-        every: Checkpoint every this many steps.
+        every: Checkpoint to the volume every this many steps.
+        memory_every: Snapshot the same state into node-local memory every this
+            many steps (None: volume checkpoints only).
         keep: Checkpoints kept.
         kill_at: On the first attempt, rank ``kill_rank`` SIGKILLs itself after
             this step (None: never).
@@ -63,6 +67,7 @@ class DemoConfig:
     epochs: int = 3
     batch_size: int = 8
     every: int = 4
+    memory_every: int | None = 2
     keep: int = 2
     kill_at: int | None = None
     kill_rank: int = 1
@@ -159,6 +164,7 @@ def train(cfg: DemoConfig) -> dict[str, Any]:
 
     Returns:
         ``rank``, ``restart`` (attempt index), ``restored_step`` (None when fresh),
+        ``restored_tier`` (``"memory"`` or ``"volume"``; None when fresh),
         ``run_id`` (rank 0's MLflow run), ``steps`` and, on rank 0, ``params``
         (the final weights on the CPU).
     """
@@ -187,7 +193,11 @@ def train(cfg: DemoConfig) -> dict[str, Any]:
     with _tracking_environment(cfg.tracking_uri), contextlib.ExitStack() as stack:
         ckpt = stack.enter_context(
             CheckpointManager(
-                cfg.checkpoints, every=cfg.every, keep=cfg.keep, staging_dir=cfg.staging
+                cfg.checkpoints,
+                every=cfg.every,
+                keep=cfg.keep,
+                staging_dir=cfg.staging,
+                memory_every=cfg.memory_every,
             )
         )
         stack.callback(loader.close)
@@ -199,9 +209,14 @@ def train(cfg: DemoConfig) -> dict[str, Any]:
             open(os.path.join(cfg.records, f"rank{rank}.jsonl"), "a", buffering=1)
         )
         if cfg.verbose and rank == 0 and ckpt.restored_step is not None:
+            where = (
+                "the node-local memory snapshot"
+                if ckpt.restored_tier == "memory"
+                else f"{ckpt.root}/step_{ckpt.restored_step}"
+            )
             print(
-                f"attempt {attempt}: restored {ckpt.root}/step_{ckpt.restored_step}, "
-                f"resuming at step {step} of {total}"
+                f"attempt {attempt}: restored step {ckpt.restored_step} from "
+                f"{ckpt.restored_tier} ({where}), resuming at step {step} of {total}"
             )
         loss_fn = torch.nn.MSELoss()
         while step < total:
@@ -218,9 +233,9 @@ def train(cfg: DemoConfig) -> dict[str, Any]:
                 record.update(rank=rank, ids=ids.tolist(), loss=value)
                 records.write(json.dumps(record) + "\n")
                 tracker.log_metric("loss", value, step=step)
-                if step % cfg.every == 0:
-                    # A checkpoint of this step may exist only once its loss is stored:
-                    # the resumed run never repeats it, so the value would be lost.
+                if step % cfg.every == 0 or (cfg.memory_every and step % cfg.memory_every == 0):
+                    # A checkpoint or snapshot of this step may exist only once its loss
+                    # is stored: the resumed run never repeats it, so the value would be lost.
                     tracker.flush()
                 ckpt.maybe_save(step, **state)
                 if cfg.verbose and rank == 0 and (step + 1) % per_epoch == 0:
@@ -237,6 +252,7 @@ def train(cfg: DemoConfig) -> dict[str, Any]:
         "rank": rank,
         "restart": attempt,
         "restored_step": ckpt.restored_step,
+        "restored_tier": ckpt.restored_tier,
         "run_id": run_id,
         "steps": total,
         "params": _cpu_params(net) if rank == 0 else None,

@@ -392,7 +392,10 @@ class CheckpointManager:
             self.wait()
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is published; raise its error if it failed."""
+        """Block until the save in flight (if any) is published and the memory snapshot being
+        written (if any) is complete; raise the save's error if it failed."""
+        if self._memory is not None:
+            self._memory.wait()
         with self._lock:
             future, step = self._future, self._future_step
             self._future = None

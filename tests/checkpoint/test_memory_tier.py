@@ -267,6 +267,32 @@ def test_a_snapshot_killed_halfway_leaves_the_previous_one_whole(tmp_path, shm):
     os.rmdir(user)
 
 
+def test_a_reused_slot_file_holds_only_the_new_snapshot(tmp_path, shm):
+    from nbtools._internal.holder import Holder
+    from nbtools.checkpoint._memory import _slots
+
+    user = _slots.user_dir()
+    job = _slots.job_dir(user, "key", Holder.me())
+    old = _slots.write_slot(job, "key", 0, 1, 5, lambda fh: fh.write(b"x" * 100_000))
+    keep = _slots.write_slot(job, "key", 0, 1, 6, lambda fh: fh.write(b"k" * 10))
+    new = _slots.write_slot(job, "key", 0, 1, 7, lambda fh: fh.write(b"y" * 10), reuse=old)
+    assert not os.path.exists(old.path) and os.stat(new.path).st_size == _slots.HEADER_BYTES + 10
+    assert sorted(s.step for s in _slots.slots(job, "key", 0, 1)) == [6, 7]
+    assert _slots.read_slot(new) == b"y" * 10 and _slots.read_slot(keep) == b"k" * 10
+
+    def fails(fh):  # a write that fails while it overwrites a reused file
+        fh.write(b"z" * 5)
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        _slots.write_slot(job, "key", 0, 1, 8, fails, reuse=keep)
+    assert [s.step for s in _slots.slots(job, "key", 0, 1)] == [7]  # no half-written slot
+    assert sorted(os.listdir(job)) == ["keeper", os.path.basename(new.path)]
+    _slots.remove([new.path])
+    _slots.drop_job_if_empty(job)
+    assert _files(shm) == []
+
+
 @pytest.mark.parametrize(
     "bad, error", [(0, ValueError), (-3, ValueError), ("10", TypeError), (2.5, TypeError)]
 )
@@ -314,6 +340,7 @@ def test_distributed_ranks_recover_from_memory_after_a_rank_is_killed(tmp_path, 
                 opt.step()
                 ckpt.maybe_save(step, model=net, optimizer=opt)
                 if step == 7 and dist.get_rank() == 1 and get_restart_count() == 0:
+                    ckpt.wait()  # step 6's snapshot, written in the background, is complete
                     os.kill(os.getpid(), signal.SIGKILL)
         weights = [float(p.double().sum()) for p in net.parameters()]
         return get_restart_count(), ckpt.restored_step, ckpt.restored_tier, weights

@@ -49,7 +49,11 @@ def _check_the_group_was_killed_and_restarted_from_a_checkpoint(outcome):
     assert [r["restart"] for r in outcome.recovered_results] == [1, 1]
     assert [r["restart"] for r in outcome.reference_results] == [0, 0]
     restored = outcome.recovered_results[0]["restored_step"]
-    assert restored is not None and restored % outcome.recovered.every == 0 and restored <= KILL_AT
+    cadence = outcome.recovered.memory_every or outcome.recovered.every
+    assert restored is not None and restored % cadence == 0 and restored <= KILL_AT
+    # Every rank held a memory snapshot newer than the volume's checkpoint of step 8.
+    assert [r["restored_tier"] for r in outcome.recovered_results] == ["memory", "memory"]
+    assert restored > KILL_AT - 2 * cadence
     assert outcome.reference_results[0]["restored_step"] is None
 
     raw = _raw_records(outcome.recovered.records)

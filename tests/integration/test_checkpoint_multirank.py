@@ -11,6 +11,7 @@ group (2 -> 1).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -163,8 +164,12 @@ def test_killed_rank_restart_is_bit_identical(tmp_path, monkeypatch, memory_ever
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "killed phase ended as expected" in proc.stdout
-    if memory_every:  # rank 1 died after its snapshot of step 6; the volume had step 3
-        assert "phase resumed: restored step 6 from memory" in proc.stdout, proc.stdout
+    if memory_every:
+        # Rank 1 died right after its snapshot of step 6 was copied, perhaps before the
+        # background write finished: step 6 if it did, else step 4; the volume had step 3.
+        assert re.search(r"phase resumed: restored step [46] from memory", proc.stdout), (
+            proc.stdout
+        )
         assert [p for p in (tmp_path / "shm").rglob("*") if p.is_file()] == []
 
     for rank in (0, 1):

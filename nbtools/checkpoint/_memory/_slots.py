@@ -136,21 +136,47 @@ class _Crc:
         self.fh.flush()
 
 
-def write_slot(directory: str, key: str, rank: int, world: int, step: int, dump: Any) -> Slot:
+def _open_temporary(tmp: str, reuse: Slot | None) -> int:
+    """A descriptor for writing ``tmp``: ``reuse``'s file renamed to it when that works
+    (its memory pages are overwritten, cheaper on tmpfs than a new file's), else a new file."""
+    if reuse is not None:
+        try:
+            os.rename(reuse.path, tmp)  # from here it is no slot: nobody loads it
+        except OSError:
+            pass
+        else:
+            try:
+                return os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW)
+            except OSError:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+
+
+def write_slot(
+    directory: str,
+    key: str,
+    rank: int,
+    world: int,
+    step: int,
+    dump: Any,
+    reuse: Slot | None = None,
+) -> Slot:
     """Write a snapshot through ``dump(file)`` under a temporary name, then publish it.
 
     Nothing half-written is ever a slot: the file gets its final (random) name
     only after its header with the checksum is in place. On any error the
-    temporary file is removed and the error raised.
+    temporary file is removed and the error raised. ``reuse``, a slot of this
+    rank that is no longer wanted, gives up its file to the new snapshot.
     """
     tmp = os.path.join(directory, f"{_TMP}r{rank}-{secrets.token_hex(8)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    fd = _open_temporary(tmp, reuse)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(b"\0" * HEADER_BYTES)
             body = _Crc(fh)
             dump(body)
-            fh.flush()
+            fh.truncate(HEADER_BYTES + body.size)  # a reused file may have been longer
             head = {"job": key, "rank": rank, "world": world, "step": step}
             head.update(size=body.size, crc=body.crc)
             data = _MAGIC + json.dumps(head).encode()

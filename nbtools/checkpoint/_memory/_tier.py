@@ -1,11 +1,15 @@
 """``MemoryTier``: the manager's snapshots in node-local memory, and restoring from them.
 
 Every ``memory_every`` steps the manager hands the tier the same state a volume
-checkpoint holds (:func:`nbtools.checkpoint._state.build_state`); the tier
-writes it, with ``torch.save``, into a slot of this rank (see ``_slots``).
-Before the first snapshot it checks that two slots per rank of this node fit
-in the snapshot filesystem and in the node's available memory; when they do
-not, or a snapshot fails, it warns once and stops snapshotting (volume
+checkpoint holds (:func:`nbtools.checkpoint._state.build_state`). Training is
+blocked only while the tier copies that state into host buffers allocated once
+and reused (the async save's :class:`~nbtools.checkpoint._host_buffers.ReusableStager`);
+a background thread then writes the copy, with ``torch.save``, into a slot of
+this rank (see ``_slots``). One write is in flight at a time: the next snapshot,
+a restore and ``close`` wait for it first. Before the first snapshot the tier
+checks that two slots per rank of this node fit in the snapshot filesystem, and
+that they and the staging copies fit in the node's available memory; when they
+do not, or a snapshot fails, it warns once and stops snapshotting (volume
 checkpoints go on).
 
 A restore asks every rank for the steps it holds; the newest step all ranks
@@ -24,6 +28,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import threading
 from typing import Any
 
 import torch
@@ -34,6 +39,7 @@ from nbtools._internal.holder import Holder, machine_id, process_started
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import agree, gather
+from nbtools.checkpoint._host_buffers import ReusableStager
 from nbtools.checkpoint._memory import _slots
 from nbtools.errors import CheckpointError
 
@@ -95,6 +101,9 @@ class MemoryTier:
         self.key = f"{run}|{root}|world={self.world}"
         self.enabled = True
         self._checked = False
+        self._stager = ReusableStager()
+        self._writer: threading.Thread | None = None
+        self._error: str | None = None  # what the last background write failed with
         self.user = _slots.user_dir()
         _slots.sweep(self.user, own=_slots.job_path(self.user, self.key))
         self.directory = _slots.job_dir(self.user, self.key, keeper)
@@ -115,10 +124,13 @@ class MemoryTier:
         free = shutil.disk_usage(self.directory).free
         memory = _available_memory()
         held = sum(s.size for s in self._own())
-        if need > free + held or (memory is not None and need > _MEMORY_SHARE * memory + held):
+        # The slots live in memory too (tmpfs), next to each rank's staging copy.
+        in_memory = need + ranks * size
+        if need > free + held or (memory is not None and in_memory > _MEMORY_SHARE * memory + held):
             self._off(
                 f"two snapshots for each of the {ranks} rank(s) of this node need about "
-                f"{need / 2**20:.1f} MiB ({size / 2**20:.1f} MiB each) in {self.user}, but that "
+                f"{need / 2**20:.1f} MiB ({size / 2**20:.1f} MiB each) in {self.user}, and "
+                f"{in_memory / 2**20:.1f} MiB of memory with their staging copies, but that "
                 f"filesystem has {free / 2**20:.1f} MiB free"
                 + (f" and the node {memory / 2**20:.1f} MiB of memory available" if memory else "")
                 + ". Give the shared-memory mount more room (docker run --shm-size=...), point "
@@ -133,34 +145,66 @@ class MemoryTier:
         )
 
     def snapshot(self, step: int, state: dict[str, Any]) -> bool:
-        """Write ``state`` as this rank's snapshot of ``step``; whether it was written."""
+        """Copy ``state`` and write the copy in the background as this rank's snapshot of
+        ``step``; whether a write was started (see :meth:`wait`)."""
         if not self.enabled:
+            return False
+        self.wait()
+        if not self.enabled:  # the previous write failed
             return False
         if not self._checked:
             self._checked = True
             if not self._fits(state):
                 return False
-        # Keep the newest complete slot while the new one is written: at most two.
-        older = [s for s in self._own() if s.step != step][-1:]
-        _slots.remove([s.path for s in self._own() if s not in older])
         try:
+            staged = self._stager.stage(state)
+        except Exception as exc:  # noqa: BLE001 - a snapshot that fails never stops training
+            self._off(f"the state of step {step} could not be copied for its snapshot ({exc})")
+            return False
+        # The thread ends with its write; wait() joins it. Not a daemon: a process that
+        # exits lets the write finish, so it never leaves a temporary file behind.
+        self._writer = threading.Thread(
+            target=self._write, args=(step, staged), name=f"nbtools-snapshot-{self.rank}"
+        )
+        self._writer.start()
+        return True
+
+    def _write(self, step: int, staged: dict[str, Any]) -> None:
+        try:
+            # Keep the newest complete slot while the new one is written: at most two.
+            # The file of the one that goes is reused for the new one.
+            own = self._own()
+            older = [s for s in own if s.step != step][-1:]
+            drop = [s for s in own if s not in older]
+            reuse = drop.pop(0) if drop else None
+            _slots.remove([s.path for s in drop])
             _slots.write_slot(
                 self.directory,
                 self.key,
                 self.rank,
                 self.world,
                 step,
-                lambda fh: torch.save(state, fh),
+                lambda fh: torch.save(staged, fh),
+                reuse=reuse,
             )
-        except Exception as exc:  # noqa: BLE001 - a snapshot that fails never stops training
-            self._off(
+        except Exception as exc:  # noqa: BLE001 - reported by wait(), on the training thread
+            self._error = (
                 f"the snapshot of step {step} could not be written to {self.directory} ({exc})"
             )
-            return False
-        return True
+
+    def wait(self) -> None:
+        """Block until the snapshot being written (if any) is complete; a write that failed
+        turns the tier off with one warning."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._off(error)
 
     def steps(self) -> list[int]:
         """Steps this rank holds a snapshot of, newest first."""
+        self.wait()
         return sorted({s.step for s in self._own()}, reverse=True)
 
     def load(self, step: int) -> dict[str, Any]:
@@ -175,6 +219,8 @@ class MemoryTier:
 
     def close(self, keep: bool) -> None:
         """Remove this rank's snapshots unless ``keep`` (a close after an error keeps them)."""
+        self.wait()
+        self._stager.close()
         if keep:
             return
         _slots.remove([s.path for s in self._own()])

@@ -1,0 +1,262 @@
+"""Recovery benchmark: a rank SIGKILLed mid-run, recovered from memory snapshots vs from the volume.
+
+Prints one JSON line. Two launches of the same training run on 4 CPU ranks
+(``@distributed(processes=4, max_restarts=1)``, gloo), each rank holding
+``--state-mb`` of model and Adam state (data-parallel replicas: every rank
+computes the same update, as DDP does after its all-reduce, and one small
+all-reduce per step keeps the ranks in step). Volume checkpoints go every
+``--every`` steps to an S3-compatible server on loopback (moto behind
+``benchmarks/_capped_s3.py``) capped at ``--mbps``, which counts the object
+bytes it serves. One rank, drawn with ``--seed``, SIGKILLs itself at a step
+drawn with ``--seed`` between ``--memory-every`` and ``--every``; the launcher
+restarts the group and ``CheckpointManager.restore`` loads the state.
+
+- ``memory``: ``CheckpointManager(every=200, memory_every=10)``;
+- ``volume`` (today's path, the baseline): ``CheckpointManager(every=200)``.
+
+Figures:
+
+- ``kill_to_next_step_s``: from the kill to the next completed step (rank 0,
+  every rank past the step's all-reduce); ``kill_to_next_step_x`` = memory / volume
+  (goal <= 0.25); ``restore_s`` the restore alone;
+  ``kill_to_rank_started_s`` the part before the restarted rank 0 ran the
+  training function (detecting the failure, stopping the survivors, starting
+  the new ranks, forming the group), ``kill_to_restore_started_s`` that plus
+  building the model and the manager;
+- ``steps_trained_again``: the steps between the restored step and the kill;
+- ``volume_bytes_read_on_restore``: object bytes the server served during the
+  restart's restore (goal for memory: 0);
+- ``blocked_per_snapshot_s``: median time ``maybe_save`` blocks training at a
+  snapshot-only step, over ``plain_copy_s``, the median of copying the same
+  state into preallocated tensors at steps between the snapshots of the same
+  run (goal <= 1.5x; both launches make these copies);
+- ``steps_per_s``: rank 0's rate over the steps before the kill, with snapshots
+  (memory) over without (volume) (goal >= 0.97x). Both launches share this
+  2-core machine with whatever else runs on it: take the ratio as indicative.
+
+    python benchmarks/recovery.py [--state-mb 256] [--every 200] [--memory-every 10]
+        [--mbps 100] [--seed 0] [--local]
+
+``--local`` puts the volume in a local directory instead of the capped server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+warnings.filterwarnings("ignore")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(_HERE, "..", "tests", "checkpoint"))
+from _restore_servers import s3_env, s3_server  # noqa: E402
+
+from nbtools import distributed  # noqa: E402
+
+BUCKET = "bench"
+_WIDTH = 1024
+_AFTER = 3  # steps trained after the recovery's first one
+
+
+def _train(cfg: dict) -> dict:
+    """One rank's run; rank 0's dict carries the figures of the restarted attempt."""
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    from nbtools.checkpoint import CheckpointManager
+    from nbtools.runtime import get_restart_count
+
+    sys.path.insert(0, cfg["tests"])
+    from _restore_servers import s3_served
+
+    entered = time.time()
+    torch.set_num_threads(1)
+    rank, attempt = dist.get_rank(), get_restart_count()
+    every, memory_every, kill_at = cfg["every"], cfg["memory_every"], cfg["kill_at"]
+    # Layers of _WIDTH^2 float32 weights, trained with Adam: 12 bytes of state per weight.
+    layers = max(1, round(cfg["state_mb"] * 2**20 / (12 * _WIDTH * _WIDTH)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(_WIDTH, _WIDTH, bias=False) for _ in range(layers)]
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=1e-5)
+    ckpt = CheckpointManager(
+        cfg["root"],
+        every=every,
+        memory_every=memory_every,
+        staging_dir=os.path.join(cfg["work"], f"staging-{rank}"),
+        save_on_close=False,
+    )
+    endpoint = cfg["endpoint"]
+    served = (lambda: s3_served(endpoint)) if endpoint else (lambda: 0)
+    before = served() if rank == 0 else 0
+    began, restoring = time.perf_counter(), time.time()
+    start = ckpt.restore(model=model, optimizer=opt)
+    dist.barrier()
+    restore_s = time.perf_counter() - began
+    read = served() - before if rank == 0 else 0
+    end = kill_at + 1 if attempt == 0 else start + 1 + _AFTER
+    done: list[float] = []
+    blocked: list[float] = []
+    copies: list[float] = []
+    flag = torch.zeros(1)
+    # The floor of any snapshot: copying this state into preallocated tensors, timed
+    # between snapshots (both launches do it, so it costs their step rates alike).
+    tensors = [p.detach() for p in model.parameters()]
+    buffers = [torch.empty_like(t) for t in tensors]
+    for step in range(start, end):
+        torch.manual_seed(step)
+        loss = model(torch.randn(8, _WIDTH)).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        t = time.perf_counter()
+        ckpt.maybe_save(step, model=model, optimizer=opt)
+        if memory_every and step % memory_every == 0 and step % every:
+            blocked.append(time.perf_counter() - t)
+        if step % 10 == 5 and step > start:
+            if len(tensors) == layers:  # Adam's state exists from the first step on
+                tensors += [t for s in opt.state.values() for t in s.values() if t.dim()]
+                buffers += [torch.empty_like(t) for t in tensors[layers:]]
+            t = time.perf_counter()
+            for b, src in zip(buffers, tensors, strict=True):
+                b.copy_(src)
+            copies.append(time.perf_counter() - t)
+        dist.all_reduce(flag)
+        done.append(time.time())
+        if attempt == 0 and step == kill_at:
+            if rank == 0:
+                with open(cfg["first"], "w") as fh:
+                    json.dump({"done": done, "blocked": blocked, "copies": copies}, fh)
+            dist.barrier()
+            if rank == cfg["kill_rank"]:
+                with open(cfg["killed"], "w") as fh:
+                    json.dump({"at": time.time()}, fh)
+                os.kill(os.getpid(), signal.SIGKILL)
+            dist.all_reduce(flag)  # the killed rank never joins: the group fails
+    tensors = [p.detach() for p in model.parameters()]
+    tensors += [t for s in opt.state.values() for t in s.values() if t.dim()]
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    ckpt.close()
+    return {
+        "attempt": attempt,
+        "restored_step": ckpt.restored_step,
+        "tier": ckpt.restored_tier,
+        "restore_s": restore_s,
+        "entered": entered,
+        "restoring": restoring,
+        "read": read,
+        "first_done": done[0],
+        "state_mb": state_bytes / 2**20,
+    }
+
+
+def _launch(cfg: dict) -> dict:
+    job = distributed(processes=4, max_restarts=1, output="none")(_train)
+    result = job.distributed(cfg)[0]
+    with open(cfg["first"]) as fh:
+        first = json.load(fh)
+    with open(cfg["killed"]) as fh:
+        killed = json.load(fh)["at"]
+    done = first["done"][1:]  # past step 0 (its volume save)
+    figures = {
+        "restored_step": result["restored_step"],
+        "tier": result["tier"],
+        "kill_to_next_step_s": round(result["first_done"] - killed, 2),
+        "kill_to_rank_started_s": round(result["entered"] - killed, 2),
+        "kill_to_restore_started_s": round(result["restoring"] - killed, 2),
+        "restore_s": round(result["restore_s"], 2),
+        "steps_trained_again": cfg["kill_at"] - result["restored_step"],
+        "volume_bytes_read_on_restore": result["read"],
+        "steps_per_s": round((len(done) - 1) / (done[-1] - done[0]), 3),
+        "state_mb_per_rank": round(result["state_mb"], 1),
+    }
+    copy = statistics.median(first["copies"][1:])  # past the first (it faults the pages in)
+    figures["plain_copy_s"] = round(copy, 4)
+    if first["blocked"]:
+        figures["blocked_per_snapshot_s"] = round(statistics.median(first["blocked"]), 4)
+        figures["blocked_over_copy"] = round(statistics.median(first["blocked"]) / copy, 2)
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--state-mb", type=int, default=256)
+    parser.add_argument("--every", type=int, default=200)
+    parser.add_argument("--memory-every", type=int, default=10)
+    parser.add_argument("--mbps", type=float, default=100.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--local", action="store_true", help="the volume in a local directory")
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    kill_at = rng.randint(args.memory_every + 1, args.every - 1)
+    kill_rank = rng.randrange(4)
+    work = tempfile.mkdtemp(prefix="nbtools-bench-recovery-")
+    shm = tempfile.mkdtemp(prefix="nbtools-bench-recovery-", dir="/dev/shm")
+    os.environ["NBTOOLS_SNAPSHOT_DIR"] = shm
+    result: dict = {
+        "ranks": 4,
+        "every": args.every,
+        "memory_every": args.memory_every,
+        "kill_at": kill_at,
+        "kill_rank": kill_rank,
+        "volume": "local directory" if args.local else f"capped S3 at {args.mbps:g} MB/s",
+    }
+    try:
+        with _null() if args.local else s3_server(args.mbps) as endpoint:
+            if endpoint:
+                os.environ.update(s3_env(endpoint))
+                import s3fs
+
+                fs = s3fs.S3FileSystem()
+                fs.mkdir(BUCKET)
+            for name, memory_every in (("volume", None), ("memory", args.memory_every)):
+                root = os.path.join(work, name) if args.local else f"s3://{BUCKET}/{name}"
+                cfg = {
+                    "root": root,
+                    "work": work,
+                    "tests": os.path.join(_HERE, "..", "tests", "checkpoint"),
+                    "endpoint": endpoint,
+                    "state_mb": args.state_mb,
+                    "every": args.every,
+                    "memory_every": memory_every,
+                    "kill_at": kill_at,
+                    "kill_rank": kill_rank,
+                    "first": os.path.join(work, f"{name}-first.json"),
+                    "killed": os.path.join(work, f"{name}-killed.json"),
+                }
+                result[name] = _launch(cfg)
+            if endpoint:
+                s3fs.S3FileSystem.close_session(fs.loop, fs.s3)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    mem, vol = result["memory"], result["volume"]
+    result["state_mb_per_rank"] = mem.pop("state_mb_per_rank")
+    vol.pop("state_mb_per_rank")
+    result["kill_to_next_step_x"] = round(
+        mem["kill_to_next_step_s"] / vol["kill_to_next_step_s"], 3
+    )
+    result["steps_per_s_x"] = round(mem["steps_per_s"] / vol["steps_per_s"], 3)
+    print(json.dumps(result))
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    main()
