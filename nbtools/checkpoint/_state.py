@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import io
 import random
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -56,9 +56,12 @@ def capture_rng() -> dict[str, Any]:
     try:
         import numpy as np
     except ImportError:  # pragma: no cover - numpy is a dependency
-        np = None
-    if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        pass
+    else:
+        # The global RandomState runs MT19937, whose legacy state is this 5-tuple (the stub
+        # also allows the dict that other bit generators give).
+        legacy = cast("tuple[str, np.ndarray[Any, Any], int, int, float]", np.random.get_state())
+        kind, keys, pos, has_gauss, cached = legacy
         state["numpy"] = (kind, keys.tolist(), int(pos), int(has_gauss), float(cached))
     if torch.cuda.is_available():
         state["cuda"] = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]

@@ -34,7 +34,7 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -71,7 +71,7 @@ def describe_group(group: Any) -> tuple[int, int]:
 
 
 def plan_reads(
-    needs: list[Iterable[Key]], chunk_size: int
+    needs: Sequence[Iterable[Key]], chunk_size: int
 ) -> tuple[list[list[Key]], list[tuple[int, tuple[tuple[Key, int, int], ...]]], int]:
     """Assign each record to one fetching rank and order the hand-off messages.
 
@@ -290,7 +290,7 @@ class _Buffer:
         self.host = torch.empty(size, dtype=torch.uint8)
         if device.type == "cuda":
             self.host = self.host.pin_memory()
-        self.view = memoryview(self.host.numpy())
+        self.view = self.host.numpy().data
         self.wire = (
             self.host
             if device.type == "cpu"
