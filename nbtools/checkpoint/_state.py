@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -163,12 +164,12 @@ def build_state(
     return state
 
 
-def source_rank(metadata: Any, rank: int) -> int:
+def source_rank(metadata: Metadata, rank: int) -> int:
     """The saved rank whose per-rank state this rank restores."""
     return rank if f"{NS}.rank_{rank}" in metadata.state_dict_metadata else 0
 
 
-def _check_keys(name: str, template: dict[str, Any], metadata: Any, where: str) -> None:
+def _check_keys(name: str, template: dict[str, Any], metadata: Metadata, where: str) -> None:
     saved = {k[len(name) + 1 :] for k in metadata.state_dict_metadata if k.startswith(name + ".")}
     if not saved:
         raise CheckpointError(f"{where} holds no {name!r}; pass only objects that were saved")
@@ -184,7 +185,7 @@ def _check_keys(name: str, template: dict[str, Any], metadata: Any, where: str) 
         )
 
 
-def load_template(objs: Objects, metadata: Any, where: str) -> dict[str, Any]:
+def load_template(objs: Objects, metadata: Metadata, where: str) -> dict[str, Any]:
     """The state dict ``dcp.load`` fills in place for a restore."""
     state: dict[str, Any] = {}
     for name, model in objs.models.items():
@@ -197,7 +198,7 @@ def load_template(objs: Objects, metadata: Any, where: str) -> dict[str, Any]:
     return state
 
 
-def blob_template(metadata: Any, rank: int) -> dict[str, Any]:
+def blob_template(metadata: Metadata, rank: int) -> dict[str, Any]:
     """The state dict that loads this rank's per-rank bytes."""
     return {NS: {f"rank_{source_rank(metadata, rank)}": b""}}
 

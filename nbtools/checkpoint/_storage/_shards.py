@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from typing import IO, Any, cast, overload
 
 import torch
+from torch.distributed.checkpoint.planner import SavePlanner
 
 from nbtools import _torch_compat
 from nbtools.errors import CorruptCheckpointError
@@ -131,7 +132,7 @@ def write_shard(
     file: IO[bytes],
     relative_path: str,
     items: Sequence[Any],
-    planner: Any,
+    planner: SavePlanner,
     writeback: bool = False,
     token: str | None = None,
 ) -> list[Any]:
@@ -155,14 +156,15 @@ def write_shard(
     ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
     ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
     for item in ordered:
+        # SavePlanner's contract: a BYTE_IO item resolves to a BytesIO, any other to a Tensor.
         data = planner.resolve_data(item)
         offset = stream.begin()
         if item.type == WriteItemType.BYTE_IO:
-            stream.write(data.getbuffer())
+            stream.write(cast(io.BytesIO, data).getbuffer())
         else:
             # torch.save writes to any binary file; typeshed's IO is a nominal class that
             # io.RawIOBase does not derive from.
-            torch.save(_tensor_for_write(data), cast(IO[bytes], stream))
+            torch.save(_tensor_for_write(cast(torch.Tensor, data)), cast(IO[bytes], stream))
         length = stream.tell() - offset
         info = storage_info(relative_path, offset, length)
         setattr(info, CHECKSUM_ATTR, f"crc32:{stream.crc:08x}")

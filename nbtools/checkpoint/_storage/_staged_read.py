@@ -97,7 +97,7 @@ class StagedFetch:
     target: Target
     where: str
     read_once: bool
-    process_group: Any
+    process_group: dist.ProcessGroup | None
     chunk_size: int
     min_chunk_size: int
     read_timeout: float
