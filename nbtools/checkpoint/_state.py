@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import io
 import random
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -56,9 +57,12 @@ def capture_rng() -> dict[str, Any]:
     try:
         import numpy as np
     except ImportError:  # pragma: no cover - numpy is a dependency
-        np = None
-    if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        pass
+    else:
+        # The global RandomState runs MT19937, whose legacy state is this 5-tuple (the stub
+        # also allows the dict that other bit generators give).
+        legacy = cast("tuple[str, np.ndarray[Any, Any], int, int, float]", np.random.get_state())
+        kind, keys, pos, has_gauss, cached = legacy
         state["numpy"] = (kind, keys.tolist(), int(pos), int(has_gauss), float(cached))
     if torch.cuda.is_available():
         state["cuda"] = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
@@ -160,12 +164,12 @@ def build_state(
     return state
 
 
-def source_rank(metadata: Any, rank: int) -> int:
+def source_rank(metadata: Metadata, rank: int) -> int:
     """The saved rank whose per-rank state this rank restores."""
     return rank if f"{NS}.rank_{rank}" in metadata.state_dict_metadata else 0
 
 
-def _check_keys(name: str, template: dict[str, Any], metadata: Any, where: str) -> None:
+def _check_keys(name: str, template: dict[str, Any], metadata: Metadata, where: str) -> None:
     saved = {k[len(name) + 1 :] for k in metadata.state_dict_metadata if k.startswith(name + ".")}
     if not saved:
         raise CheckpointError(f"{where} holds no {name!r}; pass only objects that were saved")
@@ -181,7 +185,7 @@ def _check_keys(name: str, template: dict[str, Any], metadata: Any, where: str) 
         )
 
 
-def load_template(objs: Objects, metadata: Any, where: str) -> dict[str, Any]:
+def load_template(objs: Objects, metadata: Metadata, where: str) -> dict[str, Any]:
     """The state dict ``dcp.load`` fills in place for a restore."""
     state: dict[str, Any] = {}
     for name, model in objs.models.items():
@@ -194,7 +198,7 @@ def load_template(objs: Objects, metadata: Any, where: str) -> dict[str, Any]:
     return state
 
 
-def blob_template(metadata: Any, rank: int) -> dict[str, Any]:
+def blob_template(metadata: Metadata, rank: int) -> dict[str, Any]:
     """The state dict that loads this rank's per-rank bytes."""
     return {NS: {f"rank_{source_rank(metadata, rank)}": b""}}
 

@@ -258,8 +258,9 @@ class DataLoader(torch.utils.data.DataLoader):
                 "version": _STATE_VERSION,
                 "datasets": [vd.state_dict() for vd in self._volumes],
             }
-        if callable(getattr(self.dataset, "state_dict", None)):
-            return {"version": _STATE_VERSION, "dataset": self.dataset.state_dict()}
+        save = getattr(self.dataset, "state_dict", None)
+        if callable(save):
+            return {"version": _STATE_VERSION, "dataset": save()}
         raise DataError(
             f"the loader's dataset ({type(self.dataset).__name__}) has no position to save: "
             "keep the VolumeDataset as an attribute of your wrapper dataset, or give the "
@@ -280,8 +281,8 @@ class DataLoader(torch.utils.data.DataLoader):
                 )
             for vd, sub in zip(self._volumes, state["datasets"], strict=True):
                 vd.load_state_dict(sub)
-        elif callable(getattr(self.dataset, "load_state_dict", None)):
-            self.dataset.load_state_dict(state["dataset"])
+        elif callable(load := getattr(self.dataset, "load_state_dict", None)):
+            load(state["dataset"])
         else:
             raise DataError(
                 f"the loader's dataset ({type(self.dataset).__name__}) cannot load a position; "

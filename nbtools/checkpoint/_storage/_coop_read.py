@@ -34,7 +34,7 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -58,20 +58,20 @@ _ERRORS: dict[int, type[CheckpointError]] = {
 }
 
 
-def group_of(process_group: Any) -> Any:
+def group_of(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The group the hand-off runs on (the default one for None); None without one."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     return dist.group.WORLD if process_group is None else process_group
 
 
-def describe_group(group: Any) -> tuple[int, int]:
+def describe_group(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """``(this process's rank in group, group size)``; rank -1 when not a member."""
     return dist.get_rank(group), dist.get_world_size(group)
 
 
 def plan_reads(
-    needs: list[Iterable[Key]], chunk_size: int
+    needs: Sequence[Iterable[Key]], chunk_size: int
 ) -> tuple[list[list[Key]], list[tuple[int, tuple[tuple[Key, int, int], ...]]], int]:
     """Assign each record to one fetching rank and order the hand-off messages.
 
@@ -126,7 +126,7 @@ def plan_reads(
     return fetch, messages, sum(k[2] for q in queues for k in q)
 
 
-def _device(group: Any, cuda_destinations: bool) -> torch.device:
+def _device(group: dist.ProcessGroup | None, cuda_destinations: bool) -> torch.device:
     backend = str(dist.get_backend(group)).lower()
     if "nccl" not in backend:
         return torch.device("cpu")
@@ -167,7 +167,7 @@ def _header_size(segments: tuple[tuple[Key, int, int], ...]) -> int:
 
 
 def exchange(
-    group: Any,
+    group: dist.ProcessGroup | None,
     me: int,
     messages: list[tuple[int, tuple[tuple[Key, int, int], ...]]],
     *,
@@ -290,7 +290,7 @@ class _Buffer:
         self.host = torch.empty(size, dtype=torch.uint8)
         if device.type == "cuda":
             self.host = self.host.pin_memory()
-        self.view = memoryview(self.host.numpy())
+        self.view = self.host.numpy().data
         self.wire = (
             self.host
             if device.type == "cpu"

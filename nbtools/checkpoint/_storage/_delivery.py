@@ -15,9 +15,10 @@ import io
 import math
 import os
 import sys
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
+from torch.distributed.checkpoint.metadata import STORAGE_TYPES, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
 from nbtools import _torch_compat
@@ -59,14 +60,20 @@ class Slice(io.RawIOBase):
         return got
 
 
+def _window(fh: Any, offset: int, length: int) -> IO[bytes]:
+    """A :class:`Slice` typed as the binary file it is (typeshed's ``IO`` is a nominal
+    class that ``io.RawIOBase`` does not derive from; torch reads any such file)."""
+    return cast(IO[bytes], Slice(fh, offset, length))
+
+
 def saved_data(fh: Any, offset: int, length: int) -> tuple[torch.Tensor, int] | None:
     """The saved tensor (on the meta device) of the record ``[offset, offset + length)`` of
     ``fh`` and the offset of its data inside the record, when its memory is stored as
     one dense run of bytes in this machine's byte order; else None."""
     try:
-        saved = torch.load(Slice(fh, offset, length), map_location="meta", weights_only=True)
-        at = _torch_compat.storage_data_offset(saved, Slice(fh, offset, length))
-        order = _torch_compat.saved_byteorder(Slice(fh, offset, length))
+        saved = torch.load(_window(fh, offset, length), map_location="meta", weights_only=True)
+        at = _torch_compat.storage_data_offset(saved, _window(fh, offset, length))
+        order = _torch_compat.saved_byteorder(_window(fh, offset, length))
     except Exception:  # noqa: BLE001 - the full load reports what is wrong
         return None
     if (
@@ -110,7 +117,7 @@ class Delivery:
         self,
         plan: LoadPlan,
         storage_data: Any,
-        tensors: dict[str, Any],
+        tensors: dict[str, STORAGE_TYPES],
         planner: LoadPlanner,
         staged: Any,
     ) -> None:
@@ -142,10 +149,12 @@ class Delivery:
         if descriptors_of(self._storage[item.storage_index]) or any(item.storage_offsets):
             return None
         meta = self._tensors.get(item.storage_index.fqn)
+        if not isinstance(meta, TensorStorageMetadata):
+            return None  # a bytes record (or none): no chunk to match
         chunk = next(
             (
                 c
-                for c in getattr(meta, "chunks", [])
+                for c in meta.chunks
                 if tuple(c.offsets) == tuple(item.storage_index.offset or ())
             ),
             None,

@@ -133,7 +133,7 @@ class FetchPool:
                 task.started = task.last = self._last = time.monotonic()
                 self._running.add(task)
             try:
-                result = task.fn(lambda n, t=task: self._progress(t, n))
+                result = task.fn(functools.partial(self._progress, task))
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                 task.future.set_exception(exc)
             else:

@@ -21,9 +21,10 @@ import os
 import uuid
 import zlib
 from collections.abc import Iterable, Sequence
-from typing import IO, Any
+from typing import IO, Any, cast, overload
 
 import torch
+from torch.distributed.checkpoint.planner import SavePlanner
 
 from nbtools import _torch_compat
 from nbtools.errors import CorruptCheckpointError
@@ -131,7 +132,7 @@ def write_shard(
     file: IO[bytes],
     relative_path: str,
     items: Sequence[Any],
-    planner: Any,
+    planner: SavePlanner,
     writeback: bool = False,
     token: str | None = None,
 ) -> list[Any]:
@@ -155,12 +156,15 @@ def write_shard(
     ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
     ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
     for item in ordered:
+        # SavePlanner's contract: a BYTE_IO item resolves to a BytesIO, any other to a Tensor.
         data = planner.resolve_data(item)
         offset = stream.begin()
         if item.type == WriteItemType.BYTE_IO:
-            stream.write(data.getbuffer())
+            stream.write(cast(io.BytesIO, data).getbuffer())
         else:
-            torch.save(_tensor_for_write(data), stream)
+            # torch.save writes to any binary file; typeshed's IO is a nominal class that
+            # io.RawIOBase does not derive from.
+            torch.save(_tensor_for_write(cast(torch.Tensor, data)), cast(IO[bytes], stream))
         length = stream.tell() - offset
         info = storage_info(relative_path, offset, length)
         setattr(info, CHECKSUM_ATTR, f"crc32:{stream.crc:08x}")
@@ -239,6 +243,14 @@ def _mismatch(where: str, info: Any, file: IO[bytes] | None = None) -> CorruptCh
     )
 
 
+@overload
+def _read_crc(file: IO[bytes], view: memoryview, crc: int, info: Any, where: str) -> int: ...
+@overload
+def _read_crc(file: IO[bytes], view: memoryview, crc: None, info: Any, where: str) -> None: ...
+@overload
+def _read_crc(
+    file: IO[bytes], view: memoryview, crc: int | None, info: Any, where: str
+) -> int | None: ...
 def _read_crc(
     file: IO[bytes], view: memoryview, crc: int | None, info: Any, where: str
 ) -> int | None:
@@ -248,7 +260,8 @@ def _read_crc(
     """
     done = 0
     while done < len(view):
-        n = file.readinto(view[done : done + _CHUNK])
+        # typing.IO declares no readinto; every binary file io and fsspec open has it.
+        n = file.readinto(view[done : done + _CHUNK])  # type: ignore[attr-defined]
         if not n:
             raise _truncated(where, info, file)
         if crc is not None:

@@ -97,7 +97,7 @@ class StagedFetch:
     target: Target
     where: str
     read_once: bool
-    process_group: Any
+    process_group: dist.ProcessGroup | None
     chunk_size: int
     min_chunk_size: int
     read_timeout: float
@@ -146,9 +146,10 @@ class StagedFetch:
             if group is None:
                 return "no process group (no_dist=True, or torch.distributed not initialized)"
             return "one rank" if group[1] == 1 else "no_dist=True"
-        if any(n is None for n in notes):
+        known = [n for n in notes if n is not None]
+        if len(known) < len(notes):
             return "the load planner replaced the reader's storage data in the plans"
-        if any(n.get("group") != (rank, len(plans)) for rank, n in enumerate(notes)):
+        if any(n.get("group") != (rank, len(plans)) for rank, n in enumerate(known)):
             return (
                 "VolumeReader's process_group= does not cover the ranks of this load in their "
                 "order (pass the group given to dcp.load as VolumeReader(process_group=...))"
@@ -236,7 +237,7 @@ class StagedFetch:
                     for start, n in split(length, size, self.min_chunk_size)
                 ]
                 waits.update(dict.fromkeys(keys, where))
-                checks = {key: Future() for key in keys}
+                checks: dict[Key, Future[None]] = {key: Future() for key in keys}
                 for future in checks.values():
                     future.nbtools_what = futures[0].nbtools_what  # type: ignore[attr-defined]
                 checked.update(checks)

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterable, Sequence
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from nbtools import _torch_compat
 from nbtools.errors import CheckpointError, CorruptCheckpointError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint._extension import StreamTransformExtension
 
 __all__ = ["StreamTransforms", "descriptors_of"]
 
@@ -69,16 +72,17 @@ class StreamTransforms:
                 ) from exc
         return out
 
-    def wrap(self, raw: IO[bytes], info: Any, where: str) -> IO[bytes]:
+    def wrap(self, raw: IO[bytes] | io.RawIOBase, info: Any, where: str) -> IO[bytes]:
         """``raw`` (the item's stored bytes) read through the item's extensions."""
-        base = _torch_compat.stream_transform_extension_class()
-        stream = raw
+        base: type[StreamTransformExtension] = _torch_compat.stream_transform_extension_class()
+        # A RawIOBase is a binary file; typeshed's IO is a nominal class it does not derive from.
+        stream = cast(IO[bytes], raw)
         for ext in self._extensions(descriptors_of(info), where):
             if isinstance(ext, base):
                 stream = ext.transform_from(stream)
         return stream
 
-    def read_all(self, raw: IO[bytes], info: Any, where: str) -> bytes:
+    def read_all(self, raw: IO[bytes] | io.RawIOBase, info: Any, where: str) -> bytes:
         """The item's bytes after its extensions were applied.
 
         Raises:

@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Literal, overload
 
 from nbtools._internal.fs import TMP_PREFIX
 from nbtools._internal.log import get_logger
@@ -264,6 +264,32 @@ class FileCache:
         finally:
             os.close(lock_fd)
 
+    @overload
+    def fetch_verified(
+        self,
+        key: str,
+        size: int,
+        mtime_ns: int,
+        opener: Callable[[], IO[bytes]],
+        cancel: threading.Event,
+        *,
+        wait_for_space: Literal[True] = ...,
+        on_wait: Callable[[], None] | None = ...,
+        restat: Callable[[], tuple[int, int] | None] | None = ...,
+    ) -> Pin: ...
+    @overload
+    def fetch_verified(
+        self,
+        key: str,
+        size: int,
+        mtime_ns: int,
+        opener: Callable[[], IO[bytes]],
+        cancel: threading.Event,
+        *,
+        wait_for_space: bool,
+        on_wait: Callable[[], None] | None = ...,
+        restat: Callable[[], tuple[int, int] | None] | None = ...,
+    ) -> Pin | None: ...
     def fetch_verified(
         self,
         key: str,

@@ -208,9 +208,9 @@ class IndexWriter:
                 for name in _SECTIONS:
                     begin = places[name][0]
                     out.write(b"\0" * (begin - out.tell()))
-                    spill = self._spills[name].fh
-                    spill.seek(0)
-                    while chunk := spill.read(1 << 20):
+                    fh = self._spills[name].fh
+                    fh.seek(0)
+                    while chunk := fh.read(1 << 20):
                         out.write(chunk)
                 out.flush()
                 os.fsync(out.fileno())

@@ -69,7 +69,7 @@ class SourceCheck:
             if st.st_size == item.size and st.st_mtime_ns == item.mtime_ns:
                 out.append(item)
             else:
-                out.append(Item(item.key, st.st_size, st.st_mtime_ns, item.index))
+                out.append(Item(item.key, st.st_size, st.st_mtime_ns, item.source))
         return out
 
     def close(self) -> None:

@@ -15,15 +15,16 @@ from nbtools.data._positions import Consumed, Order, slot_chunks
 __all__ = ["Item", "check_mode", "slot_items"]
 
 class Item(NamedTuple):
-    """One file to serve: its cache key, size and mtime to expect, and its index in the listing.
+    """One file to serve: its cache key, size and mtime to expect, and its source's index in
+    the listing.
 
-    The stream opens the source (``open_source(index)``) only when it copies the file.
+    The stream opens the source (``open_source(source)``) only when it copies the file.
     """
 
     key: str
     size: int
     mtime_ns: int
-    index: int
+    source: int  # index of the source file in the listing
 
 
 #: Items handed to a stream (and checked against their sources) at a time.

@@ -214,7 +214,7 @@ class _Stream:
                 item.key,
                 item.size,
                 item.mtime_ns,
-                partial(self.open_source, item.index),
+                partial(self.open_source, item.source),
                 self.cancel,
                 wait_for_space=False,
                 restat=self._restat(item),
@@ -223,7 +223,7 @@ class _Stream:
             self.pending_bytes += item.size
 
     def _restat(self, item: Item) -> Callable[[], tuple[int, int] | None] | None:
-        return None if self.stat_source is None else partial(self.stat_source, item.index)
+        return None if self.stat_source is None else partial(self.stat_source, item.source)
 
     # --- serving ----------------------------------------------------------------------
 
@@ -256,9 +256,10 @@ class _Stream:
                 if known.get(key) == (item.size, item.mtime_ns):
                     path = under + key  # the memo: seen complete since the last eviction
                 else:
-                    path = cached(key, item.size, item.mtime_ns)
-                    if path is None:
+                    found = cached(key, item.size, item.mtime_ns)
+                    if found is None:
                         break
+                    path = found
                 room -= item.size
                 run.append(item)
                 paths.append(path)
@@ -383,7 +384,7 @@ class _Stream:
                             item.key,
                             item.size,
                             item.mtime_ns,
-                            partial(self.open_source, item.index),
+                            partial(self.open_source, item.source),
                             self.cancel,
                             on_wait=self.shed,
                             restat=self._restat(item),
