@@ -337,9 +337,13 @@ class CheckpointManager:
             if self._stager is None:
                 dcp.save(state, storage_writer=writer, process_group=self._pg)
             else:
-                future = dcp.async_save(
+                result = dcp.async_save(
                     state, storage_writer=writer, async_stager=self._stager, process_group=self._pg
                 )
+                # DCP answers with an AsyncSaveResponse only for a stager that stages in
+                # the background, which the reusable one does not: its upload is the save.
+                upload: Any = getattr(result, "upload_completion", result)
+                future: Future[Any] = upload
         except BaseException as exc:
             self._discard(step)
             raise unwrap(exc, f"saving step {step}") from None
@@ -351,9 +355,12 @@ class CheckpointManager:
             with self._lock:
                 self._future, self._future_step = future, step
                 self._future_timing = timing
-            future.add_done_callback(
-                lambda f, s=step, t=timing: f.exception() is None and self._published(s, t)
-            )
+
+            def published(done: Future[Any], s: int = step, t: SaveTiming = timing) -> None:
+                if done.exception() is None:
+                    self._published(s, t)
+
+            future.add_done_callback(published)
         return True
 
     def _discard(self, step: int) -> None:
@@ -399,7 +406,7 @@ class CheckpointManager:
         with self._lock:
             future, step = self._future, self._future_step
             self._future = None
-        if future is None:
+        if future is None or step is None:
             return
         try:
             future.result()
