@@ -38,7 +38,9 @@ nb_execution_mode = "off"
 nb_output_stderr = "show"
 # Notebook cells hold IPython magics (%load_ext, %distributed) that the Python lexer does not
 # know; Pygments renders them in its relaxed mode, which is what is wanted.
-suppress_warnings = ["misc.highlighting_failure"]
+# A saved plotly chart also carries its HTML and PNG renderings, which the pages show;
+# the plotly JSON bundle itself has no renderer in a static page.
+suppress_warnings = ["misc.highlighting_failure", "mystnb.unknown_mime_type"]
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3
 
