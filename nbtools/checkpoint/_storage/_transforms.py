@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterable, Sequence
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import IO, Any, cast
 
 from nbtools import _torch_compat
 from nbtools.errors import CheckpointError, CorruptCheckpointError
-
-if TYPE_CHECKING:
-    from torch.distributed.checkpoint._extension import StreamTransformExtension
 
 __all__ = ["StreamTransforms", "descriptors_of"]
 
@@ -74,7 +71,7 @@ class StreamTransforms:
 
     def wrap(self, raw: IO[bytes] | io.RawIOBase, info: Any, where: str) -> IO[bytes]:
         """``raw`` (the item's stored bytes) read through the item's extensions."""
-        base: type[StreamTransformExtension] = _torch_compat.stream_transform_extension_class()
+        base: type[Any] = _torch_compat.stream_transform_extension_class()
         # A RawIOBase is a binary file; typeshed's IO is a nominal class it does not derive from.
         stream = cast(IO[bytes], raw)
         for ext in self._extensions(descriptors_of(info), where):

@@ -51,6 +51,7 @@ from nbtools.data._cache._location import (
     min_free_from_env,
 )
 from nbtools.data._cache._pins import Cancelled, Pin, pin_path
+from nbtools.data._cache._source_check import SourceChanged, check_copy, source_stat
 from nbtools.data._cache._sweep import cached_bytes, evict_one, scan, sweep_due, sweep_temporaries
 from nbtools.errors import CacheError, DataError
 
@@ -91,51 +92,6 @@ def _no_room(message: str) -> CacheError:
     exc = CacheError(message)
     exc.errno = errno.ENOSPC
     return exc
-
-
-class SourceChanged(Exception):
-    """A copy does not hold the source as listed: it changed before or while it was read."""
-
-    def __init__(self, source: str, message: str) -> None:
-        super().__init__(message)
-        self.source = source
-
-
-def _source_stat(src: IO[bytes]) -> tuple[int, int] | None:
-    """``(size, mtime_ns)`` of an open source, or None where it has no descriptor."""
-    try:
-        st = os.fstat(src.fileno())
-    except (AttributeError, OSError, ValueError):
-        return None  # e.g. an fsspec file: only the byte count is checked
-    return st.st_size, st.st_mtime_ns
-
-
-def _check_copy(
-    src: IO[bytes],
-    key: str,
-    size: int,
-    mtime_ns: int,
-    copied: int,
-    before: tuple[int, int] | None,
-    after: tuple[int, int] | None,
-) -> None:
-    """Raise :class:`SourceChanged` unless ``copied`` bytes are the whole, unchanged source."""
-    name = getattr(src, "name", None) or getattr(src, "path", None)
-    source = name if isinstance(name, str) else key
-    if copied > size:
-        raise SourceChanged(source, f"listed {size} bytes, it holds more now")
-    if copied != size:
-        raise SourceChanged(source, f"listed {size} bytes, read {copied}")
-    if after is None:
-        return
-    if before != after:
-        was = before[0] if before else "?"
-        raise SourceChanged(source, f"{was} bytes when opened, {after[0]} after the copy")
-    if after[0] != size or (mtime_ns and after[1] != mtime_ns):
-        raise SourceChanged(
-            source,
-            f"listed {size} bytes, mtime {mtime_ns} ns; now {after[0]} bytes, mtime {after[1]} ns",
-        )
 
 
 def _key_digest(key: str) -> str:
@@ -346,7 +302,7 @@ class FileCache:
         tmp = room.tmp
         try:
             with opener() as src, open(room.fd, "wb", closefd=False) as dst:
-                before = _source_stat(src)
+                before = source_stat(src)
                 copied = 0
                 # One byte past the listed size tells a source that grew: a file that is
                 # still being appended to is never chased, nor written past its room.
@@ -359,7 +315,7 @@ class FileCache:
                         break
                     dst.write(chunk)
                     copied += len(chunk)
-                _check_copy(src, key, size, mtime_ns, copied, before, _source_stat(src))
+                check_copy(src, key, size, mtime_ns, copied, before, source_stat(src))
                 dst.flush()
                 os.ftruncate(room.fd, dst.tell())  # the allocation may have been larger
             if mtime_ns:
