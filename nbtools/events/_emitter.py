@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from nbtools._internal.log import get_logger
 from nbtools.events._sinks import FULL, SENT, Sink
@@ -84,6 +85,9 @@ class Emitter:
         self._refilled_at = time.monotonic()
         self._closing = False
         self._thread: threading.Thread | None = None
+        # Called on the flusher thread before each send; each returns records to queue
+        # (the coalesced step reports of :mod:`nbtools.events._progress`).
+        self._sources: list[Callable[[], list[Record]]] = []
         room = BATCH_BYTES - len(batch_prefix(host, pid, rank, 10**_MAX_DROPPED_DIGITS))
         self._room = room - len(BATCH_SUFFIX)
 
@@ -98,6 +102,12 @@ class Emitter:
         buffer.append(record)
         if len(buffer) == 1:
             self._wake.set()
+        if self._thread is None:
+            self._start()
+
+    def add_source(self, source: Callable[[], list[Record]]) -> None:
+        """Poll ``source()`` on the flusher thread, at least once a second, for records to send."""
+        self._sources.append(source)
         if self._thread is None:
             self._start()
 
@@ -124,6 +134,9 @@ class Emitter:
                 break
             time.sleep(_COALESCE_S)
             try:
+                for source in self._sources:
+                    for record in source():
+                        self.put(record)
                 self.send(deadline=None, limited=True)
             except Exception:  # noqa: BLE001 - the flusher must outlive a bad batch
                 _log.exception("sending events failed; the flusher tries again")
