@@ -111,6 +111,11 @@ class Emitter:
         if self._thread is None:
             self._start()
 
+    def _poll_sources(self) -> None:
+        for source in self._sources:
+            for record in source():
+                self.put(record)
+
     def _drop(self, count: int) -> None:
         with self._count_lock:
             self._dropped += count
@@ -134,9 +139,7 @@ class Emitter:
                 break
             time.sleep(_COALESCE_S)
             try:
-                for source in self._sources:
-                    for record in source():
-                        self.put(record)
+                self._poll_sources()
                 self.send(deadline=None, limited=True)
             except Exception:  # noqa: BLE001 - the flusher must outlive a bad batch
                 _log.exception("sending events failed; the flusher tries again")
@@ -227,6 +230,7 @@ class Emitter:
 
     def flush(self, timeout: float) -> bool:
         """Send everything queued so far, waiting up to ``timeout`` s for a full channel."""
+        self._poll_sources()
         return self.send(deadline=time.monotonic() + timeout)
 
     def close(self, timeout: float = 2.0) -> bool:

@@ -32,6 +32,8 @@ and every rank's Python stack, for the cell.
 
 from __future__ import annotations
 
+import math
+import os
 import socket
 import statistics
 import threading
@@ -99,9 +101,12 @@ class Watchdog:
     Args:
         world_size: Ranks in the group (those that never report count as stalled).
         hang_timeout: Seconds without progress that make a hang; None: adaptive.
-        threshold: Straggler scores under this are flagged.
-        window_s: Seconds of samples a straggler score covers.
-        confirm_s: How long a score must stay under (or back over) the threshold.
+        threshold: Straggler scores under this are flagged (default 0.75, or
+            ``NBTOOLS_STRAGGLER_THRESHOLD``).
+        window_s: Seconds of samples a straggler score covers (default 30, or
+            ``NBTOOLS_STRAGGLER_WINDOW_S``).
+        confirm_s: How long a score must stay under (or back over) the threshold
+            (default 10, or ``NBTOOLS_STRAGGLER_CONFIRM_S``).
         sample_s: Period of the /proc samples of local ranks.
         on_hang: Called with each :class:`HangReport`, on the watchdog's thread.
         bus: Where the reports come from and the flags go (this process's bus).
@@ -117,13 +122,16 @@ class Watchdog:
         world_size: int,
         *,
         hang_timeout: float | None = None,
-        threshold: float = THRESHOLD,
-        window_s: float = 30.0,
-        confirm_s: float = 10.0,
+        threshold: float | None = None,
+        window_s: float | None = None,
+        confirm_s: float | None = None,
         sample_s: float = 0.1,
         on_hang: Callable[[HangReport], Any] | None = None,
         bus: Bus | None = None,
     ) -> None:
+        threshold = _setting(threshold, "NBTOOLS_STRAGGLER_THRESHOLD", THRESHOLD)
+        window_s = _setting(window_s, "NBTOOLS_STRAGGLER_WINDOW_S", 30.0)
+        confirm_s = _setting(confirm_s, "NBTOOLS_STRAGGLER_CONFIRM_S", 10.0)
         if not 0 < threshold < 1:
             raise ValueError(f"the straggler threshold must be between 0 and 1, got {threshold!r}")
         self.world_size = world_size
@@ -141,7 +149,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._started = time.time()
+        self._first_progress = 0.0  # when the first rank reported its first steps
         self._paused_from = 0.0
         self._paused_until = 0.0
         self._host = socket.gethostname()
@@ -150,7 +158,6 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         """Listen to the bus and start sampling; returns self."""
-        self._started = time.time()
         self._bus.subscribe(self._on_events)
         self._thread = threading.Thread(target=self._loop, name="nbtools-watchdog", daemon=True)
         self._thread.start()
@@ -221,6 +228,7 @@ class Watchdog:
         steps = event.fields.get("steps")
         if type(steps) is not int or steps <= state.steps:
             return
+        self._first_progress = self._first_progress or time.time()
         if state.steps and event.time > state.progressed_at:
             state.step_times.append((event.time - state.progressed_at) / (steps - state.steps))
         state.steps, state.step, state.progressed_at = steps, event.step, event.time
@@ -275,7 +283,10 @@ class Watchdog:
         bound = self.bound()
         ranks = {r: self._ranks.get(r) or _Rank(r) for r in range(self.world_size)}
         ranks.update(self._ranks)
-        stalled = [s for s in ranks.values() if now - (s.progressed_at or self._started) > bound]
+        # A rank yet to report is judged from when the first rank did: starting up
+        # (imports, a restore) is not a hang.
+        begun = self._first_progress
+        stalled = [s for s in ranks.values() if now - (s.progressed_at or begun) > bound]
         if not stalled:
             return []
         if len(stalled) < len(ranks):
@@ -286,7 +297,7 @@ class Watchdog:
         for state in culprits:
             if ("hang", state.rank) in self._flags:
                 continue
-            flag = _Flag("hang", state.rank, state.host, state.progressed_at or self._started)
+            flag = _Flag("hang", state.rank, state.host, state.progressed_at or begun)
             self._flags[("hang", state.rank)] = flag
             new.append(flag)
         return new
@@ -446,6 +457,21 @@ def _now_state(state: _Rank) -> str | None:
     for kind, _ in state.recent:
         counts[kind] = counts.get(kind, 0) + 1
     return max(counts, key=counts.__getitem__)
+
+
+def _setting(value: float | None, name: str, default: float) -> float:
+    if value is not None:
+        return float(value)
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        number = float(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {text!r}") from None
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{name} must be a positive number, got {text!r}")
+    return number
 
 
 def _lower_median(values: list[float]) -> float:
