@@ -326,6 +326,7 @@ class Watchdog:
     def _report(self, flags: list[_Flag], now: float) -> None:
         with self._lock:
             ranks = dict(self._ranks)
+            bound = self.bound()
         states = {r: (s.recent[-1] if s.recent else None) for r, s in ranks.items()}
         for flag in flags:
             state = ranks.get(flag.rank)
@@ -340,7 +341,7 @@ class Watchdog:
             emit(
                 "hang", message, rank=flag.rank, node=flag.node, since=round(flag.since, 3),
                 stalled_s=round(stalled, 1), step=state.step if state is not None else None,
-                rank_pid=state.pid if state is not None else None,
+                rank_pid=state.pid if state is not None else None, bound_s=round(bound, 1),
             )
         local = {r: s.pid for r, s in ranks.items() if s.local and s.pid}
         stacks = _procstate.python_stacks(local.values())

@@ -44,6 +44,8 @@ STYLE: dict[str, dict[str, Any]] = {
     "failure": {"color": "#dc2626", "marker": "x", "line": "-"},
     "restart": {"color": "#ea580c", "marker": "^", "line": "--"},
     "run": {"color": "#6b7280", "marker": "o", "line": ":"},
+    "hang": {"color": "#b91c1c", "marker": "x", "band": 0.25},
+    "straggler": {"color": "#ca8a04", "marker": "D", "band": 0.2},
     "mark": {"color": "#7c3aed", "marker": "v"},
 }
 _LISTED = 6
