@@ -217,8 +217,12 @@ class Watchdog:
                 if event.kind == PROGRESS_KIND and event.rank is not None:
                     self._progress(event)
                 elif event.kind in _PAUSES:
-                    self._paused_from = min(self._paused_from or event.time, event.time - _PAUSE_S)
-                    self._paused_until = max(self._paused_until, time.time() + 2.0)
+                    now = time.time()
+                    start = event.time - _PAUSE_S
+                    if now > self._paused_until:  # a new pause, not more of the last one
+                        self._paused_from = start
+                    self._paused_from = min(self._paused_from, start)
+                    self._paused_until = max(self._paused_until, now + 2.0)
 
     def _progress(self, event: Event) -> None:
         state = self._ranks.get(event.rank)  # type: ignore[arg-type]
@@ -393,7 +397,7 @@ class Watchdog:
         rates = {
             s.rank: 1.0 / statistics.median(s.step_times)
             for s in self._ranks.values()
-            if s.rank not in shares and len(s.step_times) >= 5 and statistics.median(s.step_times) > 0
+            if not s.local and len(s.step_times) >= 5 and statistics.median(s.step_times) > 0
         }
         if len(rates) >= 2:
             reference = _lower_median(list(rates.values()))
