@@ -386,7 +386,7 @@ class GPUPane:
         latest = self._chart.glance()
         history, source = self.sampler.samples, self.sampler.backend.source
         status = self._status_text()
-        png = render_png(history, rows, latest, source, status=status)
+        png = render_png(history, rows, latest, source, status=status, rates=self._step_rates())
         text = summary(history, latest, source, events=len(rows),
                        status="" if self.status == "polling" else status)
         return Snapshot(png=png, text=text, time=time.time())
