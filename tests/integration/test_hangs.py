@@ -182,3 +182,19 @@ def test_on_hang_restart_restarts_the_group_and_it_resumes_from_its_checkpoint(
     start, restarts = results[0]
     assert restarts == 1 and 0 < start <= 12
     assert [e.rank for e in _opened(flags, "hang")] == [1]
+
+
+@pytest.mark.parametrize(("library", "steps"), [("hf", 5), ("pl", 7)])
+def test_hf_and_lightning_trainers_report_their_steps_through_their_callbacks(library, steps):
+    import importlib.util
+    import subprocess
+    import sys
+
+    module = {"hf": "transformers", "pl": "lightning"}[library]
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed")
+    script = os.path.join(os.path.dirname(__file__), "_trainer_steps.py")
+    out = subprocess.run([sys.executable, script, library], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"PROGRESS {steps} {steps}" in out.stdout  # one report per optimizer step
