@@ -72,10 +72,10 @@ def sample(pid: int) -> tuple[str, str]:
         with open(f"/proc/{pid}/syscall", "rb") as f:
             call = f.read().split(b" ", 1)[0].decode()
     except OSError:
-        call = _wchan(pid)
-        if call is None:
+        wchan = _wchan(pid)
+        if wchan is None:
             return WORKING, "blocked"
-        return (WAITING if "futex" in call else WORKING), call
+        return (WAITING if "futex" in wchan else WORKING), wchan
     if call in _FUTEX:
         return WAITING, "futex"
     if call == "running":

@@ -334,7 +334,8 @@ class Watchdog:
         states = {r: (s.recent[-1] if s.recent else None) for r, s in ranks.items()}
         for flag in flags:
             state = ranks.get(flag.rank)
-            what = _procstate.describe_state(*states[flag.rank]) if states.get(flag.rank) else ""
+            sampled = states.get(flag.rank)
+            what = _procstate.describe_state(*sampled) if sampled else ""
             stalled = now - flag.since
             message = (
                 f"rank {flag.rank} on {flag.node or 'an unknown node'} made no progress for "

@@ -92,11 +92,11 @@ def timeline_figure(
     flagged = {row[3]: row[2] for row in events if row[2] in ("hang", "straggler")}
     row_at = 2
     if rates:
-        for rank, (times, values) in sorted(rates.items()):
+        for rank, (when, rate) in sorted(rates.items()):
             label = f"rank {rank}" + (f" ({flagged[rank]})" if rank in flagged else "")
             fig.add_scatter(
                 row=row_at, col=1, mode="lines", name=label, legendgroup=label,
-                x=[_local(t * 1000) for t in times], y=[round(v, 3) for v in values],
+                x=[_local(t * 1000) for t in when], y=[round(v, 3) for v in rate],
                 line={"color": _COLORS[rank % len(_COLORS)], "width": 3.5 if rank in flagged else 1.5,
                       "shape": "hv"},
                 hovertemplate=f"%{{y}} steps/s<extra>{label}</extra>",

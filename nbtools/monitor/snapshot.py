@@ -184,12 +184,12 @@ def render_png(
             elif style.get("line"):
                 box.vline(e[0] / 1000, style["color"], style["line"])
         if field == "steps":
-            for rank, (times, values) in sorted((rates or {}).items()):
+            for rank, (at, rate) in sorted((rates or {}).items()):
                 color = _COLORS[rank % len(_COLORS)]
-                box.line(np.asarray(times, dtype=float), np.asarray(values, dtype=float), color)
+                xs, ys = np.asarray(at, dtype=float), np.asarray(rate, dtype=float)
+                box.line(xs, ys, color)
                 if rank in flagged:  # drawn twice, a pixel apart: bold
-                    box.line(np.asarray(times, dtype=float),
-                             np.asarray(values, dtype=float) + (high - low) / 150, color)
+                    box.line(xs, ys + (high - low) / 150, color)
         else:
             for host, index, _name in gpus:
                 x, y = series[(host, index, field)]
