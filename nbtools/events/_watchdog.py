@@ -319,8 +319,8 @@ class Watchdog:
             return outside
         if stopped:
             return stopped
-        if lagging:
-            return lagging
+        if unknown and lagging:
+            return lagging  # ranks elsewhere: the one behind is the likely culprit
         if unknown and not outside:
             return ranks  # nothing tells them apart: every rank stalled
         if waiting and not outside:

@@ -121,7 +121,7 @@ def test_a_rank_that_sleeps_in_its_step_is_the_only_straggler(flags, short_windo
 def test_jitter_evaluation_pauses_saves_and_a_long_first_step_raise_no_flag(
     flags, short_window
 ):
-    @distributed(processes=3, hang_timeout=3)
+    @distributed(processes=3, hang_timeout=6)
     def train(steps):
         import random
         import time
@@ -133,7 +133,7 @@ def test_jitter_evaluation_pauses_saves_and_a_long_first_step_raise_no_flag(
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
         for step in range(steps):
             if step == 1:
-                time.sleep(6)  # a first step that compiles: every rank busy, none waiting
+                time.sleep(9)  # a first step that compiles: every rank busy, none waiting
             time.sleep(0.08 * rng.uniform(0.7, 1.3))
             model(torch.randn(4, 8)).sum().backward()
             events.step(step)
