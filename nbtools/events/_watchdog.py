@@ -64,6 +64,7 @@ THRESHOLD = 0.75
 # Kinds whose time, around it, is left out of straggler scores.
 _PAUSES = ("checkpoint_saved", "checkpoint_restored", "checkpoint_skipped", "restart")
 _PAUSE_S = 5.0
+_REPORT_GRACE_S = 2.5  # more than the time between two progress reports of a rank
 _RECENT_SAMPLES = 20  # the state of a rank "now": the majority of its latest samples
 
 
@@ -294,7 +295,12 @@ class Watchdog:
         if not stalled:
             return []
         if len(stalled) < len(ranks):
-            culprits = stalled
+            # Others moved. Reports leave each rank about once a second, so ranks that
+            # resumed together arrive up to that much apart: a rank is behind only
+            # when it stays behind longer than that.
+            culprits = [
+                s for s in stalled if now - (s.progressed_at or begun) > bound + _REPORT_GRACE_S
+            ]
         else:
             culprits = self._stuck_outside(list(ranks.values()))
         new = []
