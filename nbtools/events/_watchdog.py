@@ -77,6 +77,8 @@ class _Rank:
     step: int | None = None
     steps: int = 0
     progressed_at: float = 0.0
+    arrived_at: float = 0.0  # kernel time of the latest report
+    streak_from: float = 0.0  # kernel time since which reports came without a gap
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=256))
     bins: deque[tuple[float, int, int]] = field(default_factory=deque)
     working: int = 0
@@ -233,7 +235,11 @@ class Watchdog:
         steps = event.fields.get("steps")
         if type(steps) is not int or steps <= state.steps:
             return
-        self._first_progress = self._first_progress or time.time()
+        arrived = time.time()
+        self._first_progress = self._first_progress or arrived
+        if not state.arrived_at or arrived - state.arrived_at > _REPORT_GRACE_S:
+            state.streak_from = arrived  # reports resume after a gap: a new streak
+        state.arrived_at = arrived
         if state.steps and event.time > state.progressed_at:
             state.step_times.append((event.time - state.progressed_at) / (steps - state.steps))
         state.steps, state.step, state.progressed_at = steps, event.step, event.time
@@ -296,11 +302,11 @@ class Watchdog:
             return []
         if len(stalled) < len(ranks):
             # Others moved. Reports leave each rank about once a second, so ranks that
-            # resumed together arrive up to that much apart: a rank is behind only
-            # when it stays behind longer than that.
-            culprits = [
-                s for s in stalled if now - (s.progressed_at or begun) > bound + _REPORT_GRACE_S
-            ]
+            # resumed together arrive up to that much apart: a rank is behind only once
+            # the others have kept reporting for longer than that.
+            moving = [s for s in ranks.values() if s not in stalled]
+            steady = any(s.streak_from and now - s.streak_from > _REPORT_GRACE_S for s in moving)
+            culprits = stalled if steady else []
         else:
             culprits = self._stuck_outside(list(ranks.values()))
         new = []
