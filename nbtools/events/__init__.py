@@ -9,6 +9,7 @@ Example:
     >>> events.emit("eval", message="val loss 1.93", step=1200, value=1.93)
     >>> [e.kind for e in events.log(kinds=["eval"])][-1:]
     ['eval']
+    >>> events.step(1200)   # a step boundary: about a microsecond, never blocks
 
 Kernel side, for a launcher::
 
@@ -28,19 +29,25 @@ from nbtools.events._bus import Bus, Subscriber
 from nbtools.events._collector import Collector
 from nbtools.events._emit import BUS as _BUS
 from nbtools.events._emit import emit, flush
+from nbtools.events._progress import step
 from nbtools.events._record import Event
+from nbtools.events._report import HangReport
 from nbtools.events._sinks import CHANNEL_ENV
+from nbtools.events._watchdog import Watchdog
 
 __all__ = [
     "CHANNEL_ENV",
     "Bus",
     "Collector",
     "Event",
+    "HangReport",
+    "Watchdog",
     "bus",
     "dropped",
     "emit",
     "flush",
     "log",
+    "step",
     "subscribe",
     "unsubscribe",
 ]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from nbtools._internal.log import get_logger
 from nbtools.events._sinks import FULL, SENT, Sink
@@ -84,6 +85,9 @@ class Emitter:
         self._refilled_at = time.monotonic()
         self._closing = False
         self._thread: threading.Thread | None = None
+        # Called on the flusher thread before each send; each returns records to queue
+        # (the coalesced step reports of :mod:`nbtools.events._progress`).
+        self._sources: list[Callable[[], list[Record]]] = []
         room = BATCH_BYTES - len(batch_prefix(host, pid, rank, 10**_MAX_DROPPED_DIGITS))
         self._room = room - len(BATCH_SUFFIX)
 
@@ -100,6 +104,17 @@ class Emitter:
             self._wake.set()
         if self._thread is None:
             self._start()
+
+    def add_source(self, source: Callable[[], list[Record]]) -> None:
+        """Poll ``source()`` on the flusher thread, at least once a second, for records to send."""
+        self._sources.append(source)
+        if self._thread is None:
+            self._start()
+
+    def _poll_sources(self) -> None:
+        for source in self._sources:
+            for record in source():
+                self.put(record)
 
     def _drop(self, count: int) -> None:
         with self._count_lock:
@@ -124,6 +139,7 @@ class Emitter:
                 break
             time.sleep(_COALESCE_S)
             try:
+                self._poll_sources()
                 self.send(deadline=None, limited=True)
             except Exception:  # noqa: BLE001 - the flusher must outlive a bad batch
                 _log.exception("sending events failed; the flusher tries again")
@@ -214,6 +230,7 @@ class Emitter:
 
     def flush(self, timeout: float) -> bool:
         """Send everything queued so far, waiting up to ``timeout`` s for a full channel."""
+        self._poll_sources()
         return self.send(deadline=time.monotonic() + timeout)
 
     def close(self, timeout: float = 2.0) -> bool:

@@ -95,6 +95,7 @@ def distributed(
     nodes: int | None = None,
     runtime_env: dict | None = None,
     keep_alive: bool = False,
+    on_hang: str = "report",
 ) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
 
 
@@ -110,6 +111,7 @@ def distributed(
     nodes: int | None = None,
     runtime_env: dict | None = None,
     keep_alive: bool = False,
+    on_hang: str = "report",
 ) -> Any:
     """Decorate a function so that ``fn.distributed(...)`` runs it on N ranks.
 
@@ -128,10 +130,15 @@ def distributed(
         output: ``"all"`` streams every rank's output, ``"rank0"`` only rank 0's,
             ``"none"`` nothing. Progress bars (carriage-return updates) are
             drawn for rank 0 only; the other ranks' finished lines still print.
-        hang_timeout: after this many seconds without output from any rank,
-            print every rank's Python stack once (the call keeps running).
-            ``None`` (default) never does. An interrupt always prints them
-            before the ranks are stopped.
+        hang_timeout: seconds without progress after which a rank that others
+            wait for is a hang: one warning names it, with every rank's Python
+            stack. ``None`` (default): ten median step times, at least 60 s.
+            Ranks report progress by themselves through ``CheckpointManager``
+            and nbtools' ``DataLoader``, or by ``events.step(step)``; a run that
+            reports none falls back to this many seconds without output (off
+            when ``None``). An interrupt always prints the stacks.
+        on_hang: ``"report"`` (default) warns and keeps waiting; ``"restart"``
+            restarts the group (counted against ``max_restarts``).
         cluster: ``None`` (default) runs the ranks on this machine; ``"ray"``
             runs one Ray actor per rank on the Ray cluster this process is
             connected to (``ray.init``), else the one at ``RAY_ADDRESS`` or
@@ -159,7 +166,7 @@ def distributed(
     config = LaunchConfig(
         gpus=gpus, processes=processes, max_restarts=max_restarts, output=output,
         hang_timeout=hang_timeout, cluster=cluster, nodes=nodes, runtime_env=runtime_env,
-        keep_alive=keep_alive,
+        keep_alive=keep_alive, on_hang=on_hang,
     )
 
     def decorate(target: Callable[..., R]) -> DistributedFunction[R]:

@@ -37,6 +37,7 @@ class LaunchConfig:
     nodes: int | None = None
     runtime_env: dict | None = None
     keep_alive: bool = False
+    on_hang: str = "report"
 
     def __post_init__(self) -> None:
         _check_count("gpus", self.gpus)
@@ -56,6 +57,7 @@ class LaunchConfig:
                 f"output must be one of {', '.join(OUTPUT_MODES)}; got {self.output!r}"
             )
         _check_hang_timeout(self.hang_timeout)
+        _check_on_hang(self.on_hang)
         _check_cluster(self.cluster, self.nodes, self.runtime_env)
         if not isinstance(self.keep_alive, bool):
             raise TypeError(
@@ -98,7 +100,9 @@ class LaunchConfig:
         """
         world = self._world_size(backend)
         use_cuda = self.processes is None
-        return Plan(world, use_cuda, self.max_restarts, self.output, self.hang_timeout)
+        return Plan(
+            world, use_cuda, self.max_restarts, self.output, self.hang_timeout, self.on_hang
+        )
 
     def _world_size(self, backend: LaunchBackend) -> int:
         if self.processes is not None:
@@ -159,6 +163,14 @@ def _check_hang_timeout(value: Any) -> None:
         raise ValueError(
             f"hang_timeout must be a positive, finite number of seconds (or None to turn it "
             f"off), got {value!r}"
+        )
+
+
+def _check_on_hang(value: Any) -> None:
+    if value not in ("report", "restart"):
+        raise ValueError(
+            f"on_hang must be 'report' (warn in the cell and keep waiting) or 'restart' "
+            f"(restart the group, counted against max_restarts), got {value!r:.40}"
         )
 
 

@@ -52,6 +52,7 @@ class Plan:
     max_restarts: int
     output: str
     hang_timeout: float | None = None
+    on_hang: str = "report"
 
     @property
     def backend(self) -> str:
@@ -194,7 +195,7 @@ def _attempt(
     )
     forwarder.start()
     try:
-        outcome = _watch.watch(group, forwarder, plan.hang_timeout)
+        outcome = _watch.watch(group, forwarder, plan.hang_timeout, plan.on_hang)
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             _watch.interrupted_stacks(group, forwarder)

@@ -137,13 +137,13 @@ class Canvas:
         listed: Lines of the events list (its heading included).
     """
 
-    def __init__(self, width: int, rows: int, listed: int) -> None:
+    def __init__(self, width: int, rows: int, listed: int, panels: int = 3) -> None:
         self.width = width
         self._rows = min(rows, 9)
         self._table_top = 48
         self._legend_top = self._table_top + _LINE * self._rows + 8
         self._panels_top = self._legend_top + 40
-        self._axis_top = self._panels_top + 3 * _PANEL_H + 2 * _PANEL_GAP
+        self._axis_top = self._panels_top + panels * _PANEL_H + (panels - 1) * _PANEL_GAP
         self._events_top = self._axis_top + 26
         self.height = self._events_top + _LINE * listed + 10
         self._image = Image.new("RGB", (width * _S, self.height * _S), "white")

@@ -30,7 +30,16 @@ from nbtools.monitor.backends import Backend, NVMLBackend
 from nbtools.monitor.readings import Sample, local_host
 from nbtools.monitor.sampler import Sampler, acquire, release
 from nbtools.monitor.snapshot import Snapshot, render_png, summary
-from nbtools.monitor.timeline import EVENT_COLUMNS, MAX_DRAWN, EventFeed, encode, event_rows
+from nbtools.monitor.timeline import (
+    EVENT_COLUMNS,
+    MAX_DRAWN,
+    PROGRESS_KIND,
+    EventFeed,
+    drawn,
+    encode,
+    event_rows,
+    step_rates,
+)
 from nbtools.monitor.timing import DEFAULT_HISTORY_SECONDS, DEFAULT_IDLE_TIMEOUT, DEFAULT_INTERVAL
 
 __all__ = ["GPUPane"]
@@ -218,6 +227,9 @@ class GPUPane:
 
         Returns:
             A pandas DataFrame when pandas is installed, else a list of dicts.
+            Flags are among them: ``hang`` and ``straggler`` events (``rank``,
+            ``node``, ``since``, ``score``; ``ended`` when over). The ranks' progress
+            reports are not (the report draws them as step rates).
             Columns: ``time`` (UTC), ``host``, ``rank``, ``kind``, ``message``,
             ``step``, ``pid`` (``rank``, ``step`` and ``pid`` as pandas ``Int64``:
             whole numbers, ``<NA>`` where an event has none), then one column
@@ -226,7 +238,7 @@ class GPUPane:
         Example:
             >>> pane.events().query("kind == 'checkpoint_saved'")[["time", "step", "blocked_s"]]  # doctest: +SKIP
         """
-        kept = self._feed.bus.log(since=time.time() - self.sampler.history_seconds)
+        kept = drawn(self._feed.bus.log(since=time.time() - self.sampler.history_seconds))
         rows = event_rows(kept)
         try:
             import pandas as pd
@@ -271,7 +283,7 @@ class GPUPane:
 
         return write_html(
             path, self.sampler.samples, self._event_rows(), self._chart.glance(),
-            self.sampler.backend.source, status=self._status_text(),
+            self.sampler.backend.source, status=self._status_text(), rates=self._step_rates(),
         )
 
     def close(self) -> None:
@@ -354,8 +366,12 @@ class GPUPane:
     # --- the still picture -----------------------------------------------------------
 
     def _event_rows(self) -> list[list]:
-        kept = self._feed.bus.log(since=time.time() - self.sampler.history_seconds)
+        kept = drawn(self._feed.bus.log(since=time.time() - self.sampler.history_seconds))
         return [encode(e, self._feed.local_host) for e in kept[-MAX_DRAWN:]]
+
+    def _step_rates(self) -> dict[int, tuple[list[float], list[float]]]:
+        since = time.time() - self.sampler.history_seconds
+        return step_rates(self._feed.bus.log(since=since, kinds=[PROGRESS_KIND]))
 
     def _status_text(self) -> str:
         status = self.status
@@ -370,7 +386,7 @@ class GPUPane:
         latest = self._chart.glance()
         history, source = self.sampler.samples, self.sampler.backend.source
         status = self._status_text()
-        png = render_png(history, rows, latest, source, status=status)
+        png = render_png(history, rows, latest, source, status=status, rates=self._step_rates())
         text = summary(history, latest, source, events=len(rows),
                        status="" if self.status == "polling" else status)
         return Snapshot(png=png, text=text, time=time.time())

@@ -20,6 +20,7 @@ import numpy as np
 
 from nbtools.monitor.history import History
 from nbtools.monitor.snapshot import readings_table, summary
+from nbtools.monitor.timeline import CATEGORY_LABELS
 
 __all__ = ["timeline_figure", "write_html"]
 
@@ -36,6 +37,8 @@ _STYLE: dict[str, dict[str, Any]] = {
     "failure": {"color": "#dc2626", "symbol": "x", "line": "solid"},
     "restart": {"color": "#ea580c", "symbol": "triangle-up", "line": "dash"},
     "run": {"color": "#6b7280", "symbol": "circle-open", "line": "dot"},
+    "hang": {"color": "#b91c1c", "symbol": "hexagram", "band": 0.25},
+    "straggler": {"color": "#ca8a04", "symbol": "star", "band": 0.2},
     "mark": {"color": "#7c3aed", "symbol": "triangle-down"},
 }
 
@@ -50,60 +53,103 @@ def _detail(row: Sequence[Any]) -> str:
     return " · ".join(p for p in parts if p)
 
 
-def timeline_figure(history: History, events: Sequence[Sequence[Any]], source: str) -> Any:
-    """A plotly figure: three panels of every GPU's curves, the events on the shared time axis.
+def _has_data(history: History, field: str) -> bool:
+    for host, index, _name in history.gpus():
+        _stamps, values = history.series(host, index, field)
+        if values.size and not np.isnan(values).all():
+            return True
+    return False
+
+
+def timeline_figure(
+    history: History,
+    events: Sequence[Sequence[Any]],
+    source: str,
+    rates: dict[int, tuple[list[float], list[float]]] | None = None,
+) -> Any:
+    """A plotly figure on one time axis: events, step rate per rank, every GPU's curves.
+
+    Rows: a lane of events (one legend entry per kind of event), the step rate
+    of each rank (when ranks reported progress; flagged ranks drawn bold),
+    then utilization, memory and temperature, each only when some GPU has data:
+    a run without GPUs shows no empty GPU charts. Every row has time labels.
 
     Args:
         history: The samples.
         events: Event rows (``[ms, kind, category, rank, step, start ms, text]``).
         source: ``"NVML"`` or ``"simulated"`` (said in the title).
+        rates: ``rank -> (times, steps per second)`` (:func:`~nbtools.monitor.timeline.step_rates`).
     """
     from plotly.subplots import make_subplots
 
     gpus, hosts = history.gpus(), history.hosts()
-    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.07,
-                        subplot_titles=[label for _f, _s, label in _PANELS])
-    for panel, (field, scale, _label) in enumerate(_PANELS):
+    panels = [p for p in _PANELS if _has_data(history, p[0])]
+    titles = ["Events"] + (["Steps per second, by rank"] if rates else [])
+    titles += [label for _f, _s, label in panels]
+    heights = [0.5] + [1.0] * (len(titles) - 1)
+    fig = make_subplots(rows=len(titles), cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        subplot_titles=titles, row_heights=heights)
+    flagged = {row[3]: row[2] for row in events if row[2] in ("hang", "straggler")}
+    row_at = 2
+    if rates:
+        for rank, (when, rate) in sorted(rates.items()):
+            label = f"rank {rank}" + (f" ({flagged[rank]})" if rank in flagged else "")
+            fig.add_scatter(
+                row=row_at, col=1, mode="lines", name=label, legendgroup=label,
+                x=[_local(t * 1000) for t in when], y=[round(v, 3) for v in rate],
+                line={"color": _COLORS[rank % len(_COLORS)], "width": 3.5 if rank in flagged else 1.5,
+                      "shape": "hv"},
+                hovertemplate=f"%{{y}} steps/s<extra>{label}</extra>",
+            )
+        fig.update_yaxes(rangemode="tozero", row=row_at, col=1)
+        row_at += 1
+    for offset, (field, scale, _label) in enumerate(panels):
         for host, index, name in gpus:
             stamps, values = history.series(host, index, field)
             label = f"{host} · GPU {index}" if len(hosts) > 1 else f"GPU {index}"
             fig.add_scatter(
-                row=panel + 1, col=1, mode="lines", name=label, legendgroup=label,
-                showlegend=panel == 0, hovertemplate=f"{name}<br>%{{y}}<extra>{label}</extra>",
+                row=row_at + offset, col=1, mode="lines", name=label, legendgroup=label,
+                showlegend=offset == 0, hovertemplate=f"{name}<br>%{{y}}<extra>{label}</extra>",
                 x=[_local(t * 1000) for t in stamps.tolist()],
                 y=np.where(np.isnan(values), None, np.round(values * scale, 2)).tolist(),
                 line={"color": _COLORS[index % len(_COLORS)],
                       "dash": _DASHES[hosts.index(host) % len(_DASHES)], "width": 1.5},
             )
-    xs, texts, colors, symbols = [], [], [], []
+        if field == "utilization":
+            fig.update_yaxes(range=[0, 105], row=row_at + offset, col=1)
+    lanes: dict[str, tuple[list, list]] = {}
     for row in events:
         style = _STYLE.get(row[2], _STYLE["mark"])
         at = _local(row[0])
         if style.get("band") and row[5] is not None:
             fig.add_vrect(x0=_local(row[5]), x1=at, fillcolor=style["color"], opacity=style["band"],
-                          layer="below", line_width=1, line_color=style["color"])
+                          layer="below", line_width=1, line_color=style["color"], row="all", col=1)
         elif style.get("line"):
-            fig.add_vline(x=at, line={"color": style["color"], "width": 1.5, "dash": style["line"]})
+            fig.add_vline(x=at, line={"color": style["color"], "width": 1.5, "dash": style["line"]},
+                          row="all", col=1)
+        xs, texts = lanes.setdefault(row[2] if row[2] in _STYLE else "mark", ([], []))
         xs.append(at)
         texts.append(f"<b>{html.escape(row[1])}</b> {at[11:19]}<br>{html.escape(_detail(row))}")
-        colors.append(style["color"])
-        symbols.append(style["symbol"])
-    if xs:
-        fig.add_scatter(row=1, col=1, mode="markers", name="events", showlegend=False, x=xs,
-                        y=[100] * len(xs), customdata=texts, cliponaxis=False,
-                        hovertemplate="%{customdata}<extra></extra>",
-                        marker={"color": colors, "symbol": symbols, "size": 9,
+    for cat, (xs, texts) in lanes.items():
+        style = _STYLE[cat]
+        fig.add_scatter(row=1, col=1, mode="markers", name=CATEGORY_LABELS.get(cat, cat),
+                        legendgroup="events", legendgrouptitle_text="Events", x=xs,
+                        y=[CATEGORY_LABELS.get(cat, cat)] * len(xs), customdata=texts,
+                        hovertemplate="%{customdata}<extra></extra>", cliponaxis=False,
+                        marker={"color": style["color"], "symbol": style["symbol"], "size": 10,
                                 "line": {"width": 1, "color": "white"}})
-    title = "GPU resources" + (" (SIMULATED GPUs, made-up numbers)" if source == "simulated" else "")
+    title = "Training run" + (" and GPU resources" if panels else " (no GPU readings)")
+    title += " (SIMULATED GPUs, made-up numbers)" if source == "simulated" and panels else ""
     fig.update_layout(
-        paper_bgcolor="white", plot_bgcolor="white", font={"color": "#2a3f5f"}, height=640,
-        margin={"l": 50, "r": 20, "t": 70, "b": 30}, title={"text": title, "x": 0.01},
-        legend={"orientation": "h", "x": 1, "xanchor": "right", "y": 1.06, "yanchor": "bottom"},
-        hovermode="x unified",
+        paper_bgcolor="white", plot_bgcolor="white", font={"color": "#2a3f5f"},
+        height=160 + 190 * len(titles), margin={"l": 150, "r": 20, "t": 70, "b": 40},
+        title={"text": title, "x": 0.01}, legend={"groupclick": "toggleitem"},
+        hovermode="closest",
     )
     fig.update_yaxes(gridcolor="#EBF0F8", zerolinecolor="#EBF0F8")
-    fig.update_xaxes(type="date", gridcolor="#EBF0F8")
-    fig.update_yaxes(range=[0, 105], row=1, col=1)
+    fig.update_xaxes(type="date", gridcolor="#EBF0F8", showticklabels=True,
+                     tickformat="%H:%M:%S")
+    fig.update_xaxes(title_text="time (local)", row=len(titles), col=1)
     return fig
 
 
@@ -125,6 +171,7 @@ def write_html(
     source: str,
     *,
     status: str = "",
+    rates: dict[int, tuple[list[float], list[float]]] | None = None,
 ) -> str:
     """Write the pane's curves, events and readings to ``path`` (atomically); returns the path.
 
@@ -136,7 +183,7 @@ def write_html(
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"cannot write {path}: the directory {folder} does not exist; "
                                 "create it first or pick another path")
-    figure = timeline_figure(history, events, source).to_html(
+    figure = timeline_figure(history, events, source, rates).to_html(
         include_plotlyjs=True, full_html=False, config={"displaylogo": False})
     listed = "".join(
         f"<tr><td>{html.escape(_local(r[0])[:19])}</td><td>{html.escape(r[1])}</td>"

@@ -44,6 +44,8 @@ STYLE: dict[str, dict[str, Any]] = {
     "failure": {"color": "#dc2626", "marker": "x", "line": "-"},
     "restart": {"color": "#ea580c", "marker": "^", "line": "--"},
     "run": {"color": "#6b7280", "marker": "o", "line": ":"},
+    "hang": {"color": "#b91c1c", "marker": "x", "band": 0.25},
+    "straggler": {"color": "#ca8a04", "marker": "D", "band": 0.2},
     "mark": {"color": "#7c3aed", "marker": "v"},
 }
 _LISTED = 6
@@ -118,6 +120,7 @@ def render_png(
     source: str,
     *,
     status: str = "",
+    rates: dict[int, tuple[list[float], list[float]]] | None = None,
 ) -> bytes:
     """The pane as a PNG: readings table, three panels of curves, the events, the newest listed.
 
@@ -128,6 +131,8 @@ def render_png(
         latest: ``(host, index) -> GPUReading``: the values of the table.
         source: ``"NVML"`` or ``"simulated"`` (said in the title).
         status: The pane's status in words (under the title).
+        rates: ``rank -> (times, steps per second)``: a panel of step rates,
+            above the GPU panels (which are left out when there are no GPUs).
 
     Returns:
         The PNG's bytes: 1000 pixels wide, a palette of at most 64 colours
@@ -144,34 +149,51 @@ def render_png(
             series[(host, index, field)] = _reduced(stamps, values * scale)
     table = readings_table(gpus, latest)
     listed = list(events)[-_LISTED:]
-    canvas = Canvas(width=1000, rows=len(table), listed=len(listed) + 1)
+    panels: list[tuple[str, float, str]] = list(_PANELS) if gpus or not rates else []
+    if rates:
+        panels.insert(0, ("steps", 1.0, "Steps per second, by rank (flagged ranks bold)"))
+    canvas = Canvas(width=1000, rows=len(table), listed=len(listed) + 1, panels=len(panels))
     simulated = source == "simulated"
     canvas.title("GPU resources" + (" · SIMULATED GPUs (made-up numbers)" if simulated else
                                      f" · {source}"), warn=simulated)
     canvas.status(status)
     canvas.table(table)
-    span = _span([x for x, _ in series.values() if len(x)], events)
+    rate_times = [np.asarray(t, dtype=float) for t, _v in (rates or {}).values() if t]
+    span = _span([x for x, _ in series.values() if len(x)] + rate_times, events)
     canvas.legend([(f"{h} · GPU {i}" if len(hosts) > 1 else f"GPU {i}", _COLORS[i % len(_COLORS)],
-                    hosts.index(h) % 2 == 1) for h, i, _ in gpus])
+                    hosts.index(h) % 2 == 1) for h, i, _ in gpus]
+                  + [(f"rank {r}", _COLORS[r % len(_COLORS)], False) for r in sorted(rates or {})])
     memory_top = max([_GIB] + [getattr(latest.get((h, i)), "memory_total", 0) or 0
                                for h, i, _ in gpus]) / _GIB
-    for panel, (field, _scale, label) in enumerate(_PANELS):
+    flagged = {e[3] for e in events if e[2] in ("hang", "straggler")}
+    for panel, (field, _scale, label) in enumerate(panels):
         if field == "utilization":
             low, high = 0.0, 105.0
         elif field == "memory_used":
             low, high = 0.0, memory_top * 1.05
+        elif field == "steps":
+            top = max((max(v) for _t, v in (rates or {}).values() if v), default=1.0)
+            low, high = 0.0, max(top, 1e-3) * 1.1
         else:
             low, high = _range([y for (_h, _i, f), (_x, y) in series.items() if f == field])
-        box = canvas.panel(panel, label, span, (low, high), empty=not gpus)
+        box = canvas.panel(panel, label, span, (low, high), empty=not gpus and field != "steps")
         for e in events:
             style = STYLE.get(e[2], STYLE["mark"])
             if style.get("band") and e[5] is not None:
                 box.band(e[5] / 1000, e[0] / 1000, style["color"], style["band"])
             elif style.get("line"):
                 box.vline(e[0] / 1000, style["color"], style["line"])
-        for host, index, _name in gpus:
-            x, y = series[(host, index, field)]
-            box.line(x, y, _COLORS[index % len(_COLORS)], dashed=hosts.index(host) % 2 == 1)
+        if field == "steps":
+            for rank, (at, rate) in sorted((rates or {}).items()):
+                color = _COLORS[rank % len(_COLORS)]
+                xs, ys = np.asarray(at, dtype=float), np.asarray(rate, dtype=float)
+                box.line(xs, ys, color)
+                if rank in flagged:  # drawn twice, a pixel apart: bold
+                    box.line(xs, ys + (high - low) / 150, color)
+        else:
+            for host, index, _name in gpus:
+                x, y = series[(host, index, field)]
+                box.line(x, y, _COLORS[index % len(_COLORS)], dashed=hosts.index(host) % 2 == 1)
         if panel == 0:
             for e in events:
                 style = STYLE.get(e[2], STYLE["mark"])

@@ -18,7 +18,13 @@ How each kind is drawn on the shared time axis (:func:`category`):
 - ``"failure"`` and ``"restart"``: a vertical line (``rank_failed``,
   ``failure``; ``restart``, ``pool_restarted``);
 - ``"run"``: a thin line where a launch started or finished;
+- ``"hang"`` and ``"straggler"``: a flagged rank (``hang``, ``straggler``):
+  a band from ``since`` (where the rank stopped or slowed) to when it was
+  flagged, and another to when the flag ended (``ended=True``);
 - ``"mark"``: a marker for anything else, user events included.
+
+The ranks' ``progress`` reports are not events to draw one by one: they
+make the per-rank step-rate row (:func:`step_rates`).
 
 Every event also gets a marker whose hover text gives its details.
 """
@@ -40,6 +46,10 @@ __all__ = [
     "encode",
     "event_rows",
     "EVENT_COLUMNS",
+    "CATEGORY_LABELS",
+    "PROGRESS_KIND",
+    "drawn",
+    "step_rates",
     "NOTABLE_KINDS",
     "MESSAGE_BUDGET",
     "MAX_DRAWN",
@@ -63,6 +73,21 @@ _CATEGORIES = {
     "pool_restarted": "restart",
     "launch": "run",
     "finished": "run",
+    "hang": "hang",
+    "straggler": "straggler",
+}
+#: The coalesced step reports of the ranks (see :func:`step_rates`).
+PROGRESS_KIND = "progress"
+#: What each category means, for legends.
+CATEGORY_LABELS = {
+    "save": "checkpoint save",
+    "stall": "input stall",
+    "failure": "failure",
+    "restart": "restart",
+    "run": "launch / finish",
+    "hang": "hang (rank flagged)",
+    "straggler": "straggler (rank flagged)",
+    "mark": "other event",
 }
 #: Kinds nbtools emits itself: sent before user events when a poll cannot carry all.
 NOTABLE_KINDS = frozenset(
@@ -94,6 +119,8 @@ def _span_start(event: Event) -> float | None:
     if kind == "stall":
         waited = _seconds(event.fields, "seconds")
         return None if waited is None else event.time - waited
+    if kind in ("hang", "straggler"):
+        return _seconds(event.fields, "since")
     return None
 
 
@@ -104,6 +131,9 @@ def _value(value: Any) -> str:
 
 
 def _text(event: Event, local_host: str | None) -> str:
+    if category(event.kind) in ("hang", "straggler") and event.message:
+        text = event.message  # already says which rank, where, since when
+        return text if len(text) <= TEXT_CHARS else text[: TEXT_CHARS - 1] + "\u2026"
     parts = []
     if local_host is not None and event.host != local_host:
         parts.append(event.host)
@@ -126,6 +156,43 @@ def encode(event: Event, local_host: str | None = None) -> list:
         None if start is None else round(start * 1000),
         _text(event, local_host),
     ]
+
+
+def drawn(events: Iterable[Event]) -> list[Event]:
+    """The events drawn one by one: all but the ranks' progress reports."""
+    return [e for e in events if e.kind != PROGRESS_KIND]
+
+
+def step_rates(events: Iterable[Event]) -> dict[int, tuple[list[float], list[float]]]:
+    """Each rank's step rate over time from its progress reports: ``rank -> (times, steps/s)``.
+
+    A rate is the steps between two reports over the time between them,
+    stamped at the later one; a rank that stops shows a rate of 0 from its
+    next report on (its reports stop: the last rate is followed by a 0 at the
+    newest report of any rank).
+    """
+    last: dict[int, tuple[float, int]] = {}
+    rates: dict[int, tuple[list[float], list[float]]] = {}
+    newest = 0.0
+    for event in events:
+        if event.kind != PROGRESS_KIND or event.rank is None:
+            continue
+        steps = event.fields.get("steps")
+        if type(steps) is not int:
+            continue
+        newest = max(newest, event.time)
+        before = last.get(event.rank)
+        last[event.rank] = (event.time, steps)
+        if before is None or event.time <= before[0] or steps < before[1]:
+            continue
+        times, values = rates.setdefault(event.rank, ([], []))
+        times.append(event.time)
+        values.append((steps - before[1]) / (event.time - before[0]))
+    for times, values in rates.values():
+        if times and newest - times[-1] > 5.0:  # silent since: no steps
+            times += [times[-1] + 1.0, newest]
+            values += [0.0, 0.0]
+    return rates
 
 
 def _size(value: Any) -> int:
@@ -182,6 +249,8 @@ class EventFeed:
         # Runs on the delivering thread (the collector's reader): queue and count only.
         with self._lock:
             for event in events:
+                if event.kind == PROGRESS_KIND:
+                    continue  # drawn as step rates, not one by one
                 queue = self._notable if event.kind in NOTABLE_KINDS else self._other
                 if len(queue) == MAX_PENDING:
                     self._overflow += 1  # the oldest queued event falls out
@@ -233,7 +302,7 @@ class EventFeed:
         with self._lock:
             self._notable.clear()
             self._other.clear()
-        kept = self.bus.log(since=self._clock() - self.horizon_s)
+        kept = drawn(self.bus.log(since=self._clock() - self.horizon_s))
         return [encode(e, self.local_host) for e in kept[-MAX_DRAWN:]]
 
     def close(self) -> None:

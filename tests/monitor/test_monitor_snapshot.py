@@ -254,3 +254,40 @@ def test_while_a_live_view_watches_the_saved_picture_follows_the_run_by_the_minu
         assert view_id != picture_id
     finally:
         pane.close()
+
+
+def _progress(rank: int, steps: int, at: float) -> events.Event:
+    return events.Event(at, "node-b", rank, 100 + rank, "progress", None, steps,
+                        {"steps": steps, "cpu": 0.0})
+
+
+def test_step_rates_come_from_progress_reports_and_a_silent_rank_drops_to_zero():
+    from nbtools.monitor.timeline import step_rates
+
+    reports = [_progress(0, 10 * i, 100.0 + i) for i in range(1, 21)]
+    reports += [_progress(1, 5 * i, 100.0 + i) for i in range(1, 6)]  # stops after 105 s
+    rates = step_rates(reports)
+    assert set(rates) == {0, 1}
+    assert rates[0][1][-1] == pytest.approx(10.0)
+    assert rates[1][1][:4] == [pytest.approx(5.0)] * 4 and rates[1][1][-1] == 0.0
+
+
+def test_to_html_without_gpus_shows_step_rates_the_flags_and_a_legend(comms, tmp_path):
+    from nbtools.monitor.history import History
+    from nbtools.monitor.report import write_html
+    from nbtools.monitor.timeline import encode, step_rates
+
+    now = time.time()
+    reports = [_progress(r, (5 if r == 3 else 10) * i, now - 60 + i) for r in range(4)
+               for i in range(1, 60)]
+    flag = events.Event(now - 20, "kernel", 3, 1, "straggler",
+                        "rank 3 on node-b at 0.50 of the median step rate since 12:04:05", 50,
+                        {"node": "node-b", "since": now - 30, "score": 0.5})
+    path = write_html(tmp_path / "run.html", History(capacity=10), [encode(flag)], {}, "NVML",
+                      rates=step_rates(reports))
+    text = open(path).read()
+    assert "Steps per second, by rank" in text and "rank 3 (straggler)" in text
+    assert "rank 3 on node-b at 0.50 of the median step rate since 12:04:05" in text
+    assert "straggler (rank flagged)" in text  # the legend names the kind of event
+    assert "Utilization (%)" not in text and "Temperature" not in text  # no empty GPU charts
+    assert "time (local)" in text

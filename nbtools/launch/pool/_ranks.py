@@ -27,6 +27,7 @@ from typing import Any, TextIO
 
 import cloudpickle
 
+from nbtools import events
 from nbtools._internal.log import get_logger
 from nbtools.launch._backend import Failed, Finished, GroupSpec, LaunchBackend, RankGroup
 from nbtools.launch._output import OutputForwarder
@@ -253,6 +254,15 @@ class Ranks:
         self, seq: int, replies: dict[int, tuple], *, deadline: float | None = None,
         hang_timeout: float | None = None,
     ) -> None:
+        # Hangs are judged from the ranks' progress reports while a call runs.
+        dog = events.Watchdog(len(self.links), hang_timeout=hang_timeout)
+        with contextlib.nullcontext() if deadline is not None else dog:
+            self._gather_replies(seq, replies, dog, deadline, hang_timeout)
+
+    def _gather_replies(
+        self, seq: int, replies: dict[int, tuple], dog: events.Watchdog,
+        deadline: float | None, hang_timeout: float | None,
+    ) -> None:
         started = time.monotonic()
         next_poll = started + _GROUP_POLL_S
         failed_at: float | None = None
@@ -289,6 +299,10 @@ class Ranks:
                 return
             if failed_at is not None and now - failed_at > PEER_GRACE_S:
                 raise RanksStuck(replies, sorted(set(self.links) - set(replies)))
+            for report in dog.take_reports():
+                _log.warning("%s", report.text)
+            if dog.reporting:
+                continue
             quiet = now - max(started, self.forwarder.last_output)
             if hang_timeout is not None and not stacks_shown and quiet > hang_timeout:
                 stacks_shown = True

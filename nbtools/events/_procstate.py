@@ -1,0 +1,162 @@
+"""What a rank's process is doing, read from outside it: /proc and py-spy.
+
+The kernel samples each local rank's main thread a few times a second from
+``/proc/PID/stat`` (stopped?) and ``/proc/PID/syscall`` (blocked in which
+system call?). A rank waiting for its peers in a collective blocks in
+``futex`` (gloo and NCCL waits, ``Work.wait``); a rank that computes, sleeps,
+reads files or waits for its loader is anywhere else. That split is the
+"time outside collectives" the straggler score is built on, measured with no
+code in the rank and nothing on its training thread.
+
+Stacks come from ``py-spy dump --nonblocking`` (PyPI ``py-spy``), which reads
+the process's memory and so works on a stopped or wedged process that could
+never answer a signal. Without py-spy, the kernel-side state is reported and
+the reason the stack is missing is said.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable
+
+__all__ = [
+    "WORKING",
+    "WAITING",
+    "STOPPED",
+    "GONE",
+    "sample",
+    "describe_state",
+    "python_stacks",
+]
+
+#: Running, or blocked anywhere but a futex: computing, sleeping, reading.
+WORKING = "working"
+#: Blocked in a futex: waiting for peers in a collective (or for a lock).
+WAITING = "waiting"
+#: Stopped by a signal (SIGSTOP, SIGTSTP) or a tracer.
+STOPPED = "stopped"
+#: The process is gone or cannot be read.
+GONE = "gone"
+
+_FUTEX = {"202", "98"}  # futex on x86_64 and on aarch64
+_SYSCALL_NAMES = {
+    "0": "read", "7": "poll", "23": "select", "35": "nanosleep", "202": "futex",
+    "230": "clock_nanosleep", "232": "epoll_wait", "281": "epoll_pwait", "61": "wait4",
+    "271": "ppoll", "45": "recvfrom", "47": "recvmsg", "101": "nanosleep", "73": "ppoll",
+    "63": "read",
+}
+PY_SPY_TIMEOUT_S = 15.0
+
+
+def sample(pid: int) -> tuple[str, str]:
+    """``(state, detail)`` of ``pid``'s main thread: one of the four states and a word.
+
+    Never raises: a process that is gone or unreadable is :data:`GONE`.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return GONE, "gone"
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    if state in (b"T", b"t"):
+        return STOPPED, "stopped by a signal"
+    if state in (b"Z", b"X"):
+        return GONE, "exited"
+    if state == b"R":
+        return WORKING, "running"
+    try:
+        with open(f"/proc/{pid}/syscall", "rb") as f:
+            call = f.read().split(b" ", 1)[0].decode()
+    except OSError:
+        wchan = _wchan(pid)
+        if wchan is None:
+            return WORKING, "blocked"
+        return (WAITING if "futex" in wchan else WORKING), wchan
+    if call in _FUTEX:
+        return WAITING, "futex"
+    if call == "running":
+        return WORKING, "running"
+    return WORKING, _SYSCALL_NAMES.get(call, f"syscall {call}")
+
+
+def _wchan(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def describe_state(state: str, detail: str) -> str:
+    """Words for a sampled state, for the cell's warning."""
+    if state == STOPPED:
+        return "stopped by a signal (SIGSTOP?)"
+    if state == WAITING:
+        return "waiting (blocked in futex: in a collective or on a lock)"
+    if state == GONE:
+        return "gone"
+    if detail in ("running", "blocked"):
+        return f"{detail}, outside any collective"
+    return f"blocked in {detail}, outside any collective"
+
+
+def python_stacks(pids: Iterable[int]) -> dict[int, str]:
+    """Each process's Python stacks by ``py-spy dump``, or why they could not be read.
+
+    The dumps run in parallel, each bounded by :data:`PY_SPY_TIMEOUT_S`.
+    """
+    pids = list(pids)
+    spy = _py_spy()
+    if spy is None:
+        why = (
+            "(no Python stack: py-spy is not installed in the kernel's environment; "
+            "pip install py-spy)"
+        )
+        return {pid: why for pid in pids}
+    procs: dict[int, subprocess.Popen[str] | str] = {}
+    for pid in pids:
+        try:
+            procs[pid] = subprocess.Popen(
+                [spy, "dump", "--pid", str(pid), "--nonblocking"],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+        except OSError as exc:
+            procs[pid] = f"(no Python stack: py-spy could not start: {exc})"
+    stacks: dict[int, str] = {}
+    for pid, proc in procs.items():
+        if isinstance(proc, str):
+            stacks[pid] = proc
+            continue
+        try:
+            out, _ = proc.communicate(timeout=PY_SPY_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            stacks[pid] = f"(no Python stack: py-spy took over {PY_SPY_TIMEOUT_S:.0f} s)"
+            continue
+        if proc.returncode != 0:
+            first = out.strip().splitlines()[:1]
+            stacks[pid] = f"(no Python stack: py-spy failed: {first[0] if first else '?'})"
+        else:
+            stacks[pid] = _trim(out)
+    return stacks
+
+
+def _trim(dump: str) -> str:
+    """The thread sections of a py-spy dump, without its header lines."""
+    lines = dump.rstrip().splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Thread "):
+            return "\n".join(lines[i:])
+    return "\n".join(lines)
+
+
+def _py_spy() -> str | None:
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("py-spy")

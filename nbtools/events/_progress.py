@@ -1,0 +1,119 @@
+"""``step``: a rank's step boundaries, coalesced into one report a second.
+
+The training thread pays for three stores into a list and one clock read:
+no lock, no allocation, no event per step. The events flusher thread
+(:mod:`nbtools.events._emitter`) looks at that list about once a second and,
+when the count moved, queues one ``progress`` event carrying the latest step,
+the number of steps so far and the time of the last one. So a loop of any
+speed costs the channel at most one event a second per rank, and a full
+channel drops (and counts) progress like any other event, never blocking.
+
+The kernel turns these reports into step rates, hang and straggler flags
+(:mod:`nbtools.events._watchdog`).
+
+A process without a channel (the kernel, a plain script) keeps the count
+only; nothing is sent.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+from nbtools.events import _emit
+from nbtools.events._wire import Record
+
+__all__ = ["step", "PROGRESS_KIND", "progress_so_far"]
+
+#: The kind of the coalesced reports.
+PROGRESS_KIND = "progress"
+
+# [last step (int or None), steps so far, epoch time of the last step]. Written only
+# by the training thread; the flusher reads it. A torn read (count from one call,
+# time from the next) is harmless: the next report carries both.
+_latest: list[Any] = [None, 0, 0.0]
+_shipped = [0]  # the count in the last report sent
+_hooked = [False]  # reset in a forked child, which hooks its own flusher
+_hook_lock = threading.Lock()
+_time = time.time
+
+
+def step(step: int | None = None) -> None:
+    """Report that this rank finished a training step; costs about a microsecond.
+
+    Call it once per step of a loop that nbtools does not see otherwise
+    (``CheckpointManager.maybe_save`` and nbtools' ``DataLoader`` report by
+    themselves). The kernel learns each rank's pace from these reports and
+    flags hangs and stragglers. Never blocks, never raises for a full channel.
+
+    Args:
+        step: The step just finished (an int), or None to count steps only.
+
+    Raises:
+        TypeError: ``step`` is neither an int nor None.
+
+    Example:
+        >>> from nbtools import events
+        >>> for i in range(3):
+        ...     events.step(i)
+    """
+    latest = _latest
+    if step is not None and step.__class__ is not int:
+        step = _checked(step)
+    latest[0] = step
+    latest[1] += 1
+    latest[2] = _time()
+    if not _hooked[0]:
+        _hook()
+
+
+def progress_so_far() -> tuple[int | None, int, float]:
+    """``(last step, steps counted, epoch time of the last)`` of this process."""
+    step_, count, at = _latest
+    return step_, count, at
+
+
+def _checked(value: Any) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(
+            f"events.step takes the step number as an int (or None), got "
+            f"{type(value).__name__} {value!r:.40}"
+        )
+    return int(value.__index__())
+
+
+def _hook() -> None:
+    """Once per process: have the flusher thread ship the latest count."""
+    with _hook_lock:
+        if _hooked[0]:
+            return
+        _emit._setup()  # noqa: SLF001 - choose this process's route now
+        emitter = _emit._emitter  # noqa: SLF001
+        if emitter is not None:
+            emitter.add_source(_collect)
+        _hooked[0] = True
+
+
+def _collect() -> list[Record]:
+    """On the flusher thread: the report to send, if any step happened since the last."""
+    step_, count, at = _latest
+    if count == _shipped[0]:
+        return []
+    _shipped[0] = count
+    fields = {"steps": count, "cpu": round(time.process_time(), 3)}
+    return [(at, _emit._rank, PROGRESS_KIND, None, step_, fields)]  # noqa: SLF001
+
+
+def _after_fork_in_child() -> None:
+    # A child (a loader worker) counts its own steps, if any, from zero.
+    global _hook_lock
+    _hook_lock = threading.Lock()
+    _latest[:] = [None, 0, 0.0]
+    _shipped[0] = 0
+    _hooked[0] = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

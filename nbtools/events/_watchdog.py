@@ -1,0 +1,497 @@
+"""The kernel's watch over a running group: hangs and stragglers, as events.
+
+A :class:`Watchdog` reads the ranks' ``progress`` reports from the bus
+(:mod:`nbtools.events._progress`) and, on a thread of its own, samples each
+local rank's main thread from outside (:mod:`nbtools.events._procstate`). It
+never runs on a rank and costs the training thread nothing.
+
+Hangs. A rank is hung when it made no progress for longer than the bound
+(``hang_timeout`` when given; else ten median step times, at least 60 s)
+while others made progress, or while every rank stopped and the others wait
+in a collective for it. Only those culprits are flagged: a rank blocked in a
+collective waits for somebody else. When every rank computes (an evaluation,
+a long first compile) nobody is flagged.
+
+Stragglers. In synchronous data parallelism every rank's step takes as long
+as the slowest's, so step times say nothing about who is slow. What differs
+is the share of time each rank spends outside collectives: a straggler is
+almost never waiting, the others wait for it. The score of a rank is the
+(lower) median of those shares over the ranks divided by its own, over a
+rolling window; a score under the threshold (0.75) for ``confirm_s`` flags
+it, a score back over it for as long clears it. Samples taken while no rank
+makes progress (evaluation, restore) or around a checkpoint save are left
+out, so pauses every rank shares raise no flag. Ranks that cannot be sampled
+(on another node) are scored by their step rate instead, which flags a rank
+that runs behind in loops that do not synchronise.
+
+Every flag is a ``hang`` or ``straggler`` event with ``rank``, ``node``,
+``since`` (and ``score``), and the same kind with ``ended=True`` when it is
+over. A hang also becomes a :class:`HangReport`: one text with the culprits
+and every rank's Python stack, for the cell.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbtools._internal.log import get_logger
+from nbtools.events import _procstate
+from nbtools.events._bus import Bus
+from nbtools.events._emit import BUS, emit
+from nbtools.events._progress import PROGRESS_KIND
+from nbtools.events._record import Event
+from nbtools.events._report import HangReport, clock_text, hang_report
+
+__all__ = ["Watchdog", "HangReport", "MIN_HANG_S", "HANG_STEPS", "THRESHOLD"]
+
+_log = get_logger("events")
+
+#: The adaptive hang bound is never shorter than this.
+MIN_HANG_S = 60.0
+#: ... and otherwise this many median step times.
+HANG_STEPS = 10.0
+#: Scores under this flag a straggler.
+THRESHOLD = 0.75
+# Kinds whose time, around it, is left out of straggler scores.
+_PAUSES = ("checkpoint_saved", "checkpoint_restored", "checkpoint_skipped", "restart")
+_PAUSE_S = 5.0
+_REPORT_GRACE_S = 2.5  # more than the time between two progress reports of a rank
+_RECENT_SAMPLES = 20  # the state of a rank "now": the majority of its latest samples
+
+
+@dataclass
+class _Rank:
+    rank: int
+    host: str = ""
+    pid: int = 0
+    local: bool = False
+    step: int | None = None
+    steps: int = 0
+    progressed_at: float = 0.0
+    arrived_at: float = 0.0  # kernel time of the latest report
+    streak_from: float = 0.0  # kernel time since which reports came without a gap
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    bins: deque[tuple[float, int, int]] = field(default_factory=deque)
+    working: int = 0
+    waiting: int = 0
+    recent: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=_RECENT_SAMPLES))
+    score: float | None = None
+    low_since: float | None = None
+    high_since: float | None = None
+
+
+@dataclass
+class _Flag:
+    kind: str
+    rank: int
+    node: str
+    since: float
+    score: float | None = None
+
+
+class Watchdog:
+    """Flags hung and straggling ranks of one group from their progress reports.
+
+    Args:
+        world_size: Ranks in the group (those that never report count as stalled).
+        hang_timeout: Seconds without progress that make a hang; None: adaptive.
+        threshold: Straggler scores under this are flagged (default 0.75, or
+            ``NBTOOLS_STRAGGLER_THRESHOLD``).
+        window_s: Seconds of samples a straggler score covers (default 30, or
+            ``NBTOOLS_STRAGGLER_WINDOW_S``).
+        confirm_s: How long a score must stay under (or back over) the threshold
+            (default 10, or ``NBTOOLS_STRAGGLER_CONFIRM_S``).
+        sample_s: Period of the /proc samples of local ranks.
+        on_hang: Called with each :class:`HangReport`, on the watchdog's thread.
+        bus: Where the reports come from and the flags go (this process's bus).
+
+    Example:
+        >>> dog = Watchdog(world_size=4).start()
+        >>> ...  # the group runs; hang and straggler events appear on the bus
+        >>> dog.stop()
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        hang_timeout: float | None = None,
+        threshold: float | None = None,
+        window_s: float | None = None,
+        confirm_s: float | None = None,
+        sample_s: float = 0.1,
+        on_hang: Callable[[HangReport], Any] | None = None,
+        bus: Bus | None = None,
+    ) -> None:
+        threshold = _setting(threshold, "NBTOOLS_STRAGGLER_THRESHOLD", THRESHOLD)
+        window_s = _setting(window_s, "NBTOOLS_STRAGGLER_WINDOW_S", 30.0)
+        confirm_s = _setting(confirm_s, "NBTOOLS_STRAGGLER_CONFIRM_S", 10.0)
+        if not 0 < threshold < 1:
+            raise ValueError(f"the straggler threshold must be between 0 and 1, got {threshold!r}")
+        self.world_size = world_size
+        self.hang_timeout = hang_timeout
+        self.threshold = threshold
+        self.window_s = window_s
+        self.confirm_s = confirm_s
+        self.sample_s = sample_s
+        self._on_hang = on_hang
+        self._bus = bus if bus is not None else BUS
+        self._ranks: dict[int, _Rank] = {}
+        self._flags: dict[tuple[str, int], _Flag] = {}
+        self._reports: list[HangReport] = []
+        self._outbox: list[tuple[str, str, dict[str, Any]]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._first_progress = 0.0  # when the first rank reported its first steps
+        self._paused_from = 0.0
+        self._paused_until = 0.0
+        self._host = socket.gethostname()
+
+    # --- life ------------------------------------------------------------------------
+
+    def start(self) -> Watchdog:
+        """Listen to the bus and start sampling; returns self."""
+        self._bus.subscribe(self._on_events)
+        self._thread = threading.Thread(target=self._loop, name="nbtools-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching; flags still open end (the group is over)."""
+        self._bus.unsubscribe(self._on_events)
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(10.0)
+        with self._lock:
+            open_flags = list(self._flags.values())
+            self._flags.clear()
+        now = time.time()
+        with self._lock:
+            for flag in open_flags:
+                self._emit_end(flag, now, "the group ended")
+        self._send_posted()
+
+    def __enter__(self) -> Watchdog:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- what others read ----------------------------------------------------------------
+
+    def take_reports(self) -> list[HangReport]:
+        """The hang reports made since the last call (for the cell)."""
+        with self._lock:
+            reports, self._reports = self._reports, []
+        return reports
+
+    @property
+    def reporting(self) -> bool:
+        """True once any rank reported a step: hangs are judged by progress, not output."""
+        return bool(self._ranks)
+
+    def flags(self) -> list[tuple[str, int, str, float, float | None]]:
+        """Open flags: ``(kind, rank, node, since, score)``."""
+        with self._lock:
+            return [(f.kind, f.rank, f.node, f.since, f.score) for f in self._flags.values()]
+
+    def bound(self) -> float:
+        """Seconds without progress that make a hang now."""
+        if self.hang_timeout is not None:
+            return float(self.hang_timeout)
+        median = self._median_step()
+        return MIN_HANG_S if median is None else max(MIN_HANG_S, HANG_STEPS * median)
+
+    # --- input -----------------------------------------------------------------------
+
+    def _on_events(self, events: list[Event]) -> None:
+        with self._lock:
+            for event in events:
+                if event.kind == PROGRESS_KIND and event.rank is not None:
+                    self._progress(event)
+                elif event.kind in _PAUSES:
+                    now = time.time()
+                    start = event.time - _PAUSE_S
+                    if now > self._paused_until:  # a new pause, not more of the last one
+                        self._paused_from = start
+                    self._paused_from = min(self._paused_from, start)
+                    self._paused_until = max(self._paused_until, now + 2.0)
+
+    def _progress(self, event: Event) -> None:
+        state = self._ranks.get(event.rank)  # type: ignore[arg-type]
+        if state is None or state.pid != event.pid:
+            state = _Rank(event.rank, event.host, event.pid, event.host == self._host)  # type: ignore[arg-type]
+            self._ranks[event.rank] = state  # type: ignore[index]
+        steps = event.fields.get("steps")
+        if type(steps) is not int or steps <= state.steps:
+            return
+        arrived = time.time()
+        self._first_progress = self._first_progress or arrived
+        if not state.arrived_at or arrived - state.arrived_at > _REPORT_GRACE_S:
+            state.streak_from = arrived  # reports resume after a gap: a new streak
+        state.arrived_at = arrived
+        if state.steps and event.time > state.progressed_at:
+            state.step_times.append((event.time - state.progressed_at) / (steps - state.steps))
+        state.steps, state.step, state.progressed_at = steps, event.step, event.time
+
+    # --- the thread --------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        next_eval = time.monotonic() + 1.0
+        while not self._stop.wait(self.sample_s):
+            self._sample()
+            if time.monotonic() >= next_eval:
+                next_eval = time.monotonic() + 1.0
+                try:
+                    self._evaluate(time.time())
+                except Exception:  # noqa: BLE001 - the watch must outlive a bad tick
+                    _log.exception("judging the ranks' progress failed; trying again")
+
+    def _sample(self) -> None:
+        with self._lock:
+            local = [(s, s.pid) for s in self._ranks.values() if s.local]
+        for state, pid in local:
+            kind, detail = _procstate.sample(pid)
+            state.recent.append((kind, detail))
+            if kind == _procstate.WAITING:
+                state.waiting += 1
+            elif kind != _procstate.GONE:
+                state.working += 1
+
+    def _evaluate(self, now: float) -> None:
+        with self._lock:
+            self._bin(now)
+            new_hangs = self._judge_hangs(now)
+            self._judge_stragglers(now)
+        self._send_posted()
+        if new_hangs:
+            self._report(new_hangs, now)
+
+    # --- hangs -----------------------------------------------------------------------
+
+    def _median_step(self) -> float | None:
+        medians = [statistics.median(s.step_times) for s in self._ranks.values() if s.step_times]
+        return statistics.median(medians) if medians else None
+
+    def _judge_hangs(self, now: float) -> list[_Flag]:
+        if not self._ranks:
+            return []
+        for state in self._ranks.values():  # progress again: the flag ends
+            flag = self._flags.get(("hang", state.rank))
+            if flag is not None and state.progressed_at > flag.since:
+                del self._flags[("hang", state.rank)]
+                self._emit_end(flag, now, f"made progress again (step {state.step})")
+        bound = self.bound()
+        ranks = {r: self._ranks.get(r) or _Rank(r) for r in range(self.world_size)}
+        ranks.update(self._ranks)
+        # A rank yet to report is judged from when the first rank did: starting up
+        # (imports, a restore) is not a hang.
+        begun = self._first_progress
+        stalled = [s for s in ranks.values() if now - (s.progressed_at or begun) > bound]
+        if not stalled:
+            return []
+        if len(stalled) < len(ranks):
+            # Others moved. Reports leave each rank about once a second, so ranks that
+            # resumed together arrive up to that much apart: a rank is behind only once
+            # the others have kept reporting for longer than that.
+            moving = [s for s in ranks.values() if s not in stalled]
+            steady = any(s.streak_from and now - s.streak_from > _REPORT_GRACE_S for s in moving)
+            culprits = stalled if steady else []
+        else:
+            culprits = self._stuck_outside(list(ranks.values()))
+        new = []
+        for state in culprits:
+            if ("hang", state.rank) in self._flags:
+                continue
+            flag = _Flag("hang", state.rank, state.host, state.progressed_at or begun)
+            self._flags[("hang", state.rank)] = flag
+            new.append(flag)
+        return new
+
+    def _stuck_outside(self, ranks: list[_Rank]) -> list[_Rank]:
+        """Of ranks that all stopped: those stuck outside a collective, not those waiting."""
+        now_states = {s.rank: _now_state(s) for s in ranks}
+        waiting = [s for s in ranks if now_states[s.rank] == _procstate.WAITING]
+        outside = [s for s in ranks if now_states[s.rank] in (_procstate.WORKING, _procstate.STOPPED)]
+        stopped = [s for s in ranks if now_states[s.rank] == _procstate.STOPPED]
+        unknown = [s for s in ranks if now_states[s.rank] is None]
+        most = max(s.steps for s in ranks)
+        lagging = [s for s in ranks if s.steps < most]
+        if waiting and outside:
+            return outside
+        if stopped:
+            return stopped
+        if unknown and lagging:
+            return lagging  # ranks elsewhere: the one behind is the likely culprit
+        if unknown and not outside:
+            return ranks  # nothing tells them apart: every rank stalled
+        if waiting and not outside:
+            return ranks  # every rank waits: the collective itself is stuck
+        return []  # every rank is computing (an evaluation, a compile): not a hang
+
+    def _report(self, flags: list[_Flag], now: float) -> None:
+        with self._lock:
+            ranks = dict(self._ranks)
+            bound = self.bound()
+        states = {r: (s.recent[-1] if s.recent else None) for r, s in ranks.items()}
+        for flag in flags:
+            state = ranks.get(flag.rank)
+            sampled = states.get(flag.rank)
+            what = _procstate.describe_state(*sampled) if sampled else ""
+            stalled = now - flag.since
+            message = (
+                f"rank {flag.rank} on {flag.node or 'an unknown node'} made no progress for "
+                f"{stalled:.0f} s (since {clock_text(flag.since)}"
+                + (f", after step {state.step}" if state is not None and state.step is not None else "")
+                + (f"; {what}" if what else "") + ")"
+            )
+            emit(
+                "hang", message, rank=flag.rank, node=flag.node, since=round(flag.since, 3),
+                stalled_s=round(stalled, 1), step=state.step if state is not None else None,
+                rank_pid=state.pid if state is not None else None, bound_s=round(bound, 1),
+            )
+        local = {r: s.pid for r, s in ranks.items() if s.local and s.pid}
+        stacks = _procstate.python_stacks(local.values())
+        report = hang_report(
+            flags=[(f.rank, f.node, f.since) for f in flags],
+            ranks={
+                r: (s.host, s.pid, s.step, states.get(r), stacks.get(s.pid) if s.local else None)
+                for r, s in ranks.items()
+            },
+            world_size=self.world_size,
+            now=now,
+        )
+        with self._lock:
+            self._reports.append(report)
+        if self._on_hang is not None:
+            self._on_hang(report)
+
+    # --- stragglers ----------------------------------------------------------------------
+
+    def _bin(self, now: float) -> None:
+        """Close this second's samples into each rank's window (or drop them: a pause)."""
+        latest = max((s.progressed_at for s in self._ranks.values()), default=0.0)
+        median = self._median_step() or 0.0
+        flowing = now - latest < 2.5 + 2 * median
+        paused = self._paused_from <= now <= self._paused_until
+        for state in self._ranks.values():
+            if flowing and not paused and (state.working or state.waiting):
+                state.bins.append((now, state.working, state.waiting))
+            state.working = state.waiting = 0
+            if paused:  # samples from just before the pause's event are dropped too
+                while state.bins and state.bins[-1][0] >= self._paused_from:
+                    state.bins.pop()
+            while state.bins and state.bins[0][0] < now - self.window_s:
+                state.bins.popleft()
+
+    def _judge_stragglers(self, now: float) -> None:
+        if any(kind == "hang" for kind, _ in self._flags) or len(self._ranks) < 2:
+            return
+        shares = {}
+        for state in self._ranks.values():
+            total = sum(w + x for _, w, x in state.bins)
+            if state.local and total * self.sample_s >= self.window_s / 2:
+                shares[state.rank] = sum(w for _, w, _ in state.bins) / total
+        scores: dict[int, float] = {}
+        if len(shares) >= 2:
+            reference = _lower_median(list(shares.values()))
+            for rank, share in shares.items():
+                scores[rank] = reference / share if share > 0 else 1.0
+        rates = {
+            s.rank: 1.0 / statistics.median(s.step_times)
+            for s in self._ranks.values()
+            if not s.local and len(s.step_times) >= 5 and statistics.median(s.step_times) > 0
+        }
+        if len(rates) >= 2:
+            reference = _lower_median(list(rates.values()))
+            scores.update({rank: rate / reference for rank, rate in rates.items()})
+        for rank, score in scores.items():
+            self._score(self._ranks[rank], min(score, 9.99), now)
+
+    def _score(self, state: _Rank, score: float, now: float) -> None:
+        state.score = score
+        key = ("straggler", state.rank)
+        flag = self._flags.get(key)
+        if score < self.threshold:
+            state.high_since = None
+            state.low_since = state.low_since or now
+            if flag is None and now - state.low_since >= self.confirm_s:
+                flag = _Flag("straggler", state.rank, state.host, state.low_since, score)
+                self._flags[key] = flag
+                self._post(
+                    "straggler",
+                    f"rank {state.rank} on {state.host} at {score:.2f} of the median step rate "
+                    f"since {clock_text(flag.since)}",
+                    rank=state.rank, node=state.host, since=round(flag.since, 3),
+                    score=round(score, 3), step=state.step,
+                )
+            elif flag is not None:
+                flag.score = min(flag.score or score, score)
+            return
+        state.low_since = None
+        if flag is not None and score >= min(1.0, self.threshold + 0.05):
+            state.high_since = state.high_since or now
+            if now - state.high_since >= self.confirm_s:
+                del self._flags[key]
+                self._emit_end(flag, now, f"back to {score:.2f} of the median step rate")
+
+    def _post(self, kind: str, message: str, **fields: Any) -> None:
+        # Emitted after the lock is released: the bus calls this watchdog back.
+        self._outbox.append((kind, message, fields))
+
+    def _send_posted(self) -> None:
+        with self._lock:
+            posted, self._outbox = self._outbox, []
+        for kind, message, fields in posted:
+            emit(kind, message, **fields)
+
+    def _emit_end(self, flag: _Flag, now: float, how: str) -> None:
+        lasted = max(0.0, now - flag.since)
+        what = "hang" if flag.kind == "hang" else "straggler flag"
+        fields: dict[str, Any] = {"score": round(flag.score, 3)} if flag.score is not None else {}
+        self._post(
+            flag.kind,
+            f"rank {flag.rank} on {flag.node}: {what} over after {lasted:.0f} s ({how})",
+            rank=flag.rank, node=flag.node, since=round(flag.since, 3), ended=True,
+            lasted_s=round(lasted, 1), **fields,
+        )
+
+
+def _now_state(state: _Rank) -> str | None:
+    """The majority of a local rank's latest samples; None when it cannot be sampled."""
+    if not state.local or not state.recent:
+        return None
+    counts: dict[str, int] = {}
+    for kind, _ in state.recent:
+        counts[kind] = counts.get(kind, 0) + 1
+    return max(counts, key=counts.__getitem__)
+
+
+def _setting(value: float | None, name: str, default: float) -> float:
+    if value is not None:
+        return float(value)
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        number = float(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {text!r}") from None
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{name} must be a positive number, got {text!r}")
+    return number
+
+
+def _lower_median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]

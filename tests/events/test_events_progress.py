@@ -1,0 +1,172 @@
+"""``events.step`` and the kernel's watchdog over progress reports.
+
+The watchdog's input is the bus; its view of a rank's process is /proc and
+py-spy. These tests feed it progress events for real processes (waiting on a
+lock, sleeping, stopped by SIGSTOP) and read the flags it emits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from nbtools import events
+from nbtools.events import Event, Watchdog, _procstate
+from nbtools.events._progress import progress_so_far
+
+
+def test_step_counts_in_a_process_without_channel_and_checks_its_argument():
+    _, before, _ = progress_so_far()
+    events.step(7)
+    events.step(None)
+    last, count, at = progress_so_far()
+    assert count == before + 2 and last is None and at > 0
+    with pytest.raises(TypeError, match="events.step takes the step number as an int"):
+        events.step("7")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        events.step(True)  # type: ignore[arg-type]
+
+
+def test_a_rank_reports_coalesced_progress_through_the_channel():
+    bus = events.Bus()
+    code = """
+        import time
+        from nbtools import events
+        for i in range(20000):
+            events.step(i)
+        time.sleep(1.5)   # the flusher ships the latest count about once a second
+        for i in range(20000, 20010):
+            events.step(i)
+    """
+    with events.Collector(bus=bus) as collector:
+        env = dict(os.environ, **collector.environment(), RANK="3")
+        subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, check=True,
+                       timeout=120)
+        collector.drain()
+    reports = [e for e in bus.log() if e.kind == "progress"]
+    assert reports and len(reports) <= 5  # one a second, not one a step
+    assert all(e.rank == 3 for e in reports)
+    assert reports[-1].step == 20009 and reports[-1].fields["steps"] == 20010
+
+
+def _process(code: str, state: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)])
+    assert _wait_until(lambda: _procstate.sample(proc.pid)[1] == state), state
+    return proc
+
+
+def _progress(rank: int, pid: int, steps: int, at: float, host: str | None = None) -> Event:
+    return Event(at, host or socket.gethostname(), rank, pid, "progress", None, steps,
+                 {"steps": steps, "cpu": 0.0})
+
+
+@pytest.fixture
+def flags():
+    seen: list[Event] = []
+    got = threading.Event()
+
+    def keep(batch):
+        for event in batch:
+            if event.kind in ("hang", "straggler"):
+                seen.append(event)
+                got.set()
+
+    events.subscribe(keep)
+    yield seen, got
+    events.unsubscribe(keep)
+
+
+def _wait_until(predicate, timeout=30.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.slow
+def test_only_the_stopped_rank_is_named_not_those_waiting_for_it(flags):
+    seen, _ = flags
+    waiting = "import threading; threading.Event().wait(60)"
+    sleeping = "import time; time.sleep(60)"
+    procs = [_process(waiting, "futex"), _process(waiting, "futex"),
+             _process(sleeping, "clock_nanosleep")]
+    os.kill(procs[2].pid, signal.SIGSTOP)
+    reports = []
+    dog = Watchdog(3, hang_timeout=1.0, on_hang=reports.append).start()
+    try:
+        now = time.time()
+        events.bus().publish([_progress(r, p.pid, 10, now) for r, p in enumerate(procs)])
+        assert _wait_until(lambda: reports)
+        assert [e.rank for e in seen if e.kind == "hang"] == [2]
+        assert reports[0].ranks == (2,)
+        text = reports[0].text
+        assert "rank 2 on" in text and "stopped by a signal" in text
+        assert "Ranks 0, 1 wait for it" in text
+        assert text.count("Thread ") >= 3 or "py-spy" in text  # a stack per rank, or why not
+        os.kill(procs[2].pid, signal.SIGCONT)
+        events.bus().publish([_progress(2, procs[2].pid, 11, time.time())])
+        assert _wait_until(lambda: any(e.fields.get("ended") for e in seen))
+        ended = [e for e in seen if e.fields.get("ended")]
+        assert [e.rank for e in ended] == [2] and ended[0].fields["lasted_s"] >= 0
+    finally:
+        dog.stop()
+        for proc in procs:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_ranks_that_all_compute_past_the_bound_are_not_a_hang(flags):
+    seen, _ = flags
+    busy = "import time\nwhile True: time.sleep(0.01)"
+    procs = [_process(busy, "clock_nanosleep"), _process(busy, "clock_nanosleep")]
+    dog = Watchdog(2, hang_timeout=1.0).start()
+    try:
+        now = time.time()
+        events.bus().publish([_progress(r, p.pid, 5, now) for r, p in enumerate(procs)])
+        time.sleep(3.5)  # three bounds: an evaluation every rank runs, nobody waits
+        assert dog.flags() == [] and seen == []
+    finally:
+        dog.stop()
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_rank_on_another_node_behind_the_others_is_a_straggler_named_by_node(flags):
+    seen, got = flags
+    dog = Watchdog(3, threshold=0.75, window_s=30, confirm_s=0.5)
+    start = time.time() - 30
+    batch = []
+    for i in range(1, 31):  # ranks 0 and 1 step every 0.25 s, rank 2 every 0.5 s
+        for rank, period in ((0, 0.25), (1, 0.25), (2, 0.5)):
+            steps = int(i / period)
+            batch.append(_progress(rank, 100 + rank, steps, start + i, host=f"node-{rank}"))
+    dog._on_events(batch)
+    dog._evaluate(start + 30.0)
+    dog._evaluate(start + 31.0)
+    dog._send_posted()
+    assert got.is_set()
+    opened = [e for e in seen if e.kind == "straggler"]
+    assert [(e.rank, e.fields["node"]) for e in opened] == [(2, "node-2")]
+    assert opened[0].fields["score"] == pytest.approx(0.5, abs=0.05)
+    assert "rank 2 on node-2 at 0.50 of the median step rate" in opened[0].message
+
+
+def test_bad_settings_are_refused_with_the_name(monkeypatch):
+    monkeypatch.setenv("NBTOOLS_STRAGGLER_WINDOW_S", "soon")
+    with pytest.raises(ValueError, match="NBTOOLS_STRAGGLER_WINDOW_S must be a number"):
+        Watchdog(2)
+    with pytest.raises(ValueError, match="threshold"):
+        Watchdog(2, threshold=1.5, window_s=1)

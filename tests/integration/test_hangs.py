@@ -1,0 +1,199 @@
+"""Hangs and stragglers of real gloo ranks, flagged by the kernel from their progress reports.
+
+Timeouts are scaled through the options (``hang_timeout=``, the straggler
+window variables), never by asserting how long anything took.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+import pytest
+
+from nbtools import distributed, events
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def flags():
+    """Every hang and straggler event published while the test runs."""
+    seen: list[events.Event] = []
+    lock = threading.Lock()
+
+    def keep(batch):
+        with lock:
+            seen.extend(e for e in batch if e.kind in ("hang", "straggler"))
+
+    events.subscribe(keep)
+    yield seen
+    events.unsubscribe(keep)
+
+
+@pytest.fixture
+def short_window(monkeypatch):
+    monkeypatch.setenv("NBTOOLS_STRAGGLER_WINDOW_S", "8")
+    monkeypatch.setenv("NBTOOLS_STRAGGLER_CONFIRM_S", "3")
+
+
+def _opened(seen, kind):
+    return [e for e in seen if e.kind == kind and not e.fields.get("ended")]
+
+
+def _ended(seen, kind):
+    return [e for e in seen if e.kind == kind and e.fields.get("ended")]
+
+
+def test_a_stopped_rank_is_named_with_every_stack_and_the_flag_clears_after_sigcont(
+    flags, caplog
+):
+    caplog.set_level(logging.WARNING, logger="nbtools")
+    resumed = []
+
+    def resume(batch):
+        for event in batch:
+            if event.kind == "hang" and not event.fields.get("ended"):
+                resumed.append(event.fields["rank_pid"])
+                os.kill(event.fields["rank_pid"], signal.SIGCONT)
+
+    @distributed(processes=3, hang_timeout=3)
+    def train(steps):
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        t = torch.ones(1)
+        for step in range(steps):
+            time.sleep(0.05)
+            if dist.get_rank() == 1 and step == 20:
+                os.kill(os.getpid(), signal.SIGSTOP)  # mid-step, before the all-reduce
+            dist.all_reduce(t)
+            events.step(step)
+        return step
+
+    events.subscribe(resume)
+    try:
+        assert train.distributed(40) == [39, 39, 39]
+    finally:
+        events.unsubscribe(resume)
+    opened = _opened(flags, "hang")
+    assert [e.rank for e in opened] == [1], opened  # the ranks waiting for it are not named
+    assert opened[0].fields["node"] and opened[0].fields["since"] > 0
+    assert [e.rank for e in _ended(flags, "hang")] == [1]
+    warnings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("hang:")]
+    assert len(warnings) == 1, warnings
+    text = warnings[0]
+    assert "rank 1 on" in text and "stopped by a signal" in text and "Ranks 0, 2 wait" in text
+    for rank in range(3):
+        section = text.split(f"--- rank {rank}", 1)[1].split("\n--- rank", 1)[0]
+        assert "in train" in section or "train (" in section, section  # its own Python stack
+
+
+def test_a_rank_that_sleeps_in_its_step_is_the_only_straggler(flags, short_window):
+    @distributed(processes=3)
+    def train(steps):
+        import random
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        rng = random.Random(dist.get_rank())
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+        for step in range(steps):
+            pause = 0.08 * rng.uniform(0.7, 1.3)
+            time.sleep(pause * (2 if dist.get_rank() == 2 else 1))
+            model(torch.randn(4, 8)).sum().backward()
+            events.step(step)
+        return step
+
+    train.distributed(150)
+    opened = _opened(flags, "straggler")
+    assert {e.rank for e in opened} == {2}, opened
+    assert all(e.fields["score"] < 0.75 and e.fields["since"] > 0 for e in opened)
+    assert not _opened(flags, "hang")
+
+
+def test_jitter_evaluation_pauses_saves_and_a_long_first_step_raise_no_flag(flags):
+    # Default straggler settings: these are what must stay quiet on a healthy run.
+    @distributed(processes=3, hang_timeout=6)
+    def train(steps):
+        import random
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        rng = random.Random(dist.get_rank())
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+        for step in range(steps):
+            if step == 1:
+                time.sleep(9)  # a first step that compiles: every rank busy, none waiting
+            time.sleep(0.08 * rng.uniform(0.7, 1.3))
+            model(torch.randn(4, 8)).sum().backward()
+            events.step(step)
+            if step % 50 == 49:  # evaluation of a different length on each rank
+                time.sleep(rng.uniform(1.0, 2.5))
+                dist.barrier()
+            if step % 30 == 29:
+                time.sleep(0.6 if dist.get_rank() == 0 else 0.1)  # rank 0 writes the save
+                events.emit("checkpoint_saved", step=step)
+        return step
+
+    assert train.distributed(160) == [159, 159, 159]
+    assert flags == [], [e.message for e in flags]
+
+
+def test_on_hang_restart_restarts_the_group_and_it_resumes_from_its_checkpoint(
+    flags, tmp_path, caplog
+):
+    caplog.set_level(logging.WARNING, logger="nbtools")
+
+    @distributed(processes=2, hang_timeout=3, on_hang="restart", max_restarts=1)
+    def train(root, steps):
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        from nbtools.checkpoint import CheckpointManager
+        from nbtools.runtime import get_restart_count
+
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+        ckpt = CheckpointManager(root, every=5, async_save=False)
+        start = ckpt.restore(model=model)
+        for step in range(start, steps):
+            time.sleep(0.05)
+            if get_restart_count() == 0 and dist.get_rank() == 1 and step == 12:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            model(torch.ones(2, 4)).sum().backward()
+            ckpt.maybe_save(step, model=model)
+            events.step(step)
+        ckpt.close()
+        return start, get_restart_count()
+
+    results = train.distributed(str(tmp_path / "ckpt"), 20)
+    assert results[0] == results[1]
+    start, restarts = results[0]
+    assert restarts == 1 and 0 < start <= 12
+    assert [e.rank for e in _opened(flags, "hang")] == [1]
+
+
+@pytest.mark.parametrize(("library", "steps"), [("hf", 5), ("pl", 7)])
+def test_hf_and_lightning_trainers_report_their_steps_through_their_callbacks(library, steps):
+    import importlib.util
+    import subprocess
+    import sys
+
+    module = {"hf": "transformers", "pl": "lightning"}[library]
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed")
+    script = os.path.join(os.path.dirname(__file__), "_trainer_steps.py")
+    out = subprocess.run([sys.executable, script, library], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"PROGRESS {steps} {steps}" in out.stdout  # one report per optimizer step
