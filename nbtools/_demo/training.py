@@ -188,7 +188,7 @@ def train(cfg: DemoConfig) -> dict[str, Any]:
     loader = DataLoader(DecodedSamples(files), batch_size=cfg.batch_size, num_workers=0)
     per_epoch = steps_per_epoch(len(files), world, cfg.batch_size)
     total = cfg.epochs * per_epoch
-    state = {"model": model, "optimizer": optimizer, "loader": loader}
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "loader": loader}
 
     with _tracking_environment(cfg.tracking_uri), contextlib.ExitStack() as stack:
         ckpt = stack.enter_context(
@@ -229,8 +229,8 @@ def train(cfg: DemoConfig) -> dict[str, Any]:
                 if runtime.is_distributed():
                     dist.all_reduce(mean)
                 value = float(mean) / world
-                record = {"attempt": attempt, "step": step, "epoch": step // per_epoch}
-                record.update(rank=rank, ids=ids.tolist(), loss=value)
+                record: dict[str, Any] = {"attempt": attempt, "step": step}
+                record.update(epoch=step // per_epoch, rank=rank, ids=ids.tolist(), loss=value)
                 records.write(json.dumps(record) + "\n")
                 tracker.log_metric("loss", value, step=step)
                 if step % cfg.every == 0 or (cfg.memory_every and step % cfg.memory_every == 0):
