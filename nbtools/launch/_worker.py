@@ -30,7 +30,14 @@ from dataclasses import dataclass, field
 
 from nbtools._internal.fs import free_bytes
 from nbtools.errors import PicklingError, ResultWriteError
-from nbtools.launch import _display, _inrank, _kernel_logging, _leftovers, _results
+from nbtools.launch import (
+    _display,
+    _inrank,
+    _kernel_logging,
+    _leftovers,
+    _results,
+    _trainer_hooks,
+)
 from nbtools.launch._env import settle_forkserver
 from nbtools.launch._leftovers import LEFTOVER_GRACE_S
 from nbtools.launch._records import GROUP_PHASE, failure_record, flush_events
@@ -136,6 +143,7 @@ def _run(payload: bytes, spec: RankSpec) -> None:
     _inrank.mark_in_rank()
     _kernel_logging.apply()
     _display.install()
+    _trainer_hooks.install()  # HF and Lightning trainers report their steps
     _inrank.restore_start_method()
     _inrank.guard_user_group_calls(spec.backend)
     # Unpickle after the guards are in place: a function that refers to

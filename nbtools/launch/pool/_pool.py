@@ -54,7 +54,11 @@ class RankPool:
             Neither: every visible GPU.
         max_restarts: how many times ranks that died are replaced by fresh
             ones (state lost) before the pool stops; ``None``: no limit.
-        output: ``"all"``, ``"rank0"`` or ``"none"``: whose output the calls show.
+        output: ``"all"``, ``"rank0"`` or ``"none"``: whose text output the calls show.
+        rich_output: ``"rank0"`` (default), ``"all"`` or ``"none"``: whose rich output
+            (``display()``, figures, a cell's last value as HTML or PNG) reaches the
+            cell; with ``"all"`` each rank's is labelled ``[rank N]``. See
+            :func:`nbtools.distributed`.
         hang_timeout: seconds without output after which a call prints every
             rank's stack once (the call goes on).
         cluster: ``None`` (this machine) or ``"ray"``; ``nodes`` and
@@ -79,6 +83,7 @@ class RankPool:
         cluster: str | None = None,
         nodes: int | None = None,
         runtime_env: dict | None = None,
+        rich_output: str = "rank0",
     ) -> None:
         if _inrank.in_rank():
             raise LaunchError(
@@ -88,7 +93,7 @@ class RankPool:
         # The same checks and sizes as @distributed with these options.
         config = LaunchConfig(
             processes=processes, gpus=gpus, output=output, hang_timeout=hang_timeout,
-            cluster=cluster, nodes=nodes, runtime_env=runtime_env,
+            cluster=cluster, nodes=nodes, runtime_env=runtime_env, rich_output=rich_output,
         )
         self._open(config, max_restarts)
 
@@ -318,7 +323,7 @@ class RankPool:
                 hooks.before_launch(uses)  # integrations from above (e.g. a new MLflow store)
             ranks.forwarder.localize = localize  # stack dumps name this call's cell code
             try:
-                replies = ranks.call(op, arg, self._plan.hang_timeout)
+                replies = ranks.call(op, arg, self._plan.hang_timeout, ranks.call_setup())
             except RanksInterrupted as exc:
                 self._gens.after_interrupt(exc)
                 interrupt = KeyboardInterrupt()

@@ -21,6 +21,7 @@ prints reaches the cell that runs the command, before the call returns.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from typing import Any, TextIO
@@ -29,6 +30,7 @@ import cloudpickle
 
 from nbtools import events
 from nbtools._internal.log import get_logger
+from nbtools.launch import _kernel_logging
 from nbtools.launch._backend import Failed, Finished, GroupSpec, LaunchBackend, RankGroup
 from nbtools.launch._output import OutputForwarder
 from nbtools.launch._runner import report_leftovers
@@ -127,6 +129,8 @@ class Ranks:
         self._ended = False
         self._wrote = False  # whether a rank wrote output during the current command
         self._next_check = 0.0  # when a long write next looks at the ranks
+        #: The kernel's logging as these ranks have it (``_kernel_logging.describe()``).
+        self.logging = ""
 
     @classmethod
     def start(
@@ -146,7 +150,10 @@ class Ranks:
             Listener(spec.world_size, host=_driver_address()) if remote
             else Listener(spec.world_size, directory=spec.attempt_dir)
         )
-        payload = cloudpickle.dumps((serve, (listener.address, listener.key, spec.use_cuda), {}))
+        kernel_pid = None if remote else os.getpid()  # whose memory files large pushes use
+        payload = cloudpickle.dumps(
+            (serve, (listener.address, listener.key, spec.use_cuda, kernel_pid), {})
+        )
         spec = GroupSpec(
             payload, spec.world_size, spec.use_cuda, spec.run_id, spec.restart_count,
             spec.max_restarts, spec.attempt_dir, spec.env,
@@ -161,6 +168,7 @@ class Ranks:
             stderr or _Follow("stderr"),
         )
         ranks = cls(group, forwarder, listener, spec.world_size, remote)
+        ranks.logging = spec.env.get(_kernel_logging.ENV, "")
         try:
             ranks._connect()
         except BaseException:
@@ -194,8 +202,14 @@ class Ranks:
 
     # --- commands --------------------------------------------------------------------
 
-    def call(self, op: str, arg: Any, hang_timeout: float | None = None) -> dict[int, tuple]:
+    def call(
+        self, op: str, arg: Any, hang_timeout: float | None = None,
+        setup: dict[str, Any] | None = None,
+    ) -> dict[int, tuple]:
         """Send one command to every rank; every rank's ``(kind, data)`` answer.
+
+        ``setup`` is applied by each rank before the command runs (``{"logging":
+        ...}``: the kernel's logging configuration, see :meth:`call_setup`).
 
         Raises:
             RanksLost, RanksStuck, RanksInterrupted: see the module docstring.
@@ -203,7 +217,7 @@ class Ranks:
         self._seq += 1
         seq = self._seq
         self._wrote = False
-        data = frame((seq, op, arg))
+        data = frame((seq, op, arg, setup))
         replies: dict[int, tuple] = {}
         try:
             for link in self.links.values():
@@ -215,6 +229,15 @@ class Ranks:
             raise RanksLost(self._death(), replies) from None
         self._settle()
         return replies
+
+    def call_setup(self) -> dict[str, Any] | None:
+        """What the next call must bring the ranks up to date with: the kernel's logging
+        when it changed since they last got it (else None: nothing to send)."""
+        described = _kernel_logging.describe()
+        if described == self.logging:
+            return None
+        self.logging = described
+        return {"logging": described}
 
     def _while_sending(self) -> None:
         """While a rank is slow to take a big frame: forward output, notice a death."""

@@ -110,7 +110,7 @@ class Generations:
             env={
                 **self.collector.environment(),
                 **_kernel_logging.environment(),
-                **_display.environment(attempt_dir),
+                **_display.environment(attempt_dir, self.plan.rich_output),
             },
         )
         try:
