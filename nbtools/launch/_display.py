@@ -114,17 +114,20 @@ def reaches_cell() -> bool:
 
 
 def figure_bundle(obj: Any) -> dict[str, Any] | None:
-    """A matplotlib figure as the kernel's displayhook shows it (PNG, text fallback); else None.
+    """A matplotlib figure as the kernel's displayhook shows it; else None.
 
-    The figure is closed, as the inline backend closes a cell's figures once shown.
+    PNG with the text fallback where this rank's rich output reaches the cell
+    (:func:`reaches_cell`), else the text alone. The figure is closed either way,
+    as the inline backend closes a cell's figures once the cell ran.
     """
-    png = _as_png(obj)
-    if png is None:
+    if not _is_figure(obj):
         return None
+    text = repr(obj)
+    png = _as_png(obj) if reaches_cell() else None
     pyplot = sys.modules.get("matplotlib.pyplot")
     if pyplot is not None:
         pyplot.close(obj)
-    return {"image/png": png, "text/plain": repr(obj)}
+    return {"text/plain": text} if png is None else {"image/png": png, "text/plain": text}
 
 
 def publish(bundle: dict[str, Any]) -> None:
@@ -178,9 +181,13 @@ def mime_bundle(obj: Any, include: Any = None, exclude: Any = None) -> dict[str,
     return {key: _jsonable(value) for key, value in data.items()}
 
 
-def _as_png(obj: Any) -> str | None:
+def _is_figure(obj: Any) -> bool:
     figure_type = getattr(sys.modules.get("matplotlib.figure"), "Figure", None)
-    if figure_type is None or not isinstance(obj, figure_type):
+    return figure_type is not None and isinstance(obj, figure_type)
+
+
+def _as_png(obj: Any) -> str | None:
+    if not _is_figure(obj):
         return None
     import io
 

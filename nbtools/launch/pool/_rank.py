@@ -369,10 +369,9 @@ def _bundle(value: Any) -> dict[str, str] | None:
     """
     if value is None:
         return None
-    if _display.reaches_cell():
-        figure = _display.figure_bundle(value)
-        if figure is not None:
-            return figure
+    figure = _display.figure_bundle(value)
+    if figure is not None:
+        return figure
     bundle = {"text/plain": repr(value)}
     html = getattr(value, "_repr_html_", None)
     if callable(html) and not isinstance(value, type):
