@@ -72,7 +72,7 @@ class LaunchConfig:
         """What makes two configurations share one kept pool (restarts and keep_alive aside)."""
         return (
             self.gpus, self.processes, self.cluster, self.nodes, repr(self.runtime_env),
-            self.output, self.hang_timeout, self.rich_output,
+            self.output, self.hang_timeout, self.rich_output, self.on_hang,
         )
 
     def describe(self) -> str:

@@ -39,6 +39,7 @@ from nbtools.launch.pool._rank import OK, serve
 
 __all__ = [
     "Ranks",
+    "RanksHung",
     "RanksLost",
     "RanksStuck",
     "RanksInterrupted",
@@ -80,6 +81,15 @@ class RanksStuck(Exception):
         super().__init__("ranks stuck")
         self.replies = replies
         self.pending = pending
+
+
+class RanksHung(Exception):
+    """A hang was reported during a call whose pool restarts on hangs (``on_hang="restart"``)."""
+
+    def __init__(self, report: events.HangReport, replies: dict[int, tuple[str, Any]]) -> None:
+        super().__init__("ranks hung")
+        self.report = report
+        self.replies = replies
 
 
 class RanksInterrupted(Exception):
@@ -204,7 +214,7 @@ class Ranks:
 
     def call(
         self, op: str, arg: Any, hang_timeout: float | None = None,
-        setup: dict[str, Any] | None = None,
+        setup: dict[str, Any] | None = None, on_hang: str = "report",
     ) -> dict[int, tuple]:
         """Send one command to every rank; every rank's ``(kind, data)`` answer.
 
@@ -213,6 +223,7 @@ class Ranks:
 
         Raises:
             RanksLost, RanksStuck, RanksInterrupted: see the module docstring.
+            RanksHung: a hang was reported and ``on_hang`` is ``"restart"``.
         """
         self._seq += 1
         seq = self._seq
@@ -222,7 +233,7 @@ class Ranks:
         try:
             for link in self.links.values():
                 link.send_frame(data, self._while_sending)
-            self._gather(seq, replies, hang_timeout=hang_timeout)
+            self._gather(seq, replies, hang_timeout=hang_timeout, on_hang=on_hang)
         except KeyboardInterrupt:
             self._interrupted(seq, replies)
         except ChannelClosed:
@@ -275,16 +286,16 @@ class Ranks:
 
     def _gather(
         self, seq: int, replies: dict[int, tuple], *, deadline: float | None = None,
-        hang_timeout: float | None = None,
+        hang_timeout: float | None = None, on_hang: str = "report",
     ) -> None:
         # Hangs are judged from the ranks' progress reports while a call runs.
         dog = events.Watchdog(len(self.links), hang_timeout=hang_timeout)
         with contextlib.nullcontext() if deadline is not None else dog:
-            self._gather_replies(seq, replies, dog, deadline, hang_timeout)
+            self._gather_replies(seq, replies, dog, deadline, hang_timeout, on_hang)
 
     def _gather_replies(
         self, seq: int, replies: dict[int, tuple], dog: events.Watchdog,
-        deadline: float | None, hang_timeout: float | None,
+        deadline: float | None, hang_timeout: float | None, on_hang: str = "report",
     ) -> None:
         started = time.monotonic()
         next_poll = started + _GROUP_POLL_S
@@ -324,6 +335,8 @@ class Ranks:
                 raise RanksStuck(replies, sorted(set(self.links) - set(replies)))
             for report in dog.take_reports():
                 _log.warning("%s", report.text)
+                if on_hang == "restart":
+                    raise RanksHung(report, replies)
             if dog.reporting:
                 continue
             quiet = now - max(started, self.forwarder.last_output)
