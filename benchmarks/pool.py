@@ -11,7 +11,10 @@ Every variant runs the same work: one ``all_reduce`` of a one-element tensor.
 - ``push_1gib_s``: ``pool.push(x=<1 GiB tensor>)`` to 2 ranks, against
   ``file_roundtrip_1gib_s``, a ``torch.save`` + ``torch.load`` of the same tensor
   through a local file, measured in the same run (goal: push <= 1.5x the round trip);
-  ``pull_2x512mib_s`` pulls a 512 MiB tensor from each rank.
+  ``pull_2x512mib_s`` pulls a 512 MiB tensor from each rank;
+  ``push_socket_1gib_s`` is the same push to ranks that cannot open the kernel's
+  memory files (hardened ``/proc``, forced with ``NBTOOLS_POOL_SHARED_MEMORY=0``):
+  the buffers stream through each rank's socket.
 
 With CUDA, ``gpu`` adds the first call, the warm call without a pool and the warm
 pool call on one GPU. Prints one JSON line. Run: ``python benchmarks/pool.py``
@@ -71,12 +74,29 @@ def _pool_ms(**ranks) -> float:
         return _median_ms(lambda: pool.run(_all_reduce), WARM_POOL)
 
 
+def _push_by_socket_s(x) -> float:
+    from nbtools.launch import RankPool
+
+    os.environ["NBTOOLS_POOL_SHARED_MEMORY"] = "0"
+    try:
+        with RankPool(processes=WORLD, output="none") as pool:
+            pool.execute("import torch")
+            start = time.perf_counter()
+            pool.push(x=x)
+            seconds = time.perf_counter() - start
+            assert pool.execute("float(x.sum())") == [float(x.numel())] * WORLD
+    finally:
+        del os.environ["NBTOOLS_POOL_SHARED_MEMORY"]
+    return seconds
+
+
 def _push_vs_file() -> dict:
     import torch
 
     from nbtools.launch import RankPool
 
     x = torch.ones(1024**3 // 4)  # 1 GiB
+    by_socket = _push_by_socket_s(x)
     with RankPool(processes=WORLD, output="none") as pool:
         pool.execute("import torch")
         start = time.perf_counter()
@@ -106,6 +126,7 @@ def _push_vs_file() -> dict:
         "file_roundtrip_1gib_s": round(roundtrip, 3),
         "push_vs_file": round(push / roundtrip, 3),
         "pull_2x512mib_s": round(pull, 3),
+        "push_socket_1gib_s": round(by_socket, 3),
     }
 
 

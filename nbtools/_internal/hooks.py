@@ -22,6 +22,10 @@ to call at two moments of a launch. Registering imports nothing.
   already is, else right after the rank's code first imports it, so a rank
   whose code never imports the library never imports it either.
 
+:func:`after_import` is that mechanism on its own, for any module and any
+function: the one way nbtools changes a library's module right after it first
+runs (before a parent package takes names from it), without importing it.
+
 A failing integration is logged and never fails the launch or the user's import.
 This module is stdlib only.
 """
@@ -33,12 +37,14 @@ import importlib.abc
 import importlib.util
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 __all__ = [
     "Integration",
+    "after_import",
     "at_launch_end",
     "before_launch",
     "launch_ended",
@@ -134,6 +140,35 @@ def rank_started() -> None:
             _ImportWatch.add(integration.library, integration.in_rank)
 
 
+def after_import(module: str, fn: Callable[[ModuleType], None]) -> None:
+    """Call ``fn(module)`` once ``module`` (a dotted name) has first run in this process.
+
+    At once when it is already imported; else right after its code ran, before
+    the import statement that loaded it returns (so a parent package that takes
+    a name from it, ``from .x import f``, takes what ``fn`` left there). Nothing
+    is imported for this. A failing ``fn`` is logged and never fails the import.
+    The same ``fn`` registered twice for one module runs once.
+    """
+    loaded = sys.modules.get(module)
+    if loaded is not None:
+        _run(fn, loaded)
+    else:
+        _ImportWatch.add(module, fn)
+
+
+def _run(fn: Callable[[ModuleType], None], module: ModuleType) -> None:
+    try:
+        fn(module)
+    except Exception as exc:  # noqa: BLE001 - a hook never breaks the user's import
+        from nbtools._internal.log import get_logger
+
+        name = getattr(fn, "__qualname__", repr(fn))
+        get_logger("launch").warning(
+            "%s (after %s was imported) failed and was skipped: %s: %s",
+            name, module.__name__, type(exc).__name__, exc,
+        )
+
+
 class _Loader(importlib.abc.Loader):
     """Runs the real loader, puts it back on the module, then calls what waited for the module."""
 
@@ -151,7 +186,7 @@ class _Loader(importlib.abc.Loader):
             module.__loader__ = self._loader
             if module.__spec__ is not None:
                 module.__spec__.loader = self._loader
-        self._after(module.__name__)
+        self._after(module)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
@@ -163,11 +198,12 @@ class _ImportWatch(importlib.abc.MetaPathFinder):
     _instance: _ImportWatch | None = None
 
     def __init__(self) -> None:
-        self._waiting: dict[str, list[str]] = {}
+        # What waits for each module: "module:function" targets, or functions of the module.
+        self._waiting: dict[str, list[str | Callable[[ModuleType], None]]] = {}
         self._finding: set[str] = set()
 
     @classmethod
-    def add(cls, library: str, target: str) -> None:
+    def add(cls, library: str, target: str | Callable[[ModuleType], None]) -> None:
         with _LOCK:
             watch = cls._instance
             if watch is None or watch not in sys.meta_path:
@@ -190,10 +226,14 @@ class _ImportWatch(importlib.abc.MetaPathFinder):
         spec.loader = _Loader(spec.loader, self._imported)
         return spec
 
-    def _imported(self, library: str) -> None:
+    def _imported(self, module: ModuleType) -> None:
+        library = module.__name__
         with _LOCK:
             targets = self._waiting.pop(library, [])
             if not self._waiting and self in sys.meta_path:
                 sys.meta_path.remove(self)
         for target in targets:
-            _call(target, f"after the rank imported {library}")
+            if isinstance(target, str):
+                _call(target, f"after the rank imported {library}")
+            else:
+                _run(target, module)

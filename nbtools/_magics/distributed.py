@@ -28,7 +28,7 @@ __all__ = ["DistributedMagics", "format_status"]
 
 _USAGE = (
     "%distributed start [--processes N | --gpus N] [--max-restarts K] [--cluster ray] "
-    "[--nodes N] [--output all|rank0|none] | stop | status | restart | push NAME... | "
+    "[--nodes N] [--output all|rank0|none] [--rich-output rank0|all|none] | stop | status | restart | push NAME... | "
     "pull NAME..."
 )
 _NO_POOL = "no pool is running: start one with %distributed start --processes N (or --gpus N)"
@@ -61,6 +61,9 @@ def _parser() -> _Parser:
         start.add_argument("--nodes", type=_count, default=None)
         start.add_argument("--output", choices=["all", "rank0", "none"], default="all")
         start.add_argument("--hang-timeout", type=float, default=None, dest="hang_timeout")
+        start.add_argument(
+            "--rich-output", choices=["rank0", "all", "none"], default="rank0", dest="rich_output"
+        )
     sub.add_parser("stop", add_help=False)
     sub.add_parser("status", add_help=False)
     for name in ("push", "pull"):
@@ -82,7 +85,8 @@ class DistributedMagics(Magics):
         """Run cells on a pool of persistent ranks.
 
         Line: ``%distributed start [--processes N | --gpus N] [--max-restarts K]
-        [--cluster ray] [--nodes N] [--output all|rank0|none]``, ``stop``,
+        [--cluster ray] [--nodes N] [--output all|rank0|none]
+        [--rich-output rank0|all|none]``, ``stop``,
         ``status``, ``restart [options]``, ``push NAME...`` (notebook variables to
         every rank), ``pull NAME...`` (a list with each rank's value; several
         names: one list per name).
@@ -217,7 +221,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "processes": args.processes, "gpus": args.gpus, "max_restarts": args.max_restarts,
         "cluster": args.cluster, "nodes": args.nodes, "output": args.output,
-        "hang_timeout": args.hang_timeout,
+        "hang_timeout": args.hang_timeout, "rich_output": args.rich_output,
     }
 
 

@@ -96,6 +96,7 @@ def distributed(
     runtime_env: dict | None = None,
     keep_alive: bool = False,
     on_hang: str = "report",
+    rich_output: str = "rank0",
 ) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
 
 
@@ -112,6 +113,7 @@ def distributed(
     runtime_env: dict | None = None,
     keep_alive: bool = False,
     on_hang: str = "report",
+    rich_output: str = "rank0",
 ) -> Any:
     """Decorate a function so that ``fn.distributed(...)`` runs it on N ranks.
 
@@ -130,6 +132,15 @@ def distributed(
         output: ``"all"`` streams every rank's output, ``"rank0"`` only rank 0's,
             ``"none"`` nothing. Progress bars (carriage-return updates) are
             drawn for rank 0 only; the other ranks' finished lines still print.
+            This is about text (prints, logging, warnings); rich output is
+            ``rich_output``'s.
+        rich_output: where ``display()``, ``IPython.display`` objects, pandas
+            tables and matplotlib figures (``plt.show()``) from the ranks go:
+            ``"rank0"`` (default) shows rank 0's in the cell as the kernel
+            would (HTML, PNG, Markdown) and drops the other ranks'; ``"all"``
+            shows every rank's, each labelled ``[rank N]``; ``"none"``: ranks
+            print the text form, as a script would. Outside a kernel (a
+            script, a terminal) the text form is printed too.
         hang_timeout: seconds without progress after which a rank that others
             wait for is a hang: one warning names it, with every rank's Python
             stack. ``None`` (default): ten median step times, at least 60 s.
@@ -166,7 +177,7 @@ def distributed(
     config = LaunchConfig(
         gpus=gpus, processes=processes, max_restarts=max_restarts, output=output,
         hang_timeout=hang_timeout, cluster=cluster, nodes=nodes, runtime_env=runtime_env,
-        keep_alive=keep_alive, on_hang=on_hang,
+        keep_alive=keep_alive, on_hang=on_hang, rich_output=rich_output,
     )
 
     def decorate(target: Callable[..., R]) -> DistributedFunction[R]:

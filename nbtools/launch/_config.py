@@ -13,6 +13,7 @@ from typing import Any
 
 from nbtools.launch import _env
 from nbtools.launch._backend import LaunchBackend
+from nbtools.launch._display import RICH_OUTPUT_MODES
 from nbtools.launch._output import OUTPUT_MODES
 from nbtools.launch._runner import Plan
 
@@ -38,6 +39,7 @@ class LaunchConfig:
     runtime_env: dict | None = None
     keep_alive: bool = False
     on_hang: str = "report"
+    rich_output: str = "rank0"
 
     def __post_init__(self) -> None:
         _check_count("gpus", self.gpus)
@@ -56,6 +58,7 @@ class LaunchConfig:
             raise ValueError(
                 f"output must be one of {', '.join(OUTPUT_MODES)}; got {self.output!r}"
             )
+        _check_rich_output(self.rich_output)
         _check_hang_timeout(self.hang_timeout)
         _check_on_hang(self.on_hang)
         _check_cluster(self.cluster, self.nodes, self.runtime_env)
@@ -69,7 +72,7 @@ class LaunchConfig:
         """What makes two configurations share one kept pool (restarts and keep_alive aside)."""
         return (
             self.gpus, self.processes, self.cluster, self.nodes, repr(self.runtime_env),
-            self.output, self.hang_timeout,
+            self.output, self.hang_timeout, self.rich_output, self.on_hang,
         )
 
     def describe(self) -> str:
@@ -101,7 +104,8 @@ class LaunchConfig:
         world = self._world_size(backend)
         use_cuda = self.processes is None
         return Plan(
-            world, use_cuda, self.max_restarts, self.output, self.hang_timeout, self.on_hang
+            world, use_cuda, self.max_restarts, self.output, self.hang_timeout, self.on_hang,
+            self.rich_output,
         )
 
     def _world_size(self, backend: LaunchBackend) -> int:
@@ -149,6 +153,15 @@ def check_restarts(value: Any, *, allow_none: bool = False) -> None:
         )
     if value < 0:
         raise ValueError(f"max_restarts must be an integer >= 0, got {value!r}")
+
+
+def _check_rich_output(value: Any) -> None:
+    if not isinstance(value, str) or value not in RICH_OUTPUT_MODES:
+        raise ValueError(
+            f"rich_output must be one of {', '.join(map(repr, RICH_OUTPUT_MODES))} ('rank0': "
+            f"rank 0's displays and figures reach the cell, 'all': every rank's, labelled by "
+            f"rank, 'none': text only), got {value!r:.40}"
+        )
 
 
 def _check_hang_timeout(value: Any) -> None:

@@ -13,7 +13,9 @@ shows as the run's own), nbtools
   backend;
 
 the other ranks' rich output is dropped, as one cell shows one figure, not
-one per rank (their text output is kept). Each bundle is written to a file in the launch's private directory and a
+one per rank (their text output is kept), unless the launch asked for
+``rich_output="all"``: then every rank's reaches the cell, labelled by rank.
+Each bundle is written to a file in the launch's private directory and a
 marker line on the rank's stdout names it (:func:`publish`), so the kernel's
 output forwarder shows it in the cell in order with the text around it
 (:func:`show`), through the kernel's own ``display``. Outside a kernel the
@@ -24,14 +26,14 @@ from __future__ import annotations
 
 import base64
 import importlib
-import importlib.abc
-import importlib.util
 import itertools
 import json
 import os
 import sys
 import types
 from typing import Any
+
+from nbtools._internal import hooks
 
 __all__ = [
     "ENV",
@@ -42,6 +44,8 @@ __all__ = [
     "publish",
     "show",
     "mime_bundle",
+    "figure_bundle",
+    "reaches_cell",
     "shown",
 ]
 
@@ -95,16 +99,35 @@ def install() -> None:
         return  # rank 0 on another machine: text only
     if "MPLBACKEND" not in os.environ and "matplotlib.pyplot" not in sys.modules:
         os.environ["MPLBACKEND"] = _BACKEND
-    module = sys.modules.get(_DISPLAY_MODULE)
-    if module is not None:
-        _replace_display(module)
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
+    # Before ``IPython.display`` takes the name from its module (or now, if it already did).
+    hooks.after_import(_DISPLAY_MODULE, _replace_display)
 
 
 def shown() -> bool:
     """Whether this rank's rich output reaches the cell (False on ranks other than 0)."""
     return not _state.get("drop")
+
+
+def reaches_cell() -> bool:
+    """Whether this rank's rich output goes to a kernel's cell (else: text only)."""
+    return _state.get("dir") is not None
+
+
+def figure_bundle(obj: Any) -> dict[str, Any] | None:
+    """A matplotlib figure as the kernel's displayhook shows it; else None.
+
+    PNG with the text fallback where this rank's rich output reaches the cell
+    (:func:`reaches_cell`), else the text alone. The figure is closed either way,
+    as the inline backend closes a cell's figures once the cell ran.
+    """
+    if not _is_figure(obj):
+        return None
+    text = repr(obj)
+    png = _as_png(obj) if reaches_cell() else None
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is not None:
+        pyplot.close(obj)
+    return {"text/plain": text} if png is None else {"image/png": png, "text/plain": text}
 
 
 def publish(bundle: dict[str, Any]) -> None:
@@ -158,9 +181,13 @@ def mime_bundle(obj: Any, include: Any = None, exclude: Any = None) -> dict[str,
     return {key: _jsonable(value) for key, value in data.items()}
 
 
-def _as_png(obj: Any) -> str | None:
+def _is_figure(obj: Any) -> bool:
     figure_type = getattr(sys.modules.get("matplotlib.figure"), "Figure", None)
-    if figure_type is None or not isinstance(obj, figure_type):
+    return figure_type is not None and isinstance(obj, figure_type)
+
+
+def _as_png(obj: Any) -> str | None:
+    if not _is_figure(obj):
         return None
     import io
 
@@ -193,24 +220,3 @@ def _replace_display(module: types.ModuleType) -> None:
     package = sys.modules.get("IPython.display")
     if package is not None:
         package.display = _display  # type: ignore[attr-defined]
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Replaces IPython's ``display`` as soon as its module has run (one shot)."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != _DISPLAY_MODULE:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        loader = getattr(spec, "loader", None)
-        if spec is None or loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        run = loader.exec_module
-
-        def exec_module(module: types.ModuleType) -> None:
-            run(module)
-            _replace_display(module)  # before ``IPython.display`` takes the name from it
-
-        loader.exec_module = exec_module
-        return spec

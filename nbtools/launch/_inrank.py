@@ -29,8 +29,6 @@ These functions run in the rank only, never in the caller.
 from __future__ import annotations
 
 import builtins
-import importlib.abc
-import importlib.util
 import multiprocessing
 import sys
 import types
@@ -177,35 +175,10 @@ def separate_async_saves() -> None:
     (a save is collective), so every rank makes it at the same point. DCP is
     not imported for this: the change is made when user code imports it.
     """
-    module = sys.modules.get(_SAVER)
-    if module is not None:
-        _wrap_async_save(module)
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
+    hooks.after_import(_SAVER, _wrap_async_save)  # before ``dcp/__init__`` takes the name
 
 
 _SAVER = "torch.distributed.checkpoint.state_dict_saver"
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Wraps ``async_save`` as soon as DCP's saver module has run (one shot)."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != _SAVER:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        loader = getattr(spec, "loader", None)
-        if spec is None or loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        run = loader.exec_module
-
-        def exec_module(module: types.ModuleType) -> None:
-            run(module)
-            _wrap_async_save(module)  # before ``dcp/__init__`` takes the name from it
-
-        loader.exec_module = exec_module
-        return spec
 
 
 def _wrap_async_save(saver: types.ModuleType) -> None:

@@ -9,6 +9,9 @@ each handler's format and level) and set up again in each rank before the
 user's function runs (:func:`apply`), with handlers writing to the rank's
 stderr, so records reach the cell with the ``[rank N]`` prefix.
 
+A pool's ranks live across calls: the description is sent again with a call
+whenever the kernel's configuration changed since (``apply(text)``).
+
 A function's own configuration wins: ``logging.basicConfig`` in the rank
 replaces the kernel's handlers (as ``force=True`` would) as long as they are
 the only ones. nbtools' own records keep their own handler and are not
@@ -23,7 +26,7 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["ENV", "environment", "apply"]
+__all__ = ["ENV", "describe", "environment", "apply"]
 
 #: The variable that carries the kernel's root logger configuration (JSON) to the ranks.
 ENV = "NBTOOLS_KERNEL_LOGGING"
@@ -32,6 +35,16 @@ _OWN = "nbtools"
 
 def environment() -> dict[str, str]:
     """``{ENV: json}`` describing the kernel's root logger, or ``{}`` when it is the default."""
+    text = describe()
+    return {ENV: text} if text else {}
+
+
+def describe() -> str:
+    """The kernel's root logger as JSON (its level, each handler's format), or ``""``: the default.
+
+    A pool sends it again with a call when it changed since its ranks last got it, so
+    a configuration made after the pool started reaches its ranks too.
+    """
     root = logging.getLogger()
     handlers = []
     for handler in root.handlers:
@@ -54,19 +67,33 @@ def environment() -> dict[str, str]:
             }
         )
     if not handlers and root.level == logging.WARNING:
-        return {}
+        return ""
     unique = [h for i, h in enumerate(handlers) if h not in handlers[:i]]
-    return {ENV: json.dumps({"level": root.level, "handlers": unique})}
+    return json.dumps({"level": root.level, "handlers": unique})
 
 
-def apply() -> None:
-    """In a rank: configure the root logger as the kernel's was (see the module docstring)."""
-    text = os.environ.get(ENV)
+def apply(text: str | None = None) -> None:
+    """In a rank: configure the root logger as the kernel's is (see the module docstring).
+
+    Args:
+        text: a :func:`describe` of the kernel's logging; default: the one the rank
+            started with (``$NBTOOLS_KERNEL_LOGGING``). It replaces what an earlier
+            description set up; a configuration the rank's own code made is kept.
+    """
+    if text is None:
+        text = os.environ.get(ENV, "")
+    root = logging.getLogger()
+    ours = [h for h in root.handlers if getattr(h, "_nbtools_kernel", False)]
+    if len(ours) < len(root.handlers):
+        return  # the rank's code configured logging itself: its configuration wins
+    for handler in ours:
+        root.removeHandler(handler)
     if not text:
+        if ours:
+            root.setLevel(logging.WARNING)  # the kernel went back to Python's defaults
         return
     try:
         config = json.loads(text)
-        root = logging.getLogger()
         for spec in config["handlers"]:
             handler = logging.StreamHandler(sys.stderr)
             handler.setFormatter(

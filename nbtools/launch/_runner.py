@@ -53,6 +53,7 @@ class Plan:
     output: str
     hang_timeout: float | None = None
     on_hang: str = "report"
+    rich_output: str = "rank0"
 
     @property
     def backend(self) -> str:
@@ -102,7 +103,7 @@ def run(
             env={
                 **collector.environment(),
                 **_kernel_logging.environment(),
-                **_display.environment(attempt_dir),
+                **_display.environment(attempt_dir, plan.rich_output),
             },
         )
         os.mkdir(spec.attempt_dir)

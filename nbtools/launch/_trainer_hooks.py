@@ -1,7 +1,7 @@
 """Step reports from HF ``Trainer`` and Lightning ``Trainer``, with no code in the user's loop.
 
-:func:`install`, run once in a rank before the user's function, registers a
-post-import hook: when ``transformers.trainer`` or Lightning's trainer module
+:func:`install`, run at every rank's start before the user's function, registers a
+post-import hook (:func:`nbtools._internal.hooks.after_import`): when ``transformers.trainer`` or Lightning's trainer module
 is imported (or right away, if it already is), its ``Trainer`` gets a
 callback that calls :func:`nbtools.events.step` after each optimizer step,
 through the library's own callback interface. Nothing is imported that the
@@ -12,13 +12,13 @@ pays for one dictionary lookup per import.
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from nbtools import events
+from nbtools._internal import hooks
 from nbtools._internal.log import get_logger
 
 __all__ = ["install"]
@@ -82,39 +82,6 @@ _TARGETS: dict[str, Callable[[ModuleType], None]] = {
 }
 
 
-class _Loader(importlib.abc.Loader):
-    """The library's own loader, then the patch; everything else is the library's loader's."""
-
-    def __init__(self, inner: Any, patch: Callable[[ModuleType], None]) -> None:
-        self._inner = inner
-        self._patch = patch
-
-    def create_module(self, spec: Any) -> ModuleType | None:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._inner.exec_module(module)
-        _apply(self._patch, module)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        patch = _TARGETS.get(name)
-        if patch is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _Loader(spec.loader, patch)
-                return spec
-        return None
-
-
 def _apply(patch: Callable[[ModuleType], None], module: ModuleType) -> None:
     try:
         patch(module)
@@ -122,11 +89,13 @@ def _apply(patch: Callable[[ModuleType], None], module: ModuleType) -> None:
         _log.debug("step reports not added to %s", module.__name__, exc_info=True)
 
 
+def _patch(module: ModuleType) -> None:
+    patch = _TARGETS.get(module.__name__)
+    if patch is not None:
+        _apply(patch, module)
+
+
 def install() -> None:
     """Have HF and Lightning trainers in this process report their steps (idempotent)."""
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
-    for name, patch in _TARGETS.items():
-        module = sys.modules.get(name)
-        if module is not None:
-            _apply(patch, module)
+    for name in _TARGETS:
+        hooks.after_import(name, _patch)

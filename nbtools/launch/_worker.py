@@ -30,7 +30,15 @@ from dataclasses import dataclass, field
 
 from nbtools._internal.fs import free_bytes
 from nbtools.errors import PicklingError, ResultWriteError
-from nbtools.launch import _display, _inrank, _kernel_logging, _leftovers, _results
+from nbtools.launch import (
+    _display,
+    _inrank,
+    _kernel_logging,
+    _leftovers,
+    _rank_exit,
+    _results,
+    _trainer_hooks,
+)
 from nbtools.launch._env import settle_forkserver
 from nbtools.launch._leftovers import LEFTOVER_GRACE_S
 from nbtools.launch._records import GROUP_PHASE, failure_record, flush_events
@@ -133,9 +141,11 @@ def _run(payload: bytes, spec: RankSpec) -> None:
         torch.set_num_threads(int(threads))
     if spec.use_cuda:  # before anything in the payload can touch a device
         torch.cuda.set_device(spec.rank)
+    _rank_exit.watch()  # what the rank's code registers for interpreter exit runs at its end
     _inrank.mark_in_rank()
     _kernel_logging.apply()
     _display.install()
+    _trainer_hooks.install()  # HF and Lightning trainers report their steps
     _inrank.restore_start_method()
     _inrank.guard_user_group_calls(spec.backend)
     # Unpickle after the guards are in place: a function that refers to
@@ -188,6 +198,8 @@ def _finish(spec: RankSpec) -> None:
         # Peers usually return together: look again soon, then back off for a long wait.
         time.sleep(delay)
         delay = min(delay * 2, _RELEASE_POLL_S[1])
+    # What the rank's code registered for interpreter exit (W&B ends its wandb-core there).
+    _rank_exit.run()
     if _leftovers.has_children():
         # Loaders that only a reference cycle keeps alive shut their workers down cleanly now.
         gc.collect()

@@ -9,6 +9,7 @@ and a model of the cell's class must come back from every rank.
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -204,3 +205,93 @@ def test_rich_output_of_a_distributed_cell_reaches_that_cell(kernel):
         assert len(rich) == 1 and "<table" in rich[0].data["text/html"], outputs
     finally:
         kernel.run("%distributed stop")
+
+
+def _rich(cell) -> list:
+    return [o for o in cell.outputs if o.output_type == "display_data"]
+
+
+def test_rich_output_all_shows_every_ranks_display_labelled_by_rank(kernel):
+    source = textwrap.dedent("""\
+        @distributed(processes=2{option})
+        def shows():
+            import torch.distributed as dist
+            from IPython.display import HTML, display
+
+            display(HTML(f"<b>from rank {{dist.get_rank()}}</b>"))
+
+        shows.distributed()
+    """)
+    kernel.run(source.format(option=""))
+    html = [o.data.get("text/html") for o in _rich(kernel.nb.cells[-1])]
+    assert html == ["<b>from rank 0</b>"], html  # the default: rank 0's only
+
+    text = kernel.run(source.format(option=', rich_output="all"'))
+    html = sorted(o.data.get("text/html") for o in _rich(kernel.nb.cells[-1]))
+    assert html == ["<b>from rank 0</b>", "<b>from rank 1</b>"], html
+    assert "[rank 1]" in text  # whose it is
+
+
+def test_a_figure_left_as_the_last_expression_of_a_pool_cell_shows_as_png(kernel):
+    kernel.run("%load_ext nbtools\n%distributed start --processes 2")
+    try:
+        kernel.run(textwrap.dedent("""\
+            %%distributed
+            import matplotlib.pyplot as plt
+            fig = plt.figure()
+            plt.plot([1, 2, 3])
+            fig
+        """))
+        rich = _rich(kernel.nb.cells[-1])
+        png = [o for o in rich if "image/png" in o.data]
+        assert len(png) == 1 and len(png[0].data["image/png"]) > 1000, rich
+        assert png[0].data["text/plain"].startswith("[rank 0] <Figure")
+        # rank 1's value stays text (rich_output="rank0"), as it did before
+        assert any(o.data["text/plain"].startswith("[rank 1] <Figure") for o in rich), rich
+        # the figure was shown and closed, as the inline backend closes a cell's figures
+        kernel.run("%%distributed\nopen_figures = len(plt.get_fignums())")
+        assert kernel.eval("%distributed pull open_figures") == [0, 0]
+    finally:
+        kernel.run("%distributed stop")
+
+
+def test_logging_configured_after_a_pool_started_reaches_its_ranks_on_the_next_call(kernel):
+    kernel.run("%load_ext nbtools\n%distributed start --processes 2")
+    try:
+        kernel.run(textwrap.dedent("""\
+            import logging
+            logging.basicConfig(level=logging.INFO, format="LATE|%(name)s|%(message)s", force=True)
+        """))
+        text = kernel.run(textwrap.dedent("""\
+            %%distributed
+            import logging
+            logging.getLogger("train").info("after the start")
+        """))
+        assert "[rank 0] LATE|train|after the start" in text, text
+        assert "[rank 1] LATE|train|after the start" in text, text
+        kernel.run('logging.getLogger().handlers[0].setFormatter(logging.Formatter("AGAIN %(message)s"))')
+        text = kernel.run('%%distributed\nlogging.getLogger("train").info("changed")')
+        assert "[rank 0] AGAIN changed" in text and "LATE|" not in text, text
+    finally:
+        kernel.run("%distributed stop")
+
+
+def test_autoresume_names_its_body_after_its_own_cell(kernel, tmp_path):
+    import nbformat
+    from nbclient.exceptions import CellExecutionError
+
+    kernel.run("%load_ext nbtools")
+    kernel.run("model = torch.nn.Linear(2, 1)\noptimizer = torch.optim.SGD(model.parameters(), lr=0.1)")
+    cell = nbformat.v4.new_code_cell(
+        f"%%autoresume {tmp_path / 'ckpt'} --every 5 --state model,optimizer\n"
+        "for step in range(start_step, 2):\n"
+        "    checkpoint(step)\n"
+        "raise ValueError('diverged')\n"
+    )
+    kernel.nb.cells.append(cell)
+    with pytest.raises(CellExecutionError):
+        kernel.client.execute_cell(cell, len(kernel.nb.cells) - 1)
+    number = cell.execution_count  # from the kernel's execute reply
+    lines = [line for o in cell.outputs if o.output_type == "error" for line in o.traceback]
+    traceback = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(lines))
+    assert f"Cell In[{number}], line 4" in traceback, traceback

@@ -163,3 +163,44 @@ def test_lightning_fabric_ddp_attaches_to_the_ranks(kernel):
     assert [(r["world"], r["group"], r["rank"]) for r in results] == [(2, 2, 0), (2, 2, 1)]
     assert all(r["rank_sum"] == 1.0 for r in results)
     _check_half_each(results)
+
+
+def _wandb_services() -> list[int]:
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if "wandb-core" in " ".join(proc.info["cmdline"] or []):
+            found.append(proc.info["pid"])
+    return found
+
+
+@requires("wandb")
+def test_wandb_offline_in_ranks_ends_without_a_warning_and_leaves_nothing_running(
+    kernel, tmp_path
+):
+    import time
+
+    before = set(_wandb_services())
+    text = kernel.run(textwrap.dedent(f"""\
+        @distributed(processes=2)
+        def tracked():
+            import torch.distributed as dist
+            import wandb
+
+            rank = dist.get_rank()
+            run = wandb.init(mode="offline", dir={str(tmp_path)!r}, project="nbtools", name=f"rank{{rank}}")
+            for i in range(3):
+                run.log({{"loss": 1.0 / (i + 1)}})
+            run.finish()
+            print("finished", rank)
+
+        tracked.distributed()
+    """))
+    assert "[rank 0] finished 0" in text and "[rank 1] finished 1" in text, text
+    assert "left a process running" not in text and "End what a rank starts" not in text, text
+    assert len(list(tmp_path.glob("wandb/offline-run-*"))) == 2  # both runs were recorded
+    deadline = time.monotonic() + 30
+    while set(_wandb_services()) - before and time.monotonic() < deadline:
+        time.sleep(0.2)  # the services were stopped with the ranks; let the OS reap them
+    assert not set(_wandb_services()) - before

@@ -35,11 +35,28 @@ def square(x):
         ({"processes": 2, "hang_timeout": -5}, ValueError, "positive"),
         ({"processes": 2, "hang_timeout": float("inf")}, ValueError, "finite"),
         ({"processes": 2, "hang_timeout": float("nan")}, ValueError, "finite"),
+        (
+            {"processes": 2, "rich_output": "rank1"}, ValueError,
+            "rich_output must be one of 'rank0', 'all', 'none'",
+        ),
+        ({"processes": 2, "rich_output": None}, ValueError, "rich_output must be one of"),
     ],
 )
 def test_bad_options_are_refused(kwargs, error, words):
     with pytest.raises(error, match=words):
         distributed(**kwargs)
+
+
+def test_rich_output_is_kept_and_reaches_the_plan_and_a_pools_options():
+    from nbtools.launch import RankPool
+
+    fn = distributed(processes=2, rich_output="all")(square)
+    assert fn.rich_output == "all" and distributed(processes=2)(square).rich_output == "rank0"
+    from nbtools.launch._local import LocalBackend
+
+    assert fn.config.plan(LocalBackend()).rich_output == "all"
+    with pytest.raises(ValueError, match="rich_output"):
+        RankPool(processes=1, rich_output="every")  # refused before any rank starts
 
 
 def test_hang_timeout_is_kept():

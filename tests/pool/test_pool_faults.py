@@ -127,3 +127,28 @@ def test_an_interrupt_that_ranks_do_not_return_from_restarts_the_pool(monkeypatc
         assert set(pool.pids).isdisjoint(pids)
         with pytest.raises(NameError):
             pool.pull("x")
+
+
+@pytest.mark.slow
+def test_on_hang_restart_replaces_hung_ranks_and_names_them():
+    since = _since()
+    with RankPool(processes=2, hang_timeout=3, on_hang="restart", output="none") as pool:
+        pool.execute(_SETUP)
+        pids = pool.pids
+        with pytest.raises(DistributedError) as info:
+            pool.execute(
+                "import signal\n"
+                "from nbtools import events\n"
+                "for step in range(1000):\n"
+                "    time.sleep(0.05)\n"
+                "    if dist.get_rank() == 1 and step == 10:\n"
+                "        os.kill(os.getpid(), signal.SIGSTOP)  # stopped: its peer waits\n"
+                "    dist.all_reduce(torch.ones(1))\n"
+                "    events.step(step)\n"
+            )
+        message = str(info.value)
+        assert "rank 1" in message and "restarted with 2 fresh ranks" in message, message
+        assert pool.restarts == 1 and set(pool.pids).isdisjoint(pids)
+        assert pool.execute("1 + 1") == [2, 2]
+    hangs = [e.rank for e in events.log(since=since, kinds=["hang"]) if not e.fields.get("ended")]
+    assert hangs == [1]

@@ -20,6 +20,8 @@ def test_a_cell_without_a_pool_is_one_clear_line(ip):
         ip.run_line_magic("distributed", "pull x")
     with pytest.raises(UsageError, match="Usage"):
         ip.run_line_magic("distributed", "begin")
+    with pytest.raises(UsageError, match="--rich-output.*'every'.*choose from 'rank0', 'all', 'none'"):
+        ip.run_line_magic("distributed", "start --processes 1 --rich-output every")
 
 
 def test_bad_input_to_a_running_pool_is_one_clear_line(ip, capsys):

@@ -107,3 +107,29 @@ def test_a_large_push_is_shared_in_memory_once_and_closed_after_the_call():
         assert x[0] == 1.0 and [float(v[0]) for v in pool.pull("x")] == [5.0, 5.0]
         pool.execute("del x\nimport gc\ngc.collect()")
         assert pool.execute("open('/proc/self/maps').read().count('nbtools-push')") == [0, 0]
+
+
+def _entries() -> set[str]:
+    return {f"/dev/shm/{n}" for n in os.listdir("/dev/shm")} | {
+        f"/tmp/{n}" for n in os.listdir("/tmp")
+    }
+
+
+@pytest.mark.slow
+def test_ranks_that_cannot_open_the_kernels_memory_files_get_pushes_by_socket(monkeypatch):
+    # What a rank meets under a hardened /proc (hidepid, another user): it cannot open
+    # /proc/<kernel pid>/fd/N. The variable makes every rank take that path here.
+    monkeypatch.setenv("NBTOOLS_POOL_SHARED_MEMORY", "0")
+    before = _entries()
+    x = torch.randn(64 * _MIB // 4, generator=torch.Generator().manual_seed(3))  # 64 MiB
+    with RankPool(processes=2, output="none") as pool:
+        pool.push(x=x)
+        assert _memory_files() == []
+        assert pool.execute("open('/proc/self/maps').read().count('nbtools-push')") == [0, 0]
+        sums = pool.execute("(x.numel(), float(x.double().sum()), float(x[-1]))")
+        assert sums == [(x.numel(), float(x.double().sum()), float(x[-1]))] * 2
+        assert all(torch.equal(b, x) for b in pool.pull("x"))
+        pool.execute("x += 1")  # the received tensor is the rank's own, writable
+        assert all(torch.equal(b, x + 1) for b in pool.pull("x"))
+    left = {e for e in _entries() - before if not os.path.basename(e).startswith("sem.")}
+    assert not left, left

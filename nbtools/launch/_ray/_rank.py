@@ -30,7 +30,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from nbtools.launch import _display, _inrank, _kernel_logging, _leftovers
+from nbtools.launch import _display, _inrank, _kernel_logging, _leftovers, _trainer_hooks
 from nbtools.launch._leftovers import LEFTOVER_GRACE_S
 from nbtools.launch._ray import _ray_compat
 from nbtools.launch._records import GROUP_PHASE, failure_record
@@ -152,6 +152,7 @@ class RankActor:
         _inrank.mark_in_rank()
         _kernel_logging.apply()
         _display.install()
+        _trainer_hooks.install()  # HF and Lightning trainers report their steps
         _inrank.restore_start_method()
         _inrank.guard_user_group_calls(spec["backend"])
         fn, args, kwargs = cloudpickle.loads(payload)

@@ -294,6 +294,8 @@ class _Handshake:
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ChannelClosed(f"the rank's introduction is not valid: {hello!r:.200}")
         self.link.rank = rank
+        # A rank that cannot open the kernel's memory files gets large buffers by socket.
+        self.link.share_memory = self.link.share_memory and hello.get("shared_memory") is True
         return hello
 
     def close(self) -> None:

@@ -14,6 +14,13 @@ descriptor number, each buffer's offset and length) in place of the buffers;
 the rank opens the file through ``/proc/<pid>/fd/<n>``, which only processes
 of the same user may do.
 
+Where a rank cannot open ``/proc/<pid>/fd/<n>`` (``/proc`` mounted with
+``hidepid``, a kernel of another user, ptrace restrictions), it says so when it
+connects (:func:`can_open_shared`, in its hello) and the kernel streams that
+rank's buffers through its socket instead, straight from the kernel's tensor
+memory in chunks (no copy on the kernel's side), into one mapping per buffer on
+the rank's. ``NBTOOLS_POOL_SHARED_MEMORY=0`` asks for that path everywhere.
+
 Nothing is left behind: the file has no name, the kernel closes its
 descriptor once the call is over (:class:`SharedBuffers` is closed when the
 frame is dropped), and the memory goes when the last rank unmaps it.
@@ -42,6 +49,8 @@ __all__ = [
     "open_shared",
     "SHARED_AT_LEAST",
     "SHARED_FLAG",
+    "SHARED_ENV",
+    "can_open_shared",
 ]
 
 HEADER = struct.Struct("!QQ")  # the pickle's length, the number of out-of-band buffers
@@ -91,6 +100,25 @@ class SharedBuffers:
     def close(self) -> None:
         """Close the kernel's descriptor; ranks that mapped the file keep their mappings."""
         self._closer()
+
+
+#: ``0`` in a rank's environment: large buffers come through the socket, never by shared memory.
+SHARED_ENV = "NBTOOLS_POOL_SHARED_MEMORY"
+
+
+def can_open_shared(pid: int) -> bool:
+    """Whether this process may open the memory files of process ``pid`` (rank side).
+
+    Opening ``/proc/<pid>/fd/<n>`` and listing ``/proc/<pid>/fd`` pass the same
+    check (same user, ptrace access), so the listing answers for every file.
+    """
+    if os.environ.get(SHARED_ENV, "").strip() == "0":
+        return False
+    try:
+        os.listdir(f"/proc/{int(pid)}/fd")
+    except OSError:
+        return False
+    return True
 
 
 def open_shared(descriptor: bytes) -> list[Any]:

@@ -34,7 +34,7 @@ from nbtools.errors import LaunchError
 from nbtools.launch import _inrank, _payload, _sources
 from nbtools.launch._config import LaunchConfig, check_restarts
 from nbtools.launch.pool._errors import failures_of, rank_errors
-from nbtools.launch.pool._ranks import RanksInterrupted, RanksLost, RanksStuck
+from nbtools.launch.pool._ranks import RanksHung, RanksInterrupted, RanksLost, RanksStuck
 from nbtools.launch.pool._registry import CallGuard, owned, register, unregister
 from nbtools.launch.pool._restarts import Generations, release
 
@@ -54,9 +54,18 @@ class RankPool:
             Neither: every visible GPU.
         max_restarts: how many times ranks that died are replaced by fresh
             ones (state lost) before the pool stops; ``None``: no limit.
-        output: ``"all"``, ``"rank0"`` or ``"none"``: whose output the calls show.
+        output: ``"all"``, ``"rank0"`` or ``"none"``: whose text output the calls show.
+        rich_output: ``"rank0"`` (default), ``"all"`` or ``"none"``: whose rich output
+            (``display()``, figures, a cell's last value as HTML or PNG) reaches the
+            cell; with ``"all"`` each rank's is labelled ``[rank N]``. See
+            :func:`nbtools.distributed`.
         hang_timeout: seconds without output after which a call prints every
-            rank's stack once (the call goes on).
+            rank's stack once (the call goes on); with progress reports, the hang
+            bound (see :func:`nbtools.distributed`).
+        on_hang: ``"report"`` (default) warns and keeps waiting; ``"restart"``
+            ends the call with a ``DistributedError`` naming the hung ranks and
+            replaces the ranks with fresh ones (state lost), counted against
+            ``max_restarts`` as a rank that died.
         cluster: ``None`` (this machine) or ``"ray"``; ``nodes`` and
             ``runtime_env`` as for ``@distributed``.
 
@@ -79,6 +88,8 @@ class RankPool:
         cluster: str | None = None,
         nodes: int | None = None,
         runtime_env: dict | None = None,
+        rich_output: str = "rank0",
+        on_hang: str = "report",
     ) -> None:
         if _inrank.in_rank():
             raise LaunchError(
@@ -88,7 +99,8 @@ class RankPool:
         # The same checks and sizes as @distributed with these options.
         config = LaunchConfig(
             processes=processes, gpus=gpus, output=output, hang_timeout=hang_timeout,
-            cluster=cluster, nodes=nodes, runtime_env=runtime_env,
+            cluster=cluster, nodes=nodes, runtime_env=runtime_env, rich_output=rich_output,
+            on_hang=on_hang,
         )
         self._open(config, max_restarts)
 
@@ -318,7 +330,9 @@ class RankPool:
                 hooks.before_launch(uses)  # integrations from above (e.g. a new MLflow store)
             ranks.forwarder.localize = localize  # stack dumps name this call's cell code
             try:
-                replies = ranks.call(op, arg, self._plan.hang_timeout)
+                replies = ranks.call(
+                    op, arg, self._plan.hang_timeout, ranks.call_setup(), self._plan.on_hang
+                )
             except RanksInterrupted as exc:
                 self._gens.after_interrupt(exc)
                 interrupt = KeyboardInterrupt()
@@ -328,6 +342,8 @@ class RankPool:
                 raise self._gens.after_stuck(exc, localize) from None
             except RanksLost as exc:
                 raise self._gens.after_loss(exc) from None
+            except RanksHung as exc:
+                raise self._gens.after_hang(exc) from None
             failures = failures_of(replies, self._gens.restarts, localize)
             if failures:
                 raise rank_errors(op, failures) from None

@@ -41,9 +41,10 @@ import time
 import types
 from typing import Any
 
-from nbtools.launch import _inrank, _results
+from nbtools.launch import _display, _inrank, _kernel_logging, _results
 from nbtools.launch._records import failure_record, flush_events
 from nbtools.launch.pool._channel import ChannelClosed, Link, connect
+from nbtools.launch.pool._frames import can_open_shared
 
 __all__ = ["serve"]
 
@@ -51,12 +52,21 @@ __all__ = ["serve"]
 OK, ERROR, INTERRUPTED = "ok", "error", "interrupted"
 
 
-def serve(address: str | tuple[str, int], key: bytes, use_cuda: bool) -> None:
-    """Serve the pool's commands on this rank until the kernel says stop or goes away."""
+def serve(
+    address: str | tuple[str, int], key: bytes, use_cuda: bool, kernel_pid: int | None = None
+) -> None:
+    """Serve the pool's commands on this rank until the kernel says stop or goes away.
+
+    ``kernel_pid``: the kernel's process on this machine, whose memory files large
+    pushes come in (:mod:`nbtools.launch.pool._frames`); None for ranks elsewhere.
+    """
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    hello = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()}
+    shared = isinstance(address, str) and kernel_pid is not None and can_open_shared(kernel_pid)
+    hello = {
+        "rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "shared_memory": shared,
+    }
     link = connect(address, key, hello)
     server = _Server(link, rank, use_cuda)
     try:
@@ -132,10 +142,12 @@ class _Server:
                 message = self.inbox.get()
                 if message is None:
                     return
-                seq, op, arg = message
+                seq, op, arg, *setup = message
                 if op == "stop":
                     self._reply(seq, OK, None)
                     return
+                if setup and setup[0]:
+                    _setup(setup[0])
                 self._reply(seq, *self._handle(seq, op, arg))
             except KeyboardInterrupt:
                 continue  # an interrupt that arrived just after the command ended
@@ -279,6 +291,12 @@ class _Server:
 _MISSING = object()
 
 
+def _setup(setup: dict[str, Any]) -> None:
+    """What the kernel changed since the last call, applied before the command runs."""
+    if "logging" in setup:
+        _kernel_logging.apply(setup["logging"])  # logging configured after the pool started
+
+
 class _WakeableSleep:
     """``time.sleep`` for one thread that an interrupt ends at once; other threads sleep as before.
 
@@ -344,9 +362,16 @@ class _Unpicklable(TypeError):
 
 
 def _bundle(value: Any) -> dict[str, str] | None:
-    """What the notebook displays for a cell's last value (formatted here, like ipyparallel)."""
+    """What the notebook displays for a cell's last value (formatted here, like ipyparallel).
+
+    A matplotlib figure is a PNG, as the kernel's displayhook shows it, where this
+    rank's rich output reaches the cell (``rich_output``).
+    """
     if value is None:
         return None
+    figure = _display.figure_bundle(value)
+    if figure is not None:
+        return figure
     bundle = {"text/plain": repr(value)}
     html = getattr(value, "_repr_html_", None)
     if callable(html) and not isinstance(value, type):

@@ -21,6 +21,7 @@ prints reaches the cell that runs the command, before the call returns.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from typing import Any, TextIO
@@ -29,6 +30,7 @@ import cloudpickle
 
 from nbtools import events
 from nbtools._internal.log import get_logger
+from nbtools.launch import _kernel_logging
 from nbtools.launch._backend import Failed, Finished, GroupSpec, LaunchBackend, RankGroup
 from nbtools.launch._output import OutputForwarder
 from nbtools.launch._runner import report_leftovers
@@ -37,6 +39,7 @@ from nbtools.launch.pool._rank import OK, serve
 
 __all__ = [
     "Ranks",
+    "RanksHung",
     "RanksLost",
     "RanksStuck",
     "RanksInterrupted",
@@ -78,6 +81,15 @@ class RanksStuck(Exception):
         super().__init__("ranks stuck")
         self.replies = replies
         self.pending = pending
+
+
+class RanksHung(Exception):
+    """A hang was reported during a call whose pool restarts on hangs (``on_hang="restart"``)."""
+
+    def __init__(self, report: events.HangReport, replies: dict[int, tuple[str, Any]]) -> None:
+        super().__init__("ranks hung")
+        self.report = report
+        self.replies = replies
 
 
 class RanksInterrupted(Exception):
@@ -127,6 +139,8 @@ class Ranks:
         self._ended = False
         self._wrote = False  # whether a rank wrote output during the current command
         self._next_check = 0.0  # when a long write next looks at the ranks
+        #: The kernel's logging as these ranks have it (``_kernel_logging.describe()``).
+        self.logging = ""
 
     @classmethod
     def start(
@@ -146,7 +160,10 @@ class Ranks:
             Listener(spec.world_size, host=_driver_address()) if remote
             else Listener(spec.world_size, directory=spec.attempt_dir)
         )
-        payload = cloudpickle.dumps((serve, (listener.address, listener.key, spec.use_cuda), {}))
+        kernel_pid = None if remote else os.getpid()  # whose memory files large pushes use
+        payload = cloudpickle.dumps(
+            (serve, (listener.address, listener.key, spec.use_cuda, kernel_pid), {})
+        )
         spec = GroupSpec(
             payload, spec.world_size, spec.use_cuda, spec.run_id, spec.restart_count,
             spec.max_restarts, spec.attempt_dir, spec.env,
@@ -161,6 +178,7 @@ class Ranks:
             stderr or _Follow("stderr"),
         )
         ranks = cls(group, forwarder, listener, spec.world_size, remote)
+        ranks.logging = spec.env.get(_kernel_logging.ENV, "")
         try:
             ranks._connect()
         except BaseException:
@@ -194,27 +212,43 @@ class Ranks:
 
     # --- commands --------------------------------------------------------------------
 
-    def call(self, op: str, arg: Any, hang_timeout: float | None = None) -> dict[int, tuple]:
+    def call(
+        self, op: str, arg: Any, hang_timeout: float | None = None,
+        setup: dict[str, Any] | None = None, on_hang: str = "report",
+    ) -> dict[int, tuple]:
         """Send one command to every rank; every rank's ``(kind, data)`` answer.
+
+        ``setup`` is applied by each rank before the command runs (``{"logging":
+        ...}``: the kernel's logging configuration, see :meth:`call_setup`).
 
         Raises:
             RanksLost, RanksStuck, RanksInterrupted: see the module docstring.
+            RanksHung: a hang was reported and ``on_hang`` is ``"restart"``.
         """
         self._seq += 1
         seq = self._seq
         self._wrote = False
-        data = frame((seq, op, arg))
+        data = frame((seq, op, arg, setup))
         replies: dict[int, tuple] = {}
         try:
             for link in self.links.values():
                 link.send_frame(data, self._while_sending)
-            self._gather(seq, replies, hang_timeout=hang_timeout)
+            self._gather(seq, replies, hang_timeout=hang_timeout, on_hang=on_hang)
         except KeyboardInterrupt:
             self._interrupted(seq, replies)
         except ChannelClosed:
             raise RanksLost(self._death(), replies) from None
         self._settle()
         return replies
+
+    def call_setup(self) -> dict[str, Any] | None:
+        """What the next call must bring the ranks up to date with: the kernel's logging
+        when it changed since they last got it (else None: nothing to send)."""
+        described = _kernel_logging.describe()
+        if described == self.logging:
+            return None
+        self.logging = described
+        return {"logging": described}
 
     def _while_sending(self) -> None:
         """While a rank is slow to take a big frame: forward output, notice a death."""
@@ -252,16 +286,16 @@ class Ranks:
 
     def _gather(
         self, seq: int, replies: dict[int, tuple], *, deadline: float | None = None,
-        hang_timeout: float | None = None,
+        hang_timeout: float | None = None, on_hang: str = "report",
     ) -> None:
         # Hangs are judged from the ranks' progress reports while a call runs.
         dog = events.Watchdog(len(self.links), hang_timeout=hang_timeout)
         with contextlib.nullcontext() if deadline is not None else dog:
-            self._gather_replies(seq, replies, dog, deadline, hang_timeout)
+            self._gather_replies(seq, replies, dog, deadline, hang_timeout, on_hang)
 
     def _gather_replies(
         self, seq: int, replies: dict[int, tuple], dog: events.Watchdog,
-        deadline: float | None, hang_timeout: float | None,
+        deadline: float | None, hang_timeout: float | None, on_hang: str = "report",
     ) -> None:
         started = time.monotonic()
         next_poll = started + _GROUP_POLL_S
@@ -301,6 +335,8 @@ class Ranks:
                 raise RanksStuck(replies, sorted(set(self.links) - set(replies)))
             for report in dog.take_reports():
                 _log.warning("%s", report.text)
+                if on_hang == "restart":
+                    raise RanksHung(report, replies)
             if dog.reporting:
                 continue
             quiet = now - max(started, self.forwarder.last_output)

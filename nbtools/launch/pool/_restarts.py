@@ -32,11 +32,13 @@ from nbtools.launch import _display, _kernel_logging
 from nbtools.launch._backend import Failed, GroupSpec, LaunchBackend
 from nbtools.launch._failures import RankFailure, describe
 from nbtools.launch._runner import Plan, until_formed
+from nbtools.launch._watch import hang_failure
 from nbtools.launch.pool._errors import failures_of, first, plural, ranks_text
 from nbtools.launch.pool._ranks import (
     INTERRUPT_GRACE_S,
     PEER_GRACE_S,
     Ranks,
+    RanksHung,
     RanksInterrupted,
     RanksLost,
     RanksStuck,
@@ -110,7 +112,7 @@ class Generations:
             env={
                 **self.collector.environment(),
                 **_kernel_logging.environment(),
-                **_display.environment(attempt_dir),
+                **_display.environment(attempt_dir, self.plan.rich_output),
             },
         )
         try:
@@ -153,6 +155,12 @@ class Generations:
         )
         return DistributedError(message, failures)
 
+    def after_hang(self, exc: RanksHung) -> DistributedError:
+        """A hang with ``on_hang="restart"``: fresh ranks, counted as a death; the error."""
+        outcome = hang_failure(exc.report)
+        headline = describe(outcome.failures, outcome.first)
+        return self._after_death(outcome.failures, headline, "ranks hung")
+
     def after_loss(self, exc: RanksLost) -> DistributedError:
         """A rank died: fresh ranks, or the pool stops after too many deaths; the error."""
         outcome = exc.outcome
@@ -162,6 +170,11 @@ class Generations:
         else:
             failures = outcome.failures
             headline = describe(failures, outcome.first, returned=outcome.returned)
+        return self._after_death(failures, headline, "a rank died")
+
+    def _after_death(
+        self, failures: dict[int, RankFailure], headline: str, reason: str
+    ) -> DistributedError:
         self._deaths += 1
         if self.max_restarts is not None and self._deaths > self.max_restarts:
             self.stopped = (
@@ -172,7 +185,7 @@ class Generations:
             note = self.stopped + "; call pool.restart() (%distributed restart) to start fresh ranks"
             events.emit("failure", headline.splitlines()[0], pool=True)
         else:
-            note = self.replace("a rank died")
+            note = self.replace(reason)
         return DistributedError(f"{headline}\n\n{note}", failures)
 
     # --- replacing ----------------------------------------------------------------------
