@@ -100,18 +100,21 @@ def _reference():
     "damage, expected",
     [
         ("own", [(1, 6, "memory"), (1, 6, "replica")]),  # rank 1's step 6 from rank 0's replica
+        ("node", [(1, 6, "memory"), (1, 6, "replica")]),  # its whole node's memory lost
         ("both", [(1, 5, "volume"), (1, 5, "volume")]),  # no source of step 6 left for rank 1
     ],
 )
 def test_a_rank_whose_snapshot_is_lost_restores_from_its_replica_else_the_volume(
     tmp_path, shm, damage, expected
 ):
-    # A run of 2 ranks on one node that keeps one replica of each rank's snapshot on the other.
-    # Rank 1 is killed at step 7; before that it damages its own newest slot ("own"), or that and
-    # the replica rank 0 holds of it ("both").
+    # A run of 2 ranks that keeps one replica of each rank's snapshot on the other, each rank
+    # with a snapshot directory of its own (a node's memory). Rank 1 is killed at step 7; before
+    # that it damages its own newest slot ("own"), and removes its directory ("node") or the
+    # replica rank 0 holds of it ("both").
     def _train(root, damage):
         import glob
         import os
+        import shutil
         import signal
 
         import torch
@@ -123,7 +126,11 @@ def test_a_rank_whose_snapshot_is_lost_restores_from_its_replica_else_the_volume
         torch.manual_seed(0)
         net = torch.nn.Linear(4, 4)
         opt = torch.optim.Adam(net.parameters(), lr=0.1)
+        rank = dist.get_rank()
+        # Each rank's snapshots in a directory of its own: two nodes' memories, on one machine.
         base = os.environ["NBTOOLS_SNAPSHOT_DIR"]
+        os.environ["NBTOOLS_SNAPSHOT_DIR"] = node = os.path.join(base, f"node{rank}")
+        os.makedirs(node, exist_ok=True)
         with CheckpointManager(root, every=5, memory_every=2, replicas=1) as ckpt:
             start = ckpt.restore(model=net, optimizer=opt)
             for step in range(start, 10):
@@ -137,15 +144,17 @@ def test_a_rank_whose_snapshot_is_lost_restores_from_its_replica_else_the_volume
                 if step == 7 and get_restart_count() == 0:
                     ckpt.wait()  # step 6's snapshots and replicas are complete on both ranks
                     dist.barrier()
-                    if dist.get_rank() == 1:
-                        own = sorted(glob.glob(f"{base}/*/*/r1-*.slot"), key=os.path.getmtime)
+                    if rank == 1:
+                        own = sorted(glob.glob(f"{node}/*/*/r1-*.slot"), key=os.path.getmtime)
                         with open(own[-1], "r+b") as fh:
                             fh.seek(-64, os.SEEK_END)
                             byte = fh.read(1)
                             fh.seek(-64, os.SEEK_END)
                             fh.write(bytes([byte[0] ^ 0xFF]))
+                        if damage == "node":  # the node's memory is gone with it
+                            shutil.rmtree(node)
                         if damage == "both":
-                            for path in glob.glob(f"{base}/*/*/x1-h0-*.slot"):
+                            for path in glob.glob(f"{base}/node0/*/*/x1-h0-*.slot"):
                                 os.unlink(path)
                         os.kill(os.getpid(), signal.SIGKILL)
         weights = [p.detach().clone() for p in net.parameters()]
@@ -157,7 +166,7 @@ def test_a_rank_whose_snapshot_is_lost_restores_from_its_replica_else_the_volume
     results = job.distributed(str(tmp_path / "root"), damage)
     assert [r[:3] for r in results] == expected
     restored = [e for e in events.log(kinds=["checkpoint_restored"]) if e.rank == 0]
-    assert restored[-1].fields["tier"] == {"own": "replica", "both": "volume"}[damage]
+    assert restored[-1].fields["tier"] == ("volume" if damage == "both" else "replica")
     reference = _reference()
     for _, _, _, weights in results:  # bit-exact with an uninterrupted run
         assert all(torch.equal(a, b) for a, b in zip(weights, reference, strict=True))

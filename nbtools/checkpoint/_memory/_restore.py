@@ -1,10 +1,12 @@
 """Restoring from memory: the newest step every rank can get, from its own slot or a peer's.
 
-A collective. Every rank tells the others which steps it holds: its own slots
-and the replicas it keeps for its peers. The newest step that every rank can
-get (from its own slot, else from a rank holding its replica) is chosen, if it
-is at least as new as the volume's newest checkpoint. Each rank then reads its
-own slot, or receives its replica from the holder over the replicas' group;
+A collective. Every rank tells the others which slots its node holds: of any
+rank, its own or a replica (a restarted rank may sit on another node than its
+predecessor; whoever sits on the node holding a slot serves it). The newest
+step that every rank can get (from its own node, else from a rank on a node
+holding it) is chosen, if it is at least as new as the volume's newest
+checkpoint. Each rank then reads its slot, or receives it from that rank over
+the replicas' group;
 every byte is checked against the slot's checksum. A source that fails (a
 damaged slot, a replica that arrives damaged) is dropped and the choice is
 made again, so a rank whose own slot is corrupt takes the step from its
@@ -48,33 +50,42 @@ def _check_fits(kinds: _state.Objects, state: dict[str, Any], where: str) -> Non
 
 
 def _choose(
-    offers: list[dict[str, Any]], bad: set[Source], volume_step: int | None
+    offers: list[list[tuple[int, int]]], bad: set[Source], volume_step: int | None
 ) -> tuple[int, list[int]] | None:
     """The newest step every rank can get, and the rank each one gets it from."""
     world = len(offers)
     avail: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(world)]
     for rank, offer in enumerate(offers):
-        for step in offer["own"]:
-            if (rank, rank, step) not in bad:
-                avail[rank][step].append(rank)
-        for owner, step in offer["held"]:
-            if 0 <= owner < world and (rank, owner, step) not in bad:
-                avail[owner][step].append(rank)
+        for owner, held in offer:
+            if 0 <= owner < world and (rank, owner, held) not in bad:
+                avail[owner][held].append(rank)
     common = set(avail[0]).intersection(*(set(a) for a in avail[1:]))
     step = max(common, default=None)
     if step is None or (volume_step is not None and step < volume_step):
         return None
-    # Its own slot first (no transfer), then the holders in rank order.
     plan = []
-    for owner in range(world):
+    for owner in range(world):  # from its own node first (no transfer), else a peer's
         sources = avail[owner][step]
         plan.append(owner if owner in sources else min(sources))
     return step, plan
 
 
-def _fetch(tier: MemoryTier, step: int, plan: list[int]) -> tuple[Any, int, list[Source]]:
-    """This rank's body of ``step`` as ``plan`` says, serving the replicas it holds on the
-    way: ``(body, tensor region bytes, failed sources)`` (body None when it failed)."""
+def _read_any(tier: MemoryTier, owner: int, step: int) -> tuple[bytearray, _slots.Slot]:
+    """The first slot of ``owner``'s ``step`` on this node that reads back whole."""
+    why = f"rank {tier.rank}'s node holds no slot of it any more"
+    for slot in (s for s in tier.visible(owner) if s.step == step):
+        try:
+            return _slots.read_slot(slot), slot
+        except (OSError, CheckpointError) as exc:
+            _log.warning("not using %s: %s", slot.path, exc)
+            why = str(exc)
+    raise CheckpointError(why)
+
+
+def _fetch(tier: MemoryTier, step: int, plan: list[int]) -> tuple[Any, int, list[Source], str]:
+    """This rank's body of ``step`` as ``plan`` says, serving the other ranks whose source
+    it is on the way: ``(body, tensor region bytes, failed sources, tier)`` (body None when
+    it failed; tier ``"memory"`` for its own slot, ``"replica"`` for a replica)."""
     me, group = tier.rank, tier.group
     failed: list[Source] = []
     works: list[Any] = []
@@ -82,13 +93,10 @@ def _fetch(tier: MemoryTier, step: int, plan: list[int]) -> tuple[Any, int, list
     for owner, source in enumerate(plan):
         if source != me or owner == me:
             continue
-        slot = next((s for s in tier.held([owner]) if s.step == step), None)
         try:
-            if slot is None:
-                raise CheckpointError(f"rank {me} no longer holds it")
-            data = _slots.read_slot(slot)
-        except Exception as exc:  # noqa: BLE001 - the owner must hear, then try elsewhere
-            _log.warning("the replica of rank %d's step %d on rank %d: %s", owner, step, me, exc)
+            data, slot = _read_any(tier, owner, step)
+        except CheckpointError as exc:  # the owner must hear, then try elsewhere
+            _log.warning("rank %d cannot serve rank %d's step %d: %s", me, owner, step, exc)
             failed.append((me, owner, step))
             works += _replicas.send_body(group, owner, None, 0, 0)
             continue
@@ -96,14 +104,13 @@ def _fetch(tier: MemoryTier, step: int, plan: list[int]) -> tuple[Any, int, list
         works += _replicas.send_body(group, owner, tensor_of(data), slot.data_len, slot.crc)
     body: Any = None
     data_len = 0
+    mine = "replica"
     if plan[me] == me:
-        slot = next((s for s in tier.own() if s.step == step), None)
         try:
-            if slot is None:
-                raise CheckpointError(f"rank {me}'s snapshot of step {step} is gone")
-            body, data_len = _slots.read_slot(slot), slot.data_len
-        except Exception as exc:  # noqa: BLE001
-            _log.warning("not using rank %d's own snapshot of step %d: %s", me, step, exc)
+            body, slot = _read_any(tier, me, step)
+            data_len, mine = slot.data_len, "memory" if slot.holder is None else "replica"
+        except CheckpointError as exc:
+            _log.warning("rank %d has no usable snapshot of step %d: %s", me, step, exc)
             failed.append((me, me, step))
     else:
         got = _replicas.receive_body(group, plan[me])
@@ -116,7 +123,7 @@ def _fetch(tier: MemoryTier, step: int, plan: list[int]) -> tuple[Any, int, list
                 failed.append((plan[me], me, step))
     for work in works:
         work.wait()
-    return body, data_len, failed
+    return body, data_len, failed, mine
 
 
 def memory_restore(
@@ -131,11 +138,9 @@ def memory_restore(
     changed) when the volume must be used.
     """
     tier.wait()
-    replicas = tier.group is not None
-    offer = {
-        "own": sorted({s.step for s in tier.own()}),
-        "held": sorted({(s.rank, s.step) for s in tier.held()}) if replicas else [],
-    }
+    # Without the replicas' group a rank can serve only itself.
+    owners = range(tier.world) if tier.group is not None else [tier.rank]
+    offer = sorted({(o, s.step) for o in owners for s in tier.visible(o)})
     offers = gather(pg, offer)
     bad: set[Source] = set()
     for _ in range(_ROUNDS):
@@ -143,7 +148,7 @@ def memory_restore(
         if chosen is None:
             return None
         step, plan = chosen
-        body, data_len, failed = _fetch(tier, step, plan)
+        body, data_len, failed, mine = _fetch(tier, step, plan)
         failures = [tuple(f) for fs in gather(pg, failed) for f in fs]
         if not failures:
             break
@@ -166,12 +171,11 @@ def memory_restore(
         _log.warning("not restoring step %d from memory (%s); using the volume", step, first)
         return None
     _state.apply_state(kinds, state, blob)
-    mine = "memory" if plan[tier.rank] == tier.rank else "replica"
-    from_peers = [o for o, s in enumerate(plan) if s != o]
+    from_peers = [r for r, t in enumerate(gather(pg, mine)) if t == "replica"]
     _log.info(
         "restored step %d from %s; resuming at step %d",
         step,
-        f"memory (ranks {from_peers} from their replicas)" if from_peers else "memory",
+        f"memory (ranks {from_peers} from replicas)" if from_peers else "memory",
         step + 1,
     )
     return step, blob, mine, bool(from_peers)

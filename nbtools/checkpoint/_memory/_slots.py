@@ -51,6 +51,7 @@ __all__ = [
     "read_slot",
     "slots",
     "replicas",
+    "visible",
     "remove",
     "drop_job_if_empty",
     "sweep",
@@ -64,6 +65,8 @@ _MAGIC = b"NBTSNAP1"
 #: Bytes before the payload: the magic, then the JSON header padded with spaces.
 HEADER_BYTES = 4096
 _KEEPER = "keeper"
+#: ``holder`` of :func:`visible`: a slot of any rank, its owner's own or a replica.
+ANY = -1
 _TMP = ".tmp-"
 
 
@@ -296,7 +299,7 @@ def _trusted(
         return None, f"a damaged header ({exc})"
     if head.get("job") != key or slot.rank != owner or slot.world != world:
         return None, "a snapshot of another job, rank or world size"
-    if slot.holder != holder:
+    if holder != ANY and slot.holder != holder:
         return None, f"held for rank {slot.holder}, not {holder}"
     if info.st_size != HEADER_BYTES + slot.size or not 0 <= slot.data_len <= slot.size:
         return None, f"{info.st_size} bytes where its header says {HEADER_BYTES + slot.size}"
@@ -316,6 +319,14 @@ def replicas(
     for owner in range(world) if owners is None else owners:
         if owner != holder:
             yield from _scan(directory, key, world, replica_prefix(owner, holder), owner, holder)
+
+
+def visible(directory: str, key: str, owner: int, world: int) -> Iterator[Slot]:
+    """Every trusted slot of ``owner`` in ``directory``: its own, then the replicas of it
+    that any rank keeps (a restarted rank may sit on another node than before: whoever
+    is on the node that holds a slot can serve it)."""
+    yield from _scan(directory, key, world, own_prefix(owner), owner, None)
+    yield from _scan(directory, key, world, f"x{owner}", owner, ANY)
 
 
 def read_slot(slot: Slot) -> bytearray:

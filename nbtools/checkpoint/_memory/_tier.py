@@ -140,6 +140,10 @@ class MemoryTier:
         found = _slots.replicas(self.directory, self.key, self.rank, self.world, owners)
         return sorted(found, key=lambda s: s.step)
 
+    def visible(self, owner: int) -> list[_slots.Slot]:
+        """Every trusted slot of ``owner`` on this node: its own first, then replicas."""
+        return list(_slots.visible(self.directory, self.key, owner, self.world))
+
     def steps(self) -> list[int]:
         """Steps this rank holds a snapshot of, newest first."""
         self.wait()
