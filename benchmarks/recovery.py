@@ -24,8 +24,10 @@ Figures:
   the new ranks, forming the group), ``kill_to_restore_started_s`` that plus
   building the model and the manager; ``phases_s`` splits the whole into
   ``detect_and_stop_survivors`` (kill to the launcher's ``rank_failed`` event),
-  ``start_ranks`` (to the restarted rank 0's process creation), ``form_group``
-  (to its training function), ``build_model_and_manager``, ``restore`` and
+  ``start_ranks`` (to the restarted rank 0's process creation, or the
+  launcher's ``restart`` event for a process it had started ahead),
+  ``form_group`` (to its training function: the group's rendezvous and the
+  function's arrival), ``build_model_and_manager``, ``restore`` and
   ``first_step``, and ``dominant_phase`` names the longest;
 - ``steps_trained_again``: the steps between the restored step and the kill;
 - ``volume_bytes_read_on_restore``: object bytes the server served during the
@@ -186,10 +188,13 @@ def _phases(result: dict, killed: float, since: float) -> dict:
     restart = [e.time for e in events.log(since=since, kinds=["restart"])]
     failed_at = seen[0] if seen else killed
     restart_at = restart[0] if restart else failed_at
+    # The launcher may hold rank processes started ahead of need: a process created before
+    # the restart counts from the restart.
+    started = max(result["created"], restart_at)
     phases = {
         "detect_and_stop_survivors": failed_at - killed,
-        "start_ranks": max(0.0, result["created"] - restart_at) + (restart_at - failed_at),
-        "form_group": result["entered"] - result["created"],
+        "start_ranks": started - failed_at,
+        "form_group": result["entered"] - started,
         "build_model_and_manager": result["restoring"] - result["entered"],
         "restore": result["restored_at"] - result["restoring"],
         "first_step": result["first_done"] - result["restored_at"],
