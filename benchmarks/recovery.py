@@ -22,7 +22,13 @@ Figures:
   ``kill_to_rank_started_s`` the part before the restarted rank 0 ran the
   training function (detecting the failure, stopping the survivors, starting
   the new ranks, forming the group), ``kill_to_restore_started_s`` that plus
-  building the model and the manager;
+  building the model and the manager; ``phases_s`` splits the whole into
+  ``detect_and_stop_survivors`` (kill to the launcher's ``rank_failed`` event),
+  ``start_ranks`` (to the restarted rank 0's process creation, or the
+  launcher's ``restart`` event for a process it had started ahead),
+  ``form_group`` (to its training function: the group's rendezvous and the
+  function's arrival), ``build_model_and_manager``, ``restore`` and
+  ``first_step``, and ``dominant_phase`` names the longest;
 - ``steps_trained_again``: the steps between the restored step and the kill;
 - ``volume_bytes_read_on_restore``: object bytes the server served during the
   restart's restore (goal for memory: 0);
@@ -79,6 +85,12 @@ def _train(cfg: dict) -> dict:
     from _restore_servers import s3_served
 
     entered = time.time()
+    try:
+        import psutil
+
+        created = psutil.Process().create_time()  # the rank's process was started (forked)
+    except ImportError:
+        created = entered
     torch.set_num_threads(1)
     rank, attempt = dist.get_rank(), get_restart_count()
     every, memory_every, kill_at = cfg["every"], cfg["memory_every"], cfg["kill_at"]
@@ -102,7 +114,7 @@ def _train(cfg: dict) -> dict:
     began, restoring = time.perf_counter(), time.time()
     start = ckpt.restore(model=model, optimizer=opt)
     dist.barrier()
-    restore_s = time.perf_counter() - began
+    restore_s, restored_at = time.perf_counter() - began, time.time()
     read = served() - before if rank == 0 else 0
     end = kill_at + 1 if attempt == 0 else start + 1 + _AFTER
     done: list[float] = []
@@ -153,15 +165,46 @@ def _train(cfg: dict) -> dict:
         "tier": ckpt.restored_tier,
         "restore_s": restore_s,
         "entered": entered,
+        "created": created,
         "restoring": restoring,
+        "restored_at": restored_at,
         "read": read,
         "first_done": done[0],
         "state_mb": state_bytes / 2**20,
     }
 
 
+def _phases(result: dict, killed: float, since: float) -> dict:
+    """Where the time from the kill to the next completed step went, phase by phase.
+
+    The launcher's ``rank_failed`` event marks the failure seen and the survivors
+    stopped (it is emitted once the attempt's ranks have all ended), its ``restart``
+    event the start of the new attempt; the restarted rank 0 reports when its process
+    was created, when it entered the training function, when its restore began and ended.
+    """
+    from nbtools import events
+
+    seen = [e.time for e in events.log(since=since, kinds=["rank_failed"])]
+    restart = [e.time for e in events.log(since=since, kinds=["restart"])]
+    failed_at = seen[0] if seen else killed
+    restart_at = restart[0] if restart else failed_at
+    # The launcher may hold rank processes started ahead of need: a process created before
+    # the restart counts from the restart.
+    started = max(result["created"], restart_at)
+    phases = {
+        "detect_and_stop_survivors": failed_at - killed,
+        "start_ranks": started - failed_at,
+        "form_group": result["entered"] - started,
+        "build_model_and_manager": result["restoring"] - result["entered"],
+        "restore": result["restored_at"] - result["restoring"],
+        "first_step": result["first_done"] - result["restored_at"],
+    }
+    return {k: round(v, 2) for k, v in phases.items()}
+
+
 def _launch(cfg: dict) -> dict:
     job = distributed(processes=4, max_restarts=1, output="none")(_train)
+    since = time.time()
     result = job.distributed(cfg)[0]
     with open(cfg["first"]) as fh:
         first = json.load(fh)
@@ -180,6 +223,9 @@ def _launch(cfg: dict) -> dict:
         "steps_per_s": round((len(done) - 1) / (done[-1] - done[0]), 3),
         "state_mb_per_rank": round(result["state_mb"], 1),
     }
+    phases = _phases(result, killed, since)
+    figures["phases_s"] = phases
+    figures["dominant_phase"] = max(phases, key=lambda k: phases[k])
     copy = statistics.median(first["copies"][1:])  # past the first (it faults the pages in)
     figures["plain_copy_s"] = round(copy, 4)
     if first["blocked"]:

@@ -13,7 +13,7 @@ from nbtools.checkpoint._storage._target import Target
 from nbtools.errors import CheckpointError
 
 __all__ = [
-    "positive", "check_step", "check_extra", "check_writable", "save_verdict", "SaveCase",
+    "positive", "non_negative", "check_step", "check_extra", "check_writable", "save_verdict", "SaveCase",
     "SaveVerdict",
 ]
 
@@ -26,6 +26,17 @@ def positive(name: str, value: int | None) -> int | None:
         raise TypeError(f"{name} must be an int or None, not {type(value).__name__}")
     if value < 1:
         raise ValueError(f"{name} must be at least 1 (or None), got {value}")
+    return value
+
+
+def non_negative(name: str, value: int | None) -> int | None:
+    """``value`` when it is None or an int of at least 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int or None, not {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be at least 0 (or None), got {value}")
     return value
 
 

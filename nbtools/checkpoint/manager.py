@@ -27,7 +27,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from nbtools import runtime
+from nbtools import events, runtime
 from nbtools._internal.log import get_logger
 from nbtools._internal.runinfo import active_mlflow_run_id
 from nbtools.checkpoint import _report, _state
@@ -37,6 +37,7 @@ from nbtools.checkpoint._checks import (
     check_extra,
     check_step,
     check_writable,
+    non_negative,
     positive,
     save_verdict,
 )
@@ -45,7 +46,9 @@ from nbtools.checkpoint._errors import unwrap
 from nbtools.checkpoint._forks import track
 from nbtools.checkpoint._host_buffers import ReusableStager
 from nbtools.checkpoint._lease import WriterLease
-from nbtools.checkpoint._memory._tier import MemoryTier, agreed_volume_step, memory_restore, report
+from nbtools.checkpoint._memory._replicas import peers
+from nbtools.checkpoint._memory._restore import agreed_volume_step, memory_restore, report
+from nbtools.checkpoint._memory._tier import MemoryTier
 from nbtools.checkpoint._quiet import quiet_single_process_warning
 from nbtools.checkpoint._report import SaveTiming
 from nbtools.checkpoint._restore import restore_newest
@@ -101,13 +104,20 @@ class CheckpointManager:
         memory_every: ``maybe_save`` also snapshots the same state into node-local
             shared memory (``/dev/shm``, or ``NBTOOLS_SNAPSHOT_DIR``) when
             ``step % memory_every == 0``; the snapshots outlive a killed rank, and
-            ``restore`` loads the newest step every rank holds from there when it
+            ``restore`` loads the newest step every rank can get from there when it
             is at least as new as the volume's. None (the default): no snapshots.
+        replicas: With ``memory_every``, how many peer ranks also hold each rank's
+            snapshot, on other nodes (the same local rank on the next nodes), sent
+            in the background over the job's process group; a rank whose own
+            snapshot is lost (its node gone, its slot damaged) restores from a
+            peer's. None (the default): 1 when the job spans several nodes, else 0.
+            Asked for explicitly on a single node, the next ranks hold them.
 
     Attributes:
         restored_step: Step of the checkpoint ``restore`` loaded, or None.
-        restored_tier: Where ``restore`` loaded it from: ``"memory"`` or
-            ``"volume"`` (None before a restore, or when there was nothing).
+        restored_tier: Where ``restore`` loaded this rank's state from: ``"memory"``
+            (its own snapshot), ``"replica"`` (a peer's copy of it) or ``"volume"``
+            (None before a restore, or when there was nothing).
         last_saved_step: Step of the last checkpoint completed and published
             (by this manager, or the one restored).
         mlflow_run_id: MLflow run id of the restored checkpoint or of the last save
@@ -129,9 +139,14 @@ class CheckpointManager:
         save_on_close: bool = True,
         takeover: bool = False,
         memory_every: int | None = None,
+        replicas: int | None = None,
     ) -> None:
         self.every = positive("every", every)
         self.memory_every = positive("memory_every", memory_every)
+        self.replicas = non_negative("replicas", replicas)
+        if self.replicas is None:
+            nodes, _ = peers(runtime.get_world_size(), runtime.get_local_world_size())
+            self.replicas = 1 if nodes > 1 else 0
         self.keep = positive("keep", keep)
         if not isinstance(save_on_close, bool):
             raise TypeError(f"save_on_close must be a bool, not {type(save_on_close).__name__}")
@@ -180,7 +195,9 @@ class CheckpointManager:
         self._deferred = False  # a due save waits for the lease's verdict
         # A manager dropped without close() (a notebook cell run again) frees the root.
         self._release = weakref.finalize(self, self._lease.release if self._lease else _noop)
-        self._memory = MemoryTier(self.memory_every, self.root) if self.memory_every else None
+        self._memory = (
+            MemoryTier(self.memory_every, self.root, self.replicas) if self.memory_every else None
+        )
         self._failed = False  # closed on an error: snapshots stay for the restart
         self._closed = False
 
@@ -221,9 +238,9 @@ class CheckpointManager:
             volume_step = agreed_volume_step(self._pg, self._target)
             got = memory_restore(self._memory, _state.classify(objs), self._pg, volume_step)
             if got is not None:
-                held, snapshot = got
-                report(held, time.perf_counter() - started)
-                self.restored_step, self.restored_tier, self.skipped = held, "memory", []
+                held, snapshot, tier, any_replica = got
+                report(held, time.perf_counter() - started, "replica" if any_replica else "memory")
+                self.restored_step, self.restored_tier, self.skipped = held, tier, []
                 self.last_saved_step = volume_step
                 self.extra = dict(snapshot.get("extra") or {})
                 self.mlflow_run_id = snapshot.get("mlflow_run_id")
@@ -250,28 +267,16 @@ class CheckpointManager:
         """
         self._check_open()
         check_step(step)
+        events.step(step)  # a loop that saves through the manager is seen progressing
         check_extra(extra)
         self._raise_failed()
         self._last_seen = (step, dict(objs), extra)
         if self._memory is not None and self._memory.due(step):
-            self._snapshot(step, objs, extra)
+            run_id = active_mlflow_run_id() or self.mlflow_run_id
+            self._memory.snapshot_objects(step, _state.classify(objs), extra or {}, run_id)
         if not self._deferred and (self.every is None or step % self.every != 0):
             return False
-        return self.save(step, extra=extra, **objs)
-
-    def _snapshot(self, step: int, objs: dict[str, Any], extra: dict[str, Any] | None) -> None:
-        """This rank's memory snapshot of ``step``: the state a checkpoint of it holds."""
-        assert self._memory is not None
-        run_id = active_mlflow_run_id() or self.mlflow_run_id
-        state = _state.build_state(
-            step,
-            _state.classify(objs),
-            runtime.get_rank(),
-            runtime.get_world_size(),
-            extra or {},
-            run_id,
-        )
-        self._memory.snapshot(step, state)
+        return self._save(step, extra, objs)
 
     def save(self, step: int, *, extra: dict[str, Any] | None = None, **objs: Any) -> bool:
         """Checkpoint ``objs`` as ``step`` (asynchronously unless ``async_save=False``).
@@ -291,6 +296,10 @@ class CheckpointManager:
         """
         self._check_open()
         check_step(step)
+        events.step(step)
+        return self._save(step, extra, objs)
+
+    def _save(self, step: int, extra: dict[str, Any] | None, objs: dict[str, Any]) -> bool:
         check_extra(extra)
         self.wait()
         kinds = _state.classify(objs)
@@ -431,7 +440,7 @@ class CheckpointManager:
         _log.info("saving step %d, the last one reached, on close", step)
         if self._lease is not None:
             self._lease.settle()  # a watch of the lease in progress: close may wait for it
-        self.save(step, extra=seen[2], **seen[1])
+        self._save(step, seen[2], seen[1])
         self.wait()
 
     def close(self, *, final_save: bool | None = None) -> None:

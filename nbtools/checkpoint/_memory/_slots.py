@@ -7,10 +7,13 @@ job's snapshots (the launching process of the ranks), and each rank keeps at
 most two complete snapshots, ``r<rank>-<random>.slot`` (mode 0600): its newest
 and the one before, so a rank killed while it writes a snapshot (the third
 file, under a temporary name) leaves the previous ones whole, and every rank
-still holds the step before.
+still holds the step before. A rank that holds a peer's replicas keeps at most
+two of each, ``x<owner>-h<holder>-<random>.slot``. Files being written are
+``.tmp-r<writer>-...``: a restarted rank removes what it left half-written.
 
 A slot opens with a fixed-size header (JSON: job, rank, world size, step,
-payload size and CRC-32), then the payload. A slot is used only when it is a
+payload size and CRC-32, the size of its tensor region, and for a replica the
+rank holding it), then the payload. A slot is used only when it is a
 regular file of this user with mode 0600, in a directory of this user that
 nobody else can write, and its header, size and checksum agree; anything else
 is skipped with a warning, like a corrupt checkpoint.
@@ -41,8 +44,14 @@ __all__ = [
     "job_path",
     "job_dir",
     "write_slot",
+    "own_prefix",
+    "replica_prefix",
+    "claim",
+    "publish",
     "read_slot",
     "slots",
+    "replicas",
+    "visible",
     "remove",
     "drop_job_if_empty",
     "sweep",
@@ -56,6 +65,8 @@ _MAGIC = b"NBTSNAP1"
 #: Bytes before the payload: the magic, then the JSON header padded with spaces.
 HEADER_BYTES = 4096
 _KEEPER = "keeper"
+#: ``holder`` of :func:`visible`: a slot of any rank, its owner's own or a replica.
+ANY = -1
 _TMP = ".tmp-"
 
 
@@ -118,6 +129,10 @@ class Slot:
     step: int
     size: int
     crc: int
+    #: Bytes of the tensor region at the payload's start (see ``_format``).
+    data_len: int = 0
+    #: The rank holding this slot for its owner ``rank``; None for the owner's own.
+    holder: int | None = None
 
 
 class _Crc:
@@ -136,7 +151,7 @@ class _Crc:
         self.fh.flush()
 
 
-def _open_temporary(tmp: str, reuse: Slot | None) -> int:
+def _open_temporary(tmp: str, reuse: Slot | None, mode: int = os.O_WRONLY) -> int:
     """A descriptor for writing ``tmp``: ``reuse``'s file renamed to it when that works
     (its memory pages are overwritten, cheaper on tmpfs than a new file's), else a new file."""
     if reuse is not None:
@@ -146,11 +161,11 @@ def _open_temporary(tmp: str, reuse: Slot | None) -> int:
             pass
         else:
             try:
-                return os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW)
+                return os.open(tmp, mode | os.O_NOFOLLOW)
             except OSError:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
-    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    return os.open(tmp, mode | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
 
 
 def write_slot(
@@ -193,6 +208,38 @@ def write_slot(
     return Slot(final, rank, world, step, body.size, body.crc)
 
 
+def own_prefix(rank: int) -> str:
+    """The name prefix of ``rank``'s own slots."""
+    return f"r{rank}"
+
+
+def replica_prefix(owner: int, holder: int) -> str:
+    """The name prefix of ``owner``'s replicas that ``holder`` keeps."""
+    return f"x{owner}-h{holder}"
+
+
+def claim(directory: str, writer: int, prefix: str, reuse: Slot | None) -> tuple[str, int]:
+    """A temporary file for ``writer``'s next slot named ``prefix``, open for reading and
+    writing: ``reuse``'s file when that works, else a new one. Its path and descriptor."""
+    tmp = os.path.join(directory, f"{_TMP}r{writer}-{prefix}-{secrets.token_hex(8)}")
+    fd = _open_temporary(tmp, reuse, os.O_RDWR)
+    return tmp, fd
+
+
+def publish(fd: int, tmp: str, directory: str, prefix: str, head: dict[str, Any]) -> str:
+    """Write ``head`` at the start of the temporary file ``tmp`` and give it its slot name.
+
+    The file's payload must be complete: from here it is a slot. Returns its path.
+    """
+    data = _MAGIC + json.dumps(head).encode()
+    if len(data) > HEADER_BYTES:
+        raise CheckpointError("snapshot header too long (a job key of over 3 KB)")
+    os.pwrite(fd, data.ljust(HEADER_BYTES, b" "), 0)
+    final = os.path.join(directory, f"{prefix}-{secrets.token_hex(16)}.slot")
+    os.rename(tmp, final)
+    return final
+
+
 def _header(fh: IO[bytes]) -> dict[str, Any]:
     data = fh.read(HEADER_BYTES)
     if len(data) != HEADER_BYTES or not data.startswith(_MAGIC):
@@ -203,15 +250,15 @@ def _header(fh: IO[bytes]) -> dict[str, Any]:
     return head
 
 
-def slots(directory: str, key: str, rank: int, world: int) -> Iterator[Slot]:
-    """The complete snapshots of ``rank`` in ``directory`` whose file and header can be
-    trusted (the checksum is checked on :func:`read_slot`); others are skipped with a warning."""
+def _scan(
+    directory: str, key: str, world: int, prefix: str, owner: int, holder: int | None
+) -> Iterator[Slot]:
     try:
         names = sorted(os.listdir(directory))
     except FileNotFoundError:
         return
     for name in names:
-        if not (name.startswith(f"r{rank}-") and name.endswith(".slot")):
+        if not (name.startswith(f"{prefix}-") and name.endswith(".slot")):
             continue
         path = os.path.join(directory, name)
         try:
@@ -220,52 +267,84 @@ def slots(directory: str, key: str, rank: int, world: int) -> Iterator[Slot]:
             _log.warning("skipping snapshot %s: cannot open it (%s)", path, exc)
             continue
         with os.fdopen(fd, "rb") as fh:
-            info = os.fstat(fd)
-            why = None
-            if not stat.S_ISREG(info.st_mode):
-                why = "not a regular file"
-            elif info.st_uid != os.geteuid() or info.st_mode & 0o077:
-                why = f"owned by uid {info.st_uid} with mode {info.st_mode & 0o777:o}, not 600"
-            else:
-                try:
-                    head = _header(fh)
-                    slot = Slot(
-                        path,
-                        int(head["rank"]),
-                        int(head["world"]),
-                        int(head["step"]),
-                        int(head["size"]),
-                        int(head["crc"]),
-                    )
-                except (ValueError, KeyError, TypeError) as exc:
-                    why = f"a damaged header ({exc})"
-                else:
-                    if head.get("job") != key or slot.rank != rank or slot.world != world:
-                        why = "a snapshot of another job, rank or world size"
-                    elif info.st_size != HEADER_BYTES + slot.size:
-                        why = (
-                            f"{info.st_size} bytes where its header says {HEADER_BYTES + slot.size}"
-                        )
-            if why is not None:
-                _log.warning("skipping snapshot %s: %s", path, why)
-                continue
+            slot, why = _trusted(fh, path, key, world, owner, holder)
+        if slot is None:
+            _log.warning("skipping snapshot %s: %s", path, why)
+            continue
         yield slot
 
 
-def read_slot(slot: Slot) -> bytes:
-    """The payload of ``slot``, checked against its CRC-32.
+def _trusted(
+    fh: IO[bytes], path: str, key: str, world: int, owner: int, holder: int | None
+) -> tuple[Slot | None, str]:
+    """The slot open as ``fh`` when its file and header can be trusted, else why not."""
+    info = os.fstat(fh.fileno())
+    if not stat.S_ISREG(info.st_mode):
+        return None, "not a regular file"
+    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        return None, f"owned by uid {info.st_uid} with mode {info.st_mode & 0o777:o}, not 600"
+    try:
+        head = _header(fh)
+        slot = Slot(
+            path,
+            int(head["rank"]),
+            int(head["world"]),
+            int(head["step"]),
+            int(head["size"]),
+            int(head["crc"]),
+            int(head.get("data_len", 0)),
+            None if head.get("holder") is None else int(head["holder"]),
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        return None, f"a damaged header ({exc})"
+    if head.get("job") != key or slot.rank != owner or slot.world != world:
+        return None, "a snapshot of another job, rank or world size"
+    if holder != ANY and slot.holder != holder:
+        return None, f"held for rank {slot.holder}, not {holder}"
+    if info.st_size != HEADER_BYTES + slot.size or not 0 <= slot.data_len <= slot.size:
+        return None, f"{info.st_size} bytes where its header says {HEADER_BYTES + slot.size}"
+    return slot, ""
+
+
+def slots(directory: str, key: str, rank: int, world: int) -> Iterator[Slot]:
+    """The complete snapshots of ``rank`` in ``directory`` whose file and header can be
+    trusted (the checksum is checked on :func:`read_slot`); others are skipped with a warning."""
+    return _scan(directory, key, world, own_prefix(rank), rank, None)
+
+
+def replicas(
+    directory: str, key: str, holder: int, world: int, owners: list[int] | None = None
+) -> Iterator[Slot]:
+    """The trusted replicas ``holder`` keeps in ``directory``, of ``owners`` (None: all)."""
+    for owner in range(world) if owners is None else owners:
+        if owner != holder:
+            yield from _scan(directory, key, world, replica_prefix(owner, holder), owner, holder)
+
+
+def visible(directory: str, key: str, owner: int, world: int) -> Iterator[Slot]:
+    """Every trusted slot of ``owner`` in ``directory``: its own, then the replicas of it
+    that any rank keeps (a restarted rank may sit on another node than before: whoever
+    is on the node that holds a slot can serve it)."""
+    yield from _scan(directory, key, world, own_prefix(owner), owner, None)
+    yield from _scan(directory, key, world, f"x{owner}", owner, ANY)
+
+
+def read_slot(slot: Slot) -> bytearray:
+    """The payload of ``slot`` (a writable buffer), checked against its CRC-32.
 
     Raises:
         CheckpointError: The file changed or its bytes do not match the checksum.
     """
+    data = bytearray(slot.size)
     fd = os.open(slot.path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as fh:
+    with os.fdopen(fd, "rb", buffering=0) as fh:
         fh.seek(HEADER_BYTES)
-        data = fh.read()
-    if len(data) != slot.size or zlib.crc32(data) != slot.crc:
+        got = fh.readinto(data) or 0
+        extra = fh.read(1)
+    if got != slot.size or extra or zlib.crc32(data) != slot.crc:
         raise CheckpointError(
             f"snapshot {slot.path} of step {slot.step} does not match its checksum "
-            f"({len(data)} of {slot.size} bytes); it is not used"
+            f"({got} of {slot.size} bytes); it is not used"
         )
     return data
 

@@ -1,66 +1,60 @@
-"""``MemoryTier``: the manager's snapshots in node-local memory, and restoring from them.
+"""``MemoryTier``: the manager's snapshots in node-local memory, and their replicas on peers.
 
 Every ``memory_every`` steps the manager hands the tier the same state a volume
 checkpoint holds (:func:`nbtools.checkpoint._state.build_state`). Training is
-blocked only while the tier copies that state into host buffers allocated once
-and reused (the async save's :class:`~nbtools.checkpoint._host_buffers.ReusableStager`);
-a background thread then writes the copy, with ``torch.save``, into a slot of
-this rank (see ``_slots``). One write is in flight at a time: the next snapshot,
-a restore and ``close`` wait for it first. Before the first snapshot the tier
-checks that two slots per rank of this node fit in the snapshot filesystem, and
-that they and the staging copies fit in the node's available memory; when they
-do not, or a snapshot fails, it warns once and stops snapshotting (volume
-checkpoints go on).
+blocked only while the tier copies that state's tensors, once, straight into
+this rank's next slot file in shared memory (mapped, see ``_mapped``; raw
+bytes, see ``_format``). A background thread at a lower priority then checksums
+the copy, publishes the slot and, with ``replicas``, sends it to the ranks that
+hold it and stores the replicas this rank holds (see ``_replicas``). One round
+is in flight at a time: the next snapshot, a restore and ``close`` wait for it
+first.
 
-A restore asks every rank for the steps it holds; the newest step all ranks
-hold is loaded from memory when it is at least as new as the volume's newest
-checkpoint, and only when every rank read and checked its slot; otherwise the
-volume is used as before.
+Before the first snapshot the tier checks that two slots per rank of this node
+(and two per replica it holds) fit in the snapshot filesystem and in the node's
+available memory; the ranks exchanging replicas agree on it. When they do not
+fit, or a snapshot fails, the tier warns once and stops snapshotting (volume
+checkpoints go on); a rank that exchanges replicas keeps taking part in the
+exchange, sending nothing, so its peers never wait for it.
 
 The snapshots of a job outlive its ranks (a restarted rank finds them) and
-end with it: a manager closed without an error removes its rank's slots;
-directories whose keeper process (the ranks' launching process) is gone are
-swept when a manager starts.
+end with it: a manager closed without an error removes its rank's slots and
+the replicas it holds; directories whose keeper process (the ranks' launching
+process) is gone are swept when a manager starts. Restoring is ``_restore``.
 """
 
 from __future__ import annotations
 
-import io
+import contextlib
 import os
 import shutil
 import threading
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from nbtools import events, runtime
+from nbtools import runtime
 from nbtools._internal.holder import Holder, machine_id, process_started
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
-from nbtools.checkpoint._collective import agree, gather
-from nbtools.checkpoint._host_buffers import ReusableStager
-from nbtools.checkpoint._memory import _slots
-from nbtools.errors import CheckpointError
+from nbtools.checkpoint._collective import gather
+from nbtools.checkpoint._memory import _format, _replicas, _slots
+from nbtools.checkpoint._memory._mapped import (
+    Mapped,
+    MappedFiles,
+    crc_of,
+    file_key,
+    tensor_of,
+)
 
-__all__ = ["MemoryTier", "memory_restore", "agreed_volume_step", "report"]
+__all__ = ["MemoryTier"]
 
 _log = get_logger("checkpoint")
 
 #: Fraction of the node's available memory the snapshots of its ranks may take.
 _MEMORY_SHARE = 0.5
-
-
-def _tensor_bytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    if isinstance(obj, (bytes, bytearray)):
-        return len(obj)
-    return 64
+#: How much nicer than training the background thread runs (checksums, replicas).
+_NICE = 5
 
 
 def _available_memory() -> int | None:
@@ -85,116 +79,271 @@ def _job() -> tuple[str, Holder]:
     return f"process:{me.machine}:{me.pid}:{me.started}", me
 
 
+def _lower_priority() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
+
+
 class MemoryTier:
-    """The snapshots of one manager's rank.
+    """The snapshots of one manager's rank, and the replicas it holds for its peers.
 
     Args:
         every: Snapshot when ``step % every == 0``.
         root: The checkpoint root's URL (snapshots of another root are another job's).
+        replicas: Peers that hold each rank's snapshot (see ``_replicas``); 0 for none.
     """
 
-    def __init__(self, every: int, root: str) -> None:
+    def __init__(self, every: int, root: str, replicas: int = 0) -> None:
         self.every = every
         self.rank = runtime.get_rank()
         self.world = runtime.get_world_size()
+        local = runtime.get_local_world_size()
         run, keeper = _job()
         self.key = f"{run}|{root}|world={self.world}"
         self.enabled = True
         self._checked = False
-        self._stager = ReusableStager()
         self._writer: threading.Thread | None = None
-        self._error: str | None = None  # what the last background write failed with
+        self._error: str | None = None  # what the last background round failed with
+        self.send_to = _replicas.holders(self.rank, self.world, local, replicas)
+        self.receive_from = _replicas.sources(self.rank, self.world, local, replicas)
+        # Every rank makes the group (a collective) when any rank has a peer.
+        distributed = runtime.is_distributed() and self.world > 1
+        self.group = _replicas.new_group() if distributed and replicas > 0 else None
+        self.exchanging = self.group is not None and bool(self.send_to or self.receive_from)
+        if replicas and not self.send_to and self.world > 1:
+            _log.warning("replicas=%d: no peer rank to hold a replica; none are kept", replicas)
+        self._files = MappedFiles(3)
+        self._held_files = MappedFiles(3 * max(1, len(self.receive_from)))
         self.user = _slots.user_dir()
         _slots.sweep(self.user, own=_slots.job_path(self.user, self.key))
         self.directory = _slots.job_dir(self.user, self.key, keeper)
         _slots.sweep_temporaries(self.directory, self.rank)
 
     def due(self, step: int) -> bool:
-        """Whether ``maybe_save(step)`` snapshots."""
-        return self.enabled and step % self.every == 0
+        """Whether ``maybe_save(step)`` snapshots (or takes part in the replicas' exchange)."""
+        return (self.enabled or self.exchanging) and step % self.every == 0
 
     def _off(self, why: str) -> None:
+        if self.enabled:
+            _log.warning("memory snapshots are off for this run: %s; volume checkpoints go on", why)
         self.enabled = False
-        _log.warning("memory snapshots are off for this run: %s; volume checkpoints go on", why)
 
-    def _fits(self, state: dict[str, Any]) -> bool:
-        size = _tensor_bytes(state) + _slots.HEADER_BYTES
+    # --- what this rank holds ----------------------------------------------------
+
+    def own(self) -> list[_slots.Slot]:
+        """This rank's trusted slots, oldest first."""
+        found = _slots.slots(self.directory, self.key, self.rank, self.world)
+        return sorted(found, key=lambda s: s.step)
+
+    def held(self, owners: list[int] | None = None) -> list[_slots.Slot]:
+        """The trusted replicas this rank holds (of ``owners``; None: any), oldest first."""
+        found = _slots.replicas(self.directory, self.key, self.rank, self.world, owners)
+        return sorted(found, key=lambda s: s.step)
+
+    def visible(self, owner: int) -> list[_slots.Slot]:
+        """Every trusted slot of ``owner`` on this node: its own first, then replicas."""
+        return list(_slots.visible(self.directory, self.key, owner, self.world))
+
+    def steps(self) -> list[int]:
+        """Steps this rank holds a snapshot of, newest first."""
+        self.wait()
+        return sorted({s.step for s in self.own()}, reverse=True)
+
+    # --- taking a snapshot ---------------------------------------------------------
+
+    def _fits(self, size: int) -> bool:
         ranks = max(1, runtime.get_local_world_size())
-        need = 2 * ranks * size
+        copies = 2 * (1 + (len(self.receive_from) if self.exchanging else 0))
+        need = copies * ranks * size
         free = shutil.disk_usage(self.directory).free
         memory = _available_memory()
-        held = sum(s.size for s in self._own())
-        # The slots live in memory too (tmpfs), next to each rank's staging copy.
-        in_memory = need + ranks * size
-        if need > free + held or (memory is not None and in_memory > _MEMORY_SHARE * memory + held):
+        held = sum(_slots.HEADER_BYTES + s.size for s in self.own() + self.held())
+        if need > free + held or (memory is not None and need > _MEMORY_SHARE * memory + held):
             self._off(
-                f"two snapshots for each of the {ranks} rank(s) of this node need about "
-                f"{need / 2**20:.1f} MiB ({size / 2**20:.1f} MiB each) in {self.user}, and "
-                f"{in_memory / 2**20:.1f} MiB of memory with their staging copies, but that "
-                f"filesystem has {free / 2**20:.1f} MiB free"
+                f"{copies} snapshots for each of the {ranks} rank(s) of this node (its own two"
+                + (
+                    f" and two of each of the {len(self.receive_from)} peer(s) it holds"
+                    if copies > 2
+                    else ""
+                )
+                + f") need about {need / 2**20:.1f} MiB ({size / 2**20:.1f} MiB each) in "
+                f"{self.user}, but that filesystem has {free / 2**20:.1f} MiB free"
                 + (f" and the node {memory / 2**20:.1f} MiB of memory available" if memory else "")
                 + ". Give the shared-memory mount more room (docker run --shm-size=...), point "
-                "NBTOOLS_SNAPSHOT_DIR at a larger tmpfs, or snapshot less state"
+                "NBTOOLS_SNAPSHOT_DIR at a larger tmpfs, keep fewer replicas, or snapshot less state"
             )
             return False
         return True
 
-    def _own(self) -> list[_slots.Slot]:
-        return sorted(
-            _slots.slots(self.directory, self.key, self.rank, self.world), key=lambda s: s.step
-        )
+    def _first(self, layout: _format.Layout | None, tail: bytes) -> None:
+        """Before the first snapshot: check the slots fit; exchanging ranks agree on it."""
+        self._checked = True
+        fits = layout is not None and self.enabled
+        fits = fits and self._fits(_slots.HEADER_BYTES + layout.data_len + len(tail))  # type: ignore[union-attr]
+        if self.exchanging:
+            verdicts = gather(self.group, fits)
+            if not all(verdicts):
+                others = [r for r, ok in enumerate(verdicts) if not ok]
+                self._off(f"the snapshots of rank(s) {others} do not fit on their node")
+                self.exchanging = False
+
+    def snapshot_objects(
+        self, step: int, kinds: _state.Objects, extra: dict[str, Any], run_id: str | None
+    ) -> bool:
+        """:meth:`snapshot` of the state a checkpoint of ``step`` holds (see ``_state``)."""
+        state = _state.build_state(step, kinds, self.rank, self.world, extra, run_id)
+        return self.snapshot(step, state)
 
     def snapshot(self, step: int, state: dict[str, Any]) -> bool:
-        """Copy ``state`` and write the copy in the background as this rank's snapshot of
-        ``step``; whether a write was started (see :meth:`wait`)."""
-        if not self.enabled:
-            return False
+        """Copy ``state`` into this rank's next slot, then finish it (and exchange replicas)
+        in the background; whether a round was started (see :meth:`wait`)."""
         self.wait()
-        if not self.enabled:  # the previous write failed
+        if not self.due(step):
             return False
+        layout: _format.Layout | None = None
+        tail = b""
+        if self.enabled:
+            try:
+                layout = _format.plan(state)
+                tail = _format.skeleton_bytes(layout)
+            except Exception as exc:  # noqa: BLE001 - a snapshot that fails never stops training
+                self._off(f"the state of step {step} cannot be snapshotted ({exc})")
         if not self._checked:
-            self._checked = True
-            if not self._fits(state):
-                return False
-        try:
-            staged = self._stager.stage(state)
-        except Exception as exc:  # noqa: BLE001 - a snapshot that fails never stops training
-            self._off(f"the state of step {step} could not be copied for its snapshot ({exc})")
+            self._first(layout, tail)
+        copied: tuple[Mapped, str] | None = None
+        if self.enabled and layout is not None:
+            try:
+                copied = self._copy(step, layout)
+            except Exception as exc:  # noqa: BLE001
+                self._off(
+                    f"the state of step {step} could not be copied to {self.directory} ({exc})"
+                )
+        if copied is None and not self.exchanging:
             return False
-        # The thread ends with its write; wait() joins it. Not a daemon: a process that
-        # exits lets the write finish, so it never leaves a temporary file behind.
+        # The thread ends with its round; wait() joins it. Not a daemon: a process that
+        # exits lets the round finish, so it never leaves a temporary file behind.
         self._writer = threading.Thread(
-            target=self._write, args=(step, staged), name=f"nbtools-snapshot-{self.rank}"
+            target=self._round, args=(step, copied, tail), name=f"nbtools-snapshot-{self.rank}"
         )
         self._writer.start()
         return True
 
-    def _write(self, step: int, staged: dict[str, Any]) -> None:
+    def _copy(self, step: int, layout: _format.Layout) -> tuple[Mapped, str]:
+        """Copy the tensors into this rank's next slot file (a temporary one until published).
+
+        Keeps the newest complete slot while the new one is written: at most two. The
+        file of the one that goes becomes the new one, with its mapping.
+        """
+        own = self.own()
+        older = [s for s in own if s.step != step][-1:]
+        drop = [s for s in own if s not in older]
+        reuse = drop.pop(0) if drop else None
+        _slots.remove([s.path for s in drop])
+        tmp, fd = _slots.claim(self.directory, self.rank, _slots.own_prefix(self.rank), reuse)
+        mapped: Mapped | None = None
         try:
-            # Keep the newest complete slot while the new one is written: at most two.
-            # The file of the one that goes is reused for the new one.
-            own = self._own()
-            older = [s for s in own if s.step != step][-1:]
-            drop = [s for s in own if s not in older]
-            reuse = drop.pop(0) if drop else None
-            _slots.remove([s.path for s in drop])
-            _slots.write_slot(
-                self.directory,
-                self.key,
-                self.rank,
-                self.world,
-                step,
-                lambda fh: torch.save(staged, fh),
-                reuse=reuse,
+            mapped = self._files.open(fd, layout.data_len)
+            with torch.no_grad():
+                for dest, tensor in zip(mapped.destinations(layout), layout.tensors, strict=True):
+                    dest.copy_(tensor)
+        except BaseException:
+            if mapped is not None:
+                self._files.forget(mapped)
+            _slots.remove([tmp])
+            raise
+        return mapped, tmp
+
+    def _publish(self, mapped: Mapped, tmp: str, prefix: str, tail: bytes, head: dict) -> str:
+        end = _slots.HEADER_BYTES + mapped.data_len
+        os.pwrite(mapped.fd, tail, end)
+        os.ftruncate(mapped.fd, end + len(tail))
+        head.update(job=self.key, world=self.world, size=mapped.data_len + len(tail))
+        head.update(data_len=mapped.data_len)
+        return _slots.publish(mapped.fd, tmp, self.directory, prefix, head)
+
+    def _round(self, step: int, copied: tuple[Mapped, str] | None, tail: bytes) -> None:
+        """Background: finish this rank's slot, then exchange replicas with the peers."""
+        _lower_priority()
+        out = None
+        if copied is not None:
+            mapped, tmp = copied
+            try:
+                crc = crc_of(mapped, tail)
+                head = {"rank": self.rank, "step": step, "crc": crc}
+                self._publish(mapped, tmp, _slots.own_prefix(self.rank), tail, head)
+                self._files.prune({k for s in self.own() if (k := file_key(s.path))})
+                out = _replicas.Outgoing(step, mapped.body, tensor_of(bytearray(tail)), crc)
+            except Exception as exc:  # noqa: BLE001 - reported by wait(), on the training thread
+                self._files.forget(mapped)
+                _slots.remove([tmp])
+                self._error = (
+                    f"the snapshot of step {step} could not be written to {self.directory} ({exc})"
+                )
+        if not self.exchanging:
+            return
+        try:
+            lost = _replicas.exchange(
+                self.group, step, out, self.send_to, self.receive_from, self._begin
             )
-        except Exception as exc:  # noqa: BLE001 - reported by wait(), on the training thread
-            self._error = (
-                f"the snapshot of step {step} could not be written to {self.directory} ({exc})"
+        except Exception as exc:  # noqa: BLE001
+            self.exchanging = False
+            self._error = f"the replicas of step {step} could not be exchanged ({exc})"
+            return
+        for why in lost:
+            _log.warning("%s", why)
+        self._held_files.prune({k for s in self.held() if (k := file_key(s.path))})
+
+    def _begin(self, owner: int, step: int, data_len: int) -> _replicas.Incoming:
+        """Where the replica of ``owner``'s ``step`` is received: its next replica file."""
+        held = self.held([owner])
+        older = [s for s in held if s.step != step][-1:]
+        drop = [s for s in held if s not in older]
+        reuse = drop.pop(0) if drop else None
+        _slots.remove([s.path for s in drop])
+        prefix = _slots.replica_prefix(owner, self.rank)
+        try:
+            tmp, fd = _slots.claim(self.directory, self.rank, prefix, reuse)
+        except OSError as exc:
+            error = str(exc)
+
+            def refuse(tail: bytes, crc: int) -> None:
+                raise OSError(error)
+
+            return _replicas.Incoming(
+                torch.empty(data_len, dtype=torch.uint8), refuse, lambda: None
+            )
+        try:
+            mapped = self._held_files.open(fd, data_len)
+        except OSError as exc:
+            _slots.remove([tmp])
+            error = str(exc)
+
+            def refuse_open(tail: bytes, crc: int) -> None:
+                raise OSError(error)
+
+            return _replicas.Incoming(
+                torch.empty(data_len, dtype=torch.uint8), refuse_open, lambda: None
             )
 
+        def drop_it() -> None:
+            self._held_files.forget(mapped)
+            _slots.remove([tmp])
+
+        def done(tail: bytes, crc: int) -> None:
+            try:
+                if crc_of(mapped, tail) != crc:
+                    raise ValueError("it arrived damaged (checksum)")
+                head = {"rank": owner, "step": step, "crc": crc, "holder": self.rank}
+                self._publish(mapped, tmp, prefix, tail, head)
+            except BaseException:
+                drop_it()
+                raise
+
+        return _replicas.Incoming(mapped.body, done, drop_it)
+
     def wait(self) -> None:
-        """Block until the snapshot being written (if any) is complete; a write that failed
-        turns the tier off with one warning."""
+        """Block until the round in flight (if any) is complete; a round that failed turns
+        the tier off with one warning."""
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.join()
@@ -202,93 +351,14 @@ class MemoryTier:
             error, self._error = self._error, None
             self._off(error)
 
-    def steps(self) -> list[int]:
-        """Steps this rank holds a snapshot of, newest first."""
-        self.wait()
-        return sorted({s.step for s in self._own()}, reverse=True)
-
-    def load(self, step: int) -> dict[str, Any]:
-        """The state this rank snapshotted at ``step``, read and checked."""
-        for slot in self._own():
-            if slot.step == step:
-                data = _slots.read_slot(slot)
-                return torch.load(io.BytesIO(data), weights_only=True)
-        raise CheckpointError(
-            f"rank {self.rank} holds no snapshot of step {step} in {self.directory}"
-        )
-
     def close(self, keep: bool) -> None:
-        """Remove this rank's snapshots unless ``keep`` (a close after an error keeps them)."""
+        """Remove this rank's snapshots and the replicas it holds unless ``keep`` (a close
+        after an error keeps them)."""
         self.wait()
-        self._stager.close()
+        self._files.close()
+        self._held_files.close()
         if keep:
             return
-        _slots.remove([s.path for s in self._own()])
+        _slots.remove([s.path for s in self.own() + self.held()])
         _slots.sweep_temporaries(self.directory, self.rank)
         _slots.drop_job_if_empty(self.directory)
-
-
-def _check_fits(kinds: _state.Objects, state: dict[str, Any], where: str) -> None:
-    for name, model in kinds.models.items():
-        if set(state.get(name) or {}) != set(get_model_state_dict(model)):
-            raise CheckpointError(f"{where} holds other parameters for {name!r}")
-    for name in kinds.optimizers:
-        if name not in state:
-            raise CheckpointError(f"{where} holds no optimizer {name!r}")
-
-
-def memory_restore(
-    tier: MemoryTier, kinds: _state.Objects, pg: Any, volume_step: int | None
-) -> tuple[int, dict[str, Any]] | None:
-    """Restore from memory when every rank holds a step at least as new as the volume's.
-
-    A collective. Returns ``(step, blob)`` once the objects hold the snapshot, or
-    None (nothing changed) when the volume must be used.
-    """
-    held = gather(pg, tier.steps())
-    common = set(held[0]).intersection(*map(set, held[1:])) if held else set()
-    step = max(common, default=None)
-    if step is None or (volume_step is not None and step < volume_step):
-        return None
-    where = f"the memory snapshot of step {step} on rank {tier.rank}"
-    state: dict[str, Any] = {}
-    blob: dict[str, Any] = {}
-    error = ""
-    try:
-        state = tier.load(step)
-        _check_fits(kinds, state, where)
-        blob = _state.decode_blob({_state.NS: state[_state.NS]}, kinds, where)
-    except Exception as exc:  # noqa: BLE001 - every rank must learn it, then use the volume
-        error = f"{type(exc).__name__}: {exc}"
-    errors = gather(pg, error)
-    if any(errors):
-        first = next(e for e in errors if e)
-        _log.warning("not restoring step %d from memory (%s); using the volume", step, first)
-        return None
-    _state.apply_state(kinds, state, blob)
-    _log.info("restored step %d from memory; resuming at step %d", step, step + 1)
-    return step, blob
-
-
-def volume_newest(target: Any) -> int | None:
-    """The newest complete checkpoint's step under ``target`` (rank 0 only reads it)."""
-    from nbtools.checkpoint.discovery import list_steps
-
-    return next((step for step, complete in list_steps(target) if complete), None)
-
-
-def agreed_volume_step(pg: Any, target: Any) -> int | None:
-    """:func:`volume_newest`, read by rank 0 and known to every rank."""
-    return agree(pg, volume_newest(target) if runtime.get_rank() == 0 else None)
-
-
-def report(step: int, seconds: float) -> None:
-    """The ``checkpoint_restored`` event of a restore from memory (rank 0)."""
-    if runtime.get_rank() == 0:
-        events.emit(
-            "checkpoint_restored",
-            message=f"restored step {step} from memory",
-            step=step,
-            seconds=round(seconds, 4),
-            tier="memory",
-        )

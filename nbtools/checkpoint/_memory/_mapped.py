@@ -1,0 +1,156 @@
+"""Slot files written through memory maps that are kept from one snapshot to the next.
+
+A snapshot is copied straight into its slot file in shared memory: the tensors
+go into a shared mapping of the file (one copy, no staging buffer, no write
+system call per byte), so the copy that blocks training is the only copy. The
+slot files of a rank rotate (the oldest becomes the next one, see ``_slots``);
+their mappings are kept, keyed by the file, so a snapshot pays no page faults
+and no new mapping. Space is reserved with ``posix_fallocate`` before a file is
+mapped: a full filesystem is an ``OSError`` there, never a SIGBUS in the middle
+of a copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nbtools.checkpoint._memory import _format
+from nbtools.checkpoint._memory._slots import HEADER_BYTES
+
+__all__ = ["Mapped", "MappedFiles", "crc_of", "file_key", "tensor_of"]
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+@dataclass
+class Mapped:
+    """One slot file mapped from its start through its tensor region.
+
+    Attributes:
+        fd: The file, open for reading and writing.
+        ino: Its ``(device, inode)``, the key of the cache.
+        mm: The shared mapping of ``HEADER_BYTES + data_len`` bytes.
+        data_len: Bytes of the tensor region.
+        body: The tensor region as a ``uint8`` tensor (what is sent to a peer).
+    """
+
+    fd: int
+    ino: tuple[int, int]
+    mm: mmap.mmap
+    data_len: int
+    body: torch.Tensor
+    signature: tuple | None = None
+    dests: list[torch.Tensor] = field(default_factory=list)
+
+    def destinations(self, layout: _format.Layout) -> list[torch.Tensor]:
+        """The tensors over this mapping that ``layout``'s tensors are copied into."""
+        if self.signature != layout.signature:
+            self.dests = _format.destinations(self.mm, layout, HEADER_BYTES)
+            self.signature = layout.signature
+        return self.dests
+
+    def close(self) -> None:
+        """Unmap and close the file."""
+        self.dests = []
+        self.body = torch.empty(0, dtype=torch.uint8)
+        with contextlib.suppress(BufferError, ValueError):
+            self.mm.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def crc_of(mapped: Mapped, tail: bytes) -> int:
+    """CRC-32 of a body: the mapped tensor region, then ``tail`` (the skeleton)."""
+    with memoryview(mapped.mm) as view:
+        region = view[HEADER_BYTES : HEADER_BYTES + mapped.data_len]
+        try:
+            crc = zlib.crc32(region)
+        finally:
+            region.release()
+    return zlib.crc32(tail, crc)
+
+
+class MappedFiles:
+    """The mappings of one writer's slot files, at most ``limit`` of them."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self._maps: dict[tuple[int, int], Mapped] = {}
+
+    def open(self, fd: int, data_len: int) -> Mapped:
+        """The mapping of the file open as ``fd`` (which it takes over), sized for a tensor
+        region of ``data_len`` bytes: the cached one when the file and size are the same."""
+        try:
+            info = os.fstat(fd)
+            key = (info.st_dev, info.st_ino)
+            length = HEADER_BYTES + data_len
+            cached = self._maps.pop(key, None)
+            if cached is not None and cached.data_len == data_len:
+                with contextlib.suppress(OSError):
+                    os.close(cached.fd)
+                cached.fd = fd
+                self._maps[key] = cached
+                return cached
+            if cached is not None:
+                cached.close()
+            os.ftruncate(fd, length)
+            os.posix_fallocate(fd, 0, length)
+            mm = mmap.mmap(
+                fd, length, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
+        except BaseException:
+            os.close(fd)
+            raise
+        body = (
+            torch.frombuffer(mm, dtype=torch.uint8, count=data_len, offset=HEADER_BYTES)
+            if data_len
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        mapped = Mapped(fd, key, mm, data_len, body)
+        self._maps[key] = mapped
+        while len(self._maps) > self.limit:
+            oldest = next(iter(self._maps))
+            self._maps.pop(oldest).close()
+        return mapped
+
+    def prune(self, live: set[tuple[int, int]]) -> None:
+        """Unmap the files that are not in ``live`` (removed ones hold no memory then)."""
+        for key in [k for k in self._maps if k not in live]:
+            self._maps.pop(key).close()
+
+    def forget(self, mapped: Mapped) -> None:
+        """Unmap a file whose write failed."""
+        if self._maps.get(mapped.ino) is mapped:
+            del self._maps[mapped.ino]
+        mapped.close()
+
+    def close(self) -> None:
+        """Unmap every file."""
+        for mapped in self._maps.values():
+            mapped.close()
+        self._maps.clear()
+
+
+def file_key(path: str) -> tuple[int, int] | None:
+    """The cache key of the file at ``path`` (None when it is gone)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+def tensor_of(data: Any) -> torch.Tensor:
+    """A ``uint8`` tensor over a writable buffer (empty for an empty one)."""
+    return (
+        torch.frombuffer(data, dtype=torch.uint8)
+        if len(data)
+        else torch.empty(0, dtype=torch.uint8)
+    )

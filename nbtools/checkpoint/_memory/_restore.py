@@ -1,0 +1,206 @@
+"""Restoring from memory: the newest step every rank can get, from its own slot or a peer's.
+
+A collective. Every rank tells the others which slots its node holds: of any
+rank, its own or a replica (a restarted rank may sit on another node than its
+predecessor; whoever sits on the node holding a slot serves it). The newest
+step that every rank can get (from its own node, else from a rank on a node
+holding it) is chosen, if it is at least as new as the volume's newest
+checkpoint. Each rank then reads its slot, or receives it from that rank over
+the replicas' group;
+every byte is checked against the slot's checksum. A source that fails (a
+damaged slot, a replica that arrives damaged) is dropped and the choice is
+made again, so a rank whose own slot is corrupt takes the step from its
+replica, and only when no source of a step is left do the ranks fall back to
+an older step or to the volume.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import defaultdict
+from typing import Any
+
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from nbtools import events, runtime
+from nbtools._internal.log import get_logger
+from nbtools.checkpoint import _state
+from nbtools.checkpoint._collective import agree, gather
+from nbtools.checkpoint._memory import _format, _replicas, _slots
+from nbtools.checkpoint._memory._mapped import tensor_of
+from nbtools.checkpoint._memory._tier import MemoryTier
+from nbtools.errors import CheckpointError
+
+__all__ = ["memory_restore", "agreed_volume_step", "volume_newest", "report"]
+
+_log = get_logger("checkpoint")
+#: Rounds of choosing a step before the volume is used (each drops a failed source).
+_ROUNDS = 8
+
+Source = tuple[int, int, int]  # (rank holding it, owner, step)
+
+
+def _check_fits(kinds: _state.Objects, state: dict[str, Any], where: str) -> None:
+    for name, model in kinds.models.items():
+        if set(state.get(name) or {}) != set(get_model_state_dict(model)):
+            raise CheckpointError(f"{where} holds other parameters for {name!r}")
+    for name in kinds.optimizers:
+        if name not in state:
+            raise CheckpointError(f"{where} holds no optimizer {name!r}")
+
+
+def _choose(
+    offers: list[list[tuple[int, int]]], bad: set[Source], volume_step: int | None
+) -> tuple[int, list[int]] | None:
+    """The newest step every rank can get, and the rank each one gets it from."""
+    world = len(offers)
+    avail: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(world)]
+    for rank, offer in enumerate(offers):
+        for owner, held in offer:
+            if 0 <= owner < world and (rank, owner, held) not in bad:
+                avail[owner][held].append(rank)
+    common = set(avail[0]).intersection(*(set(a) for a in avail[1:]))
+    step = max(common, default=None)
+    if step is None or (volume_step is not None and step < volume_step):
+        return None
+    plan = []
+    for owner in range(world):  # from its own node first (no transfer), else a peer's
+        sources = avail[owner][step]
+        plan.append(owner if owner in sources else min(sources))
+    return step, plan
+
+
+def _read_any(tier: MemoryTier, owner: int, step: int) -> tuple[bytearray, _slots.Slot]:
+    """The first slot of ``owner``'s ``step`` on this node that reads back whole."""
+    why = f"rank {tier.rank}'s node holds no slot of it any more"
+    for slot in (s for s in tier.visible(owner) if s.step == step):
+        try:
+            return _slots.read_slot(slot), slot
+        except (OSError, CheckpointError) as exc:
+            _log.warning("not using %s: %s", slot.path, exc)
+            why = str(exc)
+    raise CheckpointError(why)
+
+
+def _fetch(tier: MemoryTier, step: int, plan: list[int]) -> tuple[Any, int, list[Source], str]:
+    """This rank's body of ``step`` as ``plan`` says, serving the other ranks whose source
+    it is on the way: ``(body, tensor region bytes, failed sources, tier)`` (body None when
+    it failed; tier ``"memory"`` for its own slot, ``"replica"`` for a replica)."""
+    me, group = tier.rank, tier.group
+    failed: list[Source] = []
+    works: list[Any] = []
+    keep_alive = []
+    for owner, source in enumerate(plan):
+        if source != me or owner == me:
+            continue
+        try:
+            data, slot = _read_any(tier, owner, step)
+        except CheckpointError as exc:  # the owner must hear, then try elsewhere
+            _log.warning("rank %d cannot serve rank %d's step %d: %s", me, owner, step, exc)
+            failed.append((me, owner, step))
+            works += _replicas.send_body(group, owner, None, 0, 0)
+            continue
+        keep_alive.append(data)
+        works += _replicas.send_body(group, owner, tensor_of(data), slot.data_len, slot.crc)
+    body: Any = None
+    data_len = 0
+    mine = "replica"
+    if plan[me] == me:
+        try:
+            body, slot = _read_any(tier, me, step)
+            data_len, mine = slot.data_len, "memory" if slot.holder is None else "replica"
+        except CheckpointError as exc:
+            _log.warning("rank %d has no usable snapshot of step %d: %s", me, step, exc)
+            failed.append((me, me, step))
+    else:
+        got = _replicas.receive_body(group, plan[me])
+        if got is not None:
+            received, data_len, crc = got
+            if zlib.crc32(received) == crc:
+                body = received
+            else:
+                _log.warning("rank %d's replica of step %d arrived damaged", me, step)
+                failed.append((plan[me], me, step))
+    for work in works:
+        work.wait()
+    return body, data_len, failed, mine
+
+
+def memory_restore(
+    tier: MemoryTier, kinds: _state.Objects, pg: Any, volume_step: int | None
+) -> tuple[int, dict[str, Any], str, bool] | None:
+    """Restore from memory (own slots, or peers' replicas) when every rank can get a step
+    at least as new as the volume's.
+
+    Returns ``(step, blob, tier, any_replica)`` once the objects hold the snapshot,
+    ``tier`` being where this rank's came from (``"memory"`` or ``"replica"``) and
+    ``any_replica`` whether some rank's came from a replica; or None (nothing
+    changed) when the volume must be used.
+    """
+    tier.wait()
+    # Without the replicas' group a rank can serve only itself.
+    owners = range(tier.world) if tier.group is not None else [tier.rank]
+    offer = sorted({(o, s.step) for o in owners for s in tier.visible(o)})
+    offers = gather(pg, offer)
+    bad: set[Source] = set()
+    for _ in range(_ROUNDS):
+        chosen = _choose(offers, bad, volume_step)
+        if chosen is None:
+            return None
+        step, plan = chosen
+        body, data_len, failed, mine = _fetch(tier, step, plan)
+        failures = [tuple(f) for fs in gather(pg, failed) for f in fs]
+        if not failures:
+            break
+        bad.update(failures)  # type: ignore[arg-type]
+    else:
+        return None
+    where = f"the memory snapshot of step {step} of rank {tier.rank}"
+    state: dict[str, Any] = {}
+    blob: dict[str, Any] = {}
+    error = ""
+    try:
+        state = _format.decode(body, data_len)
+        _check_fits(kinds, state, where)
+        blob = _state.decode_blob({_state.NS: state[_state.NS]}, kinds, where)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn it, then use the volume
+        error = f"{type(exc).__name__}: {exc}"
+    errors = gather(pg, error)
+    if any(errors):
+        first = next(e for e in errors if e)
+        _log.warning("not restoring step %d from memory (%s); using the volume", step, first)
+        return None
+    _state.apply_state(kinds, state, blob)
+    from_peers = [r for r, t in enumerate(gather(pg, mine)) if t == "replica"]
+    _log.info(
+        "restored step %d from %s; resuming at step %d",
+        step,
+        f"memory (ranks {from_peers} from replicas)" if from_peers else "memory",
+        step + 1,
+    )
+    return step, blob, mine, bool(from_peers)
+
+
+def volume_newest(target: Any) -> int | None:
+    """The newest complete checkpoint's step under ``target`` (rank 0 only reads it)."""
+    from nbtools.checkpoint.discovery import list_steps
+
+    return next((step for step, complete in list_steps(target) if complete), None)
+
+
+def agreed_volume_step(pg: Any, target: Any) -> int | None:
+    """:func:`volume_newest`, read by rank 0 and known to every rank."""
+    return agree(pg, volume_newest(target) if runtime.get_rank() == 0 else None)
+
+
+def report(step: int, seconds: float, tier: str) -> None:
+    """The ``checkpoint_restored`` event of a restore from memory (rank 0): ``tier`` is
+    ``"replica"`` when some rank's state came from a peer's replica, else ``"memory"``."""
+    if runtime.get_rank() == 0:
+        events.emit(
+            "checkpoint_restored",
+            message=f"restored step {step} from {tier}",
+            step=step,
+            seconds=round(seconds, 4),
+            tier=tier,
+        )
