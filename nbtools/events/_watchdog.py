@@ -6,7 +6,7 @@ local rank's main thread from outside (:mod:`nbtools.events._procstate`). It
 never runs on a rank and costs the training thread nothing.
 
 Hangs. A rank is hung when it made no progress for longer than the bound
-(``hang_timeout`` when given; else ten median step times, at least 60 s)
+(``hang_timeout`` when given; else ten median step times, at least 45 s)
 while others made progress, or while every rank stopped and the others wait
 in a collective for it. Only those culprits are flagged: a rank blocked in a
 collective waits for somebody else. When every rank computes (an evaluation,
@@ -55,8 +55,9 @@ __all__ = ["Watchdog", "HangReport", "MIN_HANG_S", "HANG_STEPS", "THRESHOLD"]
 
 _log = get_logger("events")
 
-#: The adaptive hang bound is never shorter than this.
-MIN_HANG_S = 60.0
+#: The adaptive hang bound is never shorter than this: long enough for a first step
+#: that compiles for half a minute, short enough to name a stopped rank within a minute.
+MIN_HANG_S = 45.0
 #: ... and otherwise this many median step times.
 HANG_STEPS = 10.0
 #: Scores under this flag a straggler.
@@ -103,7 +104,8 @@ class Watchdog:
 
     Args:
         world_size: Ranks in the group (those that never report count as stalled).
-        hang_timeout: Seconds without progress that make a hang; None: adaptive.
+        hang_timeout: Seconds without progress that make a hang; None: adaptive
+            (ten median step times, at least :data:`MIN_HANG_S`, 45 s).
         threshold: Straggler scores under this are flagged (default 0.75, or
             ``NBTOOLS_STRAGGLER_THRESHOLD``).
         window_s: Seconds of samples a straggler score covers (default 30, or
