@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbtools._internal.log import get_logger
-from nbtools.events import _procstate
+from nbtools.events import _collectives, _procstate
 from nbtools.events._bus import Bus
 from nbtools.events._emit import BUS, emit
 from nbtools.events._progress import PROGRESS_KIND
@@ -67,6 +67,7 @@ _PAUSES = ("checkpoint_saved", "checkpoint_restored", "checkpoint_skipped", "res
 _PAUSE_S = 5.0
 _REPORT_GRACE_S = 2.5  # more than the time between two progress reports of a rank
 _RECENT_SAMPLES = 20  # the state of a rank "now": the majority of its latest samples
+_ANSWER_S = 2.0  # how long a hang report waits for the ranks' collectives
 
 
 @dataclass
@@ -158,6 +159,8 @@ class Watchdog:
         self._paused_from = 0.0
         self._paused_until = 0.0
         self._host = socket.gethostname()
+        # rank -> (arrival time, positions) of the latest answer about its collectives
+        self._answers: dict[int, tuple[float, list[dict[str, Any]]]] = {}
 
     # --- life ------------------------------------------------------------------------
 
@@ -221,6 +224,8 @@ class Watchdog:
             for event in events:
                 if event.kind == PROGRESS_KIND and event.rank is not None:
                     self._progress(event)
+                elif event.kind == _collectives.KIND and event.rank is not None:
+                    self._answer(event)
                 elif event.kind in _PAUSES:
                     now = time.time()
                     start = event.time - _PAUSE_S
@@ -245,6 +250,35 @@ class Watchdog:
         if state.steps and event.time > state.progressed_at:
             state.step_times.append((event.time - state.progressed_at) / (steps - state.steps))
         state.steps, state.step, state.progressed_at = steps, event.step, event.time
+
+    def _answer(self, event: Event) -> None:
+        arrived = time.time()
+        at, positions = self._answers.get(event.rank, (0.0, []))  # type: ignore[arg-type]
+        if arrived - at > _ANSWER_S:  # a new answer, not another group of the same one
+            positions = []
+        positions = [*positions, dict(event.fields)]
+        self._answers[event.rank] = (arrived, positions)  # type: ignore[index]
+
+    def _ask_collectives(self) -> dict[int, list[dict[str, Any]]]:
+        """Ask the local ranks which collective they are in: ``rank -> positions``."""
+        asked = time.time()
+        if not _collectives.ask_all():
+            return {}
+        with self._lock:
+            expected = {
+                r for r, s in self._ranks.items()
+                if s.local and _now_state(s) not in (_procstate.STOPPED, _procstate.GONE)
+            }
+        deadline = time.monotonic() + _ANSWER_S
+        while time.monotonic() < deadline and not self._stop.is_set():
+            with self._lock:
+                answered = {r for r, (at, _) in self._answers.items() if at >= asked}
+            if expected <= answered:
+                time.sleep(0.1)  # the rest of an answer's groups, sent in the same batch
+                break
+            time.sleep(0.05)
+        with self._lock:
+            return {r: p for r, (at, p) in self._answers.items() if at >= asked}
 
     # --- the thread --------------------------------------------------------------------
 
@@ -346,6 +380,9 @@ class Watchdog:
             ranks = dict(self._ranks)
             bound = self.bound()
         states = {r: (s.recent[-1] if s.recent else None) for r, s in ranks.items()}
+        answers = self._ask_collectives()
+        where = _collectives.describe(answers, [f.rank for f in flags], self.world_size)
+        flying = _collectives.in_flight(answers)
         for flag in flags:
             state = ranks.get(flag.rank)
             sampled = states.get(flag.rank)
@@ -356,11 +393,19 @@ class Watchdog:
                 f"{stalled:.0f} s (since {clock_text(flag.since)}"
                 + (f", after step {state.step}" if state is not None and state.step is not None else "")
                 + (f"; {what}" if what else "") + ")"
+                + "".join(f"; {line}" for line in where)
             )
+            # The collective in flight, and whether this rank is in it (None: unknown).
+            collective, entered = None, None
+            for op, seq, inside, behind in flying:
+                collective = f"{op} #{seq}"
+                entered = True if flag.rank in inside else False if flag.rank in behind else None
+                break
             emit(
                 "hang", message, rank=flag.rank, node=flag.node, since=round(flag.since, 3),
                 stalled_s=round(stalled, 1), step=state.step if state is not None else None,
                 rank_pid=state.pid if state is not None else None, bound_s=round(bound, 1),
+                collective=collective, entered=entered,
             )
         local = {r: s.pid for r, s in ranks.items() if s.local and s.pid}
         stacks = _procstate.python_stacks(local.values())
@@ -372,6 +417,7 @@ class Watchdog:
             },
             world_size=self.world_size,
             now=now,
+            collectives=where,
         )
         with self._lock:
             self._reports.append(report)

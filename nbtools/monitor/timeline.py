@@ -78,6 +78,7 @@ _CATEGORIES = {
 }
 #: The coalesced step reports of the ranks (see :func:`step_rates`).
 PROGRESS_KIND = "progress"
+_NOT_DRAWN = (PROGRESS_KIND, "collectives")
 #: What each category means, for legends.
 CATEGORY_LABELS = {
     "save": "checkpoint save",
@@ -159,8 +160,9 @@ def encode(event: Event, local_host: str | None = None) -> list:
 
 
 def drawn(events: Iterable[Event]) -> list[Event]:
-    """The events drawn one by one: all but the ranks' progress reports."""
-    return [e for e in events if e.kind != PROGRESS_KIND]
+    """The events drawn one by one: all but the ranks' progress reports and their
+    answers about collectives (a hang's event already says what they told)."""
+    return [e for e in events if e.kind not in _NOT_DRAWN]
 
 
 def step_rates(events: Iterable[Event]) -> dict[int, tuple[list[float], list[float]]]:
