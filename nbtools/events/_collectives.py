@@ -43,6 +43,8 @@ __all__ = [
     "register",
     "unregister",
     "ask_all",
+    "Answers",
+    "ANSWER_S",
     "Answerer",
     "read_positions",
     "describe",
@@ -60,6 +62,8 @@ BUFFER_SIZE = "2000"
 _ASK_SUFFIX = ".ask"
 _CHECK_S = 0.25  # the flusher looks at the ask file at most this often
 _MAX_GROUPS = 8  # process groups answered per request
+#: How long a hang report waits for the ranks' answers.
+ANSWER_S = 2.0
 
 _asks: set[str] = set()  # ask files of the collectors of this process (the kernel)
 _asks_lock = threading.Lock()
@@ -104,6 +108,44 @@ def ask_all() -> int:
         except OSError as exc:
             _log.debug("could not ask the ranks at %s for their collectives: %s", path, exc)
     return asked
+
+
+class Answers:
+    """The kernel's record of the ranks' answers, and the wait for them after asking."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # rank -> (arrival time, positions) of its latest answer
+        self._latest: dict[int, tuple[float, list[dict[str, Any]]]] = {}
+
+    def add(self, event: Any) -> None:
+        """Keep one ``collectives`` event (one process group of a rank's answer)."""
+        arrived = time.time()
+        with self._lock:
+            at, positions = self._latest.get(event.rank, (0.0, []))
+            if arrived - at > ANSWER_S:  # a new answer, not another group of the same one
+                positions = []
+            self._latest[event.rank] = (arrived, [*positions, dict(event.fields)])
+
+    def ask(self, expected: set[int], stop: threading.Event) -> dict[int, list[dict[str, Any]]]:
+        """Ask every local rank; wait up to :data:`ANSWER_S` for the ``expected`` ranks.
+
+        Returns:
+            ``rank -> positions`` of the ranks that answered this request.
+        """
+        asked = time.time()
+        if not ask_all():
+            return {}
+        deadline = time.monotonic() + ANSWER_S
+        while time.monotonic() < deadline and not stop.is_set():
+            with self._lock:
+                answered = {r for r, (at, _) in self._latest.items() if at >= asked}
+            if expected <= answered:
+                time.sleep(0.1)  # the rest of an answer's groups, sent in the same batch
+                break
+            time.sleep(0.05)
+        with self._lock:
+            return {r: p for r, (at, p) in self._latest.items() if at >= asked}
 
 
 # --- rank side ---------------------------------------------------------------------------

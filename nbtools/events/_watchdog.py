@@ -32,15 +32,11 @@ and every rank's Python stack, for the cell.
 
 from __future__ import annotations
 
-import math
-import os
 import socket
 import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from nbtools._internal.log import get_logger
@@ -48,6 +44,11 @@ from nbtools.events import _collectives, _procstate
 from nbtools.events._bus import Bus
 from nbtools.events._emit import BUS, emit
 from nbtools.events._progress import PROGRESS_KIND
+from nbtools.events._rankstate import Flag as _Flag
+from nbtools.events._rankstate import RankState as _Rank
+from nbtools.events._rankstate import lower_median as _lower_median
+from nbtools.events._rankstate import now_state as _now_state
+from nbtools.events._rankstate import setting as _setting
 from nbtools.events._record import Event
 from nbtools.events._report import HangReport, clock_text, hang_report
 
@@ -66,38 +67,6 @@ THRESHOLD = 0.75
 _PAUSES = ("checkpoint_saved", "checkpoint_restored", "checkpoint_skipped", "restart")
 _PAUSE_S = 5.0
 _REPORT_GRACE_S = 2.5  # more than the time between two progress reports of a rank
-_RECENT_SAMPLES = 20  # the state of a rank "now": the majority of its latest samples
-_ANSWER_S = 2.0  # how long a hang report waits for the ranks' collectives
-
-
-@dataclass
-class _Rank:
-    rank: int
-    host: str = ""
-    pid: int = 0
-    local: bool = False
-    step: int | None = None
-    steps: int = 0
-    progressed_at: float = 0.0
-    arrived_at: float = 0.0  # kernel time of the latest report
-    streak_from: float = 0.0  # kernel time since which reports came without a gap
-    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=256))
-    bins: deque[tuple[float, int, int]] = field(default_factory=deque)
-    working: int = 0
-    waiting: int = 0
-    recent: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=_RECENT_SAMPLES))
-    score: float | None = None
-    low_since: float | None = None
-    high_since: float | None = None
-
-
-@dataclass
-class _Flag:
-    kind: str
-    rank: int
-    node: str
-    since: float
-    score: float | None = None
 
 
 class Watchdog:
@@ -159,8 +128,7 @@ class Watchdog:
         self._paused_from = 0.0
         self._paused_until = 0.0
         self._host = socket.gethostname()
-        # rank -> (arrival time, positions) of the latest answer about its collectives
-        self._answers: dict[int, tuple[float, list[dict[str, Any]]]] = {}
+        self._answers = _collectives.Answers()  # the ranks' answers about their collectives
 
     # --- life ------------------------------------------------------------------------
 
@@ -252,33 +220,18 @@ class Watchdog:
         state.steps, state.step, state.progressed_at = steps, event.step, event.time
 
     def _answer(self, event: Event) -> None:
-        arrived = time.time()
-        at, positions = self._answers.get(event.rank, (0.0, []))  # type: ignore[arg-type]
-        if arrived - at > _ANSWER_S:  # a new answer, not another group of the same one
-            positions = []
-        positions = [*positions, dict(event.fields)]
-        self._answers[event.rank] = (arrived, positions)  # type: ignore[index]
+        state = self._ranks.get(event.rank)  # type: ignore[arg-type]
+        if state is not None and state.pid == event.pid:  # not another group's rank
+            self._answers.add(event)
 
     def _ask_collectives(self) -> dict[int, list[dict[str, Any]]]:
         """Ask the local ranks which collective they are in: ``rank -> positions``."""
-        asked = time.time()
-        if not _collectives.ask_all():
-            return {}
         with self._lock:
             expected = {
                 r for r, s in self._ranks.items()
                 if s.local and _now_state(s) not in (_procstate.STOPPED, _procstate.GONE)
             }
-        deadline = time.monotonic() + _ANSWER_S
-        while time.monotonic() < deadline and not self._stop.is_set():
-            with self._lock:
-                answered = {r for r, (at, _) in self._answers.items() if at >= asked}
-            if expected <= answered:
-                time.sleep(0.1)  # the rest of an answer's groups, sent in the same batch
-                break
-            time.sleep(0.05)
-        with self._lock:
-            return {r: p for r, (at, p) in self._answers.items() if at >= asked}
+        return self._answers.ask(expected, self._stop)
 
     # --- the thread --------------------------------------------------------------------
 
@@ -513,33 +466,3 @@ class Watchdog:
             rank=flag.rank, node=flag.node, since=round(flag.since, 3), ended=True,
             lasted_s=round(lasted, 1), **fields,
         )
-
-
-def _now_state(state: _Rank) -> str | None:
-    """The majority of a local rank's latest samples; None when it cannot be sampled."""
-    if not state.local or not state.recent:
-        return None
-    counts: dict[str, int] = {}
-    for kind, _ in state.recent:
-        counts[kind] = counts.get(kind, 0) + 1
-    return max(counts, key=counts.__getitem__)
-
-
-def _setting(value: float | None, name: str, default: float) -> float:
-    if value is not None:
-        return float(value)
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        number = float(text)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {text!r}") from None
-    if not math.isfinite(number) or number <= 0:
-        raise ValueError(f"{name} must be a positive number, got {text!r}")
-    return number
-
-
-def _lower_median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[(len(ordered) - 1) // 2]
