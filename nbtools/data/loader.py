@@ -45,6 +45,10 @@ class DataLoader(torch.utils.data.DataLoader):
       epoch of the :class:`VolumeDataset` it reads, counting only the batches the
       training loop received. The state does not depend on world size or
       ``num_workers``: restore it into a loader with any of either.
+    * Each batch handed to the loop is reported as progress
+      (``events.step(None)``, about a microsecond, never blocking), so the
+      kernel sees a loop over this loader progress, and can flag it when it
+      hangs or straggles, with no call in the loop.
     * :attr:`wait_times` holds the seconds the loop waited for each batch of the
       current iteration (``last_wait`` the latest one).
     * Batches that carry cached paths (a bare ``VolumeDataset``) keep those
@@ -228,6 +232,7 @@ class DataLoader(torch.utils.data.DataLoader):
                     link.finished()
                 return
             self.last_wait = time.perf_counter() - start
+            events.step(None)  # a batch boundary: the kernel sees this rank progress
             self.wait_times.append(self.last_wait)
             self._stalls.observe(self.last_wait, first=len(self.wait_times) == 1)
             if not isinstance(item, _tags.Tagged):

@@ -25,6 +25,7 @@ import uuid
 from types import TracebackType
 
 from nbtools._internal.log import get_logger
+from nbtools.events import _collectives
 from nbtools.events._bus import Bus
 from nbtools.events._emit import BUS
 from nbtools.events._sinks import CHANNEL_ENV
@@ -96,6 +97,7 @@ class Collector:
             except (AttributeError, OSError):
                 pass  # the default 64 KiB still works; bursts drop sooner
             self._stopping = False
+            _collectives.register(_collectives.ask_path(f"fifo:{path}") or "")  # the watchdog asks the ranks through it
             self._thread = threading.Thread(target=self._loop, name=_THREAD_NAME, daemon=True)
             self._thread.start()
         except BaseException:
@@ -104,9 +106,17 @@ class Collector:
         return self
 
     def environment(self) -> dict[str, str]:
-        """The environment variables a rank needs to send its events here (starts if needed)."""
+        """The environment variables a rank needs to send its events here (starts if needed).
+
+        Besides the channel, torch's Flight Recorder is switched on
+        (``TORCH_FR_BUFFER_SIZE``, unless this process's environment sets it),
+        so that a hang report can name the collective each rank is in.
+        """
         self.start()
-        return {CHANNEL_ENV: f"fifo:{self.path}"}
+        env = {CHANNEL_ENV: f"fifo:{self.path}"}
+        if _collectives.BUFFER_ENV not in os.environ:
+            env[_collectives.BUFFER_ENV] = _collectives.BUFFER_SIZE
+        return env
 
     def drain(self) -> int:
         """Publish everything written to the pipe before this call; return the events published."""
@@ -214,6 +224,7 @@ class Collector:
         self._thread = None
         self._partial = b""
         if self.path is not None:
+            _collectives.unregister(_collectives.ask_path(f"fifo:{self.path}") or "")
             try:
                 os.unlink(self.path)
             except FileNotFoundError:

@@ -35,6 +35,7 @@ def hang_report(
     ranks: dict[int, tuple[str, int, int | None, tuple[str, str] | None, str | None]],
     world_size: int,
     now: float,
+    collectives: list[str] | None = None,
 ) -> HangReport:
     """Build the cell's text.
 
@@ -44,6 +45,8 @@ def hang_report(
             the stack is None for a rank on another node.
         world_size: Ranks in the group.
         now: Epoch seconds now.
+        collectives: Lines naming the collective in flight and the ranks that
+            never entered it (from torch's Flight Recorder), when the ranks said.
     """
     culprits = sorted(rank for rank, _, _ in flags)
     since = min(s for _, _, s in flags)
@@ -61,6 +64,8 @@ def hang_report(
     head = "hang: " + "; ".join(lines) + "."
     if others:
         head += f" Ranks {_ranks_text(others)} wait for {'it' if len(culprits) == 1 else 'them'}."
+    for line in collectives or []:
+        head += f" In torch's record of collectives: {line}."
     head += (
         " The call keeps running (on_hang='restart' restarts the group instead); "
         "every rank's Python stack follows."

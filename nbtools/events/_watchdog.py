@@ -6,7 +6,7 @@ local rank's main thread from outside (:mod:`nbtools.events._procstate`). It
 never runs on a rank and costs the training thread nothing.
 
 Hangs. A rank is hung when it made no progress for longer than the bound
-(``hang_timeout`` when given; else ten median step times, at least 60 s)
+(``hang_timeout`` when given; else ten median step times, at least 45 s)
 while others made progress, or while every rank stopped and the others wait
 in a collective for it. Only those culprits are flagged: a rank blocked in a
 collective waits for somebody else. When every rank computes (an evaluation,
@@ -32,22 +32,23 @@ and every rank's Python stack, for the cell.
 
 from __future__ import annotations
 
-import math
-import os
 import socket
 import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from nbtools._internal.log import get_logger
-from nbtools.events import _procstate
+from nbtools.events import _collectives, _procstate
 from nbtools.events._bus import Bus
 from nbtools.events._emit import BUS, emit
 from nbtools.events._progress import PROGRESS_KIND
+from nbtools.events._rankstate import Flag as _Flag
+from nbtools.events._rankstate import RankState as _Rank
+from nbtools.events._rankstate import lower_median as _lower_median
+from nbtools.events._rankstate import now_state as _now_state
+from nbtools.events._rankstate import setting as _setting
 from nbtools.events._record import Event
 from nbtools.events._report import HangReport, clock_text, hang_report
 
@@ -55,8 +56,9 @@ __all__ = ["Watchdog", "HangReport", "MIN_HANG_S", "HANG_STEPS", "THRESHOLD"]
 
 _log = get_logger("events")
 
-#: The adaptive hang bound is never shorter than this.
-MIN_HANG_S = 60.0
+#: The adaptive hang bound is never shorter than this: long enough for a first step
+#: that compiles for half a minute, short enough to name a stopped rank within a minute.
+MIN_HANG_S = 45.0
 #: ... and otherwise this many median step times.
 HANG_STEPS = 10.0
 #: Scores under this flag a straggler.
@@ -65,37 +67,6 @@ THRESHOLD = 0.75
 _PAUSES = ("checkpoint_saved", "checkpoint_restored", "checkpoint_skipped", "restart")
 _PAUSE_S = 5.0
 _REPORT_GRACE_S = 2.5  # more than the time between two progress reports of a rank
-_RECENT_SAMPLES = 20  # the state of a rank "now": the majority of its latest samples
-
-
-@dataclass
-class _Rank:
-    rank: int
-    host: str = ""
-    pid: int = 0
-    local: bool = False
-    step: int | None = None
-    steps: int = 0
-    progressed_at: float = 0.0
-    arrived_at: float = 0.0  # kernel time of the latest report
-    streak_from: float = 0.0  # kernel time since which reports came without a gap
-    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=256))
-    bins: deque[tuple[float, int, int]] = field(default_factory=deque)
-    working: int = 0
-    waiting: int = 0
-    recent: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=_RECENT_SAMPLES))
-    score: float | None = None
-    low_since: float | None = None
-    high_since: float | None = None
-
-
-@dataclass
-class _Flag:
-    kind: str
-    rank: int
-    node: str
-    since: float
-    score: float | None = None
 
 
 class Watchdog:
@@ -103,7 +74,8 @@ class Watchdog:
 
     Args:
         world_size: Ranks in the group (those that never report count as stalled).
-        hang_timeout: Seconds without progress that make a hang; None: adaptive.
+        hang_timeout: Seconds without progress that make a hang; None: adaptive
+            (ten median step times, at least :data:`MIN_HANG_S`, 45 s).
         threshold: Straggler scores under this are flagged (default 0.75, or
             ``NBTOOLS_STRAGGLER_THRESHOLD``).
         window_s: Seconds of samples a straggler score covers (default 30, or
@@ -156,6 +128,7 @@ class Watchdog:
         self._paused_from = 0.0
         self._paused_until = 0.0
         self._host = socket.gethostname()
+        self._answers = _collectives.Answers()  # the ranks' answers about their collectives
 
     # --- life ------------------------------------------------------------------------
 
@@ -219,6 +192,8 @@ class Watchdog:
             for event in events:
                 if event.kind == PROGRESS_KIND and event.rank is not None:
                     self._progress(event)
+                elif event.kind == _collectives.KIND and event.rank is not None:
+                    self._answer(event)
                 elif event.kind in _PAUSES:
                     now = time.time()
                     start = event.time - _PAUSE_S
@@ -243,6 +218,20 @@ class Watchdog:
         if state.steps and event.time > state.progressed_at:
             state.step_times.append((event.time - state.progressed_at) / (steps - state.steps))
         state.steps, state.step, state.progressed_at = steps, event.step, event.time
+
+    def _answer(self, event: Event) -> None:
+        state = self._ranks.get(event.rank)  # type: ignore[arg-type]
+        if state is not None and state.pid == event.pid:  # not another group's rank
+            self._answers.add(event)
+
+    def _ask_collectives(self) -> dict[int, list[dict[str, Any]]]:
+        """Ask the local ranks which collective they are in: ``rank -> positions``."""
+        with self._lock:
+            expected = {
+                r for r, s in self._ranks.items()
+                if s.local and _now_state(s) not in (_procstate.STOPPED, _procstate.GONE)
+            }
+        return self._answers.ask(expected, self._stop)
 
     # --- the thread --------------------------------------------------------------------
 
@@ -344,6 +333,9 @@ class Watchdog:
             ranks = dict(self._ranks)
             bound = self.bound()
         states = {r: (s.recent[-1] if s.recent else None) for r, s in ranks.items()}
+        answers = self._ask_collectives()
+        where = _collectives.describe(answers, [f.rank for f in flags], self.world_size)
+        flying = _collectives.in_flight(answers)
         for flag in flags:
             state = ranks.get(flag.rank)
             sampled = states.get(flag.rank)
@@ -354,11 +346,19 @@ class Watchdog:
                 f"{stalled:.0f} s (since {clock_text(flag.since)}"
                 + (f", after step {state.step}" if state is not None and state.step is not None else "")
                 + (f"; {what}" if what else "") + ")"
+                + "".join(f"; {line}" for line in where)
             )
+            # The collective in flight, and whether this rank is in it (None: unknown).
+            collective, entered = None, None
+            for op, seq, inside, behind in flying:
+                collective = f"{op} #{seq}"
+                entered = True if flag.rank in inside else False if flag.rank in behind else None
+                break
             emit(
                 "hang", message, rank=flag.rank, node=flag.node, since=round(flag.since, 3),
                 stalled_s=round(stalled, 1), step=state.step if state is not None else None,
                 rank_pid=state.pid if state is not None else None, bound_s=round(bound, 1),
+                collective=collective, entered=entered,
             )
         local = {r: s.pid for r, s in ranks.items() if s.local and s.pid}
         stacks = _procstate.python_stacks(local.values())
@@ -370,6 +370,7 @@ class Watchdog:
             },
             world_size=self.world_size,
             now=now,
+            collectives=where,
         )
         with self._lock:
             self._reports.append(report)
@@ -465,33 +466,3 @@ class Watchdog:
             rank=flag.rank, node=flag.node, since=round(flag.since, 3), ended=True,
             lasted_s=round(lasted, 1), **fields,
         )
-
-
-def _now_state(state: _Rank) -> str | None:
-    """The majority of a local rank's latest samples; None when it cannot be sampled."""
-    if not state.local or not state.recent:
-        return None
-    counts: dict[str, int] = {}
-    for kind, _ in state.recent:
-        counts[kind] = counts.get(kind, 0) + 1
-    return max(counts, key=counts.__getitem__)
-
-
-def _setting(value: float | None, name: str, default: float) -> float:
-    if value is not None:
-        return float(value)
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        number = float(text)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {text!r}") from None
-    if not math.isfinite(number) or number <= 0:
-        raise ValueError(f"{name} must be a positive number, got {text!r}")
-    return number
-
-
-def _lower_median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[(len(ordered) - 1) // 2]

@@ -1,6 +1,7 @@
-// Front end of the GPU pane: a plotly.js figure (3 panels, one line per GPU) that
-// grows by Plotly.extendTraces from small per-poll messages, the run's events on
-// the same time axis, a table of the current values and a list of the last events.
+// Front end of the GPU pane: a plotly.js figure (3 panels, one line per GPU, then a
+// row of steps per second per rank when ranks report progress) that grows by
+// Plotly.extendTraces from small per-poll messages, the run's events on the same
+// time axis, a table of the current values and a list of the last events.
 // The whole figure travels only in the `_figure` trait, which the kernel rebuilds
 // when the set of GPUs changes or a view asks to resynchronise; its history comes
 // as binary arrays. Without a kernel to send plotly.js (a saved notebook opened
@@ -18,8 +19,11 @@ const STYLE = {
   failure: { color: "#dc2626", symbol: "x", line: "solid" },
   restart: { color: "#ea580c", symbol: "triangle-up", line: "dash" },
   run: { color: "#6b7280", symbol: "circle-open", line: "dot" },
+  hang: { color: "#b91c1c", symbol: "hexagram", band: 0.25 },
+  straggler: { color: "#ca8a04", symbol: "star", band: 0.2 },
   mark: { color: "#7c3aed", symbol: "triangle-down" },
 };
+const FLAGS = new Set(["hang", "straggler"]);
 
 // plotly.js, once per page: every chart on the page shares one copy, kept on globalThis.
 // The kernel pushes it (gzip, a binary buffer of a custom message) when a chart is new, and
@@ -103,13 +107,30 @@ function escapeHtml(text) {
   return String(text).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
 }
 
-// An event row: [ms, kind, category, rank, step, start ms or null, text].
+// An event row: [ms, kind, category, rank, step, start ms or null, text] (a flag's
+// row has an eighth column: 1 when it ends the flag).
 function describe(e) {
+  if (FLAGS.has(e[2]) && e[6]) return e[6]; // says which rank, where, since when
+
   const who = [e[3] === null ? null : `rank ${e[3]}`, e[4] === null ? null : `step ${e[4]}`];
   return who.filter((p) => p).concat(e[6] ? [e[6]] : []).join(" · ");
 }
 
-function eventLayer(rows, traceCount) {
+// Ranks flagged now: rank -> "hang" or "straggler", from the newest flag event of each.
+function flaggedRanks(rows) {
+  const open = new Map();
+  for (const e of rows) {
+    if (!FLAGS.has(e[2]) || e[3] === null) continue;
+    const key = `${e[2]} ${e[3]}`;
+    if (e[7]) open.delete(key);
+    else open.set(key, [e[3], e[2]]);
+  }
+  const out = new Map();
+  for (const [rank, kind] of open.values()) if (!out.has(rank) || kind === "hang") out.set(rank, kind);
+  return out;
+}
+
+function eventLayer(rows, traceCount, axis) {
   const shapes = [];
   const x = [];
   const text = [];
@@ -136,8 +157,8 @@ function eventLayer(rows, traceCount) {
     symbol.push(style.symbol);
   }
   const trace = {
-    type: "scatter", mode: "markers", name: "events", showlegend: false, xaxis: "x", yaxis: "y",
-    x, y: x.map(() => 100), customdata: text, hovertemplate: "%{customdata}<extra></extra>",
+    type: "scatter", mode: "markers", name: "events", showlegend: false, xaxis: "x", yaxis: axis[0],
+    x, y: x.map(() => axis[1]), customdata: text, hovertemplate: "%{customdata}<extra></extra>",
     marker: { color, symbol, size: 9, line: { width: 1, color: "white" } }, cliponaxis: false,
   };
   return { shapes, trace, index: traceCount };
@@ -190,6 +211,10 @@ async function render({ model, el }) {
   let keys = new Set();
   let counts = { d: 0, nd: 0 };
   let traceCount = 0;
+  let ranks = []; // the step-rate row's ranks, their traces after the GPUs'
+  let ratePoints = 1200;
+  let eventAxis = ["y", 100];
+  let flagged = new Map();
 
   function setLast(t) {
     last.dataset.time = t ? String(t) : "";
@@ -264,12 +289,45 @@ async function render({ model, el }) {
     }
   }
 
+  // A flagged rank's step rate is drawn bold, its name says why.
+  function markFlagged() {
+    const now = flaggedRanks(events);
+    const same = now.size === flagged.size && [...now].every(([r, k]) => flagged.get(r) === k);
+    flagged = now;
+    if (same || !ranks.length || !plot.data) return;
+    const first = PANELS * gpus.length;
+    const indices = ranks.map((_, j) => first + j);
+    Plotly.restyle(plot, {
+      "line.width": ranks.map((r) => (flagged.has(r) ? 3.5 : 1.5)),
+      name: ranks.map((r) => (flagged.has(r) ? `rank ${r} (${flagged.get(r)})` : `rank ${r}`)),
+    }, indices);
+  }
+
+  function extendRates(points) {
+    if (!points || !points.length || !plot.data) return;
+    const first = PANELS * gpus.length;
+    const byTrace = new Map();
+    for (const [rank, ms, rate] of points) {
+      const j = ranks.indexOf(rank);
+      if (j < 0) continue;
+      if (!byTrace.has(j)) byTrace.set(j, [[], []]);
+      byTrace.get(j)[0].push(local(ms));
+      byTrace.get(j)[1].push(rate);
+    }
+    if (!byTrace.size) return;
+    const indices = [...byTrace.keys()];
+    Plotly.extendTraces(plot, {
+      x: indices.map((j) => byTrace.get(j)[0]), y: indices.map((j) => byTrace.get(j)[1]),
+    }, indices.map((j) => first + j), ratePoints);
+  }
+
   function drawEvents() {
     if (!plot.data || !traceCount) {
       drawList();
       return;
     }
-    const layer = eventLayer(events, traceCount);
+    markFlagged();
+    const layer = eventLayer(events, traceCount, eventAxis);
     Plotly.update(plot, {
       x: [layer.trace.x], y: [layer.trace.y], customdata: [layer.trace.customdata],
       "marker.color": [layer.trace.marker.color], "marker.symbol": [layer.trace.marker.symbol],
@@ -286,18 +344,36 @@ async function render({ model, el }) {
     horizon = fig.h || 0;
     counts = { d: fig.d || 0, nd: fig.nd || 0 };
     traceCount = fig.data.length;
+    ranks = fig.ranks || [];
+    ratePoints = fig.rp || ratePoints;
+    eventAxis = fig.ey || ["y", 100];
     // Without any GPU read yet (unavailable), the status line says why; no empty axes.
-    plot.style.display = table.style.display = fig.data.length ? "" : "none";
+    plot.style.display = fig.data.length ? "" : "none";
+    table.style.display = gpus.length ? "" : "none";
+    plot.style.minHeight = `${fig.layout.height || 560}px`;
     const xs = fig.x.map(float64s);
-    const data = fig.data.map((trace, i) => ({
-      ...trace,
-      x: xs[fig.xi[i % gpus.length]],
-      y: scaled(fig.y[i], fig.f[Math.floor(i / gpus.length)]),
-    }));
+    const first = PANELS * gpus.length;
     events = [];
     keys = new Set();
     keepEvents(fig.ev || []);
-    const layer = eventLayer(events, data.length);
+    flagged = flaggedRanks(events);
+    const data = fig.data.map((trace, i) => {
+      if (i < first) {
+        return {
+          ...trace,
+          x: xs[fig.xi[i % gpus.length]],
+          y: scaled(fig.y[i], fig.f[Math.floor(i / gpus.length)]),
+        };
+      }
+      const rank = ranks[i - first];
+      const bold = flagged.has(rank);
+      return {
+        ...trace, x: float64s(fig.rx[i - first]), y: fig.ry[i - first],
+        name: bold ? `rank ${rank} (${flagged.get(rank)})` : trace.name,
+        line: { ...trace.line, width: bold ? 3.5 : 1.5 },
+      };
+    });
+    const layer = eventLayer(events, data.length, eventAxis);
     if (data.length) data.push(layer.trace);
     Plotly.react(plot, data, { ...fig.layout, shapes: data.length ? layer.shapes : [] }, CONFIG);
     const simulated = fig.source === "simulated";
@@ -321,8 +397,9 @@ async function render({ model, el }) {
     }
     seq = msg.n;
     if (msg.k === "e") {
-      // Events on their own: a pane with no GPU to poll.
+      // Events (and step rates) on their own: a pane with no GPU to poll.
       if (msg.d !== undefined) counts = { d: msg.d, nd: msg.nd };
+      extendRates(msg.sr);
       if (msg.e) keepEvents(msg.e);
       drawEvents();
       return;
@@ -339,6 +416,7 @@ async function render({ model, el }) {
       });
     }
     Plotly.extendTraces(plot, { x: xs, y: ys }, indices, maxPoints);
+    extendRates(msg.sr);
     msg.g.forEach((g, j) => fillRow(msg.r + j, g));
     setLast(msg.t);
     if (msg.d !== undefined) counts = { d: msg.d, nd: msg.nd };

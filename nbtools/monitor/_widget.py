@@ -23,6 +23,7 @@ import gzip
 import json
 import math
 import threading
+import time
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -32,9 +33,10 @@ import anywidget
 import numpy as np
 import traitlets
 
+from nbtools.monitor._rates import RateRow
 from nbtools.monitor.history import History
 from nbtools.monitor.readings import Sample, describe_throttle
-from nbtools.monitor.timeline import MESSAGE_BUDGET, EventFeed
+from nbtools.monitor.timeline import MESSAGE_BUDGET, PROGRESS_KIND, EventFeed
 
 __all__ = ["GPUChart", "plotly_js_gzip"]
 
@@ -47,6 +49,8 @@ _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
            "#bcbd22", "#17becf")
 _DASHES = ("solid", "dot", "dash", "longdash", "dashdot")
 _MISSING = 65535  # uint16 value of a point that was not available
+_RATE_TITLE = "Steps per second, by rank"
+_RATE_POINTS = 1200  # per rank in the live chart (reports come about once a second)
 _GRID = "#EBF0F8"
 
 
@@ -98,7 +102,9 @@ class GPUChart(anywidget.AnyWidget):
     """Three panels (utilization, memory, temperature), one line per GPU, grouped by host.
 
     The run's events are drawn on the same time axis (see :mod:`nbtools.monitor.timeline`)
-    and listed under the panels.
+    and listed under the panels. When ranks report progress, a row below the
+    panels draws each rank's steps per second on the same axis (a flagged rank
+    drawn bold, a hang's band from where it began); without GPUs it is the only row.
 
     Args:
         history: The history to draw; the chart reads it, the sampler fills it.
@@ -130,6 +136,12 @@ class GPUChart(anywidget.AnyWidget):
         self._latest: dict[tuple[str, int], Any] = {}  # (host, index) -> last reading
         self._last_time: float | None = None
         self._told = (0, 0)  # (dropped, not drawn) as the front end last heard them
+        self._rates = RateRow(_RATE_POINTS)
+        self._rank_order: list[int] = []  # the ranks of the figure's step-rate traces
+        if feed is not None:
+            feed.take_progress()  # the bus has them too: start from its record
+            since = time.time() - feed.horizon_s
+            self._rates.add(feed.bus.log(since=since, kinds=[PROGRESS_KIND]))
         for sample in latest:
             self._remember(sample)
         # The figure travels with the comm's opening message, not in a second one.
@@ -155,8 +167,11 @@ class GPUChart(anywidget.AnyWidget):
             indices = [i for h, i, _ in gpus if h == host]
             self._rows[host] = (row, indices)
             row += len(indices)
-        fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.07,
-                            subplot_titles=_TITLES)
+        ranks = self._rank_order = self._rates.ranks()
+        # The GPU panels when there are GPUs, then the step-rate row when ranks report.
+        titles = [*(_TITLES if gpus or not ranks else ()), *([_RATE_TITLE] if ranks else [])]
+        fig = make_subplots(rows=len(titles), cols=1, shared_xaxes=True, vertical_spacing=0.07,
+                            subplot_titles=titles)
         max_mem = max((self._total(h, i) or 0 for h, i, _ in gpus), default=0) / _GIB
         # Scaled to uint16 on the wire: 0.1 %, 0.01 GiB (0.1 GiB past 650 GiB), 0.1 degC.
         factors = (10.0, 100.0 if max_mem < 650 else 10.0, 10.0)
@@ -174,10 +189,25 @@ class GPUChart(anywidget.AnyWidget):
                           "dash": _DASHES[hosts.index(host) % len(_DASHES)], "width": 1.5},
                 )
                 ys.append(_scaled(values * scale, factors[panel]))
+        rate_x, rate_y = [], []
+        for rank in ranks:
+            when, values = self._rates.series[rank]
+            label = f"rank {rank}"
+            fig.add_scatter(
+                row=len(titles), col=1, mode="lines", name=label, legendgroup=label,
+                hovertemplate=f"%{{y}} steps/s<extra>{label}</extra>",
+                line={"color": _COLORS[rank % len(_COLORS)], "width": 1.5, "shape": "hv"},
+            )
+            rate_x.append((np.asarray(when, dtype="<f8") * 1000.0).tobytes())
+            rate_y.append(list(values))
+        if ranks:
+            fig.update_yaxes(rangemode="tozero", row=len(titles), col=1)
         title = "GPU resources" + (" (simulated)" if self._source == "simulated" else "")
+        title = title if gpus or not ranks else "Training run (no GPU readings)"
         fig.update_layout(
             paper_bgcolor="white", plot_bgcolor="white", font={"color": "#2a3f5f"},
-            height=560, margin={"l": 50, "r": 20, "t": 60, "b": 30},
+            height=(160 * len(titles) + 80) if gpus or not ranks else 300,
+            margin={"l": 50, "r": 20, "t": 60, "b": 30},
             title={"text": title, "x": 0.01, "y": 0.985, "font": {"size": 14}},
             legend={"orientation": "h", "x": 1, "xanchor": "right", "y": 1.07, "yanchor": "bottom"},
             hovermode="x unified", autosize=True,
@@ -185,8 +215,13 @@ class GPUChart(anywidget.AnyWidget):
         )
         fig.update_yaxes(gridcolor=_GRID, zerolinecolor=_GRID)
         fig.update_xaxes(type="date", gridcolor=_GRID)
-        fig.update_yaxes(range=[0, 100], row=1, col=1)
-        fig.update_yaxes(range=[0, max(max_mem, 1.0) * 1.05], row=2, col=1)
+        fig.update_xaxes(tickformat="%H:%M:%S", showticklabels=True, row=len(titles), col=1)
+        if gpus or not ranks:
+            fig.update_yaxes(range=[0, 100], row=1, col=1)
+            fig.update_yaxes(range=[0, max(max_mem, 1.0) * 1.05], row=2, col=1)
+        else:  # the events' marks on their own axis over the step-rate row's top edge
+            fig.update_layout(yaxis2={"overlaying": "y", "range": [0, 1], "visible": False,
+                                      "fixedrange": True})
         spec = fig.to_plotly_json()
         feed = self._feed
         if feed is not None:
@@ -214,6 +249,13 @@ class GPUChart(anywidget.AnyWidget):
             "h": round(1000 * (feed.horizon_s if feed is not None else 0)),
             "d": self._told[0],
             "nd": self._told[1],
+            # The step-rate row: its ranks, in trace order after the GPUs' traces, their
+            # times (epoch ms, float64) and steps per second; "ey" where event marks sit.
+            "ranks": ranks,
+            "rx": rate_x,
+            "ry": rate_y,
+            "rp": _RATE_POINTS,
+            "ey": ["y", 100] if gpus or not ranks else ["y2", 1],
         }
 
     def _total(self, host: str, index: int) -> float | None:
@@ -235,7 +277,8 @@ class GPUChart(anywidget.AnyWidget):
         with self._lock:
             self._remember(sample)
             row = self._rows.get(sample.host)
-            if row is None or row[1] != [r.index for r in sample.gpus]:
+            rates = self._new_rates()
+            if row is None or row[1] != [r.index for r in sample.gpus] or rates is None:
                 self._seq += 1
                 self._figure = self._build()
                 return
@@ -247,6 +290,8 @@ class GPUChart(anywidget.AnyWidget):
                 "r": row[0],
                 "g": [_glance(r) for r in sample.gpus],
             }
+            if rates:
+                message["sr"] = rates
             self._add_events(message)
             self.send(message)
 
@@ -256,13 +301,29 @@ class GPUChart(anywidget.AnyWidget):
         For a pane with no GPU to poll: without samples, events would wait for a rebuild.
         """
         with self._lock:
+            rates = self._new_rates()
+            if rates is None:  # a new rank: its trace comes with the whole figure
+                self._seq += 1
+                self._figure = self._build()
+                return True
             message: dict[str, Any] = {"k": "e", "n": self._seq + 1}
+            if rates:
+                message["sr"] = rates
             self._add_events(message)
-            if "e" not in message and "d" not in message:
+            if "e" not in message and "d" not in message and "sr" not in message:
                 return False
             self._seq += 1
             self.send(message)
             return True
+
+    def _new_rates(self) -> list[list] | None:
+        """Step-rate points since the last message; None when a rank is new (rebuild)."""
+        if self._feed is None:
+            return []
+        points = self._rates.add(self._feed.take_progress())
+        if self._rates.ranks() != self._rank_order:
+            return None
+        return points
 
     def _add_events(self, message: dict[str, Any]) -> None:
         feed = self._feed

@@ -61,6 +61,8 @@ MESSAGE_BUDGET = 4096
 MAX_DRAWN = 400
 #: Events queued (per queue: nbtools' own, users') until a poll sends them; more are counted, not drawn.
 MAX_PENDING = 1000
+#: Progress reports queued for the chart's step-rate row (about one per rank a second).
+MAX_PROGRESS = 4096
 #: Characters of detail text sent per event (hover and list).
 TEXT_CHARS = 160
 
@@ -78,6 +80,8 @@ _CATEGORIES = {
 }
 #: The coalesced step reports of the ranks (see :func:`step_rates`).
 PROGRESS_KIND = "progress"
+_NOT_DRAWN = (PROGRESS_KIND, "collectives")
+_FLAGS = ("hang", "straggler")
 #: What each category means, for legends.
 CATEGORY_LABELS = {
     "save": "checkpoint save",
@@ -130,9 +134,28 @@ def _value(value: Any) -> str:
     return str(value)
 
 
+def _flag_text(event: Event) -> str | None:
+    """A hang as the list says it: which rank, where, for how long, in which collective."""
+    fields = event.fields
+    stalled = _seconds(fields, "stalled_s")
+    if event.kind != "hang" or fields.get("ended") or stalled is None or event.rank is None:
+        return None
+    node = fields.get("node")
+    text = f"rank {event.rank}" + (f" on {node}" if node else "") + f" stalled {stalled:.0f} s"
+    collective = fields.get("collective")
+    if collective and fields.get("entered") is True:
+        return text + f" in {collective}"
+    if collective and fields.get("entered") is False:
+        return text + f"; the others wait in {collective}, which it never entered"
+    if collective:
+        return text + f"; the others wait in {collective}"
+    since = _seconds(fields, "since")
+    return text + (f" since {time.strftime('%H:%M:%S', time.localtime(since))}" if since else "")
+
+
 def _text(event: Event, local_host: str | None) -> str:
     if category(event.kind) in ("hang", "straggler") and event.message:
-        text = event.message  # already says which rank, where, since when
+        text = _flag_text(event) or event.message  # says which rank, where, since when
         return text if len(text) <= TEXT_CHARS else text[: TEXT_CHARS - 1] + "\u2026"
     parts = []
     if local_host is not None and event.host != local_host:
@@ -145,8 +168,12 @@ def _text(event: Event, local_host: str | None) -> str:
 
 
 def encode(event: Event, local_host: str | None = None) -> list:
-    """One event as the chart's row: ``[ms, kind, category, rank, step, start ms, text]``."""
+    """One event as the chart's row: ``[ms, kind, category, rank, step, start ms, text]``.
+
+    A flag (``hang``, ``straggler``) has an eighth column: 1 when it ends the flag.
+    """
     start = _span_start(event)
+    flag = [1 if event.fields.get("ended") else 0] if category(event.kind) in _FLAGS else []
     return [
         round(event.time * 1000),
         event.kind,
@@ -155,12 +182,14 @@ def encode(event: Event, local_host: str | None = None) -> list:
         event.step,
         None if start is None else round(start * 1000),
         _text(event, local_host),
+        *flag,
     ]
 
 
 def drawn(events: Iterable[Event]) -> list[Event]:
-    """The events drawn one by one: all but the ranks' progress reports."""
-    return [e for e in events if e.kind != PROGRESS_KIND]
+    """The events drawn one by one: all but the ranks' progress reports and their
+    answers about collectives (a hang's event already says what they told)."""
+    return [e for e in events if e.kind not in _NOT_DRAWN]
 
 
 def step_rates(events: Iterable[Event]) -> dict[int, tuple[list[float], list[float]]]:
@@ -240,6 +269,7 @@ class EventFeed:
         self._clock = clock
         self._notable: deque[Event] = deque(maxlen=MAX_PENDING)
         self._other: deque[Event] = deque(maxlen=MAX_PENDING)
+        self._progress: deque[Event] = deque(maxlen=MAX_PROGRESS)
         self._lock = threading.Lock()
         self._overflow = 0  # queued events pushed out before a poll took them
         self._closed = False
@@ -250,7 +280,10 @@ class EventFeed:
         with self._lock:
             for event in events:
                 if event.kind == PROGRESS_KIND:
-                    continue  # drawn as step rates, not one by one
+                    self._progress.append(event)  # drawn as step rates, not one by one
+                    continue
+                if event.kind in _NOT_DRAWN:
+                    continue
                 queue = self._notable if event.kind in NOTABLE_KINDS else self._other
                 if len(queue) == MAX_PENDING:
                     self._overflow += 1  # the oldest queued event falls out
@@ -293,6 +326,13 @@ class EventFeed:
                     used += size
         return rows
 
+    def take_progress(self) -> list[Event]:
+        """The ranks' progress reports that arrived since the last call, oldest first."""
+        with self._lock:
+            reports = list(self._progress)
+            self._progress.clear()
+        return reports
+
     def snapshot(self) -> list[list]:
         """Rows of the newest events kept for drawing (at most ``MAX_DRAWN``), oldest first.
 
@@ -313,3 +353,4 @@ class EventFeed:
             with self._lock:
                 self._notable.clear()
                 self._other.clear()
+                self._progress.clear()

@@ -208,6 +208,61 @@ def _picture_follows_the_run(page) -> str:
     return picture
 
 
+# The step-rate row of the first pane: rank traces, their subplot and its title.
+RATE_ROW = """() => { const p = document.querySelector('.nbtools-gpu-plot');
+  const ranks = p.data.filter((t) => /^rank \\d/.test(t.name));
+  return {names: ranks.map((t) => t.name), points: ranks.map((t) => t.x.length),
+    widths: ranks.map((t) => t.line.width),
+    subplots: p.querySelectorAll('.cartesianlayer > .subplot').length,
+    titles: (p.layout.annotations || []).map((a) => a.text)}; }"""
+# Flags as the kernel's watchdog emits them (in the kernel), one of each kind.
+FLAGS = (
+    "import time\n"
+    "from nbtools import events\n"
+    "events.emit('straggler', 'rank 0 on node-b at 0.62 of the median step rate since 12:04:00',"
+    " rank=0, node='node-b', since=time.time() - 60, score=0.62)\n"
+    "events.emit('hang', 'rank 1 on node-b made no progress for 90 s', rank=1, node='node-b',"
+    " since=time.time() - 90, stalled_s=90.0, collective='all_reduce #1812', entered=True)\n"
+)
+
+
+def _check_step_rates_and_flags(page) -> None:
+    """The training's ranks have a step-rate row; flags are listed, drawn bold and banded."""
+    page.wait_for_function(
+        "() => { const p = document.querySelector('.nbtools-gpu-plot');"
+        " return p.data.filter((t) => /^rank \\d/.test(t.name) && t.x.length >= 2).length === 2; }",
+        timeout=60_000,
+    )
+    row = page.evaluate(RATE_ROW)
+    assert row["subplots"] == 4 and "Steps per second, by rank" in row["titles"], row
+    page.evaluate(
+        "(code) => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
+        ".requestExecute({code})", FLAGS,
+    )
+    page.wait_for_function(
+        "() => Array.from(document.querySelector('.nbtools-gpu-events')"
+        ".querySelectorAll('.nbtools-gpu-event')).filter((e) => e.dataset.category === 'hang'"
+        " || e.dataset.category === 'straggler').length === 2",
+        timeout=60_000,
+    )
+    texts = page.evaluate(
+        "() => Array.from(document.querySelector('.nbtools-gpu-events')"
+        ".querySelectorAll('.nbtools-gpu-event')).map((e) => e.dataset.kind + ': ' +"
+        " e.querySelector('.nbtools-gpu-event-text').textContent)"
+    )
+    assert "hang: rank 1 on node-b stalled 90 s in all_reduce #1812" in texts, texts
+    assert ("straggler: rank 0 on node-b at 0.62 of the median step rate since 12:04:00"
+            in texts), texts
+    row = page.evaluate(RATE_ROW)
+    assert row["names"] == ["rank 0 (straggler)", "rank 1 (hang)"], row
+    assert row["widths"] == [3.5, 3.5], row
+    bands = page.evaluate(
+        "() => (document.querySelector('.nbtools-gpu-plot').layout.shapes || [])"
+        ".filter((s) => s.type === 'rect' && s.fillcolor === '#b91c1c').length"
+    )
+    assert bands == 1  # the hang's band, from where it began
+
+
 def _check_notebook7(browser, url: str) -> None:
     """The pane's first cell in Jupyter Notebook 7: drawn, polling, its picture hidden and kept fresh."""
     page = browser.new_page(viewport={"width": 1100, "height": 1000})
@@ -295,7 +350,8 @@ def test_pane_renders_and_refreshes_in_jupyterlab(tmp_path):
                     ".querySelectorAll('.cartesianlayer > .subplot')).map((s) => "
                     "s.querySelectorAll('.trace.scatter path.js-line').length)"
                 )
-                assert per_panel == [4, 4, 4], f"lines per panel: {per_panel}"
+                # (A row of step rates joins below them once the training's ranks report.)
+                assert per_panel[:3] == [4, 4, 4], f"lines per panel: {per_panel}"
                 picture = _picture_follows_the_run(page)
                 assert "SIMULATED" in page.locator(".nbtools-gpu-source").first.inner_text()
                 status = page.locator(".nbtools-gpu-status").first
@@ -339,10 +395,12 @@ def test_pane_renders_and_refreshes_in_jupyterlab(tmp_path):
                 # The second pane reused the page's plotly.js and drew the same events.
                 page.wait_for_function(
                     "() => { const p = document.querySelectorAll('.nbtools-gpu-plot');"
-                    " return p.length >= 2 && p[1].data && p[1].data.length === 13"
-                    " && p[1].data[12].x.length === p[0].data[12].x.length; }",
+                    " if (p.length < 2 || !p[1].data || p[1].data.length !== p[0].data.length)"
+                    " return false; const n = p[0].data.length - 1;"
+                    " return n >= 12 && p[1].data[n].x.length === p[0].data[n].x.length; }",
                     timeout=60_000,
                 )
+                _check_step_rates_and_flags(page)
                 page.wait_for_function(
                     "() => document.querySelector('.nbtools-gpu-plot').data[0].x.length >= 16",
                     timeout=30_000,

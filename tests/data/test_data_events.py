@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import time
 import types
 
@@ -66,3 +70,29 @@ def test_a_shrunken_copy_ahead_window_is_an_event(monkeypatch):
     _window.check_window(cache, budget=3_000, largest=1_000, prefetch=8)  # said once
     (full,) = events.log(kinds=["cache_full"])
     assert full.fields["cache_dir"] == "/cache/dir" and "copying ahead 2 files" in full.message
+
+
+def test_a_loop_over_the_loader_alone_is_seen_progressing_by_the_kernel(tree):
+    src, cache = tree
+    code = f"""
+        from nbtools.data import DataLoader, VolumeDataset
+        files = VolumeDataset({str(src)!r}, cache_dir={str(cache)!r})
+        seen = 0
+        for batch in DataLoader(files, batch_size=4, num_workers=0):
+            seen += len(batch)   # no other nbtools call in the loop
+        assert seen == 40, seen
+    """
+    bus = events.Bus()
+    dog = events.Watchdog(world_size=1, bus=bus).start()
+    try:
+        with events.Collector(bus=bus) as collector:
+            env = dict(os.environ, **collector.environment(), RANK="2")
+            subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, check=True,
+                           timeout=120)
+            collector.drain()
+        reports = [e for e in bus.log() if e.kind == "progress"]
+        assert reports and all(e.rank == 2 for e in reports)
+        assert reports[-1].fields["steps"] == 10  # one per batch the loop received
+        assert dog.reporting and not dog.flags()
+    finally:
+        dog.stop()

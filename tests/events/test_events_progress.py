@@ -170,3 +170,21 @@ def test_bad_settings_are_refused_with_the_name(monkeypatch):
         Watchdog(2)
     with pytest.raises(ValueError, match="threshold"):
         Watchdog(2, threshold=1.5, window_s=1)
+
+
+def test_the_words_about_collectives_name_the_one_in_flight_and_who_never_entered_it():
+    from nbtools.events import _collectives
+
+    def at(enqueued, completed, op="all_reduce"):
+        return [{"pg": "0", "enqueued": enqueued, "completed": completed, "op": op,
+                 "op_seq": enqueued}]
+
+    answers = {0: at(1812, 1811), 2: at(1812, 1811), 3: at(1812, 1811), 1: at(1811, 1811)}
+    (line,) = _collectives.describe(answers, culprits=[1], world_size=4)
+    assert line == ("ranks 0, 2, 3 wait in all_reduce #1812, which rank 1 never entered "
+                    "(last entered: rank 1: #1811)")
+    del answers[1]  # stopped: it cannot answer
+    (line,) = _collectives.describe(answers, culprits=[1], world_size=4)
+    assert line.startswith("ranks 0, 2, 3 wait in all_reduce #1812, rank 1 could not answer")
+    # Every rank done with its last collective: nothing in flight, nothing to say.
+    assert _collectives.describe({0: at(5, 5), 1: at(5, 5)}, culprits=[1], world_size=2) == []

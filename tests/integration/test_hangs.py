@@ -93,6 +93,51 @@ def test_a_stopped_rank_is_named_with_every_stack_and_the_flag_clears_after_sigc
         assert "in train" in section or "train (" in section, section  # its own Python stack
 
 
+def test_a_rank_stuck_outside_a_collective_is_named_with_the_all_reduce_it_never_entered(
+    flags, caplog, tmp_path
+):
+    caplog.set_level(logging.WARNING, logger="nbtools")
+    release = tmp_path / "release"
+
+    def on_hang(batch):
+        if any(e.kind == "hang" and not e.fields.get("ended") for e in batch):
+            release.touch()
+
+    @distributed(processes=3, hang_timeout=3)
+    def train(steps, release):
+        import os
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        t = torch.ones(1)
+        for step in range(steps):
+            dist.all_reduce(t)
+            events.step(step)
+            if dist.get_rank() == 1 and step == 20:
+                while not os.path.exists(release):  # stuck in Python, outside any collective
+                    time.sleep(0.05)
+        return step
+
+    events.subscribe(on_hang)
+    try:
+        assert train.distributed(30, str(release)) == [29, 29, 29]
+    finally:
+        events.unsubscribe(on_hang)
+    opened = _opened(flags, "hang")
+    assert [e.rank for e in opened] == [1], opened
+    # Collective numbers count from the process group's own first one: read it from the text.
+    assert opened[0].fields["collective"].startswith("all_reduce #")
+    assert opened[0].fields["entered"] is False
+    warnings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("hang:")]
+    assert len(warnings) == 1, warnings
+    text = warnings[0].split("\n", 1)[0]
+    seq = opened[0].fields["collective"].split("#")[1]
+    assert f"ranks 0, 2 wait in all_reduce #{seq}, which rank 1 never entered" in text, text
+    assert f"rank 1: #{int(seq) - 1}" in text, text
+
+
 def test_a_rank_that_sleeps_in_its_step_is_the_only_straggler(flags, short_window):
     @distributed(processes=3)
     def train(steps):

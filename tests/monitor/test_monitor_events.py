@@ -275,3 +275,76 @@ def test_a_pane_with_no_gpu_still_lists_events_as_they_arrive(comms, fake_pynvml
     finally:
         pane.close()
     assert not [t for t in threading.enumerate() if t.name == "nbtools-pane-events"]
+
+
+def _report(rank: int, steps: int, at: float) -> events.Event:
+    return events.Event(at, "node-b", rank, 1000 + rank, "progress", None, steps, {"steps": steps})
+
+
+def test_step_rates_ride_the_polls_and_a_new_rank_brings_the_whole_figure(comms, driven, clock):
+    import time
+
+    sampler = driven()
+    pane = GPUPane(backend=SimulatedBackend(2), display=False)
+    try:
+        chart = pane._chart.comm
+        assert chart.opened_state()["_figure"]["ranks"] == []
+        t0 = time.time() - 10
+        events.bus().publish([_report(0, 10, t0), _report(1, 10, t0)])
+        events.bus().publish([_report(0, 20, t0 + 2), _report(1, 15, t0 + 2)])
+        _poll(sampler, clock)
+        figure = chart.sent[-1]["data"]["state"]["_figure"]  # new ranks: the whole figure
+        assert figure["ranks"] == [0, 1] and figure["ry"] == [[5.0], [2.5]]
+        assert [t["name"] for t in figure["data"][-2:]] == ["rank 0", "rank 1"]
+        assert figure["layout"]["annotations"][-1]["text"] == "Steps per second, by rank"
+        events.bus().publish([_report(0, 30, t0 + 4), _report(1, 16, t0 + 4)])
+        _poll(sampler, clock)
+        assert chart.custom_messages()[-1]["sr"] == [
+            [0, round((t0 + 4) * 1000), 5.0], [1, round((t0 + 4) * 1000), 0.5]]
+        # Rank 1 goes silent while rank 0 reports: it drops to 0 steps/s.
+        events.bus().publish([_report(0, 60, t0 + 10)])
+        _poll(sampler, clock)
+        points = chart.custom_messages()[-1]["sr"]
+        assert [0, round((t0 + 10) * 1000), 5.0] in points
+        assert [1, round((t0 + 10) * 1000), 0.0] in points
+    finally:
+        pane.close()
+
+
+def test_a_flag_is_listed_as_the_on_call_engineer_reads_it():
+    base = {"node": "node-b", "since": 1000.0}
+    hang = events.Event(1090.0, "k", 5, 1, "hang", "long text", None,
+                        {**base, "stalled_s": 90.0, "collective": "all_reduce #1812",
+                         "entered": True})
+    row = encode(hang)
+    assert row[6] == "rank 5 on node-b stalled 90 s in all_reduce #1812" and row[7] == 0
+    assert row[5] == 1000000  # the band starts where the hang began
+    outside = events.Event(1090.0, "k", 1, 1, "hang", "long text", None,
+                           {**base, "stalled_s": 90.0, "collective": "all_reduce #1812",
+                            "entered": False})
+    assert encode(outside)[6] == (
+        "rank 1 on node-b stalled 90 s; the others wait in all_reduce #1812, which it never entered")
+    straggler = events.Event(1090.0, "k", 3, 1, "straggler",
+                             "rank 3 on node-b at 0.62 of the median step rate since 12:04:00",
+                             None, {**base, "score": 0.62})
+    assert encode(straggler)[6].startswith("rank 3 on node-b at 0.62 of the median step rate")
+    ended = events.Event(1200.0, "k", 3, 1, "straggler", "rank 3 on node-b: over", None,
+                         {**base, "ended": True})
+    assert encode(ended)[7] == 1
+
+
+def test_a_pane_with_no_gpu_draws_only_the_step_rates(comms, fake_pynvml):
+    import time
+
+    fake_pynvml([], init_error="NVMLError_DriverNotLoaded")
+    t0 = time.time() - 10
+    events.bus().publish([_report(0, 10, t0), _report(0, 20, t0 + 1)])
+    pane = GPUPane(display=False)
+    try:
+        figure = pane._chart.comm.opened_state()["_figure"]
+        assert figure["ranks"] == [0] and figure["gpus"] == []
+        assert [a["text"] for a in figure["layout"]["annotations"]] == ["Steps per second, by rank"]
+        assert figure["ey"] == ["y2", 1]  # the events' marks get an axis of their own
+        assert "no GPU" in figure["layout"]["title"]["text"]
+    finally:
+        pane.close()

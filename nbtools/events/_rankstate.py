@@ -1,0 +1,78 @@
+"""What the watchdog keeps per rank and per flag, and its small helpers."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from dataclasses import dataclass, field
+
+__all__ = ["RankState", "Flag", "now_state", "setting", "lower_median", "RECENT_SAMPLES"]
+
+RECENT_SAMPLES = 20  # the state of a rank "now": the majority of its latest samples
+
+
+@dataclass
+class RankState:
+    """One rank as the watchdog knows it: its progress, samples and score."""
+
+    rank: int
+    host: str = ""
+    pid: int = 0
+    local: bool = False
+    step: int | None = None
+    steps: int = 0
+    progressed_at: float = 0.0
+    arrived_at: float = 0.0  # kernel time of the latest report
+    streak_from: float = 0.0  # kernel time since which reports came without a gap
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    bins: deque[tuple[float, int, int]] = field(default_factory=deque)
+    working: int = 0
+    waiting: int = 0
+    recent: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
+    score: float | None = None
+    low_since: float | None = None
+    high_since: float | None = None
+
+
+@dataclass
+class Flag:
+    """An open hang or straggler flag."""
+
+    kind: str
+    rank: int
+    node: str
+    since: float
+    score: float | None = None
+
+
+def now_state(state: RankState) -> str | None:
+    """The majority of a local rank's latest samples; None when it cannot be sampled."""
+    if not state.local or not state.recent:
+        return None
+    counts: dict[str, int] = {}
+    for kind, _ in state.recent:
+        counts[kind] = counts.get(kind, 0) + 1
+    return max(counts, key=counts.__getitem__)
+
+
+def setting(value: float | None, name: str, default: float) -> float:
+    """``value``, else the number in environment variable ``name``, else ``default``."""
+    if value is not None:
+        return float(value)
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        number = float(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {text!r}") from None
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{name} must be a positive number, got {text!r}")
+    return number
+
+
+def lower_median(values: list[float]) -> float:
+    """The lower of the two middle values (the middle one of an odd count)."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]

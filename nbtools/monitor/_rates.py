@@ -1,0 +1,77 @@
+"""The live chart's step-rate row: each rank's steps per second, point by point.
+
+The saved picture and the report compute the rates of the whole history at
+once (:func:`~nbtools.monitor.timeline.step_rates`); the live chart gets the
+same points incrementally, from the progress reports each poll takes from the
+pane's :class:`~nbtools.monitor.timeline.EventFeed`, so a poll sends only the
+few new points. A rank whose reports stop (hung, stopped) drops to 0 steps/s
+once it has been silent for ``SILENT_S`` while others report, as in the picture.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from nbtools.events import Event
+from nbtools.monitor.timeline import PROGRESS_KIND
+
+__all__ = ["RateRow", "SILENT_S"]
+
+#: A rank silent this long while others report is drawn at 0 steps/s.
+SILENT_S = 5.0
+
+
+class RateRow:
+    """Each rank's step rate over time, built from progress reports as they come.
+
+    Args:
+        capacity: Most points kept per rank (the oldest fall out).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = max(2, capacity)
+        self._last: dict[int, tuple[float, int]] = {}  # rank -> (time, steps) of its last report
+        self._zero_at: dict[int, float] = {}  # rank -> time of its last 0 point while silent
+        self._newest = 0.0
+        self.series: dict[int, tuple[deque[float], deque[float]]] = {}
+
+    def ranks(self) -> list[int]:
+        """Ranks with at least one point, in order."""
+        return sorted(self.series)
+
+    def add(self, events: Iterable[Event]) -> list[list]:
+        """Take progress reports; returns the new points ``[rank, epoch ms, steps/s]``."""
+        points: list[list] = []
+        for event in events:
+            if event.kind != PROGRESS_KIND or event.rank is None:
+                continue
+            steps = event.fields.get("steps")
+            if type(steps) is not int:
+                continue
+            self._newest = max(self._newest, event.time)
+            before = self._last.get(event.rank)
+            self._last[event.rank] = (event.time, steps)
+            self._zero_at.pop(event.rank, None)
+            if before is None or event.time <= before[0] or steps < before[1]:
+                continue
+            rate = (steps - before[1]) / (event.time - before[0])
+            points.append(self._point(event.rank, event.time, rate))
+        for rank, (at, _) in self._last.items():
+            if rank not in self.series or self._newest - at <= SILENT_S:
+                continue
+            zero = self._zero_at.get(rank)
+            if zero is None:
+                points.append(self._point(rank, at + 1.0, 0.0))
+            if zero is None or self._newest - zero >= 1.0:
+                points.append(self._point(rank, self._newest, 0.0))
+                self._zero_at[rank] = self._newest
+        return points
+
+    def _point(self, rank: int, at: float, rate: float) -> list:
+        times, values = self.series.setdefault(
+            rank, (deque(maxlen=self._capacity), deque(maxlen=self._capacity))
+        )
+        times.append(at)
+        values.append(round(rate, 3))
+        return [rank, round(at * 1000), round(rate, 3)]
