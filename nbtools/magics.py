@@ -118,6 +118,11 @@ class NbtoolsMagics(Magics):
               help="save every N steps (default: the CheckpointManager's)")
     @argument("--keep", type=_positive_int, default=None, metavar="K",
               help="keep the K newest checkpoints (default: all)")
+    @argument("--memory-every", type=_positive_int, default=None, dest="memory_every",
+              metavar="N", help="also snapshot into node memory every N steps (default: off)")
+    @argument("--replicas", type=int, default=None, metavar="K",
+              help="peer ranks that also hold each rank's memory snapshot "
+                   "(default: 1 across nodes, else 0)")
     @argument("--state", default=None, metavar="NAMES",
               help="comma-separated objects to save and restore (default: every object "
                    "of the notebook with state_dict() and load_state_dict())")
@@ -141,7 +146,8 @@ class NbtoolsMagics(Magics):
         args = parse_argstring(self.autoresume, line)
         options = AutoresumeOptions(
             root=args.root.strip("'\""), every=args.every, keep=args.keep, state=args.state,
-            mlflow=args.mlflow, run_name=args.run_name,
+            mlflow=args.mlflow, run_name=args.run_name, memory_every=args.memory_every,
+            replicas=args.replicas,
         )
         return run_autoresume(self.shell, options, cell)
 

@@ -41,6 +41,8 @@ class AutoresumeOptions:
     root: str
     every: int | None = None
     keep: int | None = None
+    memory_every: int | None = None
+    replicas: int | None = None
     state: str | None = None
     mlflow: bool = False
     run_name: str | None = None
@@ -237,7 +239,13 @@ def run_autoresume(shell: Any, options: AutoresumeOptions, cell: str) -> Any:
     from nbtools.checkpoint import CheckpointManager
 
     try:
-        manager = CheckpointManager(root, every=options.every, keep=options.keep)
+        manager = CheckpointManager(
+            root,
+            every=options.every,
+            keep=options.keep,
+            memory_every=options.memory_every,
+            replicas=options.replicas,
+        )
     except (TypeError, ValueError) as exc:
         raise UsageError(f"autoresume: {exc}") from None
     logger = None

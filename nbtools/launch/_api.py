@@ -143,7 +143,7 @@ def distributed(
             script, a terminal) the text form is printed too.
         hang_timeout: seconds without progress after which a rank that others
             wait for is a hang: one warning names it, with every rank's Python
-            stack. ``None`` (default): ten median step times, at least 60 s.
+            stack. ``None`` (default): ten median step times, at least 45 s.
             Ranks report progress by themselves through ``CheckpointManager``
             and nbtools' ``DataLoader``, or by ``events.step(step)``; a run that
             reports none falls back to this many seconds without output (off
