@@ -62,7 +62,9 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    config.pluginmanager.register(module.CheckoutGuard(os.path.dirname(__file__)), "nbtools-checkout-guard")
+    config.pluginmanager.register(
+        module.CheckoutGuard(os.path.dirname(__file__)), "nbtools-checkout-guard"
+    )
 
 
 #: Lanes. The fast lane is ``-m "not slow and not kernel and not cluster and not browser and not

@@ -26,16 +26,27 @@ def _install(session: nox.Session, extra: str = "test") -> None:
 def tests_fast(session: nox.Session) -> None:
     """The fast lane: unit tests, about two minutes on two cores."""
     _install(session)
-    session.run("python", "-m", "pytest", "-n", "2", "-m", FAST, "--durations=25", "tests",
-                *session.posargs)
+    session.run(
+        "python", "-m", "pytest", "-n", "2", "-m", FAST, "--durations=25", "tests", *session.posargs
+    )
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """The full lane, as CI runs it: every test and every notebook."""
     _install(session)
-    session.run("python", "-m", "pytest", "-n", "2", "--nbmake", "--durations=25", "tests",
-                "notebooks", *session.posargs)
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-n",
+        "2",
+        "--nbmake",
+        "--durations=25",
+        "tests",
+        "notebooks",
+        *session.posargs,
+    )
 
 
 @nox.session
@@ -58,13 +69,30 @@ def typecheck(session: nox.Session) -> None:
 def wheel(session: nox.Session) -> None:
     """Build the sdist and the wheel, twine check, install into a fresh venv, run two ranks."""
     _install(session)
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "tests/test_packaging.py",
-                *session.posargs)
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_packaging.py",
+        *session.posargs,
+    )
 
 
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the documentation site with warnings as errors (docs/_build/html)."""
     _install(session, "docs")
-    session.run("python", "-m", "sphinx", "-W", "--keep-going", "-b", "html", "docs",
-                "docs/_build/html", *session.posargs)
+    session.run(
+        "python",
+        "-m",
+        "sphinx",
+        "-W",
+        "--keep-going",
+        "-b",
+        "html",
+        "docs",
+        "docs/_build/html",
+        *session.posargs,
+    )

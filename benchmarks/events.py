@@ -106,13 +106,19 @@ def child_flood() -> dict:
     empty_s = _tight(_empty, FLOOD)
     emit_s = _tight(events.emit, FLOOD)
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-    return {"empty_s": round(empty_s, 3), "emit_s": round(emit_s, 3), "rss_growth_mib": round(grown / 1024, 1)}
+    return {
+        "empty_s": round(empty_s, 3),
+        "emit_s": round(emit_s, 3),
+        "rss_growth_mib": round(grown / 1024, 1),
+    }
 
 
 def _start(mode: str, env: dict[str, str], rank: int) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, __file__, "--child", mode],
-        env=dict(os.environ, **env, RANK=str(rank)), stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, **env, RANK=str(rank)),
+        stdout=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -200,7 +206,8 @@ def main() -> None:
                 "goal_pane_update_le_4kb": max(
                     pane["pane_bytes_per_update_with_events_max"],
                     pane["pane_bytes_per_update_burst_max"],
-                ) <= 4096,
+                )
+                <= 4096,
                 "cpus": os.cpu_count(),
             }
         )

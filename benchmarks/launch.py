@@ -149,9 +149,7 @@ def _time_pool_results() -> tuple[float, float, float, float]:
             start = time.perf_counter()
             pool.map(_small_result, range(WORLD))
             theirs_small.append(time.perf_counter() - start)
-    return tuple(
-        statistics.median(s) for s in (ours, theirs, ours_small, theirs_small)
-    )  # type: ignore[return-value]
+    return tuple(statistics.median(s) for s in (ours, theirs, ours_small, theirs_small))  # type: ignore[return-value]
 
 
 def _free_port() -> int:

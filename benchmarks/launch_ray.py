@@ -83,20 +83,24 @@ def main() -> None:
         warm_s = statistics.median(t for t, _ in warm)
         split = warm[len(warm) // 2][1]
         baseline = statistics.median(fits)
-        print(json.dumps({
-            "benchmark": "launch_ray",
-            "nodes": 3,
-            "world_size": WORLD,
-            "nbtools_first_call_s": round(first, 3),
-            "nbtools_warm_call_s": round(warm_s, 3),
-            "nbtools_first_split_s": {k: round(v, 3) for k, v in first_split.items()},
-            "nbtools_warm_split_s": {k: round(v, 3) for k, v in split.items()},
-            "ray_train_fit_s": round(baseline, 3),
-            "ray_train_fit_runs_s": [round(f, 3) for f in fits],
-            "first_call_ratio": round(first / baseline, 3),
-            "warm_call_ratio": round(warm_s / baseline, 3),
-            "goal_first_call_ratio": 0.5,
-        }))
+        print(
+            json.dumps(
+                {
+                    "benchmark": "launch_ray",
+                    "nodes": 3,
+                    "world_size": WORLD,
+                    "nbtools_first_call_s": round(first, 3),
+                    "nbtools_warm_call_s": round(warm_s, 3),
+                    "nbtools_first_split_s": {k: round(v, 3) for k, v in first_split.items()},
+                    "nbtools_warm_split_s": {k: round(v, 3) for k, v in split.items()},
+                    "ray_train_fit_s": round(baseline, 3),
+                    "ray_train_fit_runs_s": [round(f, 3) for f in fits],
+                    "first_call_ratio": round(first / baseline, 3),
+                    "warm_call_ratio": round(warm_s / baseline, 3),
+                    "goal_first_call_ratio": 0.5,
+                }
+            )
+        )
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -122,9 +122,7 @@ def _rank(rank: int, work: str, mode: str, port: int, n: int) -> None:
             out["private"] = _private() - before
             assert len(listing[0]) == n
         else:
-            files = VolumeDataset(
-                f"{work}/tree", cache_dir=cache, shuffle=True, index_in_root=True
-            )
+            files = VolumeDataset(f"{work}/tree", cache_dir=cache, shuffle=True, index_in_root=True)
             with DataLoader(_First(files), batch_size=32, num_workers=2) as loader:
                 it = iter(loader)
                 batch = next(it)
@@ -151,8 +149,9 @@ def _free_port() -> int:
 def _jobs(work: str, modes: list[str], n: int) -> dict:
     """Jobs of 2 ranks each, started at the same moment; their listings added up."""
     running = [
-        mp.start_processes(_rank, args=(work, mode, _free_port(), n), nprocs=2,
-                           start_method="fork", join=False)
+        mp.start_processes(
+            _rank, args=(work, mode, _free_port(), n), nprocs=2, start_method="fork", join=False
+        )
         for mode in modes
     ]
     for context in running:
@@ -169,9 +168,7 @@ def _jobs(work: str, modes: list[str], n: int) -> dict:
         "private_bytes_per_file": round(max(r["private"] for r in ranks) / n, 2),
     }
     if "worker_private" in ranks[0]:
-        out["worker_private_bytes_per_file"] = round(
-            max(r["worker_private"] for r in ranks) / n, 2
-        )
+        out["worker_private_bytes_per_file"] = round(max(r["worker_private"] for r in ranks) / n, 2)
     return out
 
 
@@ -216,7 +213,8 @@ def _workdir():
         if os.geteuid() == 0 and shutil.which("mount"):
             done = subprocess.run(
                 ["mount", "-t", "tmpfs", "-o", "size=4g,nr_inodes=3m", "tmpfs", work],
-                capture_output=True, check=False,
+                capture_output=True,
+                check=False,
             )
             mounted = done.returncode == 0
         yield work, "tmpfs" if mounted else "temp directory"
@@ -277,7 +275,8 @@ def main() -> None:
     )
     parser.add_argument("--entries", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument(
-        "--recent", action="store_true",
+        "--recent",
+        action="store_true",
         help="only the launches over a tree written just before its first listing",
     )
     args = parser.parse_args()

@@ -109,8 +109,14 @@ def _fill(sampler, clock: _Clock) -> None:
 
 def measure_pane(comms: list[_WireComm]) -> dict:
     clock = _Clock()
-    sampler = acquire(SimulatedBackend(GPUS), interval=INTERVAL, history_seconds=HISTORY,
-                      idle_timeout=None, clock=clock, start=False)
+    sampler = acquire(
+        SimulatedBackend(GPUS),
+        interval=INTERVAL,
+        history_seconds=HISTORY,
+        idle_timeout=None,
+        clock=clock,
+        start=False,
+    )
     _fill(sampler, clock)
     first = len(comms)
     pane = GPUPane(backend=SimulatedBackend(GPUS), display=False)  # shares the sampler
@@ -156,20 +162,36 @@ def measure_events(comms: list[_WireComm]) -> dict:
     """Per-poll bytes while a busy run's events arrive, and under a burst."""
     events.bus().clear()
     clock = _Clock()
-    sampler = acquire(SimulatedBackend(GPUS), interval=INTERVAL, history_seconds=HISTORY,
-                      idle_timeout=None, clock=clock, start=False)
+    sampler = acquire(
+        SimulatedBackend(GPUS),
+        interval=INTERVAL,
+        history_seconds=HISTORY,
+        idle_timeout=None,
+        clock=clock,
+        start=False,
+    )
     pane = GPUPane(backend=SimulatedBackend(GPUS), display=False)
     chart = next(c for c in comms if c.comm_id == pane._chart.comm.comm_id)
     busy: list[int] = []
     emitted = 0
     for poll in range(60):
         step = poll * 100
-        events.emit("checkpoint_saved", message=f"saved /vol/run1/checkpoints/step_{step}",
-                    step=step, blocked_s=0.41, upload_s=3.2, bytes=1_234_567_890)
+        events.emit(
+            "checkpoint_saved",
+            message=f"saved /vol/run1/checkpoints/step_{step}",
+            step=step,
+            blocked_s=0.41,
+            upload_s=3.2,
+            bytes=1_234_567_890,
+        )
         events.emit("input_stall", rank=poll % 8, seconds=2.7, median_s=0.012)
         for k in range(3):
-            events.emit("eval", message=f"val loss {1.9 - poll / 100:.3f}", step=step + k,
-                        value=1.9 - poll / 100)
+            events.emit(
+                "eval",
+                message=f"val loss {1.9 - poll / 100:.3f}",
+                step=step + k,
+                value=1.9 - poll / 100,
+            )
         if poll % 20 == 10:
             events.emit("rank_failed", message="rank 3 exited with SIGKILL (signal 9)", rank=3)
             events.emit("restart", message="restarting all 8 ranks (restart 1 of 3)", attempt=1)
@@ -245,8 +267,14 @@ def measure_memory() -> dict:
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     clock = _Clock()
-    sampler = acquire(SimulatedBackend(GPUS), interval=INTERVAL, history_seconds=HISTORY,
-                      idle_timeout=None, clock=clock, start=False)
+    sampler = acquire(
+        SimulatedBackend(GPUS),
+        interval=INTERVAL,
+        history_seconds=HISTORY,
+        idle_timeout=None,
+        clock=clock,
+        start=False,
+    )
     _fill(sampler, clock)
     full = tracemalloc.get_traced_memory()[0] - base
     _fill(sampler, clock)  # another two hours: memory must not grow
@@ -254,8 +282,11 @@ def measure_memory() -> dict:
     ring = sampler.samples.nbytes
     release(sampler)
     tracemalloc.stop()
-    return {"history_ring_bytes": ring, "history_traced_bytes_2h": full,
-            "history_traced_bytes_4h": again}
+    return {
+        "history_ring_bytes": ring,
+        "history_traced_bytes_2h": full,
+        "history_traced_bytes_4h": again,
+    }
 
 
 SAVED_CELLS = [
@@ -291,24 +322,38 @@ def measure_poll_path(polls: int = 100) -> dict:
         threads.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
-    shown = (IPython.display.display, IPython.display.update_display,
-             display_module.SNAPSHOT_EVERY_S, display_module.PUSH_AFTER_S)
+    shown = (
+        IPython.display.display,
+        IPython.display.update_display,
+        display_module.SNAPSHOT_EVERY_S,
+        display_module.PUSH_AFTER_S,
+    )
     IPython.display.display = IPython.display.update_display = lambda *a, **k: None
-    display_module.SNAPSHOT_EVERY_S, display_module.PUSH_AFTER_S = 0.05, ()  # no page to send plotly.js
+    display_module.SNAPSHOT_EVERY_S, display_module.PUSH_AFTER_S = (
+        0.05,
+        (),
+    )  # no page to send plotly.js
     pane_module.render_png = counting
     try:
-        with GPUPane(backend=SimulatedBackend(2), interval=0.02, history=60, idle_timeout=None,
-                     display=False) as pane:
+        with GPUPane(
+            backend=SimulatedBackend(2), interval=0.02, history=60, idle_timeout=None, display=False
+        ) as pane:
             pane._display.show()
             deadline = time.monotonic() + 120
             while len(pane.sampler.samples) < polls and time.monotonic() < deadline:
                 time.sleep(0.05)
     finally:
         pane_module.render_png = real
-        (IPython.display.display, IPython.display.update_display,
-         display_module.SNAPSHOT_EVERY_S, display_module.PUSH_AFTER_S) = shown
-    return {"on_poll_thread": threads.count(THREAD_NAME),
-            "on_display_worker": threads.count(display_module.THREAD_NAME)}
+        (
+            IPython.display.display,
+            IPython.display.update_display,
+            display_module.SNAPSHOT_EVERY_S,
+            display_module.PUSH_AFTER_S,
+        ) = shown
+    return {
+        "on_poll_thread": threads.count(THREAD_NAME),
+        "on_display_worker": threads.count(display_module.THREAD_NAME),
+    }
 
 
 def measure_saved_notebook() -> dict:
@@ -318,15 +363,28 @@ def measure_saved_notebook() -> dict:
 
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(source) for source in SAVED_CELLS]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     with tempfile.TemporaryDirectory() as folder:
-        NotebookClient(nb, timeout=300, kernel_name="python3", store_widget_state=True,
-                       resources={"metadata": {"path": folder}}).execute()
+        NotebookClient(
+            nb,
+            timeout=300,
+            kernel_name="python3",
+            store_widget_state=True,
+            resources={"metadata": {"path": folder}},
+        ).execute()
         path = Path(folder) / "pane.ipynb"
         nbformat.write(nb, str(path))
         size = path.stat().st_size
-    png = next(o["data"]["image/png"] for c in nb.cells for o in c.get("outputs", [])
-               if "image/png" in o.get("data", {}))
+    png = next(
+        o["data"]["image/png"]
+        for c in nb.cells
+        for o in c.get("outputs", [])
+        if "image/png" in o.get("data", {})
+    )
     # Before: one more model in the state, holding plotly.min.js as a base64 buffer.
     library = len(base64.b64encode(_plotly_js())) + 400
     return {"saved": size, "saved_before": size + library, "snapshot_b64": len(png)}
@@ -346,19 +404,40 @@ def measure_snapshot() -> dict:
         sample = Sample(backend.host, now, tuple(backend.read(now)), backend.source)
         history.add(sample)
     latest = {(sample.host, r.index): r for r in sample.gpus}
-    kinds = [("checkpoint_saved", {"blocked_s": 0.4}), ("input_stall", {"seconds": 2.7}),
-             ("eval", {"value": 1.9}), ("rank_failed", {}), ("restart", {})]
-    rows = [encode(Event(time=now - HISTORY + 60 * k, kind=kinds[k % 5][0], host="h", rank=k % 8,
-                         step=k, pid=1, message="m", fields=kinds[k % 5][1]))
-            for k in range(100)]
+    kinds = [
+        ("checkpoint_saved", {"blocked_s": 0.4}),
+        ("input_stall", {"seconds": 2.7}),
+        ("eval", {"value": 1.9}),
+        ("rank_failed", {}),
+        ("restart", {}),
+    ]
+    rows = [
+        encode(
+            Event(
+                time=now - HISTORY + 60 * k,
+                kind=kinds[k % 5][0],
+                host="h",
+                rank=k % 8,
+                step=k,
+                pid=1,
+                message="m",
+                fields=kinds[k % 5][1],
+            )
+        )
+        for k in range(100)
+    ]
     walls, cpus = [], []
     for _ in range(5):
         wall, cpu = time.perf_counter(), time.process_time()
         png = render_png(history, rows, latest, "simulated", status="polling every 10 s")
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
-    return {"bytes": len(png), "wall_ms": 1000 * statistics.median(walls),
-            "wall_ms_min": 1000 * min(walls), "cpu_ms": 1000 * statistics.median(cpus)}
+    return {
+        "bytes": len(png),
+        "wall_ms": 1000 * statistics.median(walls),
+        "wall_ms_min": 1000 * min(walls),
+        "cpu_ms": 1000 * statistics.median(cpus),
+    }
 
 
 def main() -> None:
@@ -399,13 +478,16 @@ def main() -> None:
         "snapshot_renders_on_poll_thread": poll_path["on_poll_thread"],
         "snapshot_renders_on_display_worker": poll_path["on_display_worker"],
         "load_average_1m": round(os.getloadavg()[0], 1),  # wall times grow with the machine's load
-        "goal_met": pane["cpu_ms_per_poll"] <= 2.0 and pane["bytes_per_poll"] <= 4096
+        "goal_met": pane["cpu_ms_per_poll"] <= 2.0
+        and pane["bytes_per_poll"] <= 4096
         and naive["bytes_per_poll"] >= 100 * pane["bytes_per_poll"]
         and pane["second_pane_open_bytes"] < 100_000
         and max(with_events["max"], with_events["burst_max"]) <= 4096
         and saved["saved"] - 2 * saved["snapshot_b64"] <= 500_000
-        and snapshot["bytes"] <= 200_000 and snapshot["cpu_ms"] <= 200
-        and poll_path["on_poll_thread"] == 0 and poll_path["on_display_worker"] > 0,
+        and snapshot["bytes"] <= 200_000
+        and snapshot["cpu_ms"] <= 200
+        and poll_path["on_poll_thread"] == 0
+        and poll_path["on_display_worker"] > 0,
         "python": sys.version.split()[0],
     }
     print(json.dumps(result))

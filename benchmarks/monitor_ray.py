@@ -62,16 +62,20 @@ def main() -> None:
         cluster.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
     per_node = per_poll / hosts
-    print(json.dumps({
-        "benchmark": "monitor_ray",
-        "nodes": hosts,
-        "gpus_per_node": GPUS,
-        "cluster_bytes_per_poll": round(per_poll),
-        "cluster_bytes_per_node_per_poll": round(per_node),
-        "one_host_bytes_per_poll": round(local),
-        "per_node_vs_one_host": round(per_node / local, 2),
-        "goal_per_node_le_4kb": per_node <= 4096,
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "monitor_ray",
+                "nodes": hosts,
+                "gpus_per_node": GPUS,
+                "cluster_bytes_per_poll": round(per_poll),
+                "cluster_bytes_per_node_per_poll": round(per_node),
+                "one_host_bytes_per_poll": round(local),
+                "per_node_vs_one_host": round(per_node / local, 2),
+                "goal_per_node_le_4kb": per_node <= 4096,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -142,7 +142,9 @@ def _cell_ms() -> float:
     with contextlib.redirect_stdout(io.StringIO()):
         shell.run_line_magic("distributed", f"start --processes {WORLD} --output none")
         try:
-            shell.run_cell_magic("distributed", "", "import torch\nimport torch.distributed as dist")
+            shell.run_cell_magic(
+                "distributed", "", "import torch\nimport torch.distributed as dist"
+            )
             shell.run_cell_magic("distributed", "", cell)
             return _median_ms(lambda: shell.run_cell_magic("distributed", "", cell), WARM_POOL)
         finally:
@@ -162,8 +164,12 @@ def _ipp_ms() -> tuple[float | None, str | None]:
         return None, None
     scratch = tempfile.mkdtemp(prefix="nbtools-bench-ipp-")
     cluster = ipp.Cluster(
-        n=WORLD, controller_ip="127.0.0.1", profile_dir=scratch, log_level=40,
-        engine_args=["--log-level=40"], controller_args=["--log-level=40"],
+        n=WORLD,
+        controller_ip="127.0.0.1",
+        profile_dir=scratch,
+        log_level=40,
+        engine_args=["--log-level=40"],
+        controller_args=["--log-level=40"],
     )
     try:
         client = cluster.start_and_connect_sync()
@@ -192,8 +198,11 @@ def _gpu() -> dict | None:
     first, warm = _distributed_ms(gpus=1)
     pool = _pool_ms(gpus=1)
     return {
-        "first_call_ms": first, "warm_distributed_ms": warm, "warm_pool_ms": pool,
-        "pool_vs_distributed": round(pool / warm, 4), "device": torch.cuda.get_device_name(0),
+        "first_call_ms": first,
+        "warm_distributed_ms": warm,
+        "warm_pool_ms": pool,
+        "pool_vs_distributed": round(pool / warm, 4),
+        "device": torch.cuda.get_device_name(0),
     }
 
 

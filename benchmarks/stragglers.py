@@ -128,8 +128,9 @@ def main() -> None:
     results, seen, took = _run("healthy", HEALTHY_S)
     out["healthy_run_s"] = round(took, 1)
     out["healthy_steps"] = results[0]["steps"]
-    out["false_flags"] = len([e for e in seen if e.kind in ("hang", "straggler")
-                              and not e.fields.get("ended")])
+    out["false_flags"] = len(
+        [e for e in seen if e.kind in ("hang", "straggler") and not e.fields.get("ended")]
+    )
     per_call = [r["step_s"] for r in results]
     empty = [r["base_s"] for r in results]
     out["events_step_us"] = round(statistics.median(per_call) * 1e6, 3)

@@ -86,7 +86,9 @@ def _start_costs(tries: int) -> dict[str, float]:
                 [sys.executable, "-c", _START, who], capture_output=True, text=True, check=True
             ).stdout
             seen[who].append(json.loads(out.strip().splitlines()[-1]))
-    median = {who: [statistics.median(t[i] for t in runs) for i in (0, 1)] for who, runs in seen.items()}
+    median = {
+        who: [statistics.median(t[i] for t in runs) for i in (0, 1)] for who, runs in seen.items()
+    }
     return {
         "tries": tries,
         "mlflow_start_run_s": round(median["mlflow"][0], 3),
@@ -98,10 +100,16 @@ def _start_costs(tries: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sync-calls", type=int, default=300, help="calls of the synchronous baseline")
-    parser.add_argument("--async-calls", type=int, default=2000, help="calls of MLflow's async mode")
+    parser.add_argument(
+        "--sync-calls", type=int, default=300, help="calls of the synchronous baseline"
+    )
+    parser.add_argument(
+        "--async-calls", type=int, default=2000, help="calls of MLflow's async mode"
+    )
     parser.add_argument("--calls", type=int, default=30_000, help="calls of nbtools' logger")
-    parser.add_argument("--start-tries", type=int, default=3, help="fresh processes per run start measured")
+    parser.add_argument(
+        "--start-tries", type=int, default=3, help="fresh processes per run start measured"
+    )
     args = parser.parse_args(argv)
     start = _start_costs(args.start_tries)
 
@@ -116,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, dict[str, float]] = {}
 
         with mlflow.start_run(experiment_id=experiment, run_name="mlflow-sync") as run:
-            results["mlflow_sync"] = _per_call(lambda i: mlflow.log_metric("loss", 1.0 / (i + 1), step=i), args.sync_calls)
+            results["mlflow_sync"] = _per_call(
+                lambda i: mlflow.log_metric("loss", 1.0 / (i + 1), step=i), args.sync_calls
+            )
         sync_id = run.info.run_id
 
         with mlflow.start_run(experiment_id=experiment, run_name="mlflow-async") as run:
@@ -141,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
 
         counts = {
             name: len(client.get_metric_history(run_id, "loss"))
-            for name, run_id in (("mlflow_sync", sync_id), ("mlflow_async", async_id), ("nbtools", logger.run_id))
+            for name, run_id in (
+                ("mlflow_sync", sync_id),
+                ("mlflow_async", async_id),
+                ("nbtools", logger.run_id),
+            )
         }
         del os.environ["MLFLOW_TRACKING_URI"]
 
@@ -156,7 +170,12 @@ def main(argv: list[str] | None = None) -> int:
         "mlflow": mlflow.__version__,
         "python": sys.version.split()[0],
         **results,
-        "all_values_stored": counts == {"mlflow_sync": args.sync_calls, "mlflow_async": args.async_calls, "nbtools": args.calls},
+        "all_values_stored": counts
+        == {
+            "mlflow_sync": args.sync_calls,
+            "mlflow_async": args.async_calls,
+            "nbtools": args.calls,
+        },
         "ratio_mlflow_sync_over_nbtools": round(results["mlflow_sync"]["mean_us"] / nb, 1),
         "ratio_mlflow_async_over_nbtools": round(results["mlflow_async"]["mean_us"] / nb, 1),
         "start": start,

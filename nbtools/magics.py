@@ -68,16 +68,33 @@ class NbtoolsMagics(Magics):
             logger.close()  # flushes the last samples; an adopted run stays open
 
     @magic_arguments()
-    @argument("--interval", type=_positive_float, default=None, metavar="S",
-              help="seconds between samples (default: the pane's)")
-    @argument("--simulated", type=_positive_int, default=None, metavar="N",
-              help="show N simulated GPUs instead of the real ones (demos, no GPU)")
-    @argument("--cluster", choices=["ray"], default=None,
-              help="every node of the connected Ray cluster (with --simulated: N simulated "
-                   "GPUs on every node)")
-    @argument("--mlflow", action="store_true",
-              help="also log every sample as MLflow system metrics (to the active or resumed "
-                   "run, else a new one), and the run's events as an artifact when the pane closes")
+    @argument(
+        "--interval",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="seconds between samples (default: the pane's)",
+    )
+    @argument(
+        "--simulated",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="show N simulated GPUs instead of the real ones (demos, no GPU)",
+    )
+    @argument(
+        "--cluster",
+        choices=["ray"],
+        default=None,
+        help="every node of the connected Ray cluster (with --simulated: N simulated "
+        "GPUs on every node)",
+    )
+    @argument(
+        "--mlflow",
+        action="store_true",
+        help="also log every sample as MLflow system metrics (to the active or resumed "
+        "run, else a new one), and the run's events as an artifact when the pane closes",
+    )
     @argument("--close", action="store_true", help="close the pane and stop polling")
     @line_magic
     def gpu_pane(self, line: str) -> Any:
@@ -114,23 +131,55 @@ class NbtoolsMagics(Magics):
 
     @magic_arguments()
     @argument("root", metavar="ROOT", help="checkpoint directory (or fsspec URL)")
-    @argument("--every", type=_positive_int, default=None, metavar="N",
-              help="save every N steps (default: the CheckpointManager's)")
-    @argument("--keep", type=_positive_int, default=None, metavar="K",
-              help="keep the K newest checkpoints (default: all)")
-    @argument("--memory-every", type=_positive_int, default=None, dest="memory_every",
-              metavar="N", help="also snapshot into node memory every N steps (default: off)")
-    @argument("--replicas", type=int, default=None, metavar="K",
-              help="peer ranks that also hold each rank's memory snapshot "
-                   "(default: 1 across nodes, else 0)")
-    @argument("--state", default=None, metavar="NAMES",
-              help="comma-separated objects to save and restore (default: every object "
-                   "of the notebook with state_dict() and load_state_dict())")
-    @argument("--cluster", choices=["ray"], default=None,
-              help="every node of the connected Ray cluster (with --simulated: N simulated "
-                   "GPUs on every node)")
-    @argument("--mlflow", action="store_true",
-              help="log to an MLflow run, resumed from the checkpoint, as mlflow_logger")
+    @argument(
+        "--every",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="save every N steps (default: the CheckpointManager's)",
+    )
+    @argument(
+        "--keep",
+        type=_positive_int,
+        default=None,
+        metavar="K",
+        help="keep the K newest checkpoints (default: all)",
+    )
+    @argument(
+        "--memory-every",
+        type=_positive_int,
+        default=None,
+        dest="memory_every",
+        metavar="N",
+        help="also snapshot into node memory every N steps (default: off)",
+    )
+    @argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="K",
+        help="peer ranks that also hold each rank's memory snapshot "
+        "(default: 1 across nodes, else 0)",
+    )
+    @argument(
+        "--state",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated objects to save and restore (default: every object "
+        "of the notebook with state_dict() and load_state_dict())",
+    )
+    @argument(
+        "--cluster",
+        choices=["ray"],
+        default=None,
+        help="every node of the connected Ray cluster (with --simulated: N simulated "
+        "GPUs on every node)",
+    )
+    @argument(
+        "--mlflow",
+        action="store_true",
+        help="log to an MLflow run, resumed from the checkpoint, as mlflow_logger",
+    )
     @argument("--run-name", default=None, metavar="NAME", help="name of the MLflow run")
     @cell_magic
     def autoresume(self, line: str, cell: str) -> Any:
@@ -145,8 +194,13 @@ class NbtoolsMagics(Magics):
         __tracebackhide__ = True  # IPython shows the user's cell, not this frame
         args = parse_argstring(self.autoresume, line)
         options = AutoresumeOptions(
-            root=args.root.strip("'\""), every=args.every, keep=args.keep, state=args.state,
-            mlflow=args.mlflow, run_name=args.run_name, memory_every=args.memory_every,
+            root=args.root.strip("'\""),
+            every=args.every,
+            keep=args.keep,
+            state=args.state,
+            mlflow=args.mlflow,
+            run_name=args.run_name,
+            memory_every=args.memory_every,
             replicas=args.replicas,
         )
         return run_autoresume(self.shell, options, cell)

@@ -47,7 +47,15 @@ _ALLOWED_THREAD_PREFIXES = (
     "Dummy-",
     "QueueFeederThread",
 )
-_IGNORED_ENV = {"PYTEST_CURRENT_TEST", "TMPDIR", "TEMP", "TMP", "COLUMNS", "LINES", "KMP_INIT_AT_FORK"}
+_IGNORED_ENV = {
+    "PYTEST_CURRENT_TEST",
+    "TMPDIR",
+    "TEMP",
+    "TMP",
+    "COLUMNS",
+    "LINES",
+    "KMP_INIT_AT_FORK",
+}
 _SESSION_TMP: str | None = None
 #: How long a test's child processes may take to exit before they count as leaked
 #: (the leak checks' own tests, which leak on purpose, shorten it).
@@ -123,8 +131,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         # exit finalizer of priority -100; remove the session directory after it.
         from multiprocessing.util import Finalize
 
-        Finalize(None, shutil.rmtree, args=(_SESSION_TMP,), kwargs={"ignore_errors": True},
-                 exitpriority=-200)
+        Finalize(
+            None,
+            shutil.rmtree,
+            args=(_SESSION_TMP,),
+            kwargs={"ignore_errors": True},
+            exitpriority=-200,
+        )
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -193,13 +206,17 @@ def no_leaks(request: pytest.FixtureRequest):
 
     # Threads: give finishing threads a moment too.
     deadline = time.monotonic() + 2
+
     def new_threads():
         return [
-            t for k, t in _threads().items()
-            if k not in threads_before and t.is_alive()
+            t
+            for k, t in _threads().items()
+            if k not in threads_before
+            and t.is_alive()
             and not t.name.startswith(_ALLOWED_THREAD_PREFIXES)
             and (not t.daemon or t.name.startswith("nbtools"))
         ]
+
     extra = new_threads()
     while extra and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -211,7 +228,9 @@ def no_leaks(request: pytest.FixtureRequest):
     problems += process_group_problems()
 
     # Temporary files.
-    new_tmp = sorted(e for e in _tmp_entries() - tmp_before if not e.startswith(("pytest-", "pymp-")))
+    new_tmp = sorted(
+        e for e in _tmp_entries() - tmp_before if not e.startswith(("pytest-", "pymp-"))
+    )
     if new_tmp:
         problems.append(f"temporary files left in {tempfile.gettempdir()}: {new_tmp[:10]}")
         for entry in new_tmp:
@@ -225,7 +244,9 @@ def no_leaks(request: pytest.FixtureRequest):
                     pass
 
     if problems:
-        pytest.fail("LEAK in " + request.node.nodeid + ":\n  " + "\n  ".join(problems), pytrace=False)
+        pytest.fail(
+            "LEAK in " + request.node.nodeid + ":\n  " + "\n  ".join(problems), pytrace=False
+        )
 
 
 def cuda_available() -> bool:
@@ -276,7 +297,8 @@ def mount_tmpfs(tmp_path):
         mnt.mkdir()
         proc = subprocess.run(
             ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
-            capture_output=True, text=True,
+            capture_output=True,
+            text=True,
         )
         if proc.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")

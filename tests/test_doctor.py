@@ -96,7 +96,9 @@ def test_a_read_only_cache_dir_fails_naming_it(tmp_path, monkeypatch):
     assert exit_status([finding]) == 1
 
 
-def test_a_cache_dir_not_made_yet_is_checked_through_its_parent_and_not_created(tmp_path, monkeypatch):
+def test_a_cache_dir_not_made_yet_is_checked_through_its_parent_and_not_created(
+    tmp_path, monkeypatch
+):
     cache = tmp_path / "not" / "yet"
     monkeypatch.setenv("NBTOOLS_CACHE_DIR", str(cache))
     finding = _storage.check_cache()
@@ -131,8 +133,13 @@ def test_no_ray_address_skips_the_ray_check(monkeypatch):
 
 @pytest.mark.parametrize(
     ("address", "endpoint"),
-    [("10.0.0.1:6380", ("10.0.0.1", 6380)), ("ray://head:10001", ("head", 10001)),
-     ("ray://head", ("head", 10001)), ("[::1]:6379", ("::1", 6379)), ("head", ("head", 6379))],
+    [
+        ("10.0.0.1:6380", ("10.0.0.1", 6380)),
+        ("ray://head:10001", ("head", 10001)),
+        ("ray://head", ("head", 10001)),
+        ("[::1]:6379", ("::1", 6379)),
+        ("head", ("head", 6379)),
+    ],
 )
 def test_ray_addresses_name_their_head(address, endpoint):
     assert _launch.ray_endpoint(address) == endpoint
@@ -160,7 +167,11 @@ def test_a_writable_mlflow_store_is_not_created(tmp_path, monkeypatch):
 def _doctor(cwd: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "nbtools", "doctor", "--json", *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=400,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
 
 
@@ -169,7 +180,8 @@ def doctor_env(tmp_path) -> dict[str, str]:
     """Cache, staging and MLflow store under ``tmp_path``; no Ray."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(
-        NBTOOLS_CACHE_DIR=str(tmp_path / "cache"), NBTOOLS_STAGING_DIR=str(tmp_path),
+        NBTOOLS_CACHE_DIR=str(tmp_path / "cache"),
+        NBTOOLS_STAGING_DIR=str(tmp_path),
         MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
     )
     return env
@@ -183,9 +195,21 @@ def test_this_machine_passes_with_one_json_object_and_nothing_written_here(tmp_p
     report = json.loads(proc.stdout)  # the whole of stdout is one JSON object
     assert proc.returncode == 0 and report["exit_status"] == 0, proc.stdout + proc.stderr
     by_name = {c["name"]: c for c in report["checks"]}
-    assert by_name["smoke launch"]["status"] == "ok" and by_name["smoke launch"]["details"]["results"] == [3.0, 3.0]
-    assert {"torch", "gpus", "cuda initialised", "shm", "open files", "forkserver", "cache dir",
-            "staging dir", "mlflow", "ray"} <= set(by_name)
+    assert by_name["smoke launch"]["status"] == "ok" and by_name["smoke launch"]["details"][
+        "results"
+    ] == [3.0, 3.0]
+    assert {
+        "torch",
+        "gpus",
+        "cuda initialised",
+        "shm",
+        "open files",
+        "forkserver",
+        "cache dir",
+        "staging dir",
+        "mlflow",
+        "ray",
+    } <= set(by_name)
     assert by_name["ray"]["status"] == "skip"
     assert list(cwd.iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd"]  # no cache dir, no store
@@ -209,7 +233,11 @@ def test_broken_conditions_give_exit_status_1_and_say_what_to_do(tmp_path, docto
 def test_the_text_report_fits_one_screen(tmp_path, doctor_env):
     proc = subprocess.run(
         [sys.executable, "-m", "nbtools", "doctor", "--no-smoke", "--shm-dir", str(tmp_path)],
-        cwd=tmp_path, env=doctor_env, capture_output=True, text=True, timeout=400,
+        cwd=tmp_path,
+        env=doctor_env,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()

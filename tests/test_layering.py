@@ -68,7 +68,9 @@ def test_events_is_base_layer():
     assert out.returncode == 0, out.stderr
     third_party, ours = (json.loads(line) for line in out.stdout.strip().splitlines())
     assert third_party == []
-    assert all(m.startswith(("nbtools.events", "nbtools._internal", "nbtools.errors")) for m in ours), ours
+    assert all(
+        m.startswith(("nbtools.events", "nbtools._internal", "nbtools.errors")) for m in ours
+    ), ours
 
 
 def test_events_sources_import_only_the_base_layer():
@@ -87,9 +89,11 @@ def test_events_sources_import_only_the_base_layer():
                 continue
             for name in names:
                 top = name.split(".")[0]
-                assert top in sys.stdlib_module_names or name.startswith(allowed) or top == "__future__", (
-                    f"{path.name} imports {name}: nbtools.events is base layer (stdlib only)"
-                )
+                assert (
+                    top in sys.stdlib_module_names
+                    or name.startswith(allowed)
+                    or top == "__future__"
+                ), f"{path.name} imports {name}: nbtools.events is base layer (stdlib only)"
 
 
 @pytest.mark.parametrize("front", ["nbtools.monitor.pane", "nbtools.magics", "nbtools.tracking"])
@@ -109,7 +113,10 @@ def test_ruff_bans_front_end_imports_in_core(tmp_path):
     try:
         out = subprocess.run(
             [sys.executable, "-m", "ruff", "check", "--no-cache", "--select", "TID251", str(bad)],
-            capture_output=True, text=True, cwd=root, timeout=60,
+            capture_output=True,
+            text=True,
+            cwd=root,
+            timeout=60,
         )
     finally:
         bad.unlink()
@@ -156,7 +163,7 @@ def test_no_import_circle_inside_nbtools():
         state[module] = 1
         for other in sorted(edges[module]):
             if state.get(other) == 1:
-                circles.append(path[path.index(other):] + [other])
+                circles.append(path[path.index(other) :] + [other])
             elif other not in state:
                 visit(other, path + [other])
         state[module] = 2
@@ -275,8 +282,11 @@ def test_data_keeps_at_most_twelve_units_and_no_module_over_500_lines():
     root = Path(nbtools.__file__).parent / "data"
     direct = [p.name for p in root.iterdir() if p.name != "__pycache__" and p.name != "__init__.py"]
     assert len(direct) <= 12, sorted(direct)
-    long = {str(p.relative_to(root)): n for p in root.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 500}
+    long = {
+        str(p.relative_to(root)): n
+        for p in root.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 500
+    }
     assert not long, long
 
 

@@ -26,8 +26,20 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 _NOT_SOURCES = shutil.ignore_patterns(
-    ".git", "build", "dist", "*.egg-info", "__pycache__", ".nox", ".mypy_cache", ".ruff_cache",
-    ".pytest_cache", "_build", "nbtools-demo", "mlflow.db*", "mlruns", "mlartifacts",
+    ".git",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".nox",
+    ".mypy_cache",
+    ".ruff_cache",
+    ".pytest_cache",
+    "_build",
+    "nbtools-demo",
+    "mlflow.db*",
+    "mlruns",
+    "mlartifacts",
 )
 
 SMOKE = textwrap.dedent(
@@ -78,8 +90,18 @@ def dist(tmp_path_factory) -> Path:
     shutil.copytree(ROOT, src, ignore=_NOT_SOURCES)
     out = tmp / "dist"
     # No isolation: the build backend of this environment, so the test needs no network.
-    _run(sys.executable, "-m", "build", "--no-isolation", "--sdist", "--wheel", "--outdir", out, src,
-         timeout=600)
+    _run(
+        sys.executable,
+        "-m",
+        "build",
+        "--no-isolation",
+        "--sdist",
+        "--wheel",
+        "--outdir",
+        out,
+        src,
+        timeout=600,
+    )
     return out
 
 
@@ -112,9 +134,20 @@ def test_the_installed_wheel_imports_finds_its_widget_and_runs_two_ranks(dist, t
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(PIP_DISABLE_PIP_VERSION_CHECK="1")
     # --no-index: every dependency must already be met by the machine's packages.
-    _run(sys.executable, "-m", "pip", "--python", python, "install", "--no-index", "--no-cache-dir",
-         _one(dist, "*.whl"),
-         env=env, cwd=tmp_path, timeout=600)
+    _run(
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        python,
+        "install",
+        "--no-index",
+        "--no-cache-dir",
+        _one(dist, "*.whl"),
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
     script = tmp_path / "smoke.py"
     script.write_text(SMOKE)
     proc = _run(python, script, env=env, cwd=tmp_path, timeout=300)

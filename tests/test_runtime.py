@@ -9,8 +9,15 @@ from nbtools.errors import DistributedError, NbtoolsError
 
 
 def test_defaults_outside_any_run(monkeypatch):
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-                "TORCHELASTIC_RESTART_COUNT"):
+    for var in (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "NODE_RANK",
+        "TORCHELASTIC_RESTART_COUNT",
+    ):
         monkeypatch.delenv(var, raising=False)
     assert runtime.get_rank() == 0
     assert runtime.get_local_rank() == 0

@@ -162,7 +162,9 @@ def test_dataloader_iterator_and_worker_shutdown(no_fallback):
     assert compat.loader_iterator(loader) is None
     workers = [w.pid for w in iterator._workers]
     compat.shutdown_workers(iterator)
-    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in workers)
+    assert not any(
+        psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in workers
+    )
 
 
 def test_stager_needs_no_synchronize_call():
@@ -237,8 +239,14 @@ def _torch_bound_names(tree: ast.AST) -> set[str]:
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("torch")}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("torch"):
+            names |= {
+                a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("torch")
+            }
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and (node.module or "").startswith("torch")
+        ):
             names |= {a.asname or a.name for a in node.names}
     return names
 
@@ -250,7 +258,9 @@ def _torch_assignments(tree: ast.AST) -> list[ast.Attribute]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
             targets += node.targets if isinstance(node, ast.Assign) else [node.target]
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and node.args:
+        elif (
+            isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and node.args
+        ):
             targets.append(ast.Attribute(value=node.args[0], attr="<setattr>", lineno=node.lineno))
     found = []
     for target in targets:
@@ -268,13 +278,21 @@ def _private_torch_uses(path: Path) -> list[str]:
     tree = ast.parse(path.read_text())
     found = [f"{path.name}:{t.lineno} assigns .{t.attr}" for t in _torch_assignments(tree)]
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("torch"):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and (node.module or "").startswith("torch")
+        ):
             parts = node.module.split(".")
-            if any(p.startswith("_") for p in parts) or any(a.name.startswith("_") for a in node.names):
+            if any(p.startswith("_") for p in parts) or any(
+                a.name.startswith("_") for a in node.names
+            ):
                 found.append(f"{path.name}:{node.lineno} from {node.module} import ...")
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.startswith("torch") and any(p.startswith("_") for p in alias.name.split(".")):
+                if alias.name.startswith("torch") and any(
+                    p.startswith("_") for p in alias.name.split(".")
+                ):
                     found.append(f"{path.name}:{node.lineno} import {alias.name}")
         elif isinstance(node, ast.Attribute):
             chain, inner = [node.attr], node.value
@@ -282,7 +300,9 @@ def _private_torch_uses(path: Path) -> list[str]:
                 chain.append(inner.attr)
                 inner = inner.value
             rooted = isinstance(inner, ast.Name) and inner.id == "torch"
-            if (rooted and any(a.startswith("_") for a in chain)) or node.attr in _PRIVATE_ATTRIBUTES:
+            if (
+                rooted and any(a.startswith("_") for a in chain)
+            ) or node.attr in _PRIVATE_ATTRIBUTES:
                 found.append(f"{path.name}:{node.lineno} .{node.attr}")
         elif isinstance(node, ast.Constant) and node.value in _PRIVATE_MEMBERS:
             found.append(f"{path.name}:{node.lineno} {node.value!r}")

@@ -71,8 +71,15 @@ def _claim(out: str) -> None:
     with open(marker, "w") as fh:
         fh.write("made by python -m nbtools demo; safe to delete\n")
     # A fresh start: old checkpoints would make the recovered run resume at its end.
-    for name in ("volume", "cache", *_RUN_DIRS, "mlflow.db", "mlartifacts", "recovery.html",
-                 "timeline.html"):
+    for name in (
+        "volume",
+        "cache",
+        *_RUN_DIRS,
+        "mlflow.db",
+        "mlartifacts",
+        "recovery.html",
+        "timeline.html",
+    ):
         path = os.path.join(out, name)
         if os.path.isdir(path):
             shutil.rmtree(path)

@@ -68,18 +68,31 @@ def check_ray() -> Finding:
     try:
         details["ray"] = importlib.metadata.version("ray")
     except importlib.metadata.PackageNotFoundError:
-        return Finding("ray", Status.FAIL, f"RAY_ADDRESS={address} is set but Ray is not installed",
-                       'pip install "nbtools-train[ray]", or unset RAY_ADDRESS', details)
+        return Finding(
+            "ray",
+            Status.FAIL,
+            f"RAY_ADDRESS={address} is set but Ray is not installed",
+            'pip install "nbtools-train[ray]", or unset RAY_ADDRESS',
+            details,
+        )
     try:
         endpoint = ray_endpoint(address)
     except ValueError:
-        return Finding("ray", Status.FAIL, f"RAY_ADDRESS={address!r} is not an address",
-                       "set it to HOST:PORT of the head node (e.g. 10.0.0.1:6379) or ray://HOST:10001",
-                       details)
+        return Finding(
+            "ray",
+            Status.FAIL,
+            f"RAY_ADDRESS={address!r} is not an address",
+            "set it to HOST:PORT of the head node (e.g. 10.0.0.1:6379) or ray://HOST:10001",
+            details,
+        )
     if endpoint is None:
-        return Finding("ray", Status.FAIL, f"RAY_ADDRESS={address} but no Ray cluster runs here",
-                       "start one (ray start --head) or set RAY_ADDRESS to the head's HOST:PORT",
-                       details)
+        return Finding(
+            "ray",
+            Status.FAIL,
+            f"RAY_ADDRESS={address} but no Ray cluster runs here",
+            "start one (ray start --head) or set RAY_ADDRESS to the head's HOST:PORT",
+            details,
+        )
     host, port = endpoint
     details.update(host=host, port=port)
     start = time.monotonic()
@@ -87,14 +100,19 @@ def check_ray() -> Finding:
         with socket.create_connection((host, port), timeout=RAY_TIMEOUT_S):
             pass
     except OSError as exc:
-        return Finding("ray", Status.FAIL,
-                       f"the Ray head at {host}:{port} (RAY_ADDRESS={address}) does not answer: "
-                       f"{exc.strerror or exc}",
-                       "check that the cluster runs (ray status on the head) and that this "
-                       "machine can reach that port, or unset RAY_ADDRESS", details)
+        return Finding(
+            "ray",
+            Status.FAIL,
+            f"the Ray head at {host}:{port} (RAY_ADDRESS={address}) does not answer: "
+            f"{exc.strerror or exc}",
+            "check that the cluster runs (ray status on the head) and that this "
+            "machine can reach that port, or unset RAY_ADDRESS",
+            details,
+        )
     details["seconds"] = round(time.monotonic() - start, 3)
-    return Finding("ray", Status.OK, f"Ray {details['ray']}: the head at {host}:{port} answers", "",
-                   details)
+    return Finding(
+        "ray", Status.OK, f"Ray {details['ray']}: the head at {host}:{port} answers", "", details
+    )
 
 
 def smoke() -> dict[str, Any]:
@@ -119,37 +137,58 @@ def check_smoke(timeout: float = SMOKE_TIMEOUT_S) -> Finding:
     with tempfile.TemporaryDirectory(prefix="nbtools-doctor-") as work:
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "nbtools._doctor._launch"], cwd=work,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                [sys.executable, "-m", "nbtools._doctor._launch"],
+                cwd=work,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
                 start_new_session=True,
             )
         except OSError as exc:
-            return Finding("smoke launch", Status.FAIL, f"cannot start Python: {exc}",
-                           "check the interpreter and the temp dir")
+            return Finding(
+                "smoke launch",
+                Status.FAIL,
+                f"cannot start Python: {exc}",
+                "check the interpreter and the temp dir",
+            )
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-            return Finding("smoke launch", Status.FAIL,
-                           f"2 CPU ranks did not finish one all-reduce within {timeout:.0f} s",
-                           "a firewall or a wrong hostname can stop the rendezvous on 127.0.0.1; "
-                           "run python -m nbtools demo to see the ranks' output")
+            return Finding(
+                "smoke launch",
+                Status.FAIL,
+                f"2 CPU ranks did not finish one all-reduce within {timeout:.0f} s",
+                "a firewall or a wrong hostname can stop the rendezvous on 127.0.0.1; "
+                "run python -m nbtools demo to see the ranks' output",
+            )
     line = next((ln for ln in out.splitlines() if ln.startswith(_MARKER)), None)
     if proc.returncode != 0 or line is None:
         tail = (err or out).strip().splitlines()[-6:]
-        return Finding("smoke launch", Status.FAIL,
-                       f"2 CPU ranks failed (exit status {proc.returncode}): {' | '.join(tail)[-500:]}",
-                       "fix the error above; python -m nbtools demo shows the ranks' full output",
-                       {"stderr": err[-4000:]})
-    report = json.loads(line[len(_MARKER):])
+        return Finding(
+            "smoke launch",
+            Status.FAIL,
+            f"2 CPU ranks failed (exit status {proc.returncode}): {' | '.join(tail)[-500:]}",
+            "fix the error above; python -m nbtools demo shows the ranks' full output",
+            {"stderr": err[-4000:]},
+        )
+    report = json.loads(line[len(_MARKER) :])
     if report["results"] != [3.0, 3.0]:
-        return Finding("smoke launch", Status.FAIL,
-                       f"2 CPU ranks returned {report['results']}, not the all-reduce [3.0, 3.0]",
-                       "gloo gave a wrong sum: check the torch installation", report)
-    return Finding("smoke launch", Status.OK,
-                   f"2 CPU ranks (gloo) all-reduced one tensor in {report['seconds']:.1f} s", "",
-                   report)
+        return Finding(
+            "smoke launch",
+            Status.FAIL,
+            f"2 CPU ranks returned {report['results']}, not the all-reduce [3.0, 3.0]",
+            "gloo gave a wrong sum: check the torch installation",
+            report,
+        )
+    return Finding(
+        "smoke launch",
+        Status.OK,
+        f"2 CPU ranks (gloo) all-reduced one tensor in {report['seconds']:.1f} s",
+        "",
+        report,
+    )
 
 
 if __name__ == "__main__":

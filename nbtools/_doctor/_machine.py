@@ -39,8 +39,12 @@ def check_torch() -> Finding:
         import torch
         import torch.distributed as dist
     except ImportError as exc:
-        return Finding("torch", Status.FAIL, f"torch cannot be imported: {exc}",
-                       "install torch>=2.9 (pip install torch) in this environment")
+        return Finding(
+            "torch",
+            Status.FAIL,
+            f"torch cannot be imported: {exc}",
+            "install torch>=2.9 (pip install torch) in this environment",
+        )
     details: dict[str, Any] = {
         "torch": importlib.metadata.version("torch"),
         "cuda_build": torch.version.cuda,
@@ -57,9 +61,13 @@ def check_torch() -> Finding:
     parts.append(f"NCCL {details['nccl_version'] or 'n/a'}")
     parts.append(f"gloo {'yes' if details['gloo'] else 'no'}")
     if not details["gloo"]:
-        return Finding("torch", Status.FAIL, ", ".join(parts) + ": no gloo backend",
-                       "install a torch build with torch.distributed (the PyPI wheels have it)",
-                       details)
+        return Finding(
+            "torch",
+            Status.FAIL,
+            ", ".join(parts) + ": no gloo backend",
+            "install a torch build with torch.distributed (the PyPI wheels have it)",
+            details,
+        )
     return Finding("torch", Status.OK, ", ".join(parts), "", details)
 
 
@@ -89,16 +97,24 @@ def check_gpus() -> Finding:
     count = len(details["gpus"])
     if not details["nvml"]:
         return Finding(
-            "gpus", Status.WARN, f"no GPU: {backend.message or 'NVML unavailable'}",
+            "gpus",
+            Status.WARN,
+            f"no GPU: {backend.message or 'NVML unavailable'}",
             "CPU ranks still work (@distributed(processes=N)); for GPUs install the NVIDIA "
-            "driver and run on a GPU machine", details,
+            "driver and run on a GPU machine",
+            details,
         )
     names = sorted({str(g["name"]) for g in details["gpus"]})
     summary = f"{count} GPU{'s' * (count != 1)} via NVML ({', '.join(names)}); torch sees {details['torch_device_count']}"
     if details["torch_device_count"] != count:
-        return Finding("gpus", Status.WARN, summary,
-                       "torch and NVML disagree: check CUDA_VISIBLE_DEVICES and that torch is a "
-                       "CUDA build matching the driver", details)
+        return Finding(
+            "gpus",
+            Status.WARN,
+            summary,
+            "torch and NVML disagree: check CUDA_VISIBLE_DEVICES and that torch is a "
+            "CUDA build matching the driver",
+            details,
+        )
     return Finding("gpus", Status.OK, summary, "", details)
 
 
@@ -111,11 +127,16 @@ def check_cuda_state() -> Finding:
     except ImportError:
         initialised = False
     if initialised:
-        return Finding("cuda initialised", Status.OK,
-                       "yes, in this process: ranks still start (forkserver, never a plain fork)",
-                       "", {"initialised": True})
-    return Finding("cuda initialised", Status.OK, "no, not in this process", "",
-                   {"initialised": False})
+        return Finding(
+            "cuda initialised",
+            Status.OK,
+            "yes, in this process: ranks still start (forkserver, never a plain fork)",
+            "",
+            {"initialised": True},
+        )
+    return Finding(
+        "cuda initialised", Status.OK, "no, not in this process", "", {"initialised": False}
+    )
 
 
 def check_shm(path: str = "/dev/shm") -> Finding:
@@ -123,14 +144,21 @@ def check_shm(path: str = "/dev/shm") -> Finding:
     try:
         usage = shutil.disk_usage(path)
     except OSError as exc:
-        return Finding("shm", Status.WARN, f"{path} cannot be read: {exc.strerror or exc}",
-                       "loader workers with num_workers > 0 need a shared-memory filesystem; "
-                       "mount a tmpfs at /dev/shm", {"path": path})
+        return Finding(
+            "shm",
+            Status.WARN,
+            f"{path} cannot be read: {exc.strerror or exc}",
+            "loader workers with num_workers > 0 need a shared-memory filesystem; "
+            "mount a tmpfs at /dev/shm",
+            {"path": path},
+        )
     details = {"path": path, "total": usage.total, "free": usage.free, "floor": SHM_FLOOR_BYTES}
     summary = f"{path}: {_gib(usage.free)} free of {_gib(usage.total)}"
     if usage.free < SHM_FLOOR_BYTES:
         return Finding(
-            "shm", Status.WARN, summary + f", below the {_gib(SHM_FLOOR_BYTES)} loader workers "
+            "shm",
+            Status.WARN,
+            summary + f", below the {_gib(SHM_FLOOR_BYTES)} loader workers "
             "and in-memory checkpoints need",
             "give the container more shared memory (docker run --shm-size=16g or --ipc=host; "
             "Kubernetes: an emptyDir with medium: Memory at /dev/shm), or use num_workers=0",
@@ -149,10 +177,19 @@ def check_nofile() -> Finding:
 
     summary = f"open files: soft {text(soft)}, hard {text(hard)}"
     if soft != resource.RLIM_INFINITY and soft < NOFILE_FLOOR:
-        raise_to = text(hard) if hard == resource.RLIM_INFINITY or hard >= NOFILE_FLOOR else str(NOFILE_FLOOR)
-        return Finding("open files", Status.WARN, summary + f", below {NOFILE_FLOOR}",
-                       f"raise it before starting Jupyter: ulimit -n {raise_to} (or LimitNOFILE= "
-                       "in the service, nofile in /etc/security/limits.conf)", details)
+        raise_to = (
+            text(hard)
+            if hard == resource.RLIM_INFINITY or hard >= NOFILE_FLOOR
+            else str(NOFILE_FLOOR)
+        )
+        return Finding(
+            "open files",
+            Status.WARN,
+            summary + f", below {NOFILE_FLOOR}",
+            f"raise it before starting Jupyter: ulimit -n {raise_to} (or LimitNOFILE= "
+            "in the service, nofile in /etc/security/limits.conf)",
+            details,
+        )
     return Finding("open files", Status.OK, summary, "", details)
 
 
@@ -163,26 +200,41 @@ def _child() -> None:
 def check_forkserver() -> Finding:
     """Start one process through multiprocessing's forkserver, as the launcher does."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
-        return Finding("forkserver", Status.FAIL, "this platform has no forkserver start method",
-                       "run on Linux: ranks start through a forkserver")
+        return Finding(
+            "forkserver",
+            Status.FAIL,
+            "this platform has no forkserver start method",
+            "run on Linux: ranks start through a forkserver",
+        )
     ctx = multiprocessing.get_context("forkserver")
     proc = ctx.Process(target=_child, name="nbtools-doctor-forkserver")
     try:
         proc.start()
         proc.join(_FORKSERVER_TIMEOUT_S)
     except OSError as exc:
-        return Finding("forkserver", Status.FAIL, f"a forkserver process did not start: {exc}",
-                       "check that the temp dir (TMPDIR) is writable and its path is short "
-                       "(a Unix socket path has at most 107 bytes)", {"error": str(exc)})
+        return Finding(
+            "forkserver",
+            Status.FAIL,
+            f"a forkserver process did not start: {exc}",
+            "check that the temp dir (TMPDIR) is writable and its path is short "
+            "(a Unix socket path has at most 107 bytes)",
+            {"error": str(exc)},
+        )
     if proc.is_alive():
         proc.kill()
         proc.join(5)
-        return Finding("forkserver", Status.FAIL,
-                       f"a forkserver process did not finish within {_FORKSERVER_TIMEOUT_S:.0f} s",
-                       "the machine may be out of memory or processes (ulimit -u)")
+        return Finding(
+            "forkserver",
+            Status.FAIL,
+            f"a forkserver process did not finish within {_FORKSERVER_TIMEOUT_S:.0f} s",
+            "the machine may be out of memory or processes (ulimit -u)",
+        )
     if proc.exitcode != 0:
-        return Finding("forkserver", Status.FAIL,
-                       f"a forkserver process exited with status {proc.exitcode}",
-                       "run python -c 'import torch' to see whether importing torch fails",
-                       {"exitcode": proc.exitcode})
+        return Finding(
+            "forkserver",
+            Status.FAIL,
+            f"a forkserver process exited with status {proc.exitcode}",
+            "run python -c 'import torch' to see whether importing torch fails",
+            {"exitcode": proc.exitcode},
+        )
     return Finding("forkserver", Status.OK, "a process starts and exits through the forkserver")

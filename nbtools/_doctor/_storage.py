@@ -79,14 +79,24 @@ def _directory(name: str, path: str, env: str, floor: int, floor_why: str) -> Fi
     problem = try_write(path)
     details: dict[str, Any] = {"path": path, "exists": os.path.isdir(path)}
     if problem is not None:
-        return Finding(name, Status.FAIL, f"{path} cannot be written: {problem}",
-                       f"set {env} to a writable local directory", details)
+        return Finding(
+            name,
+            Status.FAIL,
+            f"{path} cannot be written: {problem}",
+            f"set {env} to a writable local directory",
+            details,
+        )
     usage = shutil.disk_usage(_existing(path))
     details.update(free=usage.free, total=usage.total, floor=floor)
     summary = f"{path}: writable, {_gib(usage.free)} free of {_gib(usage.total)}"
     if usage.free < floor:
-        return Finding(name, Status.WARN, summary + f", below {floor_why}",
-                       f"free some space or set {env} to a larger local disk", details)
+        return Finding(
+            name,
+            Status.WARN,
+            summary + f", below {floor_why}",
+            f"free some space or set {env} to a larger local disk",
+            details,
+        )
     return Finding(name, Status.OK, summary, "", details)
 
 
@@ -102,14 +112,24 @@ def check_cache(path: str | None = None) -> Finding:
             floor = shutil.disk_usage(_existing(path)).total // 10
         except OSError:
             floor = 0
-    return _directory("cache dir", path, "NBTOOLS_CACHE_DIR", floor,
-                      f"the {_gib(floor)} the cache keeps free (nothing could be cached)")
+    return _directory(
+        "cache dir",
+        path,
+        "NBTOOLS_CACHE_DIR",
+        floor,
+        f"the {_gib(floor)} the cache keeps free (nothing could be cached)",
+    )
 
 
 def check_staging(path: str | None = None) -> Finding:
     """The checkpoint staging directory: writable, and room for a save's shards."""
-    return _directory("staging dir", path or staging_location(), "NBTOOLS_STAGING_DIR",
-                      STAGING_FLOOR_BYTES, f"{_gib(STAGING_FLOOR_BYTES)}")
+    return _directory(
+        "staging dir",
+        path or staging_location(),
+        "NBTOOLS_STAGING_DIR",
+        STAGING_FLOOR_BYTES,
+        f"{_gib(STAGING_FLOOR_BYTES)}",
+    )
 
 
 def _tracking_uri() -> str:
@@ -127,8 +147,12 @@ def check_mlflow() -> Finding:
     try:
         import mlflow  # noqa: F401 - installed at all?
     except ImportError:
-        return Finding("mlflow", Status.WARN, "MLflow is not installed: runs are not tracked",
-                       'pip install "nbtools-train[mlflow]"')
+        return Finding(
+            "mlflow",
+            Status.WARN,
+            "MLflow is not installed: runs are not tracked",
+            'pip install "nbtools-train[mlflow]"',
+        )
     from nbtools.tracking._local_store import sqlite_path
     from nbtools.tracking._store import is_http, probe
 
@@ -138,17 +162,23 @@ def check_mlflow() -> Finding:
         try:
             probe(uri)
         except Exception as exc:  # noqa: BLE001 - any failure to reach it is the finding
-            return Finding("mlflow", Status.WARN, f"the tracking server {uri} does not answer",
-                           "start it, or set MLFLOW_TRACKING_URI to a running server or "
-                           "sqlite:////ABSOLUTE/PATH/mlflow.db", {**details, "error": str(exc)})
+            return Finding(
+                "mlflow",
+                Status.WARN,
+                f"the tracking server {uri} does not answer",
+                "start it, or set MLFLOW_TRACKING_URI to a running server or "
+                "sqlite:////ABSOLUTE/PATH/mlflow.db",
+                {**details, "error": str(exc)},
+            )
         return Finding("mlflow", Status.OK, f"tracking server {uri} answers", "", details)
     path = sqlite_path(uri)
     if path is None and uri.startswith("file:"):
-        path = uri[len("file:"):].lstrip("/")
+        path = uri[len("file:") :].lstrip("/")
         path = "/" + path if uri.startswith("file:/") else path
     if path is None:
-        return Finding("mlflow", Status.OK, f"store {uri} (not checked: not a local store)", "",
-                       details)
+        return Finding(
+            "mlflow", Status.OK, f"store {uri} (not checked: not a local store)", "", details
+        )
     details["path"] = path
     target = path if os.path.exists(path) else os.path.dirname(path) or "."
     problem = None
@@ -158,12 +188,18 @@ def check_mlflow() -> Finding:
     else:
         problem = try_write(target)
     if problem is not None:
-        return Finding("mlflow", Status.WARN, f"the MLflow store {uri} cannot be written: {problem}",
-                       "set MLFLOW_TRACKING_URI to a writable place, e.g. "
-                       "sqlite:////ABSOLUTE/PATH/mlflow.db", details)
+        return Finding(
+            "mlflow",
+            Status.WARN,
+            f"the MLflow store {uri} cannot be written: {problem}",
+            "set MLFLOW_TRACKING_URI to a writable place, e.g. sqlite:////ABSOLUTE/PATH/mlflow.db",
+            details,
+        )
     where = "exists" if os.path.exists(path) else "would be created"
     advice = ""
     if not os.environ.get("MLFLOW_TRACKING_URI", "").strip():
-        advice = ("MLflow's default store is relative to the working directory; set "
-                  "MLFLOW_TRACKING_URI to keep every run in one place")
+        advice = (
+            "MLflow's default store is relative to the working directory; set "
+            "MLFLOW_TRACKING_URI to keep every run in one place"
+        )
     return Finding("mlflow", Status.OK, f"store {uri}: writable ({where})", advice, details)

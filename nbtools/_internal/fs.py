@@ -35,7 +35,9 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 
 
 @contextlib.contextmanager
-def atomic_write(path: str | os.PathLike[str], mode: str = "wb", fsync: bool = True) -> Iterator[IO]:
+def atomic_write(
+    path: str | os.PathLike[str], mode: str = "wb", fsync: bool = True
+) -> Iterator[IO]:
     """Open a temporary file next to ``path``; on success move it onto ``path``.
 
     On any exception the temporary file is removed and ``path`` is untouched.

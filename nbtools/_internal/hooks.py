@@ -78,7 +78,9 @@ def register(library: str, *, before_launch: str | None = None, in_rank: str | N
     """Register (or replace) the integration for ``library``. Imports nothing."""
     for target in (before_launch, in_rank):
         if target is not None and (not isinstance(target, str) or target.count(":") != 1):
-            raise ValueError(f"an integration names its function as 'module:function', got {target!r}")
+            raise ValueError(
+                f"an integration names its function as 'module:function', got {target!r}"
+            )
     with _LOCK:
         _REGISTRY[library] = Integration(library, before_launch, in_rank)
 
@@ -87,7 +89,9 @@ def at_launch_end(target: str) -> None:
     """Call ``target`` (``"package.module:function"``) with the run id of every launch that
     ends for good in this process. Imports nothing; registering twice calls it once."""
     if not isinstance(target, str) or target.count(":") != 1:
-        raise ValueError(f"a launch-end hook names its function as 'module:function', got {target!r}")
+        raise ValueError(
+            f"a launch-end hook names its function as 'module:function', got {target!r}"
+        )
     with _LOCK:
         if target not in _AT_END:
             _AT_END.append(target)
@@ -114,7 +118,9 @@ def _call(target: str, moment: str, *args: Any) -> None:
     except Exception as exc:  # noqa: BLE001 - an integration never breaks a launch or an import
         from nbtools._internal.log import get_logger
 
-        get_logger("launch").warning("%s (%s) failed and was skipped: %s: %s", target, moment, type(exc).__name__, exc)
+        get_logger("launch").warning(
+            "%s (%s) failed and was skipped: %s: %s", target, moment, type(exc).__name__, exc
+        )
 
 
 def _in_use(integration: Integration, payload: bytes) -> bool:
@@ -165,7 +171,10 @@ def _run(fn: Callable[[ModuleType], None], module: ModuleType) -> None:
         name = getattr(fn, "__qualname__", repr(fn))
         get_logger("launch").warning(
             "%s (after %s was imported) failed and was skipped: %s: %s",
-            name, module.__name__, type(exc).__name__, exc,
+            name,
+            module.__name__,
+            type(exc).__name__,
+            exc,
         )
 
 

@@ -56,7 +56,8 @@ def user_traceback(exc: BaseException, tb: TracebackType | None = None) -> list[
     """
     hidden = _hidden_dirs()
     frames = [
-        f for f in traceback.extract_tb(tb or exc.__traceback__)
+        f
+        for f in traceback.extract_tb(tb or exc.__traceback__)
         if not os.path.abspath(f.filename).startswith(hidden)
     ]
     lines = []

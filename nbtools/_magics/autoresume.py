@@ -230,7 +230,9 @@ def run_autoresume(shell: Any, options: AutoresumeOptions, cell: str) -> Any:
     """Run one ``%%autoresume`` cell; returns the value of the body's last expression."""
     __tracebackhide__ = True  # IPython shows the user's cell, not this frame
     if not cell.strip():
-        raise UsageError("autoresume: the cell has no body; put the training loop below the magic line")
+        raise UsageError(
+            "autoresume: the cell has no body; put the training loop below the magic line"
+        )
     code, last = _compile_body(shell, cell)
     namespace = shell.user_ns
     objects = _state_objects(namespace, options.state)

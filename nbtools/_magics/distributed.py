@@ -219,9 +219,14 @@ class DistributedMagics(Magics):
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     return {
-        "processes": args.processes, "gpus": args.gpus, "max_restarts": args.max_restarts,
-        "cluster": args.cluster, "nodes": args.nodes, "output": args.output,
-        "hang_timeout": args.hang_timeout, "rich_output": args.rich_output,
+        "processes": args.processes,
+        "gpus": args.gpus,
+        "max_restarts": args.max_restarts,
+        "cluster": args.cluster,
+        "nodes": args.nodes,
+        "output": args.output,
+        "hang_timeout": args.hang_timeout,
+        "rich_output": args.rich_output,
     }
 
 
@@ -239,20 +244,38 @@ def _say(text: str) -> None:
 def format_status(pool: Any, rows: list[dict[str, Any]]) -> str:
     """The ``%distributed status`` table: one line per rank."""
     head = f"{pool!r}; restarts so far: {pool.restarts}"
-    columns = ["rank", "pid", "host", "uptime", "memory (RSS)", "device", "allocated",
-               "reserved", "device in use"]
+    columns = [
+        "rank",
+        "pid",
+        "host",
+        "uptime",
+        "memory (RSS)",
+        "device",
+        "allocated",
+        "reserved",
+        "device in use",
+    ]
     table = [columns]
     for row in rows:
         cuda = "device" in row
-        table.append([
-            str(row["rank"]), str(row["pid"]), row["host"], _duration(row["uptime_s"]),
-            _bytes(row["rss"]), row.get("device", "-"),
-            _bytes(row["allocated"]) if cuda else "-", _bytes(row["reserved"]) if cuda else "-",
-            f"{_bytes(row['device_used'])} / {_bytes(row['device_total'])}" if cuda else "-",
-        ])
+        table.append(
+            [
+                str(row["rank"]),
+                str(row["pid"]),
+                row["host"],
+                _duration(row["uptime_s"]),
+                _bytes(row["rss"]),
+                row.get("device", "-"),
+                _bytes(row["allocated"]) if cuda else "-",
+                _bytes(row["reserved"]) if cuda else "-",
+                f"{_bytes(row['device_used'])} / {_bytes(row['device_total'])}" if cuda else "-",
+            ]
+        )
     widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
-             for line in table]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+        for line in table
+    ]
     return "\n".join([head, *lines])
 
 
@@ -269,4 +292,3 @@ def _bytes(count: float) -> str:
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
         count /= 1024
     return f"{count:.1f} GiB"
-

@@ -13,7 +13,13 @@ from nbtools.checkpoint._storage._target import Target
 from nbtools.errors import CheckpointError
 
 __all__ = [
-    "positive", "non_negative", "check_step", "check_extra", "check_writable", "save_verdict", "SaveCase",
+    "positive",
+    "non_negative",
+    "check_step",
+    "check_extra",
+    "check_writable",
+    "save_verdict",
+    "SaveCase",
     "SaveVerdict",
 ]
 

@@ -57,4 +57,3 @@ def quiet_single_process_warning() -> None:
                 category=UserWarning,
                 module=DCP_MODULES,
             )
-

@@ -363,7 +363,9 @@ class VolumeWriter(StorageWriter):
                 for name in sorted((replaced or set()) - published):
                     self._target.remove_file(name)
                 return
-            keep = _save_markers.metadata_files(self._target)  # another save may have published since
+            keep = _save_markers.metadata_files(
+                self._target
+            )  # another save may have published since
             if keep is not None:
                 removed = _save_markers.sweep(self._target, found, keep)
                 if removed and replaced:

@@ -41,7 +41,9 @@ class DatasetLink:
         """The id under which the dataset's streams tag the batches they feed."""
         return self.dataset._uid
 
-    def plan(self, num_workers: int, reuse: IterationPlan | None, hold: int | None) -> IterationPlan:
+    def plan(
+        self, num_workers: int, reuse: IterationPlan | None, hold: int | None
+    ) -> IterationPlan:
         """Decide what the next iteration serves (a collective on every rank).
 
         Returns ``reuse`` itself when it would serve exactly the same work.

@@ -293,7 +293,11 @@ class VolumeDataset(IterableDataset):
             else:
                 token = job_token(fallback=self._uid)
                 files = load_index(
-                    self.root, self.pattern, self.cache_dir, self.refresh, token,
+                    self.root,
+                    self.pattern,
+                    self.cache_dir,
+                    self.refresh,
+                    token,
                     self.index_in_root,
                 )
                 self._index_at = (files.path, files.root, files.fingerprint, files.identity)
@@ -353,8 +357,17 @@ class VolumeDataset(IterableDataset):
         ):
             rotation = int(layout["rotation"][rank]) % num_workers
         plan = IterationPlan(
-            IterationPlan.new_id(), epoch, consumed, rank, world, num_workers, tracked, rotation, hold,
-            check=self._checking, recheck=self.check_sources == "epoch",
+            IterationPlan.new_id(),
+            epoch,
+            consumed,
+            rank,
+            world,
+            num_workers,
+            tracked,
+            rotation,
+            hold,
+            check=self._checking,
+            recheck=self.check_sources == "epoch",
         )
         if plan.same_work(reuse):
             plan = reuse  # type: ignore[assignment]
@@ -393,8 +406,15 @@ class VolumeDataset(IterableDataset):
             epoch = self._explicit_epoch if self._explicit_epoch is not None else self._epoch
             base = self._consumed if epoch == self._epoch else Consumed()
             plan = IterationPlan(
-                IterationPlan.new_id(), epoch, base, rank, world, num_workers, False,
-                check=self.check_sources != "never", recheck=self.check_sources == "epoch",
+                IterationPlan.new_id(),
+                epoch,
+                base,
+                rank,
+                world,
+                num_workers,
+                False,
+                check=self.check_sources != "never",
+                recheck=self.check_sources == "epoch",
             )
         if plan.num_workers != num_workers:
             raise DataError(

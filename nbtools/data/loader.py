@@ -217,8 +217,13 @@ class DataLoader(torch.utils.data.DataLoader):
             f"instead of prefetch_factor={self.prefetch_factor}"
         )
         warnings.warn(text, ResourceWarning, stacklevel=3)
-        events.emit("cache_full", message=text, prefetch_factor=factor,
-                    asked=self.prefetch_factor, files_per_worker=fits)
+        events.emit(
+            "cache_full",
+            message=text,
+            prefetch_factor=factor,
+            asked=self.prefetch_factor,
+            files_per_worker=fits,
+        )
         self.prefetch_factor = factor
 
     def _received(self, inner: Iterator[Any]) -> Iterator[Any]:

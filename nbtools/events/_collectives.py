@@ -73,7 +73,7 @@ def ask_path(channel: str) -> str | None:
     """The ask file of a ``fifo:<path>`` channel; None for any other transport."""
     if not channel.startswith("fifo:"):
         return None
-    return channel[len("fifo:"):] + _ASK_SUFFIX
+    return channel[len("fifo:") :] + _ASK_SUFFIX
 
 
 # --- kernel side -----------------------------------------------------------------------
@@ -221,13 +221,15 @@ def read_positions() -> list[dict[str, Any]] | None:
         if enqueued is None or enqueued < 0:
             continue
         seq, name = last.get(str(pg), (None, None))
-        positions.append({
-            "pg": str(pg),
-            "enqueued": enqueued,
-            "completed": completed if completed is not None else -1,
-            "op": _op_name(name) if name else None,
-            "op_seq": seq,
-        })
+        positions.append(
+            {
+                "pg": str(pg),
+                "enqueued": enqueued,
+                "completed": completed if completed is not None else -1,
+                "op": _op_name(name) if name else None,
+                "op_seq": seq,
+            }
+        )
     return positions or None
 
 
@@ -246,7 +248,9 @@ def _op_name(profiling_name: str) -> str:
 # --- the kernel's words ---------------------------------------------------------------------
 
 
-def in_flight(answers: dict[int, list[dict[str, Any]]]) -> list[tuple[str, int, list[int], dict[int, int]]]:
+def in_flight(
+    answers: dict[int, list[dict[str, Any]]],
+) -> list[tuple[str, int, list[int], dict[int, int]]]:
     """The collective in flight in each process group, from the ranks' answers.
 
     Returns:
@@ -291,11 +295,15 @@ def describe(
     lines = []
     silent = sorted(r for r in range(world_size) if r not in answers and r in culprits)
     for op, seq, waiting, behind in in_flight(answers):
-        line = f"{_ranks('rank', waiting)} {'waits' if len(waiting) == 1 else 'wait'} in {op} #{seq}"
+        line = (
+            f"{_ranks('rank', waiting)} {'waits' if len(waiting) == 1 else 'wait'} in {op} #{seq}"
+        )
         parts = []
         if behind:
             lasts = ", ".join(f"rank {r}: #{last}" for r, last in behind.items())
-            parts.append(f"which {_ranks('rank', list(behind))} never entered (last entered: {lasts})")
+            parts.append(
+                f"which {_ranks('rank', list(behind))} never entered (last entered: {lasts})"
+            )
         if silent:
             parts.append(
                 f"{_ranks('rank', silent)} could not answer (stopped?), so "

@@ -97,7 +97,9 @@ class Collector:
             except (AttributeError, OSError):
                 pass  # the default 64 KiB still works; bursts drop sooner
             self._stopping = False
-            _collectives.register(_collectives.ask_path(f"fifo:{path}") or "")  # the watchdog asks the ranks through it
+            _collectives.register(
+                _collectives.ask_path(f"fifo:{path}") or ""
+            )  # the watchdog asks the ranks through it
             self._thread = threading.Thread(target=self._loop, name=_THREAD_NAME, daemon=True)
             self._thread.start()
         except BaseException:
@@ -212,7 +214,11 @@ class Collector:
         _log.warning(
             "left out %d invalid event(s) from pid %s on %s (rank %s): an event needs a numeric "
             "time, a kind name and scalar fields; later ones from it are counted in "
-            "events.bus().rejected()", count, pid, host, rank,
+            "events.bus().rejected()",
+            count,
+            pid,
+            host,
+            rank,
         )
 
     def _release(self) -> None:

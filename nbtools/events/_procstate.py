@@ -43,9 +43,20 @@ GONE = "gone"
 
 _FUTEX = {"202", "98"}  # futex on x86_64 and on aarch64
 _SYSCALL_NAMES = {
-    "0": "read", "7": "poll", "23": "select", "35": "nanosleep", "202": "futex",
-    "230": "clock_nanosleep", "232": "epoll_wait", "281": "epoll_pwait", "61": "wait4",
-    "271": "ppoll", "45": "recvfrom", "47": "recvmsg", "101": "nanosleep", "73": "ppoll",
+    "0": "read",
+    "7": "poll",
+    "23": "select",
+    "35": "nanosleep",
+    "202": "futex",
+    "230": "clock_nanosleep",
+    "232": "epoll_wait",
+    "281": "epoll_pwait",
+    "61": "wait4",
+    "271": "ppoll",
+    "45": "recvfrom",
+    "47": "recvmsg",
+    "101": "nanosleep",
+    "73": "ppoll",
     "63": "read",
 }
 PY_SPY_TIMEOUT_S = 15.0
@@ -122,7 +133,9 @@ def python_stacks(pids: Iterable[int]) -> dict[int, str]:
         try:
             procs[pid] = subprocess.Popen(
                 [spy, "dump", "--pid", str(pid), "--nonblocking"],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
         except OSError as exc:
             procs[pid] = f"(no Python stack: py-spy could not start: {exc})"

@@ -74,12 +74,15 @@ def hang_report(
     for rank in range(world_size):
         host, pid, step, sampled, stack = ranks.get(rank, ("", 0, None, None, None))
         state = _procstate.describe_state(*sampled) if sampled else "state unknown"
-        title = f"--- rank {rank}" + (f" on {host}" if host else "") + (f", pid {pid}" if pid else "")
+        title = (
+            f"--- rank {rank}" + (f" on {host}" if host else "") + (f", pid {pid}" if pid else "")
+        )
         title += f", step {step}" if step is not None else ""
         title += f": {state}" + (" (flagged)" if rank in culprits else "") + " ---"
         if stack is None:
             stack = (
-                "(no stack: the rank never reported progress)" if not pid
+                "(no stack: the rank never reported progress)"
+                if not pid
                 else "(no stack: the rank runs on another node)"
             )
         parts.append(title + "\n" + stack)

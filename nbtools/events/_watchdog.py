@@ -228,7 +228,8 @@ class Watchdog:
         """Ask the local ranks which collective they are in: ``rank -> positions``."""
         with self._lock:
             expected = {
-                r for r, s in self._ranks.items()
+                r
+                for r, s in self._ranks.items()
                 if s.local and _now_state(s) not in (_procstate.STOPPED, _procstate.GONE)
             }
         return self._answers.ask(expected, self._stop)
@@ -311,7 +312,9 @@ class Watchdog:
         """Of ranks that all stopped: those stuck outside a collective, not those waiting."""
         now_states = {s.rank: _now_state(s) for s in ranks}
         waiting = [s for s in ranks if now_states[s.rank] == _procstate.WAITING]
-        outside = [s for s in ranks if now_states[s.rank] in (_procstate.WORKING, _procstate.STOPPED)]
+        outside = [
+            s for s in ranks if now_states[s.rank] in (_procstate.WORKING, _procstate.STOPPED)
+        ]
         stopped = [s for s in ranks if now_states[s.rank] == _procstate.STOPPED]
         unknown = [s for s in ranks if now_states[s.rank] is None]
         most = max(s.steps for s in ranks)
@@ -344,8 +347,13 @@ class Watchdog:
             message = (
                 f"rank {flag.rank} on {flag.node or 'an unknown node'} made no progress for "
                 f"{stalled:.0f} s (since {clock_text(flag.since)}"
-                + (f", after step {state.step}" if state is not None and state.step is not None else "")
-                + (f"; {what}" if what else "") + ")"
+                + (
+                    f", after step {state.step}"
+                    if state is not None and state.step is not None
+                    else ""
+                )
+                + (f"; {what}" if what else "")
+                + ")"
                 + "".join(f"; {line}" for line in where)
             )
             # The collective in flight, and whether this rank is in it (None: unknown).
@@ -355,10 +363,17 @@ class Watchdog:
                 entered = True if flag.rank in inside else False if flag.rank in behind else None
                 break
             emit(
-                "hang", message, rank=flag.rank, node=flag.node, since=round(flag.since, 3),
-                stalled_s=round(stalled, 1), step=state.step if state is not None else None,
-                rank_pid=state.pid if state is not None else None, bound_s=round(bound, 1),
-                collective=collective, entered=entered,
+                "hang",
+                message,
+                rank=flag.rank,
+                node=flag.node,
+                since=round(flag.since, 3),
+                stalled_s=round(stalled, 1),
+                step=state.step if state is not None else None,
+                rank_pid=state.pid if state is not None else None,
+                bound_s=round(bound, 1),
+                collective=collective,
+                entered=entered,
             )
         local = {r: s.pid for r, s in ranks.items() if s.local and s.pid}
         stacks = _procstate.python_stacks(local.values())
@@ -433,8 +448,11 @@ class Watchdog:
                     "straggler",
                     f"rank {state.rank} on {state.host} at {score:.2f} of the median step rate "
                     f"since {clock_text(flag.since)}",
-                    rank=state.rank, node=state.host, since=round(flag.since, 3),
-                    score=round(score, 3), step=state.step,
+                    rank=state.rank,
+                    node=state.host,
+                    since=round(flag.since, 3),
+                    score=round(score, 3),
+                    step=state.step,
                 )
             elif flag is not None:
                 flag.score = min(flag.score or score, score)
@@ -463,6 +481,10 @@ class Watchdog:
         self._post(
             flag.kind,
             f"rank {flag.rank} on {flag.node}: {what} over after {lasted:.0f} s ({how})",
-            rank=flag.rank, node=flag.node, since=round(flag.since, 3), ended=True,
-            lasted_s=round(lasted, 1), **fields,
+            rank=flag.rank,
+            node=flag.node,
+            since=round(flag.since, 3),
+            ended=True,
+            lasted_s=round(lasted, 1),
+            **fields,
         )

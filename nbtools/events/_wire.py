@@ -120,9 +120,13 @@ def decode_batch(line: bytes) -> Batch:
     host, pid, rank = batch.get("h"), batch.get("p"), batch.get("r")
     dropped, entries = batch.get("d"), batch.get("e")
     if (
-        type(host) is not str or len(host) > _MAX_HOST_FIELD
-        or type(pid) is not int or not (rank is None or type(rank) is int)
-        or type(dropped) is not int or dropped < 0 or type(entries) is not list
+        type(host) is not str
+        or len(host) > _MAX_HOST_FIELD
+        or type(pid) is not int
+        or not (rank is None or type(rank) is int)
+        or type(dropped) is not int
+        or dropped < 0
+        or type(entries) is not list
     ):
         raise ValueError(f"not an event batch (bad header): {line[:120]!r}")
     events = []

@@ -175,9 +175,17 @@ def distributed(
         >>> world(3)  # doctest: +SKIP  (in-process, no group)
     """
     config = LaunchConfig(
-        gpus=gpus, processes=processes, max_restarts=max_restarts, output=output,
-        hang_timeout=hang_timeout, cluster=cluster, nodes=nodes, runtime_env=runtime_env,
-        keep_alive=keep_alive, on_hang=on_hang, rich_output=rich_output,
+        gpus=gpus,
+        processes=processes,
+        max_restarts=max_restarts,
+        output=output,
+        hang_timeout=hang_timeout,
+        cluster=cluster,
+        nodes=nodes,
+        runtime_env=runtime_env,
+        keep_alive=keep_alive,
+        on_hang=on_hang,
+        rich_output=rich_output,
     )
 
     def decorate(target: Callable[..., R]) -> DistributedFunction[R]:

@@ -71,8 +71,15 @@ class LaunchConfig:
     def pool_key(self) -> tuple:
         """What makes two configurations share one kept pool (restarts and keep_alive aside)."""
         return (
-            self.gpus, self.processes, self.cluster, self.nodes, repr(self.runtime_env),
-            self.output, self.hang_timeout, self.rich_output, self.on_hang,
+            self.gpus,
+            self.processes,
+            self.cluster,
+            self.nodes,
+            repr(self.runtime_env),
+            self.output,
+            self.hang_timeout,
+            self.rich_output,
+            self.on_hang,
         )
 
     def describe(self) -> str:
@@ -104,7 +111,12 @@ class LaunchConfig:
         world = self._world_size(backend)
         use_cuda = self.processes is None
         return Plan(
-            world, use_cuda, self.max_restarts, self.output, self.hang_timeout, self.on_hang,
+            world,
+            use_cuda,
+            self.max_restarts,
+            self.output,
+            self.hang_timeout,
+            self.on_hang,
             self.rich_output,
         )
 

@@ -9,7 +9,12 @@ from nbtools._internal.log import get_logger
 from nbtools.launch._records import GROUP_PHASE
 
 __all__ = [
-    "RankFailure", "from_record", "from_exit", "from_early_exit", "describe", "REGROUPS",
+    "RankFailure",
+    "from_record",
+    "from_exit",
+    "from_early_exit",
+    "describe",
+    "REGROUPS",
     "forms_again",
 ]
 
@@ -138,7 +143,7 @@ def describe(
 def _headline(failure: RankFailure, verb: str) -> str:
     who = f"rank {failure.rank}" + (f" on {failure.node}" if failure.node else "")
     if failure.exc_type == "EarlyExit":
-        return f"{who} {failure.message}{verb[len('failed'):]}".rstrip()
+        return f"{who} {failure.message}{verb[len('failed') :]}".rstrip()
     return f"{who} {verb}: {_summary(failure)}"
 
 

@@ -159,7 +159,10 @@ def pickle_main_by_value() -> None:
 
 
 def _main_by_value(pickler: Any, obj: Any) -> Any:
-    if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
+    if (
+        isinstance(obj, (type, types.FunctionType))
+        and getattr(obj, "__module__", None) == "__main__"
+    ):
         import cloudpickle
 
         return cloudpickle.loads, (cloudpickle.dumps(obj),)

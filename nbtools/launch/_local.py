@@ -201,7 +201,9 @@ class LocalGroup:
     def _failed(self, result, early: int | None, exited: dict[int, int]) -> Failed:
         attempt_dir, attempt = self._spec.attempt_dir, self._spec.restart_count
         world = self._spec.world_size
-        returned = frozenset(r for r in range(world) if os.path.exists(returned_path(attempt_dir, r)))
+        returned = frozenset(
+            r for r in range(world) if os.path.exists(returned_path(attempt_dir, r))
+        )
         failures: dict[int, RankFailure] = {}
         for rank in range(world):
             path = failure_path(attempt_dir, rank)
@@ -225,8 +227,11 @@ class LocalGroup:
         # torch's own wait also stops the others (SIGTERM) once it sees one fail: a rank
         # ended so without a record of its own was stopped, and is not a cause.
         others = sorted(
-            r for r in exited
-            if r not in returned and r not in failures and r not in codes
+            r
+            for r in exited
+            if r not in returned
+            and r not in failures
+            and r not in codes
             and exited[r] != -signal.SIGTERM
         )
         codes.update((r, exited[r]) for r in others)

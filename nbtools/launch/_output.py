@@ -93,7 +93,9 @@ class _Sink:
 
 
 class _Tail:
-    def __init__(self, path: str, rank: int, sink: _Sink, shown: bool, owner: OutputForwarder) -> None:
+    def __init__(
+        self, path: str, rank: int, sink: _Sink, shown: bool, owner: OutputForwarder
+    ) -> None:
         self.owner = owner
         self.path = path
         self.rank = rank

@@ -69,8 +69,11 @@ def run() -> None:
             traceback.print_exc()
     registry = _registry()
     pending = sorted(
-        ((info.index, f) for f, info in list(registry.items())
-         if f not in _inherited and info.atexit),
+        (
+            (info.index, f)
+            for f, info in list(registry.items())
+            if f not in _inherited and info.atexit
+        ),
         key=lambda item: item[0],
         reverse=True,
     )

@@ -19,9 +19,7 @@ __all__ = ["failure_record", "flush_events", "GROUP_PHASE"]
 GROUP_PHASE = "group"
 
 
-def failure_record(
-    rank: int, exc: BaseException, *, phase: str = "", skip_file: str = ""
-) -> dict:
+def failure_record(rank: int, exc: BaseException, *, phase: str = "", skip_file: str = "") -> dict:
     """What rank ``rank`` reports about ``exc``.
 
     Args:

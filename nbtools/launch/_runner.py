@@ -127,8 +127,12 @@ def run(
             headline = headline.splitlines()[0]
             if cause is not None:
                 events.emit(
-                    "rank_failed", headline, rank=cause.rank, reason=cause.exc_type,
-                    node=cause.node or None, attempt=restarts,
+                    "rank_failed",
+                    headline,
+                    rank=cause.rank,
+                    reason=cause.exc_type,
+                    node=cause.node or None,
+                    attempt=restarts,
                 )
             if restarts >= plan.max_restarts:
                 break
@@ -136,10 +140,15 @@ def run(
             events.emit("restart", headline, attempt=restarts, max_restarts=plan.max_restarts)
             _log.warning(
                 "%s; restarting all %d ranks (restart %d of %d)",
-                headline, plan.world_size, restarts, plan.max_restarts,
+                headline,
+                plan.world_size,
+                restarts,
+                plan.max_restarts,
             )
         message = describe(
-            outcome.failures, outcome.first, attempts=plan.max_restarts + 1,
+            outcome.failures,
+            outcome.first,
+            attempts=plan.max_restarts + 1,
             returned=outcome.returned,
         )
         events.emit("failure", message.splitlines()[0], attempts=restarts + 1)
@@ -243,5 +252,7 @@ def report_leftovers(left: dict[int, list[str]]) -> None:
         _log.warning(
             "rank %d left %s running after its function returned; stopped: %s. End what a "
             "rank starts before it returns (join processes, close loaders).",
-            rank, what, named,
+            rank,
+            what,
+            named,
         )

@@ -45,7 +45,12 @@ def localizer(fn: Callable) -> Callable[[str], str]:
             if found is None:
                 out.append(line)
                 continue
-            indent, lineno, comma, name = match.group(1), int(match.group(2)), match.group(3), match.group(4)
+            indent, lineno, comma, name = (
+                match.group(1),
+                int(match.group(2)),
+                match.group(3),
+                match.group(4),
+            )
             where = cell_label(found.co_filename) or f'File "{found.co_filename}"'
             out.append(f"{indent}{where}, line {lineno}{comma} in {name}")
             source = linecache.getline(found.co_filename, lineno).strip()

@@ -67,8 +67,9 @@ class PaneDisplay:
         every: Seconds between refreshes while new samples arrive (``SNAPSHOT_EVERY_S``).
     """
 
-    def __init__(self, widget: Any, chart: Any, take: Callable[[], Snapshot],
-                 every: float | None = None) -> None:
+    def __init__(
+        self, widget: Any, chart: Any, take: Callable[[], Snapshot], every: float | None = None
+    ) -> None:
         name = uuid.uuid4().hex
         self.display_id = f"nbtools-gpu-pane-{name}"
         self.picture_id = f"nbtools-gpu-picture-{name}"

@@ -49,8 +49,13 @@ def _tint(color: str, alpha: float) -> tuple[int, int, int]:
 class Panel:
     """One panel's plot area: maps data to pixels and draws into it."""
 
-    def __init__(self, draw: ImageDraw.ImageDraw, box: tuple[int, int, int, int],
-                 span: tuple[float, float], values: tuple[float, float]) -> None:
+    def __init__(
+        self,
+        draw: ImageDraw.ImageDraw,
+        box: tuple[int, int, int, int],
+        span: tuple[float, float],
+        values: tuple[float, float],
+    ) -> None:
         self._draw = draw
         self.x0, self.y0, self.x1, self.y1 = box
         self._t0, self._t1 = span
@@ -62,7 +67,9 @@ class Panel:
     def y(self, v: float | np.ndarray) -> float | np.ndarray:
         return _S * (self.y1 - (v - self._v0) / (self._v1 - self._v0) * (self.y1 - self.y0))
 
-    def line(self, times: np.ndarray, values: np.ndarray, color: str, *, dashed: bool = False) -> None:
+    def line(
+        self, times: np.ndarray, values: np.ndarray, color: str, *, dashed: bool = False
+    ) -> None:
         """A polyline, broken where a value is missing (NaN); dashed for a second host."""
         if not len(times):
             return
@@ -75,7 +82,7 @@ class Panel:
             points = list(zip(xs[start:stop].tolist(), ys[start:stop].tolist(), strict=True))
             if dashed:
                 for k in range(0, len(points) - 1, 4):
-                    self._draw.line(points[k:k + 3], fill=color, width=max(1, 3 * _S // 2))
+                    self._draw.line(points[k : k + 3], fill=color, width=max(1, 3 * _S // 2))
             elif len(points) == 1:
                 px, py = points[0]
                 self._draw.ellipse((px - 2, py - 2, px + 2, py + 2), fill=color)
@@ -113,14 +120,17 @@ class Panel:
         if shape == "s":
             self._draw.rectangle((x - r, y - r, x + r, y + r), fill=color, outline="white")
         elif shape == "D":
-            self._draw.polygon([(x, y - r), (x + r, y), (x, y + r), (x - r, y)], fill=color,
-                               outline="white")
+            self._draw.polygon(
+                [(x, y - r), (x + r, y), (x, y + r), (x - r, y)], fill=color, outline="white"
+            )
         elif shape == "^":
-            self._draw.polygon([(x, y - r), (x + r, y + r), (x - r, y + r)], fill=color,
-                               outline="white")
+            self._draw.polygon(
+                [(x, y - r), (x + r, y + r), (x - r, y + r)], fill=color, outline="white"
+            )
         elif shape == "v":
-            self._draw.polygon([(x - r, y - r), (x + r, y - r), (x, y + r)], fill=color,
-                               outline="white")
+            self._draw.polygon(
+                [(x - r, y - r), (x + r, y - r), (x, y + r)], fill=color, outline="white"
+            )
         elif shape == "x":
             self._draw.line((x - r, y - r, x + r, y + r), fill=color, width=2 * _S)
             self._draw.line((x - r, y + r, x + r, y - r), fill=color, width=2 * _S)
@@ -153,8 +163,9 @@ class Canvas:
         self._big = _font(15)
         self._panels: list[Panel] = []
 
-    def _text(self, x: float, y: float, text: str, *, color: str = _TEXT, font=None,
-              anchor: str = "la") -> None:
+    def _text(
+        self, x: float, y: float, text: str, *, color: str = _TEXT, font=None, anchor: str = "la"
+    ) -> None:
         self._draw.text((x * _S, y * _S), text, fill=color, font=font or self._font, anchor=anchor)
 
     def title(self, text: str, *, warn: bool = False) -> None:
@@ -163,16 +174,30 @@ class Canvas:
     def status(self, text: str) -> None:
         self._text(10, 28, text, color=_MUTED, font=self._small)
 
-    def _column(self, x: float, y: float, lines: Sequence[str], *, color: str = _TEXT,
-                font=None, right: bool = False) -> None:
+    def _column(
+        self,
+        x: float,
+        y: float,
+        lines: Sequence[str],
+        *,
+        color: str = _TEXT,
+        font=None,
+        right: bool = False,
+    ) -> None:
         """Lines of text ``_LINE`` pixels apart, in one drawing call."""
         if not lines:
             return
         font = font or self._font
         spacing = _LINE * _S - self._draw.textbbox((0, 0), "A", font=font)[3]
-        self._draw.multiline_text((x * _S, y * _S), "\n".join(lines), fill=color, font=font,
-                                  spacing=spacing, anchor="ra" if right else "la",
-                                  align="right" if right else "left")
+        self._draw.multiline_text(
+            (x * _S, y * _S),
+            "\n".join(lines),
+            fill=color,
+            font=font,
+            spacing=spacing,
+            anchor="ra" if right else "la",
+            align="right" if right else "left",
+        )
 
     def table(self, rows: Sequence[Sequence[str]]) -> None:
         """The latest readings: first column left-aligned, numbers right-aligned, a note last."""
@@ -185,8 +210,12 @@ class Canvas:
         for c, cell in enumerate(shown[0]):
             self._column(stops[c], self._table_top, [cell], color=_MUTED, right=c not in (0, 5))
         for c in range(len(shown[0])):
-            self._column(stops[c], self._table_top + _LINE, [row[c] for row in shown[1:]],
-                         right=c not in (0, 5))
+            self._column(
+                stops[c],
+                self._table_top + _LINE,
+                [row[c] for row in shown[1:]],
+                right=c not in (0, 5),
+            )
 
     def legend(self, entries: Sequence[tuple[str, str, bool]]) -> None:
         x = _LEFT
@@ -194,8 +223,11 @@ class Canvas:
             y = (self._legend_top + 9) * _S
             if dashed:
                 for k in range(3):
-                    self._draw.line((x * _S + 8 * k * _S, y, x * _S + (8 * k + 5) * _S, y),
-                                    fill=color, width=3 * _S)
+                    self._draw.line(
+                        (x * _S + 8 * k * _S, y, x * _S + (8 * k + 5) * _S, y),
+                        fill=color,
+                        width=3 * _S,
+                    )
             else:
                 self._draw.line((x * _S, y, (x + 22) * _S, y), fill=color, width=3 * _S)
             self._text(x + 27, self._legend_top + 2, label, font=self._small)
@@ -203,8 +235,15 @@ class Canvas:
             if x > self.width - 120:
                 break
 
-    def panel(self, index: int, label: str, span: tuple[float, float],
-              values: tuple[float, float], *, empty: bool = False) -> Panel:
+    def panel(
+        self,
+        index: int,
+        label: str,
+        span: tuple[float, float],
+        values: tuple[float, float],
+        *,
+        empty: bool = False,
+    ) -> Panel:
         """Frame, grid and value axis of panel ``index``; returns it to draw into."""
         top = self._panels_top + index * (_PANEL_H + _PANEL_GAP)
         box = (_LEFT, top, self.width - _RIGHT, top + _PANEL_H)
@@ -221,8 +260,13 @@ class Canvas:
             tick += step
         self._draw.rectangle(tuple(v * _S for v in box), outline=_FRAME, width=_S)
         if empty:
-            self._text((box[0] + box[2]) / 2, top + _PANEL_H / 2 - 7, "no GPU reading",
-                       color=_MUTED, anchor="ma")
+            self._text(
+                (box[0] + box[2]) / 2,
+                top + _PANEL_H / 2 - 7,
+                "no GPU reading",
+                color=_MUTED,
+                anchor="ma",
+            )
         self._panels.append(panel)
         return panel
 
@@ -239,18 +283,28 @@ class Canvas:
                 x = panel.x(tick)
                 self._draw.line((x, _S * panel.y0, x, _S * panel.y1), fill=_GRID, width=_S)
             if self._panels:
-                self._text(self._panels[-1].x(tick) / _S, self._axis_top + 5,
-                           time.strftime(fmt, time.localtime(tick)), color=_MUTED,
-                           font=self._small, anchor="ma")
+                self._text(
+                    self._panels[-1].x(tick) / _S,
+                    self._axis_top + 5,
+                    time.strftime(fmt, time.localtime(tick)),
+                    color=_MUTED,
+                    font=self._small,
+                    anchor="ma",
+                )
             tick += step
 
     def events(self, lines: Sequence[tuple[str, str, str, str]], *, total: int) -> None:
         """The newest events, newest first: clock time, kind (in its colour), details."""
-        head = "No events yet" if not total else (
-            "Events" if total <= len(lines) else f"Events (newest {len(lines)} of {total})")
+        head = (
+            "No events yet"
+            if not total
+            else ("Events" if total <= len(lines) else f"Events (newest {len(lines)} of {total})")
+        )
         self._text(10, self._events_top, head)
         top = self._events_top + _LINE
-        self._column(10, top, [clock for clock, _k, _d, _c in lines], color=_MUTED, font=self._small)
+        self._column(
+            10, top, [clock for clock, _k, _d, _c in lines], color=_MUTED, font=self._small
+        )
         self._column(250, top, [detail[:120] for _t, _k, detail, _c in lines], font=self._small)
         for k, (_clock, kind, _detail, color) in enumerate(lines):
             self._text(80, top + k * _LINE, kind, color=color, font=self._small)

@@ -45,8 +45,18 @@ _HERE = Path(__file__).parent
 # (history field, scale, digits) of the three panels, in trace order.
 _PANELS = (("utilization", 1.0, 1), ("memory_used", 1.0 / _GIB, 2), ("temperature", 1.0, 1))
 _TITLES = ("Utilization (%)", "Memory used (GiB)", "Temperature (°C)")
-_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-           "#bcbd22", "#17becf")
+_COLORS = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
 _DASHES = ("solid", "dot", "dash", "longdash", "dashdot")
 _MISSING = 65535  # uint16 value of a point that was not available
 _RATE_TITLE = "Steps per second, by rank"
@@ -170,8 +180,13 @@ class GPUChart(anywidget.AnyWidget):
         ranks = self._rank_order = self._rates.ranks()
         # The GPU panels when there are GPUs, then the step-rate row when ranks report.
         titles = [*(_TITLES if gpus or not ranks else ()), *([_RATE_TITLE] if ranks else [])]
-        fig = make_subplots(rows=len(titles), cols=1, shared_xaxes=True, vertical_spacing=0.07,
-                            subplot_titles=titles)
+        fig = make_subplots(
+            rows=len(titles),
+            cols=1,
+            shared_xaxes=True,
+            vertical_spacing=0.07,
+            subplot_titles=titles,
+        )
         max_mem = max((self._total(h, i) or 0 for h, i, _ in gpus), default=0) / _GIB
         # Scaled to uint16 on the wire: 0.1 %, 0.01 GiB (0.1 GiB past 650 GiB), 0.1 degC.
         factors = (10.0, 100.0 if max_mem < 650 else 10.0, 10.0)
@@ -183,10 +198,18 @@ class GPUChart(anywidget.AnyWidget):
                 times.setdefault(host, stamps)
                 label = f"{host} · GPU {index}" if len(hosts) > 1 else f"GPU {index}"
                 fig.add_scatter(
-                    row=panel + 1, col=1, mode="lines", name=label, legendgroup=label,
-                    showlegend=panel == 0, hovertemplate=f"{name}<br>%{{y}}<extra>{label}</extra>",
-                    line={"color": _COLORS[index % len(_COLORS)],
-                          "dash": _DASHES[hosts.index(host) % len(_DASHES)], "width": 1.5},
+                    row=panel + 1,
+                    col=1,
+                    mode="lines",
+                    name=label,
+                    legendgroup=label,
+                    showlegend=panel == 0,
+                    hovertemplate=f"{name}<br>%{{y}}<extra>{label}</extra>",
+                    line={
+                        "color": _COLORS[index % len(_COLORS)],
+                        "dash": _DASHES[hosts.index(host) % len(_DASHES)],
+                        "width": 1.5,
+                    },
                 )
                 ys.append(_scaled(values * scale, factors[panel]))
         rate_x, rate_y = [], []
@@ -194,7 +217,11 @@ class GPUChart(anywidget.AnyWidget):
             when, values = self._rates.series[rank]
             label = f"rank {rank}"
             fig.add_scatter(
-                row=len(titles), col=1, mode="lines", name=label, legendgroup=label,
+                row=len(titles),
+                col=1,
+                mode="lines",
+                name=label,
+                legendgroup=label,
                 hovertemplate=f"%{{y}} steps/s<extra>{label}</extra>",
                 line={"color": _COLORS[rank % len(_COLORS)], "width": 1.5, "shape": "hv"},
             )
@@ -205,12 +232,15 @@ class GPUChart(anywidget.AnyWidget):
         title = "GPU resources" + (" (simulated)" if self._source == "simulated" else "")
         title = title if gpus or not ranks else "Training run (no GPU readings)"
         fig.update_layout(
-            paper_bgcolor="white", plot_bgcolor="white", font={"color": "#2a3f5f"},
+            paper_bgcolor="white",
+            plot_bgcolor="white",
+            font={"color": "#2a3f5f"},
             height=(160 * len(titles) + 80) if gpus or not ranks else 300,
             margin={"l": 50, "r": 20, "t": 60, "b": 30},
             title={"text": title, "x": 0.01, "y": 0.985, "font": {"size": 14}},
             legend={"orientation": "h", "x": 1, "xanchor": "right", "y": 1.07, "yanchor": "bottom"},
-            hovermode="x unified", autosize=True,
+            hovermode="x unified",
+            autosize=True,
             uirevision="nbtools-gpu",
         )
         fig.update_yaxes(gridcolor=_GRID, zerolinecolor=_GRID)
@@ -220,8 +250,9 @@ class GPUChart(anywidget.AnyWidget):
             fig.update_yaxes(range=[0, 100], row=1, col=1)
             fig.update_yaxes(range=[0, max(max_mem, 1.0) * 1.05], row=2, col=1)
         else:  # the events' marks on their own axis over the step-rate row's top edge
-            fig.update_layout(yaxis2={"overlaying": "y", "range": [0, 1], "visible": False,
-                                      "fixedrange": True})
+            fig.update_layout(
+                yaxis2={"overlaying": "y", "range": [0, 1], "visible": False, "fixedrange": True}
+            )
         spec = fig.to_plotly_json()
         feed = self._feed
         if feed is not None:
@@ -242,8 +273,10 @@ class GPUChart(anywidget.AnyWidget):
                 [h, i, name, _round(self._total(h, i), 1.0 / _GIB, 0), self._limit(h, i)]
                 for h, i, name in gpus
             ],
-            "glance": [_glance(self._latest[(h, i)]) if (h, i) in self._latest else None
-                       for h, i, _ in gpus],
+            "glance": [
+                _glance(self._latest[(h, i)]) if (h, i) in self._latest else None
+                for h, i, _ in gpus
+            ],
             "last": None if self._last_time is None else round(self._last_time * 1000),
             "ev": [] if feed is None else feed.snapshot(),
             "h": round(1000 * (feed.horizon_s if feed is not None else 0)),

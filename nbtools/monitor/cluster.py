@@ -181,11 +181,15 @@ class ClusterBackend:
             host = entry.get("NodeManagerHostname") or "?"
             label = f"{host} · {node_id[:8]}" if hosts[host] > 1 else host
             self._labels[node_id] = label
-            self._actors[node_id] = _actor_class(ray).options(
-                num_cpus=0,
-                scheduling_strategy=_pin(node_id),
-                name=None,
-            ).remote(label, self.simulated, index)
+            self._actors[node_id] = (
+                _actor_class(ray)
+                .options(
+                    num_cpus=0,
+                    scheduling_strategy=_pin(node_id),
+                    name=None,
+                )
+                .remote(label, self.simulated, index)
+            )
 
 
 def cluster_backend(cluster: str, simulated: int | None = None) -> ClusterBackend:
@@ -220,7 +224,7 @@ def _connect(address: str | None) -> Any:
         import ray
     except ImportError as exc:
         raise MissingDependencyError(
-            'the cluster GPU pane needs Ray, which is not installed here: '
+            "the cluster GPU pane needs Ray, which is not installed here: "
             'pip install "nbtools[ray]"'
         ) from exc
     if not ray.is_initialized():

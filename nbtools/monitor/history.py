@@ -153,5 +153,7 @@ class History:
                     out["name"] += [ring.names[index]] * n
                     for column, field in enumerate(FIELDS):
                         cast = int if field in _INT_FIELDS else float
-                        out[field] += [None if math.isnan(v) else cast(v) for v in block[:, column].tolist()]
+                        out[field] += [
+                            None if math.isnan(v) else cast(v) for v in block[:, column].tolist()
+                        ]
         return out

@@ -126,7 +126,9 @@ class GPUPane:
             backend = cluster_backend(cluster)
         self.sampler: Sampler = acquire(
             backend if backend is not None else NVMLBackend(),
-            interval=interval, history_seconds=history, idle_timeout=idle_timeout,
+            interval=interval,
+            history_seconds=history,
+            idle_timeout=idle_timeout,
         )
         self._closed = False
         self._shown_in: int | None = None
@@ -164,7 +166,9 @@ class GPUPane:
             sampler.samples, sampler.backend.source, latest=latest, feed=self._feed
         )
         self._refresh_button = widgets.Button(
-            description="Refresh", icon="refresh", tooltip="Sample every GPU now",
+            description="Refresh",
+            icon="refresh",
+            tooltip="Sample every GPU now",
             layout=widgets.Layout(width="auto", flex="0 0 auto"),
         )
         self._toggle_button = widgets.Button(layout=widgets.Layout(width="auto", flex="0 0 auto"))
@@ -282,8 +286,13 @@ class GPUPane:
         from nbtools.monitor.report import write_html
 
         return write_html(
-            path, self.sampler.samples, self._event_rows(), self._chart.glance(),
-            self.sampler.backend.source, status=self._status_text(), rates=self._step_rates(),
+            path,
+            self.sampler.samples,
+            self._event_rows(),
+            self._chart.glance(),
+            self.sampler.backend.source,
+            status=self._status_text(),
+            rates=self._step_rates(),
         )
 
     def close(self) -> None:
@@ -300,16 +309,24 @@ class GPUPane:
         self.sampler.remove_sink(self._on_sample)
         self.sampler.remove_watcher(self._on_status)
         if self._ip is not None:
-            for event, callback in (("pre_run_cell", self._cell_started),
-                                    ("post_run_cell", self._cell_finished)):
+            for event, callback in (
+                ("pre_run_cell", self._cell_started),
+                ("post_run_cell", self._cell_finished),
+            ):
                 try:
                     self._ip.events.unregister(event, callback)
                 except ValueError:
                     pass
             self.sampler.set_busy(False)
         release(self.sampler)
-        for child in (self._refresh_button, self._toggle_button, self._status_label,
-                      self.widget.children[0], self._chart, self.widget):
+        for child in (
+            self._refresh_button,
+            self._toggle_button,
+            self._status_label,
+            self.widget.children[0],
+            self._chart,
+            self.widget,
+        ):
             for part in (getattr(child, "layout", None), getattr(child, "style", None), child):
                 if part is not None:
                     part.close()
@@ -387,8 +404,13 @@ class GPUPane:
         history, source = self.sampler.samples, self.sampler.backend.source
         status = self._status_text()
         png = render_png(history, rows, latest, source, status=status, rates=self._step_rates())
-        text = summary(history, latest, source, events=len(rows),
-                       status="" if self.status == "polling" else status)
+        text = summary(
+            history,
+            latest,
+            source,
+            events=len(rows),
+            status="" if self.status == "polling" else status,
+        )
         return Snapshot(png=png, text=text, time=time.time())
 
     def _follow_events(self, status: str) -> None:

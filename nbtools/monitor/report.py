@@ -25,10 +25,23 @@ from nbtools.monitor.timeline import CATEGORY_LABELS
 __all__ = ["timeline_figure", "write_html"]
 
 _GIB = 1024**3
-_PANELS = (("utilization", 1.0, "Utilization (%)"), ("memory_used", 1.0 / _GIB, "Memory used (GiB)"),
-           ("temperature", 1.0, "Temperature (°C)"))
-_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-           "#7f7f7f", "#bcbd22", "#17becf")
+_PANELS = (
+    ("utilization", 1.0, "Utilization (%)"),
+    ("memory_used", 1.0 / _GIB, "Memory used (GiB)"),
+    ("temperature", 1.0, "Temperature (°C)"),
+)
+_COLORS = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
 _DASHES = ("solid", "dot", "dash", "longdash", "dashdot")
 # The live chart's styles (nbtools/monitor/_chart.js).
 _STYLE: dict[str, dict[str, Any]] = {
@@ -48,8 +61,11 @@ def _local(ms: float) -> str:
 
 
 def _detail(row: Sequence[Any]) -> str:
-    parts = [None if row[3] is None else f"rank {row[3]}", None if row[4] is None else f"step {row[4]}",
-             row[6] or None]
+    parts = [
+        None if row[3] is None else f"rank {row[3]}",
+        None if row[4] is None else f"step {row[4]}",
+        row[6] or None,
+    ]
     return " · ".join(p for p in parts if p)
 
 
@@ -87,18 +103,32 @@ def timeline_figure(
     titles = ["Events"] + (["Steps per second, by rank"] if rates else [])
     titles += [label for _f, _s, label in panels]
     heights = [0.5] + [1.0] * (len(titles) - 1)
-    fig = make_subplots(rows=len(titles), cols=1, shared_xaxes=True, vertical_spacing=0.08,
-                        subplot_titles=titles, row_heights=heights)
+    fig = make_subplots(
+        rows=len(titles),
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.08,
+        subplot_titles=titles,
+        row_heights=heights,
+    )
     flagged = {row[3]: row[2] for row in events if row[2] in ("hang", "straggler")}
     row_at = 2
     if rates:
         for rank, (when, rate) in sorted(rates.items()):
             label = f"rank {rank}" + (f" ({flagged[rank]})" if rank in flagged else "")
             fig.add_scatter(
-                row=row_at, col=1, mode="lines", name=label, legendgroup=label,
-                x=[_local(t * 1000) for t in when], y=[round(v, 3) for v in rate],
-                line={"color": _COLORS[rank % len(_COLORS)], "width": 3.5 if rank in flagged else 1.5,
-                      "shape": "hv"},
+                row=row_at,
+                col=1,
+                mode="lines",
+                name=label,
+                legendgroup=label,
+                x=[_local(t * 1000) for t in when],
+                y=[round(v, 3) for v in rate],
+                line={
+                    "color": _COLORS[rank % len(_COLORS)],
+                    "width": 3.5 if rank in flagged else 1.5,
+                    "shape": "hv",
+                },
                 hovertemplate=f"%{{y}} steps/s<extra>{label}</extra>",
             )
         fig.update_yaxes(rangemode="tozero", row=row_at, col=1)
@@ -108,12 +138,20 @@ def timeline_figure(
             stamps, values = history.series(host, index, field)
             label = f"{host} · GPU {index}" if len(hosts) > 1 else f"GPU {index}"
             fig.add_scatter(
-                row=row_at + offset, col=1, mode="lines", name=label, legendgroup=label,
-                showlegend=offset == 0, hovertemplate=f"{name}<br>%{{y}}<extra>{label}</extra>",
+                row=row_at + offset,
+                col=1,
+                mode="lines",
+                name=label,
+                legendgroup=label,
+                showlegend=offset == 0,
+                hovertemplate=f"{name}<br>%{{y}}<extra>{label}</extra>",
                 x=[_local(t * 1000) for t in stamps.tolist()],
                 y=np.where(np.isnan(values), None, np.round(values * scale, 2)).tolist(),
-                line={"color": _COLORS[index % len(_COLORS)],
-                      "dash": _DASHES[hosts.index(host) % len(_DASHES)], "width": 1.5},
+                line={
+                    "color": _COLORS[index % len(_COLORS)],
+                    "dash": _DASHES[hosts.index(host) % len(_DASHES)],
+                    "width": 1.5,
+                },
             )
         if field == "utilization":
             fig.update_yaxes(range=[0, 105], row=row_at + offset, col=1)
@@ -122,33 +160,62 @@ def timeline_figure(
         style = _STYLE.get(row[2], _STYLE["mark"])
         at = _local(row[0])
         if style.get("band") and row[5] is not None:
-            fig.add_vrect(x0=_local(row[5]), x1=at, fillcolor=style["color"], opacity=style["band"],
-                          layer="below", line_width=1, line_color=style["color"], row="all", col=1)
+            fig.add_vrect(
+                x0=_local(row[5]),
+                x1=at,
+                fillcolor=style["color"],
+                opacity=style["band"],
+                layer="below",
+                line_width=1,
+                line_color=style["color"],
+                row="all",
+                col=1,
+            )
         elif style.get("line"):
-            fig.add_vline(x=at, line={"color": style["color"], "width": 1.5, "dash": style["line"]},
-                          row="all", col=1)
+            fig.add_vline(
+                x=at,
+                line={"color": style["color"], "width": 1.5, "dash": style["line"]},
+                row="all",
+                col=1,
+            )
         xs, texts = lanes.setdefault(row[2] if row[2] in _STYLE else "mark", ([], []))
         xs.append(at)
         texts.append(f"<b>{html.escape(row[1])}</b> {at[11:19]}<br>{html.escape(_detail(row))}")
     for cat, (xs, texts) in lanes.items():
         style = _STYLE[cat]
-        fig.add_scatter(row=1, col=1, mode="markers", name=CATEGORY_LABELS.get(cat, cat),
-                        legendgroup="events", legendgrouptitle_text="Events", x=xs,
-                        y=[CATEGORY_LABELS.get(cat, cat)] * len(xs), customdata=texts,
-                        hovertemplate="%{customdata}<extra></extra>", cliponaxis=False,
-                        marker={"color": style["color"], "symbol": style["symbol"], "size": 10,
-                                "line": {"width": 1, "color": "white"}})
+        fig.add_scatter(
+            row=1,
+            col=1,
+            mode="markers",
+            name=CATEGORY_LABELS.get(cat, cat),
+            legendgroup="events",
+            legendgrouptitle_text="Events",
+            x=xs,
+            y=[CATEGORY_LABELS.get(cat, cat)] * len(xs),
+            customdata=texts,
+            hovertemplate="%{customdata}<extra></extra>",
+            cliponaxis=False,
+            marker={
+                "color": style["color"],
+                "symbol": style["symbol"],
+                "size": 10,
+                "line": {"width": 1, "color": "white"},
+            },
+        )
     title = "Training run" + (" and GPU resources" if panels else " (no GPU readings)")
     title += " (SIMULATED GPUs, made-up numbers)" if source == "simulated" and panels else ""
     fig.update_layout(
-        paper_bgcolor="white", plot_bgcolor="white", font={"color": "#2a3f5f"},
-        height=160 + 190 * len(titles), margin={"l": 150, "r": 20, "t": 70, "b": 40},
-        title={"text": title, "x": 0.01}, legend={"groupclick": "toggleitem"},
+        paper_bgcolor="white",
+        plot_bgcolor="white",
+        font={"color": "#2a3f5f"},
+        height=160 + 190 * len(titles),
+        margin={"l": 150, "r": 20, "t": 70, "b": 40},
+        title={"text": title, "x": 0.01},
+        legend={"groupclick": "toggleitem"},
         hovermode="closest",
     )
     fig.update_yaxes(gridcolor="#EBF0F8", zerolinecolor="#EBF0F8")
-    fig.update_xaxes(type="date", gridcolor="#EBF0F8", showticklabels=True,
-                     tickformat="%H:%M:%S")
+    fig.update_xaxes(type="date", gridcolor="#EBF0F8", showticklabels=True, tickformat="%H:%M:%S")
     fig.update_xaxes(title_text="time (local)", row=len(titles), col=1)
     return fig
 
@@ -159,8 +226,12 @@ def _table(gpus: Sequence[tuple[str, int, str]], latest: dict) -> str:
     def row(cells: Sequence[str], tag: str) -> str:
         return "<tr>" + "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in cells) + "</tr>"
 
-    return ("<table class='readings'>" + row(head, "th") + "".join(row(r, "td") for r in body)
-            + "</table>")
+    return (
+        "<table class='readings'>"
+        + row(head, "th")
+        + "".join(row(r, "td") for r in body)
+        + "</table>"
+    )
 
 
 def write_html(
@@ -181,13 +252,18 @@ def write_html(
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise FileNotFoundError(f"cannot write {path}: the directory {folder} does not exist; "
-                                "create it first or pick another path")
+        raise FileNotFoundError(
+            f"cannot write {path}: the directory {folder} does not exist; "
+            "create it first or pick another path"
+        )
     figure = timeline_figure(history, events, source, rates).to_html(
-        include_plotlyjs=True, full_html=False, config={"displaylogo": False})
+        include_plotlyjs=True, full_html=False, config={"displaylogo": False}
+    )
     listed = "".join(
         f"<tr><td>{html.escape(_local(r[0])[:19])}</td><td>{html.escape(r[1])}</td>"
-        f"<td>{html.escape(_detail(r))}</td></tr>" for r in reversed(list(events)))
+        f"<td>{html.escape(_detail(r))}</td></tr>"
+        for r in reversed(list(events))
+    )
     text = summary(history, latest, source, events=len(events), status=status)
     page = (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>GPU pane</title><style>"

@@ -369,14 +369,25 @@ def acquire(
     with _shared_lock:
         entry = _shared.get(backend.key)
         if entry is not None and entry[0].status != "closed":
-            history_points(interval, history_seconds, idle_timeout)  # bad input is an error here too
+            history_points(
+                interval, history_seconds, idle_timeout
+            )  # bad input is an error here too
             entry[1] += 1
             if float(interval) != entry[0].interval:
-                _log.info("the GPUs of %s are already polled every %g s; sharing that sampler",
-                          backend.key, entry[0].interval)
+                _log.info(
+                    "the GPUs of %s are already polled every %g s; sharing that sampler",
+                    backend.key,
+                    entry[0].interval,
+                )
             return entry[0]
-        sampler = Sampler(backend, interval=interval, history_seconds=history_seconds,
-                          idle_timeout=idle_timeout, clock=clock, start=start)
+        sampler = Sampler(
+            backend,
+            interval=interval,
+            history_seconds=history_seconds,
+            idle_timeout=idle_timeout,
+            clock=clock,
+            start=start,
+        )
         _shared[backend.key] = [sampler, 1]
         return sampler
 

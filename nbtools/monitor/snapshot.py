@@ -31,11 +31,24 @@ __all__ = ["Snapshot", "readings_table", "render_png", "summary", "MAX_POINTS", 
 #: Most points drawn per line (bucket means of the history).
 MAX_POINTS = 360
 _GIB = 1024**3
-_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-           "#7f7f7f", "#bcbd22", "#17becf")
+_COLORS = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
 _DASHES = ("-", ":", "--", "-.")
-_PANELS = (("utilization", 1.0, "Utilization (%)"), ("memory_used", 1.0 / _GIB, "Memory used (GiB)"),
-           ("temperature", 1.0, "Temperature (°C)"))
+_PANELS = (
+    ("utilization", 1.0, "Utilization (%)"),
+    ("memory_used", 1.0 / _GIB, "Memory used (GiB)"),
+    ("temperature", 1.0, "Temperature (°C)"),
+)
 #: How each category of event is drawn (the live chart uses the same colours):
 #: colour, marker, band opacity (a span) or line style (a vertical line).
 STYLE: dict[str, dict[str, Any]] = {
@@ -108,8 +121,16 @@ def readings_table(gpus: Sequence[tuple[str, int, str]], latest: dict) -> list[t
         used = None if r.memory_used is None else r.memory_used / _GIB
         total = None if r.memory_total is None else r.memory_total / _GIB
         power = _fmt(r.power) + (f" / {_fmt(r.power_limit)}" if r.power_limit else "")
-        rows.append((f"{host} · {index}", _fmt(r.utilization), f"{_fmt(used, 1)} / {_fmt(total)}",
-                     _fmt(r.temperature), power, name))
+        rows.append(
+            (
+                f"{host} · {index}",
+                _fmt(r.utilization),
+                f"{_fmt(used, 1)} / {_fmt(total)}",
+                _fmt(r.temperature),
+                power,
+                name,
+            )
+        )
     return rows
 
 
@@ -154,17 +175,29 @@ def render_png(
         panels.insert(0, ("steps", 1.0, "Steps per second, by rank (flagged ranks bold)"))
     canvas = Canvas(width=1000, rows=len(table), listed=len(listed) + 1, panels=len(panels))
     simulated = source == "simulated"
-    canvas.title("GPU resources" + (" · SIMULATED GPUs (made-up numbers)" if simulated else
-                                     f" · {source}"), warn=simulated)
+    canvas.title(
+        "GPU resources" + (" · SIMULATED GPUs (made-up numbers)" if simulated else f" · {source}"),
+        warn=simulated,
+    )
     canvas.status(status)
     canvas.table(table)
     rate_times = [np.asarray(t, dtype=float) for t, _v in (rates or {}).values() if t]
     span = _span([x for x, _ in series.values() if len(x)] + rate_times, events)
-    canvas.legend([(f"{h} · GPU {i}" if len(hosts) > 1 else f"GPU {i}", _COLORS[i % len(_COLORS)],
-                    hosts.index(h) % 2 == 1) for h, i, _ in gpus]
-                  + [(f"rank {r}", _COLORS[r % len(_COLORS)], False) for r in sorted(rates or {})])
-    memory_top = max([_GIB] + [getattr(latest.get((h, i)), "memory_total", 0) or 0
-                               for h, i, _ in gpus]) / _GIB
+    canvas.legend(
+        [
+            (
+                f"{h} · GPU {i}" if len(hosts) > 1 else f"GPU {i}",
+                _COLORS[i % len(_COLORS)],
+                hosts.index(h) % 2 == 1,
+            )
+            for h, i, _ in gpus
+        ]
+        + [(f"rank {r}", _COLORS[r % len(_COLORS)], False) for r in sorted(rates or {})]
+    )
+    memory_top = (
+        max([_GIB] + [getattr(latest.get((h, i)), "memory_total", 0) or 0 for h, i, _ in gpus])
+        / _GIB
+    )
     flagged = {e[3] for e in events if e[2] in ("hang", "straggler")}
     for panel, (field, _scale, label) in enumerate(panels):
         if field == "utilization":
@@ -201,8 +234,15 @@ def render_png(
     canvas.time_axis(span)
     lines = []
     for e in reversed(listed):
-        detail = " · ".join(p for p in (None if e[3] is None else f"rank {e[3]}",
-                                        None if e[4] is None else f"step {e[4]}", e[6]) if p)
+        detail = " · ".join(
+            p
+            for p in (
+                None if e[3] is None else f"rank {e[3]}",
+                None if e[4] is None else f"step {e[4]}",
+                e[6],
+            )
+            if p
+        )
         lines.append((_clock(e[0] / 1000), e[1], detail, STYLE.get(e[2], STYLE["mark"])["color"]))
     canvas.events(lines, total=len(events))
     return canvas.png()

@@ -94,9 +94,7 @@ CATEGORY_LABELS = {
     "mark": "other event",
 }
 #: Kinds nbtools emits itself: sent before user events when a poll cannot carry all.
-NOTABLE_KINDS = frozenset(
-    [*_CATEGORIES, "checkpoint_restored", "checkpoint_skipped", "cache_full"]
-)
+NOTABLE_KINDS = frozenset([*_CATEGORIES, "checkpoint_restored", "checkpoint_skipped", "cache_full"])
 
 
 def category(kind: str) -> str:
@@ -238,8 +236,13 @@ def event_rows(events: Iterable[Event]) -> list[dict[str, Any]]:
     rows = []
     for event in events:
         row = {
-            "time": event.time, "host": event.host, "rank": event.rank, "kind": event.kind,
-            "message": event.message, "step": event.step, "pid": event.pid,
+            "time": event.time,
+            "host": event.host,
+            "rank": event.rank,
+            "kind": event.kind,
+            "message": event.message,
+            "step": event.step,
+            "pid": event.pid,
         }
         row.update(event.fields)  # field names never repeat these (emit refuses them)
         rows.append(row)

@@ -71,7 +71,9 @@ def history_points(interval: object, history_seconds: object, idle_timeout: obje
         )
     keep = _seconds("history", history_seconds)
     if keep < every:
-        raise ValueError(f"history must be at least interval ({every:g} s), got {history_seconds!r}")
+        raise ValueError(
+            f"history must be at least interval ({every:g} s), got {history_seconds!r}"
+        )
     if idle_timeout is not None and _seconds("idle_timeout", idle_timeout) <= 0:
         raise ValueError(
             f"idle_timeout must be a positive number of seconds, or None to never pause; "
@@ -83,7 +85,11 @@ def history_points(interval: object, history_seconds: object, idle_timeout: obje
         _log.warning(
             "a history of %g s at one sample every %g s needs %d points; keeping the newest "
             "%d (%g s). Use a longer interval for a longer history",
-            keep, every, points, MAX_HISTORY_POINTS, kept,
+            keep,
+            every,
+            points,
+            MAX_HISTORY_POINTS,
+            kept,
         )
         points = MAX_HISTORY_POINTS
     return points

@@ -128,7 +128,8 @@ class MetricBatcher:
                 _log.warning(
                     "the MLflow queue is full (%d values) while the store fails (%s); further "
                     "values are dropped and counted until it accepts writes again",
-                    self._high, self._error,
+                    self._high,
+                    self._error,
                 )
             self._last_drop = f"the queue was full while the store failed ({self._error})"
             return False
@@ -208,7 +209,9 @@ class MetricBatcher:
             lost = self._dropped - self._reported + self._queued_values()
             self._reported = self._dropped
             raise type(failed)(
-                f"{failed}; the {lost} metric values logged are not in MLflow" if lost else str(failed)
+                f"{failed}; the {lost} metric values logged are not in MLflow"
+                if lost
+                else str(failed)
             ) from failed
         new_drops = self._dropped - self._reported
         if new_drops:
@@ -282,7 +285,10 @@ class MetricBatcher:
             except (TypeError, ValueError, RuntimeError) as exc:
                 _log.warning(
                     "dropped metric %r at step %s: a %s is not a number (%s)",
-                    key, step, type(value).__name__, exc,
+                    key,
+                    step,
+                    type(value).__name__,
+                    exc,
                 )
         with self._room:
             self._room.notify_all()
@@ -303,8 +309,9 @@ class MetricBatcher:
                     self._retry, self._error = [], None
                 except Exception as exc:  # noqa: BLE001 - kept, retried and reported, never lost
                     if self._error is None:
-                        _log.warning("writing %d metrics to MLflow failed, will retry: %s",
-                                     len(batch), exc)
+                        _log.warning(
+                            "writing %d metrics to MLflow failed, will retry: %s", len(batch), exc
+                        )
                     self._retry = batch if self._unwritten is None else self._unwritten
                     self._error = exc
                     self._failures += 1
@@ -328,8 +335,7 @@ class MetricBatcher:
         fresh = [m for m in batch if m.key in self.unchecked or m.step not in held[m.key]]
         if len(fresh) != len(batch):
             self._skipped += len(batch) - len(fresh)
-            _log.debug("skipped %d values at steps the run already holds",
-                       len(batch) - len(fresh))
+            _log.debug("skipped %d values at steps the run already holds", len(batch) - len(fresh))
         return fresh
 
     def _write(self, batch: list[Any]) -> None:
@@ -358,8 +364,12 @@ class MetricBatcher:
                     continue
                 self._dropped += 1
                 self._last_drop = f"the store refused {part[0].key!r}: {exc}"
-                _log.warning("MLflow refused metric %r at step %d; dropped it: %s",
-                             part[0].key, part[0].step, exc)
+                _log.warning(
+                    "MLflow refused metric %r at step %d; dropped it: %s",
+                    part[0].key,
+                    part[0].step,
+                    exc,
+                )
 
     def _run_accepts_writes(self) -> bool:
         """True when the run is there and active, so a refusal is about the values themselves."""

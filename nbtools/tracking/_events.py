@@ -73,7 +73,9 @@ class EventsRecorder:
         with self._lock:
             kept = sorted(self._events, key=lambda e: e.time)
             if self._seen > len(kept):
-                _log.warning("events_to_mlflow kept the newest %d of %d events", len(kept), self._seen)
+                _log.warning(
+                    "events_to_mlflow kept the newest %d of %d events", len(kept), self._seen
+                )
         return kept
 
     @property
@@ -110,8 +112,13 @@ class EventsRecorder:
 
 def _line(event: _events.Event) -> dict[str, Any]:
     line = {
-        "time": event.time, "host": event.host, "rank": event.rank, "pid": event.pid,
-        "kind": event.kind, "message": event.message, "step": event.step,
+        "time": event.time,
+        "host": event.host,
+        "rank": event.rank,
+        "pid": event.pid,
+        "kind": event.kind,
+        "message": event.message,
+        "step": event.step,
     }
     line.update(event.fields)
     return line

@@ -31,9 +31,22 @@ _log = get_logger("tracking")
 
 #: The fluent functions that write to the active run; they do nothing on a quiet rank.
 WRITES = (
-    "log_metric", "log_metrics", "log_param", "log_params", "set_tag", "set_tags",
-    "delete_tag", "log_artifact", "log_artifacts", "log_text", "log_dict", "log_figure",
-    "log_image", "log_table", "log_input", "log_inputs",
+    "log_metric",
+    "log_metrics",
+    "log_param",
+    "log_params",
+    "set_tag",
+    "set_tags",
+    "delete_tag",
+    "log_artifact",
+    "log_artifacts",
+    "log_text",
+    "log_dict",
+    "log_figure",
+    "log_image",
+    "log_table",
+    "log_input",
+    "log_inputs",
 )
 _done = False
 
@@ -42,7 +55,9 @@ class QuietRun:
     """Marks an ``ActiveRun`` made on a rank that records nothing."""
 
 
-def _quiet_run(rank: int, run_id: str | None, experiment_id: str | None, run_name: str | None) -> Any:
+def _quiet_run(
+    rank: int, run_id: str | None, experiment_id: str | None, run_name: str | None
+) -> Any:
     import mlflow
     from mlflow.entities import Run, RunData, RunInfo
 
@@ -74,8 +89,13 @@ def quiet_this_rank(rank: int) -> None:
     original_start, original_end = fluent.start_run, fluent.end_run
 
     @functools.wraps(original_start)
-    def start_run(run_id: str | None = None, experiment_id: str | None = None,
-                  run_name: str | None = None, *args: Any, **kwargs: Any) -> Any:
+    def start_run(
+        run_id: str | None = None,
+        experiment_id: str | None = None,
+        run_name: str | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         run = _quiet_run(rank, run_id, experiment_id, run_name)
         stack = run_stack()
         if stack is not None:
@@ -102,7 +122,9 @@ def quiet_this_rank(rank: int) -> None:
     if not turn_autologging_off():
         _log.warning(
             "this MLflow (%s) has no autologging switch nbtools knows; autologging on rank %d "
-            "may open a run of its own", mlflow.__version__, rank,
+            "may open a run of its own",
+            mlflow.__version__,
+            rank,
         )
     _done = True
 

@@ -126,12 +126,18 @@ class PendingRun(mlflow.ActiveRun):
         return self.handle.wait().outputs
 
     def __repr__(self) -> str:
-        state = "starting" if not self.handle.ready else ("failed" if self.handle.failed else "open")
+        state = (
+            "starting" if not self.handle.ready else ("failed" if self.handle.failed else "open")
+        )
         return f"<PendingRun {state} at {self.handle.uri}>"
 
 
 def open_run(
-    uri: str, experiment: str | None, run_name: str | None, run_id: str | None, tags: dict,
+    uri: str,
+    experiment: str | None,
+    run_name: str | None,
+    run_id: str | None,
+    tags: dict,
 ) -> RunHandle:
     """Make the logger's run MLflow's active run in this thread.
 
@@ -142,7 +148,9 @@ def open_run(
     active = mlflow.active_run()
     if active is not None:
         if run_id is None or run_id == active.info.run_id:
-            handle = RunHandle(uri, owned=False, resumed=True)  # the caller's run, not ended by close()
+            handle = RunHandle(
+                uri, owned=False, resumed=True
+            )  # the caller's run, not ended by close()
             handle._set(active, mlflow.MlflowClient(tracking_uri=uri))
             return handle
         raise TrackingError(
@@ -166,8 +174,11 @@ def open_run(
     stack.append(PendingRun(handle))
     handle._stack = stack
     handle._thread = threading.Thread(
-        target=_start, args=(handle, experiment, run_name, run_id, tags),
-        kwargs={"background": True}, name="nbtools-mlflow-start", daemon=True,
+        target=_start,
+        args=(handle, experiment, run_name, run_id, tags),
+        kwargs={"background": True},
+        name="nbtools-mlflow-start",
+        daemon=True,
     )
     handle._thread.start()
     return handle
@@ -212,8 +223,13 @@ def end_run(handle: RunHandle, status: str) -> None:
 
 
 def _start(
-    handle: RunHandle, experiment: str | None, run_name: str | None, run_id: str | None,
-    tags: dict, *, background: bool,
+    handle: RunHandle,
+    experiment: str | None,
+    run_name: str | None,
+    run_id: str | None,
+    tags: dict,
+    *,
+    background: bool,
 ) -> None:
     uri = handle.uri
     try:
@@ -248,7 +264,8 @@ def _explain(exc: BaseException, uri: str, run_id: str | None) -> TrackingError:
     hint = (
         "; point MLFLOW_TRACKING_URI at the store that holds it, or pass run_id=None "
         "(and unset MLFLOW_RUN_ID) to start a new run"
-        if run_id else ""
+        if run_id
+        else ""
     )
     error = TrackingError(f"cannot {what} at {uri}: {message}{hint}")
     error.__cause__ = exc

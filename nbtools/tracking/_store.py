@@ -84,9 +84,14 @@ def probe(uri: str) -> None:
 
     try:
         http_request(
-            _host_creds(uri), "/api/2.0/mlflow/experiments/search", "GET",
-            max_retries=1, backoff_factor=_BACKOFF, timeout=PROBE_SECONDS,
-            raise_on_status=False, params={"max_results": 1},
+            _host_creds(uri),
+            "/api/2.0/mlflow/experiments/search",
+            "GET",
+            max_retries=1,
+            backoff_factor=_BACKOFF,
+            timeout=PROBE_SECONDS,
+            raise_on_status=False,
+            params={"max_results": 1},
         )
     except MlflowException as exc:
         raise TrackingError(
@@ -115,8 +120,13 @@ def write_metrics(client: Any, uri: str, run_id: str, metrics: Sequence[Any]) ->
         chunk = metrics[start : start + _PER_REQUEST]
         body = message_to_json(LogBatch(run_id=run_id, metrics=[m.to_proto() for m in chunk]))
         response = http_request(
-            creds, endpoint, "POST", json=json.loads(body), max_retries=REQUEST_RETRIES,
-            backoff_factor=_BACKOFF, timeout=REQUEST_TIMEOUT,
+            creds,
+            endpoint,
+            "POST",
+            json=json.loads(body),
+            max_retries=REQUEST_RETRIES,
+            backoff_factor=_BACKOFF,
+            timeout=REQUEST_TIMEOUT,
         )
         verify_rest_response(response, endpoint)
 

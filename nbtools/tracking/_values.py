@@ -91,7 +91,10 @@ class StepLimit:
             _log.warning(
                 "with total_steps=%d and log_every=%d each metric would get %d values, more "
                 "than MLflow's limit of %d per metric; use log_every=%d or more",
-                total_steps, log_every, total_steps // log_every, MAX_STEPS_PER_METRIC,
+                total_steps,
+                log_every,
+                total_steps // log_every,
+                MAX_STEPS_PER_METRIC,
                 -(-total_steps // MAX_STEPS_PER_METRIC),
             )
 
@@ -103,5 +106,9 @@ class StepLimit:
         _log.warning(
             "metric %r has about %d values at step %d; MLflow allows %d per metric. "
             "Log it less often (log_every, now %d) before the run passes the limit",
-            key, step // self.log_every, step, MAX_STEPS_PER_METRIC, self.log_every,
+            key,
+            step // self.log_every,
+            step,
+            MAX_STEPS_PER_METRIC,
+            self.log_every,
         )

@@ -145,9 +145,13 @@ class MlflowLogger:
         if not isinstance(log_every, int) or isinstance(log_every, bool) or log_every < 1:
             raise ValueError(f"log_every must be an integer >= 1, got {log_every!r}")
         if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 0):
-            raise ValueError(f"total_steps must be a non-negative integer or None, got {total_steps!r}")
+            raise ValueError(
+                f"total_steps must be a non-negative integer or None, got {total_steps!r}"
+            )
         if not (isinstance(flush_interval, (int, float)) and flush_interval > 0):
-            raise ValueError(f"flush_interval must be a positive number of seconds, got {flush_interval!r}")
+            raise ValueError(
+                f"flush_interval must be a positive number of seconds, got {flush_interval!r}"
+            )
         if not isinstance(max_pending, int) or isinstance(max_pending, bool):
             raise TypeError(f"max_pending must be an integer, got {type(max_pending).__name__}")
         if max_pending < 1:
@@ -155,7 +159,9 @@ class MlflowLogger:
         if not isinstance(close_timeout, (int, float)) or isinstance(close_timeout, bool):
             raise TypeError(f"close_timeout must be seconds, got {type(close_timeout).__name__}")
         if not 0 <= close_timeout < float("inf"):
-            raise ValueError(f"close_timeout must be a finite number of seconds >= 0, got {close_timeout!r}")
+            raise ValueError(
+                f"close_timeout must be a finite number of seconds >= 0, got {close_timeout!r}"
+            )
         self._close_timeout = float(close_timeout)
         self._names: set[str] = set()  # metric names already checked
         self._log_every = log_every
@@ -288,7 +294,9 @@ class MlflowLogger:
     def __enter__(self) -> MlflowLogger:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> None:
         self.close(_status_for(exc_type))
 
     def __getstate__(self) -> dict:
@@ -309,7 +317,9 @@ class MlflowLogger:
 
     # -- logging --------------------------------------------------------------
 
-    def log_metric(self, key: str, value: Any, step: int | None = None, timestamp: int | None = None) -> None:
+    def log_metric(
+        self, key: str, value: Any, step: int | None = None, timestamp: int | None = None
+    ) -> None:
         """Queue one metric value; returns in microseconds, never touches the network.
 
         Args:
@@ -371,7 +381,9 @@ class MlflowLogger:
         try:
             self._handle.client.log_batch(self.run_id, **entities)  # type: ignore[union-attr]
         except MlflowException as exc:
-            raise TrackingError(f"MLflow run {self.run_id} refused the values: {exc.message}") from exc
+            raise TrackingError(
+                f"MLflow run {self.run_id} refused the values: {exc.message}"
+            ) from exc
 
     def _check_open(self) -> None:
         if self._closed and not self._skip:

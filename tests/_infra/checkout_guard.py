@@ -35,7 +35,10 @@ def snapshot(root: str) -> CheckoutState | None:
     try:
         proc = subprocess.run(
             [git, "status", "--porcelain=v1", "-z", "--untracked-files=all", "--ignore-submodules"],
-            cwd=root, capture_output=True, timeout=60, check=False,
+            cwd=root,
+            capture_output=True,
+            timeout=60,
+            check=False,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None

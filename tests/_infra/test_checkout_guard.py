@@ -62,7 +62,11 @@ def _pytest(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "NBTOOLS_TESTS"))}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, "tests"],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=240,
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
 
 

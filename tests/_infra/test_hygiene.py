@@ -43,9 +43,16 @@ def report(tmp_path_factory) -> dict[str, str]:
     (root / "test_clean.py").write_text(CLEAN)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", str(root)],
-        capture_output=True, text=True, timeout=300, cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
         # Only the conftest under test; the leaked process is sure to outlive a short grace.
-        env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "NBTOOLS_TESTS_PROCESS_GRACE_S": "2"},
+        env={
+            **os.environ,
+            "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+            "NBTOOLS_TESTS_PROCESS_GRACE_S": "2",
+        },
     )
     lines: dict[str, str] = {}
     for line in proc.stdout.splitlines():

@@ -26,18 +26,27 @@ def _public() -> dict[str, object]:
     from nbtools.monitor import GPUPane
 
     names: dict[str, object] = {
-        "distributed": distributed, "CheckpointManager": CheckpointManager,
-        "VolumeDataset": VolumeDataset, "DataLoader": DataLoader, "RankPool": RankPool,
+        "distributed": distributed,
+        "CheckpointManager": CheckpointManager,
+        "VolumeDataset": VolumeDataset,
+        "DataLoader": DataLoader,
+        "RankPool": RankPool,
         "GPUPane": GPUPane,
         # The README's variables, by the class the example gives them.
-        "ckpt.restore": CheckpointManager.restore, "ckpt.maybe_save": CheckpointManager.maybe_save,
+        "ckpt.restore": CheckpointManager.restore,
+        "ckpt.maybe_save": CheckpointManager.maybe_save,
     }
     try:
         from nbtools.tracking import MlflowLogger
     except ImportError:  # mlflow not installed
         return names
-    names.update({"MlflowLogger": MlflowLogger, "log.log_metric": MlflowLogger.log_metric,
-                  "log.close": MlflowLogger.close})
+    names.update(
+        {
+            "MlflowLogger": MlflowLogger,
+            "log.log_metric": MlflowLogger.log_metric,
+            "log.close": MlflowLogger.close,
+        }
+    )
     return names
 
 
@@ -77,8 +86,9 @@ def test_every_call_of_a_public_name_in_the_readme_binds_to_its_signature():
 
 def test_ci_reads_the_test_command_and_the_readme_stays_short():
     awk = "/<!-- test-command -->/{getline; while ($0 ~ /^```/) getline; print; exit}"
-    command = subprocess.run(["awk", awk, "README.md"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip()
+    command = subprocess.run(
+        ["awk", awk, "README.md"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert command.startswith('pip install torch==2.13.0 -e ".[test]" && python -m pytest'), command
     assert "--durations=25" in command and "notebooks" in command
     assert "<!-- demo-command -->" in README

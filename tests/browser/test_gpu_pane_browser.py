@@ -41,7 +41,9 @@ ASSET = Path(__file__).resolve().parents[2] / "assets" / "gpu_pane.png"
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.slow,
-    pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK), reason=f"needs Debian's chromium at {CHROMIUM}"),
+    pytest.mark.skipif(
+        not os.access(CHROMIUM, os.X_OK), reason=f"needs Debian's chromium at {CHROMIUM}"
+    ),
     pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="needs playwright"),
     pytest.mark.skipif(importlib.util.find_spec("jupyterlab") is None, reason="needs jupyterlab"),
     pytest.mark.skipif(importlib.util.find_spec("anywidget") is None, reason="needs anywidget"),
@@ -114,22 +116,38 @@ NOTEBOOK = {
     },
     "cells": [
         {
-            "cell_type": "code", "id": "pane", "metadata": {}, "outputs": [], "execution_count": None,
+            "cell_type": "code",
+            "id": "pane",
+            "metadata": {},
+            "outputs": [],
+            "execution_count": None,
             "source": "import nbtools.monitor._display as shown\n"
-                      "shown.SNAPSHOT_EVERY_S = 4  # the pane's minute, shortened\n"
-                      "from nbtools.monitor import GPUPane, SimulatedBackend\n"
-                      "pane = GPUPane(interval=0.5, backend=SimulatedBackend(num_gpus=4, speed=90))",
+            "shown.SNAPSHOT_EVERY_S = 4  # the pane's minute, shortened\n"
+            "from nbtools.monitor import GPUPane, SimulatedBackend\n"
+            "pane = GPUPane(interval=0.5, backend=SimulatedBackend(num_gpus=4, speed=90))",
         },
         {
-            "cell_type": "code", "id": "train", "metadata": {}, "outputs": [], "execution_count": None,
+            "cell_type": "code",
+            "id": "train",
+            "metadata": {},
+            "outputs": [],
+            "execution_count": None,
             "source": TRAINING,
         },
         {
-            "cell_type": "code", "id": "second", "metadata": {}, "outputs": [], "execution_count": None,
+            "cell_type": "code",
+            "id": "second",
+            "metadata": {},
+            "outputs": [],
+            "execution_count": None,
             "source": "second = GPUPane(interval=0.5, backend=SimulatedBackend(num_gpus=4, speed=90))",
         },
         {
-            "cell_type": "code", "id": "nvml", "metadata": {}, "outputs": [], "execution_count": None,
+            "cell_type": "code",
+            "id": "nvml",
+            "metadata": {},
+            "outputs": [],
+            "execution_count": None,
             "source": "third = GPUPane(interval=0.5)  # NVML: no GPU on a machine without one",
         },
     ],
@@ -202,7 +220,8 @@ def _picture_follows_the_run(page) -> str:
     moved = page.locator(".nbtools-gpu-last").first.get_attribute("data-time")
     page.wait_for_function(
         "(t) => document.querySelector('.nbtools-gpu-last').dataset.time !== t",
-        arg=moved, timeout=30_000,
+        arg=moved,
+        timeout=30_000,
     )
     assert page.evaluate("() => document.querySelector('.nbtools-gpu').dataset.view") == "first"
     return picture
@@ -237,7 +256,8 @@ def _check_step_rates_and_flags(page) -> None:
     assert row["subplots"] == 4 and "Steps per second, by rank" in row["titles"], row
     page.evaluate(
         "(code) => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
-        ".requestExecute({code})", FLAGS,
+        ".requestExecute({code})",
+        FLAGS,
     )
     page.wait_for_function(
         "() => Array.from(document.querySelector('.nbtools-gpu-events')"
@@ -251,8 +271,9 @@ def _check_step_rates_and_flags(page) -> None:
         " e.querySelector('.nbtools-gpu-event-text').textContent)"
     )
     assert "hang: rank 1 on node-b stalled 90 s in all_reduce #1812" in texts, texts
-    assert ("straggler: rank 0 on node-b at 0.62 of the median step rate since 12:04:00"
-            in texts), texts
+    assert "straggler: rank 0 on node-b at 0.62 of the median step rate since 12:04:00" in texts, (
+        texts
+    )
     row = page.evaluate(RATE_ROW)
     assert row["names"] == ["rank 0 (straggler)", "rank 1 (hang)"], row
     assert row["widths"] == [3.5, 3.5], row
@@ -306,25 +327,44 @@ def test_pane_renders_and_refreshes_in_jupyterlab(tmp_path):
     log = open(tmp_path / "lab.log", "wb")
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "jupyterlab", "--no-browser",
-            "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
             f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}",
-            "--LabApp.expose_app_in_browser=True", "--LabServerApp.open_browser=False",
+            "--LabApp.expose_app_in_browser=True",
+            "--LabServerApp.open_browser=False",
             "--JupyterNotebookApp.expose_app_in_browser=True",
-            "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            "--LabApp.news_url=",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
             "--ServerApp.terminals_enabled=False",
             *(["--allow-root"] if os.geteuid() == 0 else []),
         ],
-        cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        cwd=root,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(f"{base}/api/status?token={token}", proc, time.monotonic() + 60, tmp_path / "lab.log")
+        _wait_ready(
+            f"{base}/api/status?token={token}", proc, time.monotonic() + 60, tmp_path / "lab.log"
+        )
         with sync_playwright() as pw:
             browser = pw.chromium.launch(
                 executable_path=CHROMIUM,
-                args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+                args=[
+                    "--headless",
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--disable-background-networking",
+                ],
             )
             try:
                 page = browser.new_page(viewport={"width": 1100, "height": 1000})
@@ -376,13 +416,24 @@ def test_pane_renders_and_refreshes_in_jupyterlab(tmp_path):
                 )
                 kinds = {text.split("</b>")[0].removeprefix("<b>") for text in drawn["hover"]}
                 assert drawn["name"] == "events", drawn
-                assert {"launch", "checkpoint_saved", "input_stall", "restart",
-                        "checkpoint_restored", "rank_started", "eval"} <= kinds, kinds
+                assert {
+                    "launch",
+                    "checkpoint_saved",
+                    "input_stall",
+                    "restart",
+                    "checkpoint_restored",
+                    "rank_started",
+                    "eval",
+                } <= kinds, kinds
                 assert "line" in drawn["shapes"], drawn  # launch, restart
                 assert "rect" in drawn["shapes"], drawn  # the input stalls
                 assert len(drawn["listed"]) == 8, drawn  # the newest events, under the charts
                 # Hovering an event's marker shows its details.
-                marker = pane.locator(".subplot.xy .scatterlayer .trace").last.locator(".points path").last
+                marker = (
+                    pane.locator(".subplot.xy .scatterlayer .trace")
+                    .last.locator(".points path")
+                    .last
+                )
                 pane.locator(".nbtools-gpu-plot").scroll_into_view_if_needed()
                 box = marker.bounding_box()
                 # The marker sits on the top edge of the plot area: hover its lower half.
@@ -408,7 +459,9 @@ def test_pane_renders_and_refreshes_in_jupyterlab(tmp_path):
                 shot.parent.mkdir(parents=True, exist_ok=True)
                 page.mouse.move(0, 0)  # no hover label in the picture
                 # JupyterLab's notifications (its question about news) stay out of the picture.
-                page.add_style_tag(content=".Toastify, .jp-Notification-Toast { display: none !important; }")
+                page.add_style_tag(
+                    content=".Toastify, .jp-Notification-Toast { display: none !important; }"
+                )
                 page.locator(".jp-OutputArea-output", has=pane).first.screenshot(path=str(shot))
 
                 # Paused, only Refresh can move the last-sample time.
@@ -423,13 +476,17 @@ def test_pane_renders_and_refreshes_in_jupyterlab(tmp_path):
                 page.locator(".widget-button", has_text="Refresh").first.click()
                 page.wait_for_function(
                     "(t) => document.querySelector('.nbtools-gpu-last').dataset.time !== t",
-                    arg=before, timeout=30_000,
+                    arg=before,
+                    timeout=30_000,
                 )
                 assert int(last.get_attribute("data-time")) > int(before)
                 assert status.get_attribute("data-status") == "paused"
                 # Minutes of pictures later: still the first view, one per pane, none re-rendered.
                 assert page.evaluate(PICTURE_TEXT) != picture
-                assert page.evaluate("() => document.querySelector('.nbtools-gpu').dataset.view") == "first"
+                assert (
+                    page.evaluate("() => document.querySelector('.nbtools-gpu').dataset.view")
+                    == "first"
+                )
                 assert set(page.evaluate(PICTURE_ROWS)) == {"none 0"}
 
                 # A pane with no GPU to poll lists events emitted after it is on the page.
@@ -439,14 +496,16 @@ def test_pane_renders_and_refreshes_in_jupyterlab(tmp_path):
                     page.evaluate(
                         "() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
                         ".requestExecute({code: 'from nbtools import events; "
-                        "events.emit(\"note\", message=\"after the pane\")'})"
+                        'events.emit("note", message="after the pane")\'})'
                     )
                     page.wait_for_function(
                         "() => Array.from(document.querySelectorAll('.nbtools-gpu')[2]"
                         ".querySelectorAll('.nbtools-gpu-event')).some((e) => e.dataset.kind === 'note')",
                         timeout=60_000,
                     )
-                assert page.locator(".nbtools-gpu").count() == 3  # one view per pane, none re-rendered
+                assert (
+                    page.locator(".nbtools-gpu").count() == 3
+                )  # one view per pane, none re-rendered
 
                 # Notebook 7, served by the same server: the same live pane and hidden picture.
                 # Run where `notebook` is installed (not in the test extra: its own kernel and

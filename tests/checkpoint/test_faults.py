@@ -168,7 +168,8 @@ def test_a_staging_disk_that_fills_during_an_async_save_is_named_with_its_free_s
     message = str(info.value)
     assert message.startswith(f"staging directory {staging} is full: "), message
     free, needed = (
-        float(x) for x in re.search(r"([\d.]+) MiB free, about ([\d.]+) MiB needed", message).groups()
+        float(x)
+        for x in re.search(r"([\d.]+) MiB free, about ([\d.]+) MiB needed", message).groups()
     )
     assert free < 1 < needed, message
     assert "NBTOOLS_STAGING_DIR" in message and "rank 0" in message
@@ -189,7 +190,9 @@ def test_torchs_own_write_error_on_a_full_staging_disk_reads_as_a_space_error(mo
     staging = mount_tmpfs("4m")
     with pytest.raises(OSError), open(staging / "filler", "wb") as fh:
         fh.write(b"x" * (8 << 20))
-    torch_error = RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 704 vs 598")
+    torch_error = RuntimeError(
+        "[enforce fail at inline_container.cc:672] unexpected pos 704 vs 598"
+    )
     err = _scratch.space_error(torch_error, str(staging), 6 << 20, "rank 0 saving /vol/step_2")
     assert isinstance(err, StagingSpaceError)
     assert str(err).startswith(f"staging directory {staging} is full: 0.0 MiB free, about 6.0 MiB")

@@ -22,4 +22,3 @@ def test_a_fork_waits_for_the_background_save_in_flight(tmp_path):
         # Forked only once the save's threads were done: nothing they held is copied.
         assert future.done() and os.waitstatus_to_exitcode(status) == 0
     assert os.path.exists(tmp_path / "ckpt" / "step_0" / ".metadata")
-

@@ -47,7 +47,9 @@ def test_synchronous_filesystems_read_through_public_cat_file():
     fs.pipe_file("/nbtools-compat/f", DATA)
     try:
         assert cat_range(fs, "/nbtools-compat/f", 10, 20, timeout=1.0) == DATA[10:20]
-        assert FsspecTarget("memory://nbtools-compat").read_range("f", 250, 300, 1.0) == DATA[250:300]
+        assert (
+            FsspecTarget("memory://nbtools-compat").read_range("f", 250, 300, 1.0) == DATA[250:300]
+        )
     finally:
         fs.rm("/nbtools-compat", recursive=True)
 
@@ -63,7 +65,11 @@ def _private_fsspec_uses(path: Path) -> list[str]:
     """Private attributes read off a filesystem (``fs._x``, ``self.fs._x``, ``target.fs._x``)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
             inner = node.value
             name = inner.attr if isinstance(inner, ast.Attribute) else getattr(inner, "id", "")
             if name == "fs":

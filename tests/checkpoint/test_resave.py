@@ -464,7 +464,9 @@ def test_the_verdict_before_a_save_says_new_replace_or_refuse_as_one_typed_value
     from nbtools.checkpoint.discovery import is_foreign, root_target
 
     target = root_target(str(tmp_path))
-    assert save_verdict(target, None, str(tmp_path), "step_1", is_foreign) == SaveVerdict(SaveCase.NEW)
+    assert save_verdict(target, None, str(tmp_path), "step_1", is_foreign) == SaveVerdict(
+        SaveCase.NEW
+    )
     dcp.save({"w": torch.ones(2)}, storage_writer=VolumeWriter(str(tmp_path / "step_1")))
     verdict = save_verdict(target, None, str(tmp_path), "step_1", is_foreign)
     assert verdict == SaveVerdict(SaveCase.REPLACE)

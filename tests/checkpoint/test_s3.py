@@ -120,9 +120,7 @@ def test_checkpoints_on_s3_save_retain_skip_partial_and_restore(s3):
         assert again.restore(model=restored, optimizer=restored_opt) == 7
         assert again.extra == {"step": 6}
     torch.testing.assert_close(restored.state_dict(), model.state_dict())
-    torch.testing.assert_close(
-        restored_opt.state_dict()["state"], opt.state_dict()["state"]
-    )
+    torch.testing.assert_close(restored_opt.state_dict()["state"], opt.state_dict()["state"])
 
 
 def test_volume_dataset_reads_files_from_s3(s3, tmp_path):

@@ -103,7 +103,11 @@ def test_mounts_are_read_once_per_filesystem(tmp_path, monkeypatch):
     monkeypatch.setattr(psutil, "disk_partitions", counted)
     monkeypatch.setattr(_mounts, "_FSTYPE_BY_DEV", {})
     for step in range(3):
-        dcp.save({"w": torch.ones(2) * step}, storage_writer=VolumeWriter(tmp_path / f"s{step}"), no_dist=True)
+        dcp.save(
+            {"w": torch.ones(2) * step},
+            storage_writer=VolumeWriter(tmp_path / f"s{step}"),
+            no_dist=True,
+        )
     with CheckpointManager(tmp_path / "root", async_save=False) as ckpt:
         for step in range(3):
             ckpt.save(step, model=torch.nn.Linear(2, 2))

@@ -25,7 +25,9 @@ OLDEST = DATA / f"torch{TESTED_TORCH[0]}"
 
 
 def _maker():
-    spec = importlib.util.spec_from_file_location("make_old_checkpoints", DATA / "make_old_checkpoints.py")
+    spec = importlib.util.spec_from_file_location(
+        "make_old_checkpoints", DATA / "make_old_checkpoints.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -34,7 +36,9 @@ def _maker():
 @pytest.fixture
 def oldest(tmp_path):
     """A copy of the oldest torch's checkpoints (tests never write into the repository)."""
-    assert OLDEST.is_dir(), f"{OLDEST} is missing: run {DATA / 'make_old_checkpoints.py'} on that torch"
+    assert OLDEST.is_dir(), (
+        f"{OLDEST} is missing: run {DATA / 'make_old_checkpoints.py'} on that torch"
+    )
     return Path(shutil.copytree(OLDEST, tmp_path / OLDEST.name))
 
 

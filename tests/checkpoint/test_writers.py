@@ -95,8 +95,12 @@ def _plant(root, **record) -> None:
 
 
 def test_the_lease_of_a_process_that_is_gone_is_taken_over(tmp_path):
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     root = tmp_path / "root"
     _plant(root, pid=int(gone.stdout), machine=_machine(), host="here", time=time.time())
     with CheckpointManager(root) as ckpt:
@@ -112,8 +116,15 @@ def test_a_live_process_of_this_machine_holds_the_root(tmp_path):
 
         started = psutil.Process(sleeper.pid).create_time()
         root = tmp_path / "root"
-        _plant(root, pid=sleeper.pid, started=started, machine=_machine(), host="here",
-               since=time.time(), time=time.time())
+        _plant(
+            root,
+            pid=sleeper.pid,
+            started=started,
+            machine=_machine(),
+            host="here",
+            since=time.time(),
+            time=time.time(),
+        )
         with CheckpointManager(root) as ckpt:
             with pytest.raises(CheckpointError, match=f"pid {sleeper.pid} on host here"):
                 ckpt.save(1, model=Net())

@@ -92,8 +92,9 @@ def test_a_source_that_keeps_changing_during_its_copies_is_an_error_naming_it(tm
     finally:
         stop.set()
         writer.join()
-    leftovers = [n for _, _, names in os.walk(tmp_path / "cache") for n in names
-                 if n.startswith("grows")]
+    leftovers = [
+        n for _, _, names in os.walk(tmp_path / "cache") for n in names if n.startswith("grows")
+    ]
     assert leftovers == []  # nothing partial is left under the file's name
 
 

@@ -226,7 +226,9 @@ def test_small_cache_filesystem_holds_a_dataset_several_times_larger(tmp_path, s
 
 
 @pytest.mark.parametrize(
-    "missing", [[17], [82, 338, 594], list(range(3, 601, 37)), [0, 600]], ids=["17", "3", "37th", "ends"]
+    "missing",
+    [[17], [82, 338, 594], list(range(3, 601, 37)), [0, 600]],
+    ids=["17", "3", "37th", "ends"],
 )
 def test_cached_runs_across_chunks_with_copies_between_serve_every_file_once_in_order(
     tmp_path, missing

@@ -60,7 +60,8 @@ def test_the_loader_reports_a_slow_batch(tmp_path):
     assert len(batches) == 8
     (stall,) = events.log(kinds=["input_stall"])
     assert stall.fields["seconds"] >= 1.0 and stall.fields["seconds"] == pytest.approx(
-        max(loader.wait_times), abs=1e-3)
+        max(loader.wait_times), abs=1e-3
+    )
 
 
 def test_a_shrunken_copy_ahead_window_is_an_event(monkeypatch):
@@ -87,8 +88,9 @@ def test_a_loop_over_the_loader_alone_is_seen_progressing_by_the_kernel(tree):
     try:
         with events.Collector(bus=bus) as collector:
             env = dict(os.environ, **collector.environment(), RANK="2")
-            subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, check=True,
-                           timeout=120)
+            subprocess.run(
+                [sys.executable, "-c", textwrap.dedent(code)], env=env, check=True, timeout=120
+            )
             collector.drain()
         reports = [e for e in bus.log() if e.kind == "progress"]
         assert reports and all(e.rank == 2 for e in reports)

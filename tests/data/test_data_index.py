@@ -291,7 +291,9 @@ def test_an_index_that_does_not_fit_names_its_directory_and_leaves_nothing(tmp_p
         len(VolumeDataset(src, cache_dir=cache))
     text = str(caught.value)
     assert f"in {str(cache / '.index')!r}: no space left" in text, text
-    assert re.search(r"needs (about|more than) \d+ bytes while it is written and \d+ bytes are free", text)
+    assert re.search(
+        r"needs (about|more than) \d+ bytes while it is written and \d+ bytes are free", text
+    )
     assert "cache_dir=" in text and "NBTOOLS_CACHE_DIR" in text
     assert os.listdir(cache / ".index") == [], "nothing half-written is left"
     filler.unlink()  # the space is back: the same call works

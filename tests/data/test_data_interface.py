@@ -32,6 +32,15 @@ def test_the_loader_uses_no_private_member_of_the_dataset():
 def test_the_declared_interface_is_small():
     public = [n for n in vars(_driven.DatasetLink) if not n.startswith("_")]
     assert sorted(public) == sorted(
-        ["dataset", "stream_id", "plan", "give_workers", "received", "received_batch",
-         "finished", "cache", "stream_share"]
+        [
+            "dataset",
+            "stream_id",
+            "plan",
+            "give_workers",
+            "received",
+            "received_batch",
+            "finished",
+            "cache",
+            "stream_share",
+        ]
     )

@@ -90,8 +90,12 @@ def test_nodes_wait_while_another_holds_the_lease_and_use_the_index_it_publishes
         lease.release()
 
     try:
-        results = _run_nodes(src, [tmp_path / "node-a", tmp_path / "node-b"], "job-1",
-                             before_start=list_here_then_release)
+        results = _run_nodes(
+            src,
+            [tmp_path / "node-a", tmp_path / "node-b"],
+            "job-1",
+            before_start=list_here_then_release,
+        )
     finally:
         lease.release()
     assert results == [(40, f"{socket.gethostname()} pid {os.getpid()}")] * 2
@@ -167,8 +171,9 @@ def test_waiting_nodes_say_how_far_the_listing_node_got(tree, tmp_path, monkeypa
             assert time.monotonic() < deadline, "the lease never showed the listing's progress"
             time.sleep(0.02)
         looks = iter([None, None, "the index"])
-        lease, found = _rootlease.lead_or_wait(shared, "job-5", str(src), lambda: next(looks),
-                                               poll_s=0.01)
+        lease, found = _rootlease.lead_or_wait(
+            shared, "job-5", str(src), lambda: next(looks), poll_s=0.01
+        )
         assert (lease, found) == (None, "the index")
         assert "123456 files in 789 directories so far" in caplog.text
     finally:
@@ -216,8 +221,14 @@ def test_a_lease_whose_pid_now_belongs_to_another_process_is_dead():
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         ours = _rootlease.Holder.me().record()
-        reused = {"host": socket.gethostname(), **ours, "pid": sleeper.pid,
-                  "started": ours["started"] - 3600, "job": "old", "since": time.time()}
+        reused = {
+            "host": socket.gethostname(),
+            **ours,
+            "pid": sleeper.pid,
+            "started": ours["started"] - 3600,
+            "job": "old",
+            "since": time.time(),
+        }
         assert _rootlease._dead(reused)
         same = dict(reused, started=_proc_started(sleeper.pid))
         assert not _rootlease._dead(same)

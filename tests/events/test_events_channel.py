@@ -111,7 +111,9 @@ def test_fields_that_bypassed_the_checks_are_replaced_not_sent_oversized():
     assert json.loads(data)[5] == {"truncated": True}
 
 
-@pytest.mark.parametrize("line", [b"hello", b"{}", b'{"v":1}', b'{"v":2,"h":"a","p":1,"r":0,"d":0,"e":[]}'])
+@pytest.mark.parametrize(
+    "line", [b"hello", b"{}", b'{"v":1}', b'{"v":2,"h":"a","p":1,"r":0,"d":0,"e":[]}']
+)
 def test_a_malformed_batch_is_a_value_error(line):
     with pytest.raises(ValueError, match="not an event batch|unknown batch version"):
         decode_batch(line)

@@ -197,7 +197,11 @@ def test_a_failing_subscriber_does_not_stop_delivery(caplog):
 
 @pytest.mark.parametrize(
     "kwargs, error",
-    [({"max_age_s": 0}, ValueError), ({"max_events": 0}, ValueError), ({"max_events": 1.5}, ValueError)],
+    [
+        ({"max_age_s": 0}, ValueError),
+        ({"max_events": 0}, ValueError),
+        ({"max_events": 1.5}, ValueError),
+    ],
 )
 def test_bus_refuses_bad_bounds(kwargs, error):
     with pytest.raises(error):

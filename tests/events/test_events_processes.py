@@ -33,7 +33,10 @@ def _run_python(code: str, collector: Collector, timeout: int = 240, **env: str)
     full_env = dict(os.environ, **collector.environment(), **env)
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        env=full_env, capture_output=True, text=True, timeout=timeout,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert out.returncode == 0, out.stderr
     return out.stdout
@@ -186,8 +189,15 @@ def test_a_process_whose_collector_is_gone_exits_without_blocking(tmp_path):
     env = collector.environment()
     collector.stop()
     out = subprocess.run(
-        [sys.executable, "-c", "from nbtools import events\nfor i in range(20000): events.emit('x')\nprint('done')"],
-        env=dict(os.environ, **env), capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-c",
+            "from nbtools import events\nfor i in range(20000): events.emit('x')\nprint('done')",
+        ],
+        env=dict(os.environ, **env),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr
 
@@ -206,7 +216,10 @@ def test_an_explicit_flush_delivers_before_the_process_ends(collector):
     env = dict(os.environ, **collector.environment())
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],
-        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout.readline().strip() == "flushed"

@@ -48,8 +48,9 @@ def test_a_rank_reports_coalesced_progress_through_the_channel():
     """
     with events.Collector(bus=bus) as collector:
         env = dict(os.environ, **collector.environment(), RANK="3")
-        subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, check=True,
-                       timeout=120)
+        subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)], env=env, check=True, timeout=120
+        )
         collector.drain()
     reports = [e for e in bus.log() if e.kind == "progress"]
     assert reports and len(reports) <= 5  # one a second, not one a step
@@ -64,8 +65,16 @@ def _process(code: str, state: str) -> subprocess.Popen:
 
 
 def _progress(rank: int, pid: int, steps: int, at: float, host: str | None = None) -> Event:
-    return Event(at, host or socket.gethostname(), rank, pid, "progress", None, steps,
-                 {"steps": steps, "cpu": 0.0})
+    return Event(
+        at,
+        host or socket.gethostname(),
+        rank,
+        pid,
+        "progress",
+        None,
+        steps,
+        {"steps": steps, "cpu": 0.0},
+    )
 
 
 @pytest.fixture
@@ -98,8 +107,11 @@ def test_only_the_stopped_rank_is_named_not_those_waiting_for_it(flags):
     seen, _ = flags
     waiting = "import threading; threading.Event().wait(60)"
     sleeping = "import time; time.sleep(60)"
-    procs = [_process(waiting, "futex"), _process(waiting, "futex"),
-             _process(sleeping, "clock_nanosleep")]
+    procs = [
+        _process(waiting, "futex"),
+        _process(waiting, "futex"),
+        _process(sleeping, "clock_nanosleep"),
+    ]
     os.kill(procs[2].pid, signal.SIGSTOP)
     reports = []
     dog = Watchdog(3, hang_timeout=1.0, on_hang=reports.append).start()
@@ -176,13 +188,16 @@ def test_the_words_about_collectives_name_the_one_in_flight_and_who_never_entere
     from nbtools.events import _collectives
 
     def at(enqueued, completed, op="all_reduce"):
-        return [{"pg": "0", "enqueued": enqueued, "completed": completed, "op": op,
-                 "op_seq": enqueued}]
+        return [
+            {"pg": "0", "enqueued": enqueued, "completed": completed, "op": op, "op_seq": enqueued}
+        ]
 
     answers = {0: at(1812, 1811), 2: at(1812, 1811), 3: at(1812, 1811), 1: at(1811, 1811)}
     (line,) = _collectives.describe(answers, culprits=[1], world_size=4)
-    assert line == ("ranks 0, 2, 3 wait in all_reduce #1812, which rank 1 never entered "
-                    "(last entered: rank 1: #1811)")
+    assert line == (
+        "ranks 0, 2, 3 wait in all_reduce #1812, which rank 1 never entered "
+        "(last entered: rank 1: #1811)"
+    )
     del answers[1]  # stopped: it cannot answer
     (line,) = _collectives.describe(answers, culprits=[1], world_size=4)
     assert line.startswith("ranks 0, 2, 3 wait in all_reduce #1812, rank 1 could not answer")

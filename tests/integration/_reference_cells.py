@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __all__ = ["CELLS"]
 
-SETUP = '''\
+SETUP = """\
 import os, random, tempfile
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ VOLUME = os.environ.get("VOLUME") or tempfile.mkdtemp(prefix="volume-")
 os.makedirs(f"{VOLUME}/data", exist_ok=True)
 for i in range(20):  # small "image" files: 4 floats each; an epoch is 5 steps on 2 ranks
     np.full(4, i / 20, dtype=np.float32).tofile(f"{VOLUME}/data/{i:03d}.bin")
-'''
+"""
 
 DATASET = '''\
 class DecodedDataset(IterableDataset):
@@ -39,7 +39,7 @@ class DecodedDataset(IterableDataset):
             yield torch.from_numpy(np.fromfile(local_path, dtype=np.float32))
 '''
 
-TRAIN = '''\
+TRAIN = """\
 CHECKPOINT_EVERY = 4
 
 @distributed(gpus=2)
@@ -109,9 +109,9 @@ def train(total_steps):
         checkpoint_future.result()
     return {"start": start_step, "steps": steps, "saved": saved, "epochs": epochs,
             "weight": model.weight.detach().flatten().tolist()}
-'''
+"""
 
-RNG = '''\
+RNG = """\
 def seed_everything(seed: int):
     random.seed(seed)
     np.random.seed(seed)
@@ -128,6 +128,6 @@ np.random.set_state(rng["numpy"])
 torch.set_rng_state(rng["torch"])
 torch.cuda.set_rng_state_all(rng["cuda"])
 (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
-'''
+"""
 
 CELLS = {"setup": SETUP, "dataset": DATASET, "train": TRAIN, "rng": RNG}

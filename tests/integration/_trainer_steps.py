@@ -28,8 +28,14 @@ def hf() -> None:
     data = [{"x": torch.randn(4), "labels": torch.tensor(1.0)} for _ in range(16)]
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
-            output_dir=out, max_steps=5, per_device_train_batch_size=2, report_to=[],
-            use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+            output_dir=out,
+            max_steps=5,
+            per_device_train_batch_size=2,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
         )
         Trainer(model=Model(), args=args, train_dataset=data).train()
 
@@ -50,8 +56,12 @@ def lightning() -> None:
 
     data = torch.utils.data.TensorDataset(torch.randn(14, 4))
     pl.Trainer(
-        max_steps=7, accelerator="cpu", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        max_steps=7,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     ).fit(Model(), torch.utils.data.DataLoader(data, batch_size=2))
 
 

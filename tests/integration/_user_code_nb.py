@@ -43,10 +43,14 @@ class NotebookKernel:
     def __init__(self, cwd: str | os.PathLike[str], timeout: int = CELL_TIMEOUT) -> None:
         self.nb = nbformat.v4.new_notebook()
         self.nb.metadata["kernelspec"] = {
-            "name": "python3", "display_name": "Python 3", "language": "python",
+            "name": "python3",
+            "display_name": "Python 3",
+            "language": "python",
         }
         self.client = NotebookClient(
-            self.nb, timeout=timeout, kernel_name="python3",
+            self.nb,
+            timeout=timeout,
+            kernel_name="python3",
             resources={"metadata": {"path": os.fspath(cwd)}},
         )
         self._setup = None

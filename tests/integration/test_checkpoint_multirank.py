@@ -167,9 +167,7 @@ def test_killed_rank_restart_is_bit_identical(tmp_path, monkeypatch, memory_ever
     if memory_every:
         # Rank 1 died right after its snapshot of step 6 was copied, perhaps before the
         # background write finished: step 6 if it did, else step 4; the volume had step 3.
-        assert re.search(r"phase resumed: restored step [46] from memory", proc.stdout), (
-            proc.stdout
-        )
+        assert re.search(r"phase resumed: restored step [46] from memory", proc.stdout), proc.stdout
         assert [p for p in (tmp_path / "shm").rglob("*") if p.is_file()] == []
 
     for rank in (0, 1):

@@ -102,8 +102,16 @@ def test_a_1gib_file_that_shrinks_on_the_volume_during_its_copy_is_never_served_
     with open(src / "big.bin", "wb") as fh:
         fh.truncate(1 << 30)  # sparse
     # The volume cuts the file to 110 MB when the copy reaches 120 MB, as a writer would.
-    options = ("--open-ms", "0", "--read-ms", "0", "--shrink-at", "120000000",
-               "--shrink-to", "110000000")
+    options = (
+        "--open-ms",
+        "0",
+        "--read-ms",
+        "0",
+        "--shrink-at",
+        "120000000",
+        "--shrink-to",
+        "110000000",
+    )
     with mounted(src, mnt, *options):
         files = VolumeDataset(mnt, cache_dir=tmp_path / "cache", prefetch=1)
         try:

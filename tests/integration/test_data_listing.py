@@ -86,8 +86,16 @@ def test_two_ranks_list_each_directory_once_then_never_until_the_volume_changes(
         os.utime(d, (past, past))
     every_dir = {"/", *(f"/d{k}" for k in range(DIRS))}
     # No attribute cache in the kernel: a change made on the source is visible at once.
-    options = ("--open-ms", "0", "--read-ms", "0", "--attr-timeout", "0",
-               "--counts", str(tmp_path / "counts.txt"))
+    options = (
+        "--open-ms",
+        "0",
+        "--read-ms",
+        "0",
+        "--attr-timeout",
+        "0",
+        "--counts",
+        str(tmp_path / "counts.txt"),
+    )
     with mounted(src, tmp_path / "mnt", *options):
         first = _launch(tmp_path, "first", world=2, workers=2, take=6)
         assert _listed(tmp_path) == {d: 1 for d in every_dir}, "one listing per job"

@@ -124,8 +124,13 @@ def _wide_rank(rank: int, root_str: str, phase: str, world: int, workers: int) -
 
 
 def _spawn_wide(root, phase: str, world: int, workers: int) -> list[dict]:
-    mp.start_processes(_wide_rank, args=(str(root), phase, world, workers), nprocs=world,
-                       start_method="fork", join=True)
+    mp.start_processes(
+        _wide_rank,
+        args=(str(root), phase, world, workers),
+        nprocs=world,
+        start_method="fork",
+        join=True,
+    )
     return [json.loads((root / f"{phase}-{r}.json").read_text()) for r in range(world)]
 
 

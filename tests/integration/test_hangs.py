@@ -47,9 +47,7 @@ def _ended(seen, kind):
     return [e for e in seen if e.kind == kind and e.fields.get("ended")]
 
 
-def test_a_stopped_rank_is_named_with_every_stack_and_the_flag_clears_after_sigcont(
-    flags, caplog
-):
+def test_a_stopped_rank_is_named_with_every_stack_and_the_flag_clears_after_sigcont(flags, caplog):
     caplog.set_level(logging.WARNING, logger="nbtools")
     resumed = []
 
@@ -238,7 +236,8 @@ def test_hf_and_lightning_trainers_report_their_steps_through_their_callbacks(li
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not installed")
     script = os.path.join(os.path.dirname(__file__), "_trainer_steps.py")
-    out = subprocess.run([sys.executable, script, library], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, script, library], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"PROGRESS {steps} {steps}" in out.stdout  # one report per optimizer step

@@ -208,7 +208,9 @@ def test_hang_timeout_prints_every_stack_once_and_the_call_goes_on(tmp_path, mon
     assert sum("hang_timeout" in r.getMessage() for r in caplog.records) == 1
     frames = [line for line in err.buffer.splitlines() if "in waits_for_the_caller" in line]
     assert frames and all("<dynamic-code>" not in line for line in frames), frames
-    assert any(line.startswith("[rank 1]") and f'File "{__file__}"' in line for line in frames), frames
+    assert any(line.startswith("[rank 1]") and f'File "{__file__}"' in line for line in frames), (
+        frames
+    )
     assert "[rank 1]     time.sleep(0.05)" in err.buffer  # the source line under the frame
 
 

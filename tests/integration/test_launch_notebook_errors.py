@@ -9,7 +9,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-DEFINE = '''
+DEFINE = """
 from nbtools import distributed
 
 def check(x):
@@ -20,7 +20,7 @@ def check(x):
 @distributed(processes=2, output="none")
 def train(x):
     return check(x + 1)
-'''
+"""
 
 CALL = "train.distributed(1)"
 
@@ -29,7 +29,10 @@ def test_an_uncaught_rank_error_shows_cells_and_no_launcher_frames(tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(DEFINE), nbformat.v4.new_code_cell(CALL)]
     client = nbclient.NotebookClient(
-        nb, timeout=240, kernel_name="python3", allow_errors=True,
+        nb,
+        timeout=240,
+        kernel_name="python3",
+        allow_errors=True,
         resources={"metadata": {"path": str(tmp_path)}},
     )
     client.execute()

@@ -9,7 +9,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-CELL = '''
+CELL = """
 from nbtools import distributed
 
 @distributed(processes=2)
@@ -29,14 +29,17 @@ def bars():
     return dist.get_rank()
 
 bars.distributed()
-'''
+"""
 
 
 def _run(tmp_path, coalesce: bool):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(CELL)]
     client = nbclient.NotebookClient(
-        nb, timeout=240, kernel_name="python3", coalesce_streams=coalesce,
+        nb,
+        timeout=240,
+        kernel_name="python3",
+        coalesce_streams=coalesce,
         resources={"metadata": {"path": str(tmp_path)}},
     )
     client.execute()
@@ -50,8 +53,9 @@ def _run(tmp_path, coalesce: bool):
 
 def test_progress_bars_of_two_ranks_read_cleanly_in_a_saved_notebook(tmp_path):
     streams, outputs = _run(tmp_path, coalesce=True)
-    assert any(o.output_type == "execute_result" and "[0, 1]" in o.data["text/plain"]
-               for o in outputs)
+    assert any(
+        o.output_type == "execute_result" and "[0, 1]" in o.data["text/plain"] for o in outputs
+    )
     # Each rank's line whole and prefixed once; the two ranks finish in either order.
     assert sorted(streams["stdout"].splitlines()) == ["[rank 0] done 0", "[rank 1] done 1"]
     lines = streams["stderr"].splitlines()

@@ -320,7 +320,10 @@ def test_ddp_with_async_saves_on_the_default_gloo_group_finishes(tmp_path):
     script.write_text(DDP_ASYNC_SAVE)
     proc = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "ckpt")],
-        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("[5, 5]"), proc.stdout

@@ -164,8 +164,12 @@ def test_decorating_in_a_script_with_spawn_children_starts_nothing_in_them(tmp_p
     script.write_text(POOLS)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=240,
-        cwd=tmp_path, env=env,
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        env=env,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out

@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.slow, requires("transformers", "accelerate")]
 
 def test_an_hf_trainer_on_two_ranks_reports_every_step_to_the_kernel(tmp_path):
     with NotebookKernel(tmp_path) as nb:
-        nb.run(textwrap.dedent("""\
+        nb.run(
+            textwrap.dedent("""\
             import torch
             from nbtools import distributed, events
 
@@ -29,8 +30,10 @@ def test_an_hf_trainer_on_two_ranks_reports_every_step_to_the_kernel(tmp_path):
 
                 def forward(self, x, labels):
                     return {"loss": ((self.lin(x).squeeze(-1) - labels) ** 2).mean()}
-        """))
-        nb.run(textwrap.dedent(f"""\
+        """)
+        )
+        nb.run(
+            textwrap.dedent(f"""\
             @distributed(processes=2, output="rank0")
             def fit():
                 from transformers import Trainer, TrainingArguments
@@ -44,7 +47,8 @@ def test_an_hf_trainer_on_two_ranks_reports_every_step_to_the_kernel(tmp_path):
                 Trainer(model=Model(), args=args, train_dataset=data).train()
 
             fit.distributed()
-        """))
+        """)
+        )
         reports = nb.eval(
             "sorted({(e.rank, e.step, e.fields['steps']) for e in events.log(kinds=['progress'])})"
         )

@@ -31,6 +31,7 @@ def test_loader_workers_take_classes_defined_inside_the_function():
 
         # torch's hint for notebooks, called first as in a kernel, must work there too.
         multiprocessing.set_start_method("fork")
+
         class Squares(Dataset):  # defined here, as in a notebook cell: not importable
             def __len__(self):
                 return 16
@@ -43,7 +44,10 @@ def test_loader_workers_take_classes_defined_inside_the_function():
         dataset = Squares()
         sampler = DistributedSampler(dataset, shuffle=False)
         loader = DataLoader(
-            dataset, batch_size=4, num_workers=2, sampler=sampler,
+            dataset,
+            batch_size=4,
+            num_workers=2,
+            sampler=sampler,
             collate_fn=lambda batch: torch.cat(batch) * scale,  # a closure, too
         )
         seen["torch"] = sorted(int(v) for batch in loader for v in batch)

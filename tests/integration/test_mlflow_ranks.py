@@ -29,7 +29,8 @@ def store(tmp_path_factory):
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory, store):
     with NotebookKernel(tmp_path_factory.mktemp("kernel")) as nb:
-        nb.run(textwrap.dedent(f"""\
+        nb.run(
+            textwrap.dedent(f"""\
             import os
             os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
             os.environ["MLFLOW_TRACKING_URI"] = {store!r}       # a new store: no file yet
@@ -37,7 +38,8 @@ def kernel(tmp_path_factory, store):
             import torch
             from torch.utils.data import Dataset
             from nbtools import distributed
-        """))
+        """)
+        )
         yield nb
 
 
@@ -52,7 +54,8 @@ def _client(store):
 
 @requires("transformers")
 def test_hf_report_to_mlflow_gives_one_run_with_the_run_name(kernel, store, tmp_path):
-    kernel.run(textwrap.dedent("""\
+    kernel.run(
+        textwrap.dedent("""\
         class Tokens(Dataset):                  # integer token ids: no tokenizer, no download
             def __len__(self):
                 return 16
@@ -73,7 +76,8 @@ def test_hf_report_to_mlflow_gives_one_run_with_the_run_name(kernel, store, tmp_
                                      per_device_train_batch_size=2, save_strategy="no",
                                      disable_tqdm=True, learning_rate=3e-5)
             Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens()).train()
-    """))
+    """)
+    )
     assert not os.path.exists(store.removeprefix("sqlite:///")), "a new store"
     output = kernel.run(f"hf_fit.distributed({str(tmp_path / 'hf')!r})")
     client, runs = _client(store)

@@ -17,8 +17,10 @@ from _user_code_nb import NotebookKernel
 def kernel(tmp_path_factory):
     volume = tmp_path_factory.mktemp("volume")
     with NotebookKernel(tmp_path_factory.mktemp("kernel")) as nb:
-        nb.run(f"import os; os.environ['VOLUME'] = {str(volume)!r}\n"
-               f"os.environ['NBTOOLS_CACHE_DIR'] = {str(volume / 'cache')!r}")
+        nb.run(
+            f"import os; os.environ['VOLUME'] = {str(volume)!r}\n"
+            f"os.environ['NBTOOLS_CACHE_DIR'] = {str(volume / 'cache')!r}"
+        )
         for name in ("setup", "dataset", "train"):
             nb.run(CELLS[name])
         yield nb
@@ -40,7 +42,10 @@ def test_the_resume_loop_runs_twice_and_the_second_run_trains_on(kernel):
     assert [r["epochs"] for r in second] == [2, 2]  # step 13 starts an epoch after saving 12
     assert second[0]["weight"] != first[0]["weight"]
     assert kernel.eval("sorted(os.listdir(f'{VOLUME}/checkpoints'))") == [
-        "step_0", "step_12", "step_4", "step_8",
+        "step_0",
+        "step_12",
+        "step_4",
+        "step_8",
     ]
 
 

@@ -80,8 +80,12 @@ def test_a_run_that_loses_a_rank_leaves_its_timeline_on_the_pane(tmp_path):
         loader = DataLoader(Numbers(files), batch_size=2, num_workers=0)
         with CheckpointManager(root, every=2) as ckpt:
             step = ckpt.restore(model=model, optimizer=optimizer, data=loader)
-            events.emit("rank_started", message=f"rank {rank}, attempt {attempt}",
-                        step=step, attempt=attempt)
+            events.emit(
+                "rank_started",
+                message=f"rank {rank}, attempt {attempt}",
+                step=step,
+                attempt=attempt,
+            )
             for batch in loader:
                 loss = model(batch).pow(2).mean()
                 optimizer.zero_grad()
@@ -114,7 +118,9 @@ def test_a_run_that_loses_a_rank_leaves_its_timeline_on_the_pane(tmp_path):
     kinds = [r["kind"] for r in rows]
 
     def first(kind: str, **match) -> dict:
-        found = [r for r in rows if r["kind"] == kind and all(r.get(k) == v for k, v in match.items())]
+        found = [
+            r for r in rows if r["kind"] == kind and all(r.get(k) == v for k, v in match.items())
+        ]
         assert found, f"no {kind} {match or ''} event among {kinds}"
         return found[0]
 

@@ -21,13 +21,16 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
     with NotebookKernel(tmp_path_factory.mktemp("kernel")) as nb:
-        nb.run(textwrap.dedent("""\
+        nb.run(
+            textwrap.dedent("""\
             import multiprocessing
             import torch
             from torch.utils.data import DataLoader, Dataset
             from nbtools import distributed
-        """))
-        nb.run(textwrap.dedent("""\
+        """)
+        )
+        nb.run(
+            textwrap.dedent("""\
             def cube(x):
                 return x ** 3
 
@@ -47,12 +50,14 @@ def kernel(tmp_path_factory):
 
                 def forward(self, x):
                     return self.body(x)
-        """))
+        """)
+        )
         yield nb
 
 
 def test_a_cell_defined_model_comes_back_from_every_rank_equal_to_rank_0s(kernel):
-    kernel.run(textwrap.dedent("""\
+    kernel.run(
+        textwrap.dedent("""\
         @distributed(processes=2, output="none")
         def train():
             import torch.distributed as dist
@@ -64,17 +69,22 @@ def test_a_cell_defined_model_comes_back_from_every_rank_equal_to_rank_0s(kernel
             return net
 
         models = train.distributed()
-    """))
+    """)
+    )
     assert kernel.eval("[type(m).__name__ for m in models]") == ["Net", "Net"]
     assert kernel.eval("isinstance(models[1], Net)") is True
-    assert kernel.eval(
-        "all(torch.equal(a, b) for a, b in zip(models[0].state_dict().values(), "
-        "models[1].state_dict().values()))"
-    ) is True
+    assert (
+        kernel.eval(
+            "all(torch.equal(a, b) for a, b in zip(models[0].state_dict().values(), "
+            "models[1].state_dict().values()))"
+        )
+        is True
+    )
 
 
 def test_cell_functions_and_classes_resolve_by_reference_inside_ranks(kernel, tmp_path):
-    kernel.run(textwrap.dedent(f"""\
+    kernel.run(
+        textwrap.dedent(f"""\
         @distributed(processes=2, output="none")
         def by_reference(folder):
             import os
@@ -96,7 +106,8 @@ def test_cell_functions_and_classes_resolve_by_reference_inside_ranks(kernel, tm
             return out
 
         found = by_reference.distributed({str(tmp_path)!r})
-    """))
+    """)
+    )
     found = kernel.eval("[{k: v for k, v in f.items() if k != 'saved'} for f in found]")
     for rank in found:
         assert rank["fork"] == [0, 1, 8, 27] and rank["spawn"] == [0, 1, 8]
@@ -108,7 +119,8 @@ def test_cell_functions_and_classes_resolve_by_reference_inside_ranks(kernel, tm
 
 
 def test_a_warning_from_cell_code_names_the_cell_and_shows_the_source_line(kernel):
-    kernel.run(textwrap.dedent("""\
+    kernel.run(
+        textwrap.dedent("""\
         import warnings
 
 
@@ -116,15 +128,18 @@ def test_a_warning_from_cell_code_names_the_cell_and_shows_the_source_line(kerne
             if x > 1:
                 warnings.warn("x is large")   # line 6 of this cell
             return x
-    """))
+    """)
+    )
     cell = len(kernel.nb.cells)
-    text = kernel.run(textwrap.dedent("""\
+    text = kernel.run(
+        textwrap.dedent("""\
         @distributed(processes=2)
         def warns():
             return check(5)
 
         warns.distributed()
-    """))
+    """)
+    )
     label = f"Cell In[{kernel.nb.cells[cell - 1].execution_count}], line 6: UserWarning: x is large"
     assert f"[rank 0] {label}" in text, text
     assert '[rank 0]   warnings.warn("x is large")' in text, text
@@ -132,11 +147,14 @@ def test_a_warning_from_cell_code_names_the_cell_and_shows_the_source_line(kerne
 
 
 def test_the_kernels_logging_configuration_applies_in_ranks_and_the_functions_own_wins(kernel):
-    kernel.run(textwrap.dedent("""\
+    kernel.run(
+        textwrap.dedent("""\
         import logging
         logging.basicConfig(level=logging.INFO, format="%(levelname)s|%(name)s|%(message)s")
-    """))
-    text = kernel.run(textwrap.dedent("""\
+    """)
+    )
+    text = kernel.run(
+        textwrap.dedent("""\
         @distributed(processes=2)
         def logs():
             import torch.distributed as dist
@@ -145,11 +163,13 @@ def test_the_kernels_logging_configuration_applies_in_ranks_and_the_functions_ow
             logging.getLogger("train").debug("not shown at INFO")
 
         logs.distributed()
-    """))
+    """)
+    )
     assert "[rank 0] INFO|train|step 0" in text and "[rank 1] INFO|train|step 1" in text, text
     assert "not shown" not in text
 
-    text = kernel.run(textwrap.dedent("""\
+    text = kernel.run(
+        textwrap.dedent("""\
         @distributed(processes=2)
         def configures():
             logging.basicConfig(level=logging.WARNING, format="OWN %(message)s")
@@ -157,12 +177,14 @@ def test_the_kernels_logging_configuration_applies_in_ranks_and_the_functions_ow
             logging.getLogger("train").warning("shown")
 
         configures.distributed()
-    """))
+    """)
+    )
     assert "[rank 0] OWN shown" in text and "hidden" not in text, text
 
 
 def test_rich_output_of_rank_0_reaches_the_cell_as_rich_output(kernel):
-    kernel.run(textwrap.dedent("""\
+    kernel.run(
+        textwrap.dedent("""\
         @distributed(processes=2)
         def report():
             import torch.distributed as dist
@@ -179,7 +201,8 @@ def test_rich_output_of_rank_0_reaches_the_cell_as_rich_output(kernel):
             return dist.get_rank()
 
         report.distributed()
-    """))
+    """)
+    )
     outputs = kernel.nb.cells[-1].outputs
     rich = [o for o in outputs if o.output_type == "display_data"]
     kinds = [sorted(o.data) for o in rich]
@@ -235,13 +258,15 @@ def test_rich_output_all_shows_every_ranks_display_labelled_by_rank(kernel):
 def test_a_figure_left_as_the_last_expression_of_a_pool_cell_shows_as_png(kernel):
     kernel.run("%load_ext nbtools\n%distributed start --processes 2")
     try:
-        kernel.run(textwrap.dedent("""\
+        kernel.run(
+            textwrap.dedent("""\
             %%distributed
             import matplotlib.pyplot as plt
             fig = plt.figure()
             plt.plot([1, 2, 3])
             fig
-        """))
+        """)
+        )
         rich = _rich(kernel.nb.cells[-1])
         png = [o for o in rich if "image/png" in o.data]
         assert len(png) == 1 and len(png[0].data["image/png"]) > 1000, rich
@@ -258,18 +283,24 @@ def test_a_figure_left_as_the_last_expression_of_a_pool_cell_shows_as_png(kernel
 def test_logging_configured_after_a_pool_started_reaches_its_ranks_on_the_next_call(kernel):
     kernel.run("%load_ext nbtools\n%distributed start --processes 2")
     try:
-        kernel.run(textwrap.dedent("""\
+        kernel.run(
+            textwrap.dedent("""\
             import logging
             logging.basicConfig(level=logging.INFO, format="LATE|%(name)s|%(message)s", force=True)
-        """))
-        text = kernel.run(textwrap.dedent("""\
+        """)
+        )
+        text = kernel.run(
+            textwrap.dedent("""\
             %%distributed
             import logging
             logging.getLogger("train").info("after the start")
-        """))
+        """)
+        )
         assert "[rank 0] LATE|train|after the start" in text, text
         assert "[rank 1] LATE|train|after the start" in text, text
-        kernel.run('logging.getLogger().handlers[0].setFormatter(logging.Formatter("AGAIN %(message)s"))')
+        kernel.run(
+            'logging.getLogger().handlers[0].setFormatter(logging.Formatter("AGAIN %(message)s"))'
+        )
         text = kernel.run('%%distributed\nlogging.getLogger("train").info("changed")')
         assert "[rank 0] AGAIN changed" in text and "LATE|" not in text, text
     finally:
@@ -281,7 +312,9 @@ def test_autoresume_names_its_body_after_its_own_cell(kernel, tmp_path):
     from nbclient.exceptions import CellExecutionError
 
     kernel.run("%load_ext nbtools")
-    kernel.run("model = torch.nn.Linear(2, 1)\noptimizer = torch.optim.SGD(model.parameters(), lr=0.1)")
+    kernel.run(
+        "model = torch.nn.Linear(2, 1)\noptimizer = torch.optim.SGD(model.parameters(), lr=0.1)"
+    )
     cell = nbformat.v4.new_code_cell(
         f"%%autoresume {tmp_path / 'ckpt'} --every 5 --state model,optimizer\n"
         "for step in range(start_step, 2):\n"

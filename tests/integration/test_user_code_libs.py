@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
     with NotebookKernel(tmp_path_factory.mktemp("kernel")) as nb:
-        nb.run(textwrap.dedent("""\
+        nb.run(
+            textwrap.dedent("""\
             import os
             import torch
             from torch.utils.data import Dataset
@@ -32,7 +33,8 @@ def kernel(tmp_path_factory):
 
                 def __getitem__(self, i):
                     return torch.tensor([float(i)]), torch.tensor([2.0 * i])
-        """))
+        """)
+        )
         yield nb
 
 
@@ -46,7 +48,8 @@ def _check_half_each(results, batches=8, batch_size=4):
 
 @requires("transformers")
 def test_hf_trainer_on_two_ranks_with_cell_dataset_workers_and_resume(kernel, tmp_path):
-    kernel.run(textwrap.dedent("""\
+    kernel.run(
+        textwrap.dedent("""\
         class TokenBlocks(Dataset):             # integer token ids: no tokenizer, no download
             def __init__(self, n, length=16, vocab=128):
                 self.blocks = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(0))
@@ -84,12 +87,14 @@ def test_hf_trainer_on_two_ranks_with_cell_dataset_workers_and_resume(kernel, tm
             return dict(rank=dist.get_rank(), world=dist.get_world_size(), args_world=args.world_size,
                         processes=trainer.accelerator.num_processes, steps=steps,
                         global_step=trainer.state.global_step)
-    """))
+    """)
+    )
     out = str(tmp_path / "gpt2")
     first = kernel.eval(f"fit.distributed({out!r}, max_steps=4)")
     ckpt4 = tmp_path / "gpt2" / "checkpoint-4"
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in ckpt4.iterdir()}, (
-        "the Trainer saw two processes")
+        "the Trainer saw two processes"
+    )
     resumed = kernel.eval(f"fit.distributed({out!r}, max_steps=6, resume=True)")
 
     for results in (first, resumed):
@@ -97,13 +102,15 @@ def test_hf_trainer_on_two_ranks_with_cell_dataset_workers_and_resume(kernel, tm
         assert all(r["world"] == r["args_world"] == r["processes"] == 2 for r in results)
     assert all(r["steps"] == [1, 2, 3, 4] for r in first)
     assert all(r["steps"] == [5, 6] and r["global_step"] == 6 for r in resumed), (
-        "the second run continued from checkpoint-4")
+        "the second run continued from checkpoint-4"
+    )
     assert (tmp_path / "gpt2" / "checkpoint-6").is_dir()
 
 
 @requires("accelerate")
 def test_plain_accelerator_is_distributed_over_the_ranks(kernel):
-    kernel.run(textwrap.dedent("""\
+    kernel.run(
+        textwrap.dedent("""\
         @distributed(processes=2)
         def accelerate_fit():
             from accelerate import Accelerator
@@ -124,17 +131,21 @@ def test_plain_accelerator_is_distributed_over_the_ranks(kernel):
             return dict(type=accelerator.distributed_type.value, processes=accelerator.num_processes,
                         index=accelerator.process_index, ids=ids,
                         weight=accelerator.unwrap_model(model).weight.item())
-    """))
+    """)
+    )
     results = kernel.eval("accelerate_fit.distributed()")
 
     assert [(r["type"], r["processes"], r["index"]) for r in results] == [
-        ("MULTI_CPU", 2, 0), ("MULTI_CPU", 2, 1)]
+        ("MULTI_CPU", 2, 0),
+        ("MULTI_CPU", 2, 1),
+    ]
     _check_half_each(results)
 
 
 @requires("lightning")
 def test_lightning_fabric_ddp_attaches_to_the_ranks(kernel):
-    kernel.run(textwrap.dedent("""\
+    kernel.run(
+        textwrap.dedent("""\
         @distributed(processes=2)
         def fabric_fit():
             import torch.distributed as dist
@@ -157,7 +168,8 @@ def test_lightning_fabric_ddp_attaches_to_the_ranks(kernel):
             ranks = fabric.all_reduce(torch.tensor(float(fabric.global_rank)), reduce_op="sum")
             return dict(world=fabric.world_size, rank=fabric.global_rank, group=dist.get_world_size(),
                         rank_sum=ranks.item(), ids=ids, weight=model.weight.item())
-    """))
+    """)
+    )
     results = kernel.eval("fabric_fit.distributed()")
 
     assert [(r["world"], r["group"], r["rank"]) for r in results] == [(2, 2, 0), (2, 2, 1)]
@@ -176,13 +188,12 @@ def _wandb_services() -> list[int]:
 
 
 @requires("wandb")
-def test_wandb_offline_in_ranks_ends_without_a_warning_and_leaves_nothing_running(
-    kernel, tmp_path
-):
+def test_wandb_offline_in_ranks_ends_without_a_warning_and_leaves_nothing_running(kernel, tmp_path):
     import time
 
     before = set(_wandb_services())
-    text = kernel.run(textwrap.dedent(f"""\
+    text = kernel.run(
+        textwrap.dedent(f"""\
         @distributed(processes=2)
         def tracked():
             import torch.distributed as dist
@@ -196,7 +207,8 @@ def test_wandb_offline_in_ranks_ends_without_a_warning_and_leaves_nothing_runnin
             print("finished", rank)
 
         tracked.distributed()
-    """))
+    """)
+    )
     assert "[rank 0] finished 0" in text and "[rank 1] finished 1" in text, text
     assert "left a process running" not in text and "End what a rank starts" not in text, text
     assert len(list(tmp_path.glob("wandb/offline-run-*"))) == 2  # both runs were recorded

@@ -18,24 +18,31 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
     with NotebookKernel(tmp_path_factory.mktemp("kernel")) as nb:
-        nb.run(textwrap.dedent("""\
+        nb.run(
+            textwrap.dedent("""\
             import os
             import numpy as np
             import torch
             from torch.utils.data import Dataset, IterableDataset, get_worker_info
             from nbtools import distributed
-        """))
+        """)
+        )
         yield nb
 
 
-def test_cell_defined_iterable_dataset_over_volume_with_workers_ddp_and_checkpoints(kernel, tmp_path):
-    kernel.run(textwrap.dedent(f"""\
+def test_cell_defined_iterable_dataset_over_volume_with_workers_ddp_and_checkpoints(
+    kernel, tmp_path
+):
+    kernel.run(
+        textwrap.dedent(f"""\
         VOLUME, CACHE, CKPT = {str(tmp_path / "volume")!r}, {str(tmp_path / "cache")!r}, {str(tmp_path / "ckpt")!r}
         os.makedirs(VOLUME)
         for i in range(64):
             np.array([i, i / 64, 1.0, -1.0, 0.5], dtype=np.float32).tofile(os.path.join(VOLUME, f"{{i:03d}}.bin"))
-    """))
-    kernel.run(textwrap.dedent("""\
+    """)
+    )
+    kernel.run(
+        textwrap.dedent("""\
         def decode(path):                       # a helper from a cell, called in the loader workers
             row = np.fromfile(path, dtype=np.float32)
             return int(row[0]), torch.from_numpy(row[1:])
@@ -82,14 +89,17 @@ def test_cell_defined_iterable_dataset_over_volume_with_workers_ddp_and_checkpoi
             loader.close()
             return dict(rank=dist.get_rank(), world=dist.get_world_size(), start=start, seen=seen,
                         workers=sorted(workers), weight=model.module.weight.flatten().tolist())
-    """))
-    first = kernel.eval("train.distributed(stop_after=4)")   # stops after step 4, which is saved
-    second = kernel.eval("train.distributed()")              # a new launch resumes at step 5
+    """)
+    )
+    first = kernel.eval("train.distributed(stop_after=4)")  # stops after step 4, which is saved
+    second = kernel.eval("train.distributed()")  # a new launch resumes at step 5
 
     for results in (first, second):
         assert [r["rank"] for r in results] == [0, 1]
         assert all(r["world"] == 2 for r in results)
-        assert all(r["workers"] == [0, 1] for r in results), "both loader workers of each rank served data"
+        assert all(r["workers"] == [0, 1] for r in results), (
+            "both loader workers of each rank served data"
+        )
         assert results[0]["weight"] == results[1]["weight"], "DDP keeps the replicas equal"
     assert [r["start"] for r in first] == [0, 0]
     assert [r["start"] for r in second] == [5, 5]
@@ -101,7 +111,8 @@ def test_cell_defined_iterable_dataset_over_volume_with_workers_ddp_and_checkpoi
 
 
 def test_map_style_dataset_from_the_function_with_torch_loader_workers_and_sampler(kernel):
-    kernel.run(textwrap.dedent("""\
+    kernel.run(
+        textwrap.dedent("""\
         scale = lambda t: 2 * t                 # a closure from a cell, called in the workers
 
 
@@ -129,7 +140,8 @@ def test_map_style_dataset_from_the_function_with_torch_loader_workers_and_sampl
                     workers |= set(w.tolist())
                 out.append(dict(ids=ids, workers=sorted(workers)))
             return dict(rank=dist.get_rank(), world=dist.get_world_size(), epochs=out)
-    """))
+    """)
+    )
     results = kernel.eval("epochs.distributed(2)")
 
     assert [(r["rank"], r["world"]) for r in results] == [(0, 2), (1, 2)]

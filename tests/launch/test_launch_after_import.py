@@ -61,7 +61,9 @@ def test_a_failing_function_is_logged_and_never_fails_the_import(package, caplog
     hooks.after_import(f"{package}.impl", broken)
     with caplog.at_level(logging.WARNING, logger="nbtools"):
         assert importlib.import_module(package).value == "original"
-    assert "no such attribute in this version" in caplog.text and "nbt_after_pkg.impl" in caplog.text
+    assert (
+        "no such attribute in this version" in caplog.text and "nbt_after_pkg.impl" in caplog.text
+    )
 
 
 def test_every_module_patch_of_a_rank_goes_through_the_one_finder(monkeypatch):
@@ -78,6 +80,9 @@ def test_every_module_patch_of_a_rank_goes_through_the_one_finder(monkeypatch):
     added = [type(f) for f in sys.meta_path if type(f) not in before]
     assert added == [hooks._ImportWatch]
     watch = _watches()[0]
-    assert {"transformers.trainer", "lightning.pytorch.trainer.trainer",
-            "torch.distributed.checkpoint.state_dict_saver"} <= set(watch._waiting)
+    assert {
+        "transformers.trainer",
+        "lightning.pytorch.trainer.trainer",
+        "torch.distributed.checkpoint.state_dict_saver",
+    } <= set(watch._waiting)
     watch._waiting.clear()

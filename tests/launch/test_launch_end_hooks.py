@@ -33,8 +33,13 @@ def test_memory_snapshots_of_a_launch_that_failed_for_good_are_dropped(tmp_path,
         with CheckpointManager(root, every=100, memory_every=1, async_save=False) as ckpt:
             for step in range(3):
                 ckpt.maybe_save(step, model=net, optimizer=opt)
-            assert any(f.endswith(".slot") for _, _, fs in __import__("os").walk(
-                __import__("os").environ["NBTOOLS_SNAPSHOT_DIR"]) for f in fs)
+            assert any(
+                f.endswith(".slot")
+                for _, _, fs in __import__("os").walk(
+                    __import__("os").environ["NBTOOLS_SNAPSHOT_DIR"]
+                )
+                for f in fs
+            )
             raise RuntimeError("the step after the snapshots failed")
 
     with pytest.raises(DistributedError, match="the step after the snapshots failed"):

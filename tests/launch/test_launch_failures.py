@@ -59,8 +59,14 @@ def test_early_exit_reads_as_such():
 
 def test_a_peer_that_returned_explains_a_failure_in_a_collective():
     lost = from_record(
-        {"rank": 0, "exc_type": "RuntimeError", "message": "Connection closed by peer",
-         "traceback": "TB", "time": 1.0, "collective": "all_reduce"},
+        {
+            "rank": 0,
+            "exc_type": "RuntimeError",
+            "message": "Connection closed by peer",
+            "traceback": "TB",
+            "time": 1.0,
+            "collective": "all_reduce",
+        },
         attempt=0,
     )
     text = describe({0: lost}, first=0, returned=frozenset({1}))
@@ -74,8 +80,12 @@ def test_a_peer_that_returned_explains_a_failure_in_a_collective():
 def test_huge_messages_and_tracebacks_are_cut_in_the_text_only():
     message = "m" * 3_000_000
     failure = from_record(
-        {"rank": 2, "exc_type": "ValueError", "message": message,
-         "traceback": "Traceback:\n" + "  frame\n" * 50_000 + f"ValueError: {message}\n"},
+        {
+            "rank": 2,
+            "exc_type": "ValueError",
+            "message": message,
+            "traceback": "Traceback:\n" + "  frame\n" * 50_000 + f"ValueError: {message}\n",
+        },
         attempt=0,
     )
     text = describe({2: failure}, first=2)

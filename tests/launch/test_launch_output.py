@@ -153,8 +153,9 @@ def test_real_nested_tqdm_bars_keep_other_ranks_lines_intact(tmp_path):
         outer = {r: tqdm(total=2, desc="epoch", file=files[r], mininterval=0) for r in (0, 1)}
         for _ in range(2):
             for r in (0, 1):  # position=1: newlines, the bar, then cursor-up escapes
-                with tqdm(total=2, desc="eval", position=1, leave=False, file=files[r],
-                          mininterval=0) as inner:
+                with tqdm(
+                    total=2, desc="eval", position=1, leave=False, file=files[r], mininterval=0
+                ) as inner:
                     inner.update(2)
                 files[r].write("\x1b[32mgreen\x1b[0m\n")
                 files[r].flush()
@@ -173,7 +174,8 @@ def test_real_nested_tqdm_bars_keep_other_ranks_lines_intact(tmp_path):
     lines = _jupyter(raw).splitlines()
     assert all(re.match(r"\[rank [01]\] (?!\[rank)", line) for line in lines), lines
     assert [line for line in lines if "green" in line] == [
-        "[rank 0] \x1b[32mgreen\x1b[0m", "[rank 1] \x1b[32mgreen\x1b[0m"
+        "[rank 0] \x1b[32mgreen\x1b[0m",
+        "[rank 1] \x1b[32mgreen\x1b[0m",
     ] * 2
     finals = [line for line in lines if "epoch" in line]
     assert len(finals) == 2 and all("100%" in line for line in finals), lines
@@ -219,7 +221,10 @@ def test_a_stack_dump_is_folded_to_user_frames_and_kept_whole(tmp_path):
     assert any("user_script.py" in line and "in user_loop" in line for line in shown), shown
     assert not any("in _bootstrap" in line for line in shown), shown  # library frames folded
     assert any("threading.py" in line and "in wait" in line for line in shown)  # where it waits
-    assert shown[-2] == "[rank 0] +3 threads of nbtools and libraries (the whole dump: the exception's .stacks)"
+    assert (
+        shown[-2]
+        == "[rank 0] +3 threads of nbtools and libraries (the whole dump: the exception's .stacks)"
+    )
     assert shown[-1] == "[rank 0] after the dump"
     assert len(shown) < 12
     assert forwarder.stacks[0].count("(most recent call first)") == 5  # kept in full

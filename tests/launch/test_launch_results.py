@@ -22,8 +22,17 @@ def _roundtrip(value, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
-              torch.uint8, torch.bool, torch.complex64]
+    "dtype",
+    [
+        torch.float32,
+        torch.float64,
+        torch.bfloat16,
+        torch.float16,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+    ],
 )
 def test_large_tensors_travel_out_of_band_and_come_back_equal(tmp_path, dtype):
     source = (torch.arange(300_000) % 7).to(dtype)
@@ -38,7 +47,13 @@ def test_views_parameters_and_small_values_keep_their_meaning(tmp_path):
     base = torch.randn(400, 300)
     param = torch.nn.Parameter(torch.randn(200, 200))
     array = np.arange(100_000, dtype=np.float32)
-    value = {"t": base.t(), "p": param, "a": array, "small": torch.arange(3), "empty": torch.empty(0, 5)}
+    value = {
+        "t": base.t(),
+        "p": param,
+        "a": array,
+        "small": torch.arange(3),
+        "empty": torch.empty(0, 5),
+    }
     framed, back = _roundtrip(value, tmp_path)
     assert torch.equal(back["t"], base.t())
     assert isinstance(back["p"], torch.nn.Parameter) and torch.equal(back["p"], param)
@@ -92,6 +107,7 @@ def test_a_1_gib_return_value_arrives_whole():
 def test_a_write_that_fails_midway_leaves_no_partial_file(mount_tmpfs, monkeypatch):
     mnt = mount_tmpfs("1m")
     path = str(mnt / "result.pkl")
+
     # As on a filesystem without fallocate: the disk fills during the write itself.
     def no_fallocate(fd, offset, length):
         raise OSError(errno.EOPNOTSUPP, "not supported")
@@ -143,7 +159,9 @@ def test_an_unpicklable_part_is_named_by_its_path_inside_the_value():
             self.inner.lock = threading.Lock()
 
     value = {"model": Holder(), "n": [1, 2]}
-    assert _results.find_unpicklable(value) == 'result["model"].inner.lock (a lock)'.replace('"', "'")
+    assert _results.find_unpicklable(value) == 'result["model"].inner.lock (a lock)'.replace(
+        '"', "'"
+    )
     assert _results.find_unpicklable({"ok": torch.ones(3)}) is None
 
 

@@ -31,4 +31,7 @@ def test_stack_dump_frames_point_back_to_the_source():
     line = _helper.__code__.co_firstlineno + 1
     dump = f'  File "<dynamic-code>", line {line} in _helper'  # faulthandler's format
     out = localizer(_helper)(dump)
-    assert out.splitlines() == [f'  File "{__file__}", line {line} in _helper', '    raise ValueError("x")']
+    assert out.splitlines() == [
+        f'  File "{__file__}", line {line} in _helper',
+        '    raise ValueError("x")',
+    ]

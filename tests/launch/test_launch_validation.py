@@ -36,7 +36,8 @@ def square(x):
         ({"processes": 2, "hang_timeout": float("inf")}, ValueError, "finite"),
         ({"processes": 2, "hang_timeout": float("nan")}, ValueError, "finite"),
         (
-            {"processes": 2, "rich_output": "rank1"}, ValueError,
+            {"processes": 2, "rich_output": "rank1"},
+            ValueError,
             "rich_output must be one of 'rank0', 'all', 'none'",
         ),
         ({"processes": 2, "rich_output": None}, ValueError, "rich_output must be one of"),

@@ -50,7 +50,9 @@ def _uninterrupted_weights() -> torch.Tensor:
 
 
 def _setup(ip, seed=0, stop_at=None, stop_with="KeyboardInterrupt"):
-    result = ip.run_cell(SETUP.format(seed=seed) + f"\nstop_at = {stop_at!r}\nstop_with = {stop_with}\n")
+    result = ip.run_cell(
+        SETUP.format(seed=seed) + f"\nstop_at = {stop_at!r}\nstop_with = {stop_with}\n"
+    )
     assert result.success, result.error_in_exec
 
 
@@ -82,7 +84,9 @@ def test_a_fresh_run_saves_and_running_the_cell_again_continues(ip, tmp_path, ca
         ip.user_ns["checkpoint"](10)
 
 
-def test_an_interrupted_cell_completes_its_save_and_resumes_to_the_same_result(ip, tmp_path, capsys):
+def test_an_interrupted_cell_completes_its_save_and_resumes_to_the_same_result(
+    ip, tmp_path, capsys
+):
     root = tmp_path / "ckpt"
     _setup(ip, stop_at=7)
     result = _autoresume(ip, root)
@@ -115,9 +119,7 @@ def test_an_exception_keeps_its_traceback_and_the_last_checkpoint(ip, tmp_path, 
     assert checkpoint_pkg.find_latest_valid(str(root)).rstrip("/").endswith("step_3")
 
 
-def test_default_state_keep_and_the_last_expression_as_output(
-    ip, tmp_path, capsys
-):
+def test_default_state_keep_and_the_last_expression_as_output(ip, tmp_path, capsys):
     _setup(ip)
     root = tmp_path / "ckpt"
     result = _autoresume(ip, root, args="--every 2 --keep 2", body=BODY + "start_step + 100\n")
@@ -138,8 +140,15 @@ def test_default_state_keep_and_the_last_expression_as_output(
         ("ROOT --state optimizer", BODY, "optimizer 'optimizer' optimizes no parameter"),
         ("ROOT", "\n\n", "the cell has no body"),
     ],
-    ids=["unknown-name", "not-stateful", "root-not-writable", "bad-every", "no-root",
-         "optimizer-without-model", "empty-body"],
+    ids=[
+        "unknown-name",
+        "not-stateful",
+        "root-not-writable",
+        "bad-every",
+        "no-root",
+        "optimizer-without-model",
+        "empty-body",
+    ],
 )
 def test_argument_errors_are_one_clear_line(ip, tmp_path, capsys, args, body, message):
     from IPython.core.error import UsageError

@@ -48,8 +48,17 @@ class NVMLError(Exception):
 #: The stand-in's error classes by pynvml name (shared by every installed stand-in).
 ERRORS: dict[str, type[NVMLError]] = {
     f"NVMLError_{name}": type(f"NVMLError_{name}", (NVMLError,), {})
-    for name in ("NotSupported", "NoPermission", "GpuIsLost", "LibraryNotFound",
-                 "DriverNotLoaded", "FunctionNotFound", "Uninitialized", "Unknown", "NotFound")
+    for name in (
+        "NotSupported",
+        "NoPermission",
+        "GpuIsLost",
+        "LibraryNotFound",
+        "DriverNotLoaded",
+        "FunctionNotFound",
+        "Uninitialized",
+        "Unknown",
+        "NotFound",
+    )
 }
 
 
@@ -82,6 +91,7 @@ def make_fake_pynvml(gpus: list[FakeGPU], init_error: str | None = None) -> type
             if isinstance(result, Exception):
                 raise result
             return result
+
         return call
 
     nvml.nvmlInit, nvml.nvmlShutdown = nvmlInit, nvmlShutdown
@@ -139,8 +149,9 @@ class RecordingComm:
 
     def opened_state(self) -> dict:
         """The state of the opening message with its binary buffers put back in place."""
-        return with_buffers(self.opened["state"], self.opened.get("buffer_paths", []),
-                            self.opened_buffers)
+        return with_buffers(
+            self.opened["state"], self.opened.get("buffer_paths", []), self.opened_buffers
+        )
 
     def open_bytes(self) -> int:
         """Bytes of the opening message on the wire."""
@@ -163,5 +174,3 @@ def message_bytes(message: dict) -> int:
     return len(json.dumps(message["data"], separators=(",", ":"), default=str)) + sum(
         len(memoryview(b).cast("B")) for b in message["buffers"]
     )
-
-

@@ -95,8 +95,14 @@ def test_events_ride_in_the_poll_message_with_their_drawing(comms, driven, clock
     pane = GPUPane(backend=SimulatedBackend(2), display=False)
     try:
         chart = pane._chart.comm
-        events.emit("checkpoint_saved", message="saved step_200", step=200, blocked_s=0.4,
-                    upload_s=3.0, bytes=123_456)
+        events.emit(
+            "checkpoint_saved",
+            message="saved step_200",
+            step=200,
+            blocked_s=0.4,
+            upload_s=3.0,
+            bytes=123_456,
+        )
         events.emit("input_stall", rank=1, seconds=2.5)
         events.emit("rank_failed", message="rank 1 exited with SIGKILL", rank=1)
         events.emit("eval", message="val loss 1.93", step=200, value=1.93)
@@ -237,9 +243,19 @@ def test_closing_the_pane_stops_receiving_events(comms, driven):
 
 
 def test_kinds_and_spans():
-    assert [category(k) for k in ("checkpoint_saved", "input_stall", "rank_failed", "restart",
-                                  "launch", "finished", "checkpoint_restored", "eval")] == [
-        "save", "stall", "failure", "restart", "run", "run", "mark", "mark"]
+    assert [
+        category(k)
+        for k in (
+            "checkpoint_saved",
+            "input_stall",
+            "rank_failed",
+            "restart",
+            "launch",
+            "finished",
+            "checkpoint_restored",
+            "eval",
+        )
+    ] == ["save", "stall", "failure", "restart", "run", "run", "mark", "mark"]
     event = events.Event(100.0, "h", 0, 1, "checkpoint_saved", None, 3, {"blocked_s": "bad"})
     assert encode(event)[5] is None  # no usable duration: drawn as an instant
     long = events.Event(100.0, "other", 0, 1, "eval", "m" * 500, None, {})
@@ -300,7 +316,9 @@ def test_step_rates_ride_the_polls_and_a_new_rank_brings_the_whole_figure(comms,
         events.bus().publish([_report(0, 30, t0 + 4), _report(1, 16, t0 + 4)])
         _poll(sampler, clock)
         assert chart.custom_messages()[-1]["sr"] == [
-            [0, round((t0 + 4) * 1000), 5.0], [1, round((t0 + 4) * 1000), 0.5]]
+            [0, round((t0 + 4) * 1000), 5.0],
+            [1, round((t0 + 4) * 1000), 0.5],
+        ]
         # Rank 1 goes silent while rank 0 reports: it drops to 0 steps/s.
         events.bus().publish([_report(0, 60, t0 + 10)])
         _poll(sampler, clock)
@@ -313,23 +331,46 @@ def test_step_rates_ride_the_polls_and_a_new_rank_brings_the_whole_figure(comms,
 
 def test_a_flag_is_listed_as_the_on_call_engineer_reads_it():
     base = {"node": "node-b", "since": 1000.0}
-    hang = events.Event(1090.0, "k", 5, 1, "hang", "long text", None,
-                        {**base, "stalled_s": 90.0, "collective": "all_reduce #1812",
-                         "entered": True})
+    hang = events.Event(
+        1090.0,
+        "k",
+        5,
+        1,
+        "hang",
+        "long text",
+        None,
+        {**base, "stalled_s": 90.0, "collective": "all_reduce #1812", "entered": True},
+    )
     row = encode(hang)
     assert row[6] == "rank 5 on node-b stalled 90 s in all_reduce #1812" and row[7] == 0
     assert row[5] == 1000000  # the band starts where the hang began
-    outside = events.Event(1090.0, "k", 1, 1, "hang", "long text", None,
-                           {**base, "stalled_s": 90.0, "collective": "all_reduce #1812",
-                            "entered": False})
+    outside = events.Event(
+        1090.0,
+        "k",
+        1,
+        1,
+        "hang",
+        "long text",
+        None,
+        {**base, "stalled_s": 90.0, "collective": "all_reduce #1812", "entered": False},
+    )
     assert encode(outside)[6] == (
-        "rank 1 on node-b stalled 90 s; the others wait in all_reduce #1812, which it never entered")
-    straggler = events.Event(1090.0, "k", 3, 1, "straggler",
-                             "rank 3 on node-b at 0.62 of the median step rate since 12:04:00",
-                             None, {**base, "score": 0.62})
+        "rank 1 on node-b stalled 90 s; the others wait in all_reduce #1812, which it never entered"
+    )
+    straggler = events.Event(
+        1090.0,
+        "k",
+        3,
+        1,
+        "straggler",
+        "rank 3 on node-b at 0.62 of the median step rate since 12:04:00",
+        None,
+        {**base, "score": 0.62},
+    )
     assert encode(straggler)[6].startswith("rank 3 on node-b at 0.62 of the median step rate")
-    ended = events.Event(1200.0, "k", 3, 1, "straggler", "rank 3 on node-b: over", None,
-                         {**base, "ended": True})
+    ended = events.Event(
+        1200.0, "k", 3, 1, "straggler", "rank 3 on node-b: over", None, {**base, "ended": True}
+    )
     assert encode(ended)[7] == 1
 
 

@@ -79,9 +79,11 @@ def test_simulated_backend_is_deterministic_plausible_and_labelled():
 
 @pytest.mark.parametrize(
     ("options", "match"),
-    [({"num_gpus": 0}, "num_gpus must be a positive integer"),
-     ({"unsupported": ["fan"]}, "unknown fields"),
-     ({"speed": 0}, "speed must be a positive")],
+    [
+        ({"num_gpus": 0}, "num_gpus must be a positive integer"),
+        ({"unsupported": ["fan"]}, "unknown fields"),
+        ({"speed": 0}, "speed must be a positive"),
+    ],
 )
 def test_simulated_backend_validates(options, match):
     with pytest.raises(ValueError, match=match):

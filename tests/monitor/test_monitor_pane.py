@@ -54,7 +54,8 @@ def test_each_poll_sends_a_small_custom_message(comms, driven, clock):
         assert len(polls) == 5
         assert all(m["data"]["method"] == "custom" for m in polls)
         assert [m["data"]["content"]["n"] for m in polls] == list(
-            range(figure["n"] + 1, figure["n"] + 6))
+            range(figure["n"] + 1, figure["n"] + 6)
+        )
         content = polls[-1]["data"]["content"]
         assert content["t"] == round(clock.now * 1000) and content["r"] == 0
         assert len(content["g"]) == 8 and all(len(row) == 5 for row in content["g"])
@@ -75,7 +76,12 @@ def test_a_new_host_resends_the_figure_grouped_by_host(comms, driven, clock):
         figure = update["state"]["_figure"]
         assert figure["hosts"] == 2 and len(figure["data"]) == 15
         assert [g[:2] for g in figure["gpus"]] == [
-            ["simulated", 0], ["simulated", 1], ["node1", 0], ["node1", 1], ["node1", 2]]
+            ["simulated", 0],
+            ["simulated", 1],
+            ["node1", 0],
+            ["node1", 1],
+            ["node1", 2],
+        ]
         clock.advance(1)
         sampler.ingest(Sample("node1", clock.now, tuple(remote.read(clock.now)), "simulated"))
         assert chart.custom_messages()[-1]["r"] == 2  # node1's rows follow the local GPUs
@@ -216,10 +222,13 @@ def test_bad_timing_is_refused_before_anything_starts(comms, options, error, mat
     assert sampler_threads() == [] and comms == []
 
 
-def test_the_documented_history_argument_is_seconds_and_history_is_the_samples(comms, driven, clock):
+def test_the_documented_history_argument_is_seconds_and_history_is_the_samples(
+    comms, driven, clock
+):
     sampler = driven(num_gpus=2, history_seconds=60)
-    pane = GPUPane(interval=10, history=60, idle_timeout=300, backend=SimulatedBackend(2),
-                   display=False)
+    pane = GPUPane(
+        interval=10, history=60, idle_timeout=300, backend=SimulatedBackend(2), display=False
+    )
     try:
         assert pane.sampler is sampler and sampler.history_seconds == 60
         for _ in range(20):

@@ -183,7 +183,11 @@ def test_samples_from_other_hosts_are_grouped_by_host(make, clock):
     sampler.ingest(Sample("node1", clock.now, tuple(remote.read(clock.now)), "simulated"))
     assert sampler.samples.hosts() == ["simulated", "node1"]
     assert [(h, i) for h, i, _ in sampler.samples.gpus()] == [
-        ("simulated", 0), ("simulated", 1), ("node1", 0), ("node1", 1), ("node1", 2)
+        ("simulated", 0),
+        ("simulated", 1),
+        ("node1", 0),
+        ("node1", 1),
+        ("node1", 2),
     ]
     with pytest.raises(TypeError, match="Sample"):
         sampler.ingest({"host": "x"})

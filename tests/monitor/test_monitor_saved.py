@@ -66,9 +66,18 @@ def _run(cells: list[str], path) -> nbformat.NotebookNode:
 
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(source) for source in cells]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    NotebookClient(nb, timeout=180, kernel_name="python3", store_widget_state=True,
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    NotebookClient(
+        nb,
+        timeout=180,
+        kernel_name="python3",
+        store_widget_state=True,
+        resources={"metadata": {"path": str(path.parent)}},
+    ).execute()
     nbformat.write(nb, str(path))  # what a save writes
     return nb
 
@@ -83,8 +92,12 @@ def saved(tmp_path_factory):
 
 
 def _pane_outputs(nb) -> list[dict]:
-    return [o["data"] for cell in nb.cells for o in cell.get("outputs", [])
-            if o.get("output_type") == "display_data"]
+    return [
+        o["data"]
+        for cell in nb.cells
+        for o in cell.get("outputs", [])
+        if o.get("output_type") == "display_data"
+    ]
 
 
 def _pane_output(nb) -> dict:
@@ -127,7 +140,9 @@ def test_a_closed_pane_keeps_its_picture_and_text(saved):
 
 
 @pytest.mark.browser
-@pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK), reason=f"needs Debian's chromium at {CHROMIUM}")
+@pytest.mark.skipif(
+    not os.access(CHROMIUM, os.X_OK), reason=f"needs Debian's chromium at {CHROMIUM}"
+)
 @pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="needs playwright")
 def test_nbconvert_html_without_widget_state_shows_the_chart(saved, tmp_path):
     from nbconvert import HTMLExporter
@@ -141,15 +156,19 @@ def test_nbconvert_html_without_widget_state_shows_the_chart(saved, tmp_path):
     page_path = tmp_path / "pane.html"
     page_path.write_text(body, encoding="utf-8")
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM,
-                                     args=["--headless", "--no-sandbox", "--disable-gpu"])
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"]
+        )
         try:
             page = browser.new_page(viewport={"width": 1200, "height": 1000})
             page.goto(page_path.as_uri())
             image = page.locator(".jp-OutputArea-output img").first
             image.wait_for(timeout=30_000)
-            page.wait_for_function("(img) => img.complete && img.naturalWidth > 0",
-                                   arg=image.element_handle(), timeout=30_000)
+            page.wait_for_function(
+                "(img) => img.complete && img.naturalWidth > 0",
+                arg=image.element_handle(),
+                timeout=30_000,
+            )
             shot = Image.open(io.BytesIO(image.screenshot())).convert("RGB")
         finally:
             browser.close()

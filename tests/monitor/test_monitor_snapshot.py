@@ -23,8 +23,10 @@ pytest.importorskip("anywidget", reason="the pane's chart needs anywidget")
 pytestmark = pytest.mark.usefixtures("clean_bus")
 
 VIEW = "application/vnd.jupyter.widget-view+json"
-LINE = re.compile(r"^GPU pane · 2 GPUs \(simulated\) · last sample \d\d:\d\d:\d\d · "
-                  r"util \d+ % / \d+ % · \d+ events?")
+LINE = re.compile(
+    r"^GPU pane · 2 GPUs \(simulated\) · last sample \d\d:\d\d:\d\d · "
+    r"util \d+ % / \d+ % · \d+ events?"
+)
 
 
 class Outputs:
@@ -94,13 +96,17 @@ def test_the_output_holds_the_view_then_a_picture_and_text_and_keeps_the_picture
         pane._display.show()
         (kind, view, view_id, _), (kind2, data, picture_id, _) = outputs.calls
         assert (kind, kind2) == ("display", "display") and view_id != picture_id
-        assert view == {VIEW: {"version_major": 2, "version_minor": 0,
-                               "model_id": pane.widget.model_id}, "text/plain": ""}
+        assert view == {
+            VIEW: {"version_major": 2, "version_minor": 0, "model_id": pane.widget.model_id},
+            "text/plain": "",
+        }
         assert set(data) == {VIEW, "image/png", "text/plain"}
         # A front end with the widget manager draws the hidden widget there, not the picture.
         anchor = pane._display._anchor
         assert data[VIEW]["model_id"] == anchor.model_id != pane.widget.model_id
-        assert anchor.layout.display == "none" and display_module.ANCHOR_CLASS in anchor._dom_classes
+        assert (
+            anchor.layout.display == "none" and display_module.ANCHOR_CLASS in anchor._dom_classes
+        )
         assert LINE.match(data["text/plain"]) and data["text/plain"].endswith("0 events")
         _png(data)
         assert pane._chart._snapshot == _png(data)  # also what a kernel-less view shows
@@ -112,7 +118,10 @@ def test_the_output_holds_the_view_then_a_picture_and_text_and_keeps_the_picture
         assert VIEW in data and "1 event · paused by the user" in data["text/plain"]
     finally:
         pane.close()
-    assert [(c[0], c[2]) for c in outputs.calls[-2:]] == [("update", view_id), ("update", picture_id)]
+    assert [(c[0], c[2]) for c in outputs.calls[-2:]] == [
+        ("update", view_id),
+        ("update", picture_id),
+    ]
     assert outputs.calls[-2][1] == {"text/plain": ""}  # the live view ended with the pane
     data = outputs.calls[-1][1]
     assert set(data) == {"image/png", "text/plain"}  # no hidden widget either
@@ -160,8 +169,11 @@ def test_plotly_js_is_pushed_twice_per_kernel_and_sent_to_whoever_asks(
     monkeypatch.setitem(widget_module._pushes, "left", widget_module.PUSHES)
 
     def pushes(pane) -> int:
-        return sum(1 for m in pane._chart.comm.sent
-                   if m["data"].get("content", {}).get("k") == "lib" and m["buffers"])
+        return sum(
+            1
+            for m in pane._chart.comm.sent
+            if m["data"].get("content", {}).get("k") == "lib" and m["buffers"]
+        )
 
     first = GPUPane(backend=SimulatedBackend(2), display=False)
     second = GPUPane(backend=SimulatedBackend(2), display=False)
@@ -257,8 +269,9 @@ def test_while_a_live_view_watches_the_saved_picture_follows_the_run_by_the_minu
 
 
 def _progress(rank: int, steps: int, at: float) -> events.Event:
-    return events.Event(at, "node-b", rank, 100 + rank, "progress", None, steps,
-                        {"steps": steps, "cpu": 0.0})
+    return events.Event(
+        at, "node-b", rank, 100 + rank, "progress", None, steps, {"steps": steps, "cpu": 0.0}
+    )
 
 
 def test_step_rates_come_from_progress_reports_and_a_silent_rank_drops_to_zero():
@@ -278,13 +291,29 @@ def test_to_html_without_gpus_shows_step_rates_the_flags_and_a_legend(comms, tmp
     from nbtools.monitor.timeline import encode, step_rates
 
     now = time.time()
-    reports = [_progress(r, (5 if r == 3 else 10) * i, now - 60 + i) for r in range(4)
-               for i in range(1, 60)]
-    flag = events.Event(now - 20, "kernel", 3, 1, "straggler",
-                        "rank 3 on node-b at 0.50 of the median step rate since 12:04:05", 50,
-                        {"node": "node-b", "since": now - 30, "score": 0.5})
-    path = write_html(tmp_path / "run.html", History(capacity=10), [encode(flag)], {}, "NVML",
-                      rates=step_rates(reports))
+    reports = [
+        _progress(r, (5 if r == 3 else 10) * i, now - 60 + i)
+        for r in range(4)
+        for i in range(1, 60)
+    ]
+    flag = events.Event(
+        now - 20,
+        "kernel",
+        3,
+        1,
+        "straggler",
+        "rank 3 on node-b at 0.50 of the median step rate since 12:04:05",
+        50,
+        {"node": "node-b", "since": now - 30, "score": 0.5},
+    )
+    path = write_html(
+        tmp_path / "run.html",
+        History(capacity=10),
+        [encode(flag)],
+        {},
+        "NVML",
+        rates=step_rates(reports),
+    )
     text = open(path).read()
     assert "Steps per second, by rank" in text and "rank 3 (straggler)" in text
     assert "rank 3 on node-b at 0.50 of the median step rate since 12:04:05" in text

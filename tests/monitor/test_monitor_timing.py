@@ -60,8 +60,9 @@ def test_a_bad_idle_timeout_is_refused(idle):
 def test_a_short_interval_against_a_long_history_keeps_a_bounded_ring(clock, caplog):
     caplog.set_level(logging.WARNING, logger="nbtools")
     month = 30 * 24 * 3600.0
-    sampler = Sampler(SimulatedBackend(8), interval=0.01, history_seconds=month,
-                      clock=clock, start=False)
+    sampler = Sampler(
+        SimulatedBackend(8), interval=0.01, history_seconds=month, clock=clock, start=False
+    )
     try:
         assert sampler.samples.capacity == MAX_HISTORY_POINTS
         assert "keeping the newest 20000" in caplog.text and "Use a longer interval" in caplog.text
@@ -97,7 +98,9 @@ def test_defaults_are_defined_once_and_acquire_has_typed_parameters():
 
 
 def test_seconds_of_history_and_the_samples_have_different_names(clock):
-    sampler = Sampler(SimulatedBackend(1), interval=10, history_seconds=60, clock=clock, start=False)
+    sampler = Sampler(
+        SimulatedBackend(1), interval=10, history_seconds=60, clock=clock, start=False
+    )
     try:
         assert sampler.history_seconds == 60.0
         assert isinstance(sampler.samples, History) and sampler.samples.capacity == 7

@@ -21,7 +21,9 @@ def pool():
 
 
 def test_state_stays_on_the_ranks_between_calls(pool):
-    pool.execute("import torch\nimport torch.distributed as dist\nw = torch.ones(2) * (dist.get_rank() + 1)")
+    pool.execute(
+        "import torch\nimport torch.distributed as dist\nw = torch.ones(2) * (dist.get_rank() + 1)"
+    )
     pids = pool.pids
     assert pool.execute("w.sum().item()") == [2.0, 4.0]
     assert pool.execute("dist.all_reduce(w)\nw.tolist()") == [[3.0, 3.0], [3.0, 3.0]]
@@ -56,7 +58,8 @@ def test_pool_calls_run_the_launch_integrations_of_the_libraries_they_use(pool, 
     calls = []
     monkeypatch.setattr(sys.modules[__name__], "_probe", lambda: calls.append(1), raising=False)
     monkeypatch.setitem(
-        hooks._REGISTRY, "fractions",
+        hooks._REGISTRY,
+        "fractions",
         hooks.Integration("fractions", before_launch=f"{__name__}:_probe"),
     )
     namespace = {"__name__": "__main__"}
@@ -105,7 +108,9 @@ def test_bad_input_is_one_clear_line(pool):
     with pytest.raises(PicklingError, match="'lock'.*cannot be sent to the ranks"):
         pool.push(lock=threading.Lock())
     pool.execute("import threading\nheld = threading.Lock()")
-    with pytest.raises(PicklingError, match="rank 0: 'held' \\(lock\\) cannot be sent to the notebook"):
+    with pytest.raises(
+        PicklingError, match="rank 0: 'held' \\(lock\\) cannot be sent to the notebook"
+    ):
         pool.pull("held")
     with pytest.raises(ValueError, match="not a Python name"):
         pool.push(**{"not a name": 1})

@@ -101,7 +101,9 @@ def test_an_interrupt_stops_user_code_on_every_rank_and_keeps_the_pool(monkeypat
                 )
         finally:
             interrupter.join()
-        assert "[rank 0] interrupted here" in out.buffer and "[rank 1] interrupted here" in out.buffer
+        assert (
+            "[rank 0] interrupted here" in out.buffer and "[rank 1] interrupted here" in out.buffer
+        )
         assert pool.pids == pids
         assert pool.pull("x") == [1, 1]
 

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json, multiprocessing, os, sys
     from nbtools.launch import RankPool, distributed
 
@@ -52,7 +52,7 @@ SCRIPT = textwrap.dedent('''
     report["after_child_call"] = pool.pull("x")
     print(json.dumps(report))
     sys.stdout.flush()
-''')
+""")
 
 
 @pytest.mark.slow
@@ -60,7 +60,10 @@ def test_a_forked_child_that_exits_leaves_the_parents_pool_running(tmp_path):
     script = tmp_path / "forking_kernel.py"
     script.write_text(SCRIPT)
     proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=240,
         env={**os.environ, "PYTHONPATH": os.getcwd()},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -74,4 +77,6 @@ def test_a_forked_child_that_exits_leaves_the_parents_pool_running(tmp_path):
     # The parent's own exit still stops its ranks and removes its files.
     assert not os.path.exists(report["dir"])
     for pid in report["pids"]:
-        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+        assert (
+            not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+        )

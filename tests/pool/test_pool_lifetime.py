@@ -90,7 +90,7 @@ def test_keep_alive_must_be_a_bool():
         distributed(processes=1, keep_alive="yes")
 
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json, sys
     from nbtools.launch import RankPool
 
@@ -113,7 +113,7 @@ SCRIPT = textwrap.dedent('''
                       "pids": pool.pids, "dir": pool._run_dir}))
     sys.stdout.flush()
     # No close(): the end of the interpreter (of the kernel) stops the ranks.
-''')
+""")
 
 
 @pytest.mark.slow
@@ -122,7 +122,10 @@ def test_notebook_functions_see_rank_globals_and_the_exit_leaves_nothing(tmp_pat
     script.write_text(SCRIPT)
     shm_before = set(os.listdir("/dev/shm"))
     proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
         env={**os.environ, "PYTHONPATH": os.getcwd()},
     )
     assert proc.returncode == 0, proc.stderr

@@ -20,7 +20,9 @@ def test_a_cell_without_a_pool_is_one_clear_line(ip):
         ip.run_line_magic("distributed", "pull x")
     with pytest.raises(UsageError, match="Usage"):
         ip.run_line_magic("distributed", "begin")
-    with pytest.raises(UsageError, match="--rich-output.*'every'.*choose from 'rank0', 'all', 'none'"):
+    with pytest.raises(
+        UsageError, match="--rich-output.*'every'.*choose from 'rank0', 'all', 'none'"
+    ):
         ip.run_line_magic("distributed", "start --processes 1 --rich-output every")
 
 
@@ -80,7 +82,10 @@ def test_cells_on_a_pool_in_a_real_kernel(tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(source) for source in NOTEBOOK]
     client = nbclient.NotebookClient(
-        nb, timeout=240, kernel_name="python3", allow_errors=True,
+        nb,
+        timeout=240,
+        kernel_name="python3",
+        allow_errors=True,
         resources={"metadata": {"path": str(tmp_path)}},
     )
     client.execute()
@@ -88,7 +93,10 @@ def test_cells_on_a_pool_in_a_real_kernel(tmp_path):
     assert "started 2 ranks" in _outputs(cells[1], "display")
     lines = sorted(_outputs(cells[2]).splitlines())  # ranks print at the same time
     assert lines == ["[rank 0] made [1.0, 1.0]", "[rank 1] made [2.0, 2.0]"]
-    assert _outputs(cells[3], "display").splitlines() == ["[rank 0] tensor(6.)", "[rank 1] tensor(6.)"]
+    assert _outputs(cells[3], "display").splitlines() == [
+        "[rank 0] tensor(6.)",
+        "[rank 1] tensor(6.)",
+    ]
     assert json.loads(_outputs(cells[4])) == [[3.0, 3.0], [3.0, 3.0]]
     status = _outputs(cells[5], "display")
     assert "uptime" in status and "RankPool 2 ranks" in status
@@ -103,16 +111,22 @@ def test_cells_on_a_pool_in_a_real_kernel(tmp_path):
 
 def test_shutting_the_kernel_down_stops_the_ranks(tmp_path):
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(source) for source in (
-        "%load_ext nbtools",
-        "%distributed start --processes 2",
-        "import json\nfrom nbtools.launch import RankPool\npool = RankPool(processes=1)\n"
-        "pool.execute('import torch\\nkept = torch.ones(3)')\n"
-        "print(json.dumps({'pids': pool.pids + get_ipython().magics_manager.registry"
-        "['DistributedMagics'].pool.pids, 'dir': pool._run_dir}))",
-    )]
+    nb.cells = [
+        nbformat.v4.new_code_cell(source)
+        for source in (
+            "%load_ext nbtools",
+            "%distributed start --processes 2",
+            "import json\nfrom nbtools.launch import RankPool\npool = RankPool(processes=1)\n"
+            "pool.execute('import torch\\nkept = torch.ones(3)')\n"
+            "print(json.dumps({'pids': pool.pids + get_ipython().magics_manager.registry"
+            "['DistributedMagics'].pool.pids, 'dir': pool._run_dir}))",
+        )
+    ]
     client = nbclient.NotebookClient(
-        nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}},
+        nb,
+        timeout=240,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
     )
     client.execute()  # shuts the kernel down at the end, as closing a notebook does
     report = json.loads(_outputs(nb.cells[2]))

@@ -79,9 +79,10 @@ def test_a_cell_class_and_a_large_tensor_pushed_together_arrive_intact():
     x = torch.arange(16 * _MIB // 4, dtype=torch.float32)
     with RankPool(processes=2, output="none") as pool:
         pool.push(config=cell["Config"](0.5), x=x)
-        assert pool.execute("(type(config).__name__, config.lr, float(x[-1]))") == [
-            ("Config", 0.5, float(x[-1]))
-        ] * 2
+        assert (
+            pool.execute("(type(config).__name__, config.lr, float(x[-1]))")
+            == [("Config", 0.5, float(x[-1]))] * 2
+        )
         pool.execute("x += 1")  # the received tensor is the rank's own, writable
         assert all(torch.equal(b, x + 1) for b in pool.pull("x"))
 

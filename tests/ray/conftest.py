@@ -53,7 +53,8 @@ def no_leaks(request):
     # Ray's state is only asked about when the test used the cluster.
     problems = wait_until_clean() if "ray_cluster" in request.fixturenames else []
     new_tmp = sorted(
-        e for e in set(os.listdir(tempfile.gettempdir())) - tmp_before
+        e
+        for e in set(os.listdir(tempfile.gettempdir())) - tmp_before
         if not e.startswith(("pytest-", "pymp-", "ray"))
     )
     if new_tmp:

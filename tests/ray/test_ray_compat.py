@@ -44,10 +44,16 @@ def test_private_ray_names_only_in_the_boundary_module():
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
             elif isinstance(node, ast.Import):
                 offenders += [
-                    f"{path.relative_to(ROOT)}:{node.lineno}" for a in node.names
-                    if a.name.startswith("ray.") and any(p.startswith("_") for p in a.name.split("."))
+                    f"{path.relative_to(ROOT)}:{node.lineno}"
+                    for a in node.names
+                    if a.name.startswith("ray.")
+                    and any(p.startswith("_") for p in a.name.split("."))
                 ]
-            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            elif (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
                 inner = node.value
                 while isinstance(inner, ast.Attribute):
                     inner = inner.value

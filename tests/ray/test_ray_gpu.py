@@ -17,8 +17,9 @@ pytestmark = [
 
 def test_one_gpu_rank_on_a_local_ray_node(tmp_path):
     script = tmp_path / "gpu_driver.py"
-    script.write_text(textwrap.dedent(
-        """
+    script.write_text(
+        textwrap.dedent(
+            """
         import json, os
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         import ray
@@ -43,13 +44,14 @@ def test_one_gpu_rank_on_a_local_ray_node(tmp_path):
         finally:
             ray.shutdown()
         """
-    ))
+        )
+    )
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=400)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, out.stdout[-3000:] + out.stderr[-3000:]
     import json
 
-    [result] = json.loads(lines[0][len("RESULT "):])
+    [result] = json.loads(lines[0][len("RESULT ") :])
     assert "nccl" in result["backend"]
     assert result["device"] == "cuda:0" and result["current"] == 0
     assert result["visible"] and result["sum"] == 4.0

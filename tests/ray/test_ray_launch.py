@@ -20,8 +20,12 @@ pytestmark = pytest.mark.slow
 
 
 def test_four_ranks_over_two_nodes(ray_cluster):
-    @distributed(processes=4, cluster="ray", nodes=2,
-                 runtime_env={"env_vars": {"NBTOOLS_TEST_FLAG": "from-runtime-env"}})
+    @distributed(
+        processes=4,
+        cluster="ray",
+        nodes=2,
+        runtime_env={"env_vars": {"NBTOOLS_TEST_FLAG": "from-runtime-env"}},
+    )
     def where(scale):
         import os
 
@@ -36,14 +40,28 @@ def test_four_ranks_over_two_nodes(ray_cluster):
 
         t = torch.tensor([float(dist.get_rank() + 1)])
         dist.all_reduce(t)
-        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                 "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "NBTOOLS_NODE_ID",
-                 "NBTOOLS_TEST_FLAG")
+        names = (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "NODE_RANK",
+            "GROUP_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "NBTOOLS_NODE_ID",
+            "NBTOOLS_TEST_FLAG",
+        )
         return {
             "env": {n: os.environ.get(n) for n in names},
             "sum": Cell(t.item() * scale).value,
-            "runtime": (runtime.get_rank(), runtime.get_local_rank(), runtime.get_world_size(),
-                        runtime.get_local_world_size(), runtime.get_node_rank()),
+            "runtime": (
+                runtime.get_rank(),
+                runtime.get_local_rank(),
+                runtime.get_world_size(),
+                runtime.get_local_world_size(),
+                runtime.get_node_rank(),
+            ),
             "backend": dist.get_backend(),
         }
 
@@ -61,7 +79,10 @@ def test_four_ranks_over_two_nodes(ray_cluster):
     assert {r["env"]["MASTER_ADDR"] for r in results} == {"127.0.0.1"}
     assert {r["env"]["NBTOOLS_TEST_FLAG"] for r in results} == {"from-runtime-env"}
     assert [r["runtime"] for r in results] == [
-        (0, 0, 4, 2, 0), (1, 1, 4, 2, 0), (2, 0, 4, 2, 1), (3, 1, 4, 2, 1)
+        (0, 0, 4, 2, 0),
+        (1, 1, 4, 2, 0),
+        (2, 0, 4, 2, 1),
+        (3, 1, 4, 2, 1),
     ]
 
 

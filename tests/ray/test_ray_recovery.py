@@ -83,16 +83,22 @@ def _training_cell():
 
         rank, attempt = runtime.get_rank(), runtime.get_restart_count()
         torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        net = torch.nn.Sequential(
+            torch.nn.Linear(FEATURES, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+        )
         model = DistributedDataParallel(net)
         optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
         node = os.environ.get("NBTOOLS_NODE_ID", "local")
-        files = VolumeDataset(volume, shuffle=True, seed=0, cache_dir=os.path.join(root, "cache", node))
+        files = VolumeDataset(
+            volume, shuffle=True, seed=0, cache_dir=os.path.join(root, "cache", node)
+        )
         loader = DataLoader(DecodedSamples(files), batch_size=4, num_workers=0)
         total = 2 * len(files) // (4 * runtime.get_world_size())
         state = {"model": model, "optimizer": optimizer, "loader": loader}
         staging = os.path.join(root, "staging", node, str(rank))
-        with CheckpointManager(os.path.join(root, "ckpt"), every=2, keep=2, staging_dir=staging) as ckpt:
+        with CheckpointManager(
+            os.path.join(root, "ckpt"), every=2, keep=2, staging_dir=staging
+        ) as ckpt:
             step = ckpt.restore(**state)
             restored = ckpt.restored_step
             while step < total:

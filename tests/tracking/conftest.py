@@ -11,7 +11,12 @@ import pytest
 # It must be off before mlflow is first imported.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-_MLFLOW_ENV = ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_TRACKING_URI")
+_MLFLOW_ENV = (
+    "MLFLOW_RUN_ID",
+    "MLFLOW_EXPERIMENT_NAME",
+    "MLFLOW_EXPERIMENT_ID",
+    "MLFLOW_TRACKING_URI",
+)
 
 
 @pytest.fixture(scope="module")

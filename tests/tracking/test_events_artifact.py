@@ -47,7 +47,9 @@ def test_the_events_of_the_run_are_stored_when_the_logger_closes(client, experim
     lines = files[0]
     assert [line["kind"] for line in lines] == ["checkpoint_saved", "eval"]
     saved, evaluated = lines
-    assert saved["step"] == 100 and saved["blocked_s"] == 0.4 and saved["message"] == "saved step_100"
+    assert (
+        saved["step"] == 100 and saved["blocked_s"] == 0.4 and saved["message"] == "saved step_100"
+    )
     assert evaluated["value"] == 1.93 and evaluated["split"] == "val"
     assert {"time", "host", "rank", "pid"} <= set(saved)
     assert client.get_run(run.run_id).data.tags["nbtools.events_dropped"] == "3"

@@ -14,7 +14,9 @@ def test_the_run_stack_is_the_list_mlflows_active_run_reads(tracking_uri):
     import mlflow
 
     stack = run_stack()
-    assert stack == [], "this MLflow has no per-thread run stack: the logger would open runs on the caller's thread"
+    assert stack == [], (
+        "this MLflow has no per-thread run stack: the logger would open runs on the caller's thread"
+    )
     with mlflow.start_run() as run:
         assert run_stack() is stack and stack[-1] is mlflow.active_run() is run
         seen: list = []

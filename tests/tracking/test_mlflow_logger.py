@@ -238,7 +238,9 @@ def test_a_logger_left_open_is_flushed_and_ended_when_the_interpreter_exits(clie
         """
     )
     env = dict(os.environ, MLFLOW_TRACKING_URI=tracking_uri)
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     run_id = proc.stdout.strip().splitlines()[-1]
     assert len(_history(client, run_id, "loss")) == 3000
@@ -351,7 +353,9 @@ def test_close_reports_what_it_could_not_write_in_its_time(client):
         client.delete_run(run.run_id)
         for step in range(1, 40):
             run.log_metric("loss", float(step), step=step)
-        with pytest.raises(TrackingError, match="39 metric values were dropped.*within 1 s of close"):
+        with pytest.raises(
+            TrackingError, match="39 metric values were dropped.*within 1 s of close"
+        ):
             run.close()
         client.restore_run(run.run_id)
     assert run.closed and _writer_threads() == []

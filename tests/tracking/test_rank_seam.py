@@ -39,11 +39,23 @@ SCRIPT = """
 
 def _as_rank(rank: int, uri: str) -> tuple[dict, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    env.update(RANK=str(rank), WORLD_SIZE="2", MLFLOW_TRACKING_URI=uri,
-               MLFLOW_DISABLE_TELEMETRY="true", MLFLOW_EXPERIMENT_NAME="/Users/t/seam")
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT)], env=env,
-                         capture_output=True, text=True, timeout=240)
-    return (json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {}), out.stderr
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        MLFLOW_TRACKING_URI=uri,
+        MLFLOW_DISABLE_TELEMETRY="true",
+        MLFLOW_EXPERIMENT_NAME="/Users/t/seam",
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SCRIPT)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    return (
+        json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {}
+    ), out.stderr
 
 
 def test_a_rank_other_than_zero_records_nothing_and_its_script_still_runs(tmp_path):
@@ -95,8 +107,13 @@ def test_the_kernel_creates_the_store_only_for_code_that_uses_mlflow(tmp_path):
     db = tmp_path / "new" / "mlflow.db"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env.update(MLFLOW_TRACKING_URI=f"sqlite:///{db}", MLFLOW_DISABLE_TELEMETRY="true")
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(KERNEL), str(db)], env=env,
-                         capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(KERNEL), str(db)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen == {"plain": False, "db": True}, out.stderr
@@ -141,8 +158,14 @@ CHOSEN_IN_KERNEL = """
 def test_the_tracking_uri_and_experiment_chosen_in_the_kernel_reach_the_ranks(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env.update(MLFLOW_DISABLE_TELEMETRY="true")
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(CHOSEN_IN_KERNEL)],
-                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CHOSEN_IN_KERNEL)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["rc"] == 0, seen["err"]

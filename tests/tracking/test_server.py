@@ -74,23 +74,46 @@ def _server(tmp_path: Path):
     port = _free_port()
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    env = dict(os.environ, TMPDIR=str(scratch), MLFLOW_DISABLE_TELEMETRY="true",
-               # The job runner starts a dozen processes and a /dev/shm queue; not needed here.
-               MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+    env = dict(
+        os.environ,
+        TMPDIR=str(scratch),
+        MLFLOW_DISABLE_TELEMETRY="true",
+        # The job runner starts a dozen processes and a /dev/shm queue; not needed here.
+        MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
+    )
     env.pop("MLFLOW_TRACKING_URI", None)
     log = open(tmp_path / "server.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-         "--artifacts-destination", str(tmp_path / "artifacts")],
-        cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'server.db'}",
+            "--artifacts-destination",
+            str(tmp_path / "artifacts"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     uri = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
         while True:
             if proc.poll() is not None:
-                pytest.fail("mlflow server exited:\n" + (tmp_path / "server.log").read_text()[-3000:])
+                pytest.fail(
+                    "mlflow server exited:\n" + (tmp_path / "server.log").read_text()[-3000:]
+                )
             try:
                 with urllib.request.urlopen(f"{uri}/health", timeout=1) as response:
                     if response.status == 200:
@@ -104,7 +127,9 @@ def _server(tmp_path: Path):
     finally:
         _stop(proc)
         log.close()
-    assert not psutil.pid_exists(proc.pid) or psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
+    assert (
+        not psutil.pid_exists(proc.pid) or psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
+    )
 
 
 def test_a_resumed_run_on_a_tracking_server_is_one_run(mlflow_server, monkeypatch):
@@ -154,7 +179,9 @@ def test_close_with_the_server_gone_returns_and_says_how_many_values_were_lost(s
     for step in range(100):
         run.log_metric("loss", float(step), step=step)
     run.flush()
-    assert [m.step for m in MlflowClient(uri).get_metric_history(run.run_id, "loss")] == list(range(100))
+    assert [m.step for m in MlflowClient(uri).get_metric_history(run.run_id, "loss")] == list(
+        range(100)
+    )
     _stop(proc)  # the tracking server goes away mid-run
     for step in range(100, 150):
         run.log_metric("loss", float(step), step=step)

@@ -30,8 +30,12 @@ def _env(uri: str) -> dict[str, str]:
 
 def _python(code: str, uri: str, **popen: object) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)], env=_env(uri),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen,
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=_env(uri),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
     )
 
 
@@ -45,7 +49,9 @@ def read_only_dir(tmp_path):
             pytest.skip("making a directory read-only for root needs chattr")
         done = subprocess.run(["chattr", "+i", str(path)], capture_output=True)
         if done.returncode != 0:
-            pytest.skip(f"this file system has no immutable attribute: {done.stderr.decode().strip()}")
+            pytest.skip(
+                f"this file system has no immutable attribute: {done.stderr.decode().strip()}"
+            )
         undo = ["chattr", "-i", str(path)]
     else:
         path.chmod(0o555)
@@ -110,8 +116,11 @@ def test_two_processes_creating_one_new_store_at_once_keep_both_runs(tmp_path):
     """
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(code), name], env=_env(uri),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [sys.executable, "-c", textwrap.dedent(code), name],
+            env=_env(uri),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for name in ("kernel-a", "kernel-b")
     ]

@@ -22,7 +22,9 @@ def test_each_poll_becomes_one_step_of_mlflow_system_metrics(client):
             sampler.add_sink(SystemMetricsSink(run, local_host="here"))
             first = sampler.refresh()
             sampler.refresh()
-            sampler.ingest(monitor.Sample(host="node-b", time=1234.5, gpus=tuple(remote.read(1234.5))))
+            sampler.ingest(
+                monitor.Sample(host="node-b", time=1234.5, gpus=tuple(remote.read(1234.5)))
+            )
     finally:
         sampler.close()
     metrics = client.get_run(run.run_id).data.metrics
@@ -38,7 +40,9 @@ def test_each_poll_becomes_one_step_of_mlflow_system_metrics(client):
     first_gpu1 = min(util, key=lambda m: m.step)
     assert first_gpu1.value == pytest.approx(first.gpus[1].utilization)
     assert first_gpu1.timestamp == int(first.time * 1000)
-    remote_mem = client.get_metric_history(run.run_id, "system/node_node-b/gpu_0_memory_usage_megabytes")
+    remote_mem = client.get_metric_history(
+        run.run_id, "system/node_node-b/gpu_0_memory_usage_megabytes"
+    )
     assert [m.step for m in remote_mem] == [0]
 
 

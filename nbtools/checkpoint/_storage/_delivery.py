@@ -152,11 +152,7 @@ class Delivery:
         if not isinstance(meta, TensorStorageMetadata):
             return None  # a bytes record (or none): no chunk to match
         chunk = next(
-            (
-                c
-                for c in meta.chunks
-                if tuple(c.offsets) == tuple(item.storage_index.offset or ())
-            ),
+            (c for c in meta.chunks if tuple(c.offsets) == tuple(item.storage_index.offset or ())),
             None,
         )
         if chunk is None or tuple(item.lengths) != tuple(chunk.sizes):

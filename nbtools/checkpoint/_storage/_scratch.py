@@ -79,9 +79,7 @@ def _names_no_space(exc: BaseException) -> bool:
     return False
 
 
-def space_error(
-    exc: BaseException, base: str, needed: int, what: str
-) -> StagingSpaceError | None:
+def space_error(exc: BaseException, base: str, needed: int, what: str) -> StagingSpaceError | None:
     """The :class:`StagingSpaceError` to raise for a failed write into ``base``, or None.
 
     A full disk shows as ``ENOSPC``/``EDQUOT``, or, where a library writes through

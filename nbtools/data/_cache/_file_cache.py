@@ -60,7 +60,10 @@ __all__ = ["FileCache", "SourceChanged", "TMP_PREFIX"]
 _log = get_logger("data.cache")
 
 _LOCKS = ".locks"
-_SKIP = (_LOCKS, ".index")  # lock files and dataset indexes (see ``_listing._catalog``): never evicted
+_SKIP = (
+    _LOCKS,
+    ".index",
+)  # lock files and dataset indexes (see ``_listing._catalog``): never evicted
 _LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
 _CHUNK = 1 << 20
 _SPACE_WAIT_S = 120.0
@@ -270,8 +273,13 @@ class FileCache:
         for attempt in range(1, _COPY_TRIES + 1):
             try:
                 return self.fetch(
-                    key, size, mtime_ns, opener, cancel,
-                    wait_for_space=wait_for_space, on_wait=on_wait,
+                    key,
+                    size,
+                    mtime_ns,
+                    opener,
+                    cancel,
+                    wait_for_space=wait_for_space,
+                    on_wait=on_wait,
                 )
             except SourceChanged as exc:
                 now = restat() if restat is not None else None

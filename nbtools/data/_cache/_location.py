@@ -23,7 +23,13 @@ import tempfile
 
 from nbtools.errors import CacheError
 
-__all__ = ["ENV_DIR", "ENV_MIN_FREE", "default_cache_dir", "ensure_private_dir", "min_free_from_env"]
+__all__ = [
+    "ENV_DIR",
+    "ENV_MIN_FREE",
+    "default_cache_dir",
+    "ensure_private_dir",
+    "min_free_from_env",
+]
 
 ENV_DIR = "NBTOOLS_CACHE_DIR"
 ENV_MIN_FREE = ("NBTOOLS_CACHE_MIN_FREE_BYTES", "SGC_FSLAYER_MIN_FREE_DISK_BYTES")

@@ -263,15 +263,20 @@ class _RootCopy:
         return fetched
 
 
-def _build(
-    path: str, root: str, pattern: str, token: str, url: bool, progress: Progress
-) -> None:
+def _build(path: str, root: str, pattern: str, token: str, url: bool, progress: Progress) -> None:
     listed_at = time.time_ns()
     listed = False
-    writer = IndexWriter(path, root, pattern, {
-        "job": token, "listed_at_ns": listed_at, "checkable": not url,
-        "listed_by": f"{socket.gethostname()} pid {os.getpid()}",
-    })
+    writer = IndexWriter(
+        path,
+        root,
+        pattern,
+        {
+            "job": token,
+            "listed_at_ns": listed_at,
+            "checkable": not url,
+            "listed_by": f"{socket.gethostname()} pid {os.getpid()}",
+        },
+    )
     try:
         if url:
             walk_fsspec(root, pattern, writer)
@@ -308,7 +313,9 @@ def _no_space_for_index(path: str, root: str, nbytes: int, listed: bool) -> Cach
         free = f"{shutil.disk_usage(where).free} bytes are free"
     except OSError:
         free = "its free space is unknown"
-    need = f"about {2 * nbytes}" if listed else f"more than {2 * nbytes} (the listing had not ended)"
+    need = (
+        f"about {2 * nbytes}" if listed else f"more than {2 * nbytes} (the listing had not ended)"
+    )
     exc = CacheError(
         f"cannot write the dataset index of {root!r} in {where!r}: no space left on that "
         f"filesystem; the index needs {need} bytes while it is written and {free}. Free "

@@ -104,7 +104,10 @@ class IndexWriter:
     def __init__(self, path: str, root: str, pattern: str, extra: dict[str, Any]) -> None:
         self.path = path
         self.header: dict[str, Any] = {
-            "format": FORMAT, "root": root, "pattern": pattern, **extra,
+            "format": FORMAT,
+            "root": root,
+            "pattern": pattern,
+            **extra,
         }
         # Temporary names a later sweep of the cache removes if this process dies.
         base = os.path.join(
@@ -330,9 +333,7 @@ class _Paths:
         return self._index._path_bytes(i)
 
 
-def _section(
-    mm: mmap.mmap, header: dict[str, Any], name: str, size: int, deep: bool
-) -> memoryview:
+def _section(mm: mmap.mmap, header: dict[str, Any], name: str, size: int, deep: bool) -> memoryview:
     try:
         start, length, crc = (int(v) for v in header["sections"][name])
     except (KeyError, TypeError, ValueError):
@@ -346,9 +347,7 @@ def _section(
     return view
 
 
-def _check_paths(
-    offsets: np.ndarray, mm: mmap.mmap, start: int, length: int, what: str
-) -> None:
+def _check_paths(offsets: np.ndarray, mm: mmap.mmap, start: int, length: int, what: str) -> None:
     """Every path non-empty, relative, below the root: no hidden, ``.`` or ``..`` part.
 
     Reads the map in place: no copy of the paths is made.
@@ -381,9 +380,7 @@ def identity(st: os.stat_result) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def open_index(
-    path: str, root: str, pattern: str, checked: list[int] | None = None
-) -> Index:
+def open_index(path: str, root: str, pattern: str, checked: list[int] | None = None) -> Index:
     """Map and check the index at ``path`` for ``pattern``, its files read under ``root``.
 
     ``checked``: the :func:`identity` of a file of this user's whose every
@@ -434,7 +431,9 @@ def open_index(
         count, dirs = int(header.get("count", -1)), int(header.get("dirs", -1))
         ints = {n: views[n].cast("q") for n in _SECTIONS if "paths" not in n}
         if (len(ints["offsets"]), len(ints["sizes"]), len(ints["mtimes"])) != (
-            count + 1, count, count
+            count + 1,
+            count,
+            count,
         ) or (len(ints["dir_offsets"]), len(ints["dir_mtimes"])) != (dirs + 1, dirs):
             raise IndexRefused("its sections do not hold as many entries as its header says")
         start, length = (int(v) for v in header["sections"]["paths"][:2])

@@ -68,8 +68,12 @@ class ListingLease:
         self.path = shared + ".listing"
         # host/pid/job/since are what every version reads; machine and started (the
         # holder's pid namespace and start time) tell a reused pid apart.
-        self.record = {"host": socket.gethostname(), **Holder.me().record(), "job": job,
-                       "since": time.time()}
+        self.record = {
+            "host": socket.gethostname(),
+            **Holder.me().record(),
+            "job": job,
+            "since": time.time(),
+        }
         self._progress = progress
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -88,8 +92,9 @@ class ListingLease:
             why = self._foreign()
             if why is None:
                 return False
-            _log.warning("not waiting on the listing lease %s: %s; listing without one",
-                         self.path, why)
+            _log.warning(
+                "not waiting on the listing lease %s: %s; listing without one", self.path, why
+            )
             return True
         except OSError as exc:
             _log.info("no listing lease at %s (%s): listing without one", self.path, exc)
@@ -98,8 +103,9 @@ class ListingLease:
             os.write(fd, json.dumps(self.record).encode())
         finally:
             os.close(fd)
-        self._beat = threading.Thread(target=self._heartbeat, name="nbtools-index-lease",
-                                      daemon=True)
+        self._beat = threading.Thread(
+            target=self._heartbeat, name="nbtools-index-lease", daemon=True
+        )
         self._beat.start()
         return True
 

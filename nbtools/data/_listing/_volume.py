@@ -67,7 +67,10 @@ class Progress:
             self._next = now + self.every_s
             _log.info(
                 "listing %s: %d files in %d directories so far (%.0f s)",
-                self.root, files, dirs, now - self._start,
+                self.root,
+                files,
+                dirs,
+                now - self._start,
             )
 
 
@@ -122,7 +125,9 @@ def list_dir(
             continue
         if not is_dir:
             if match is None or match(rel):
-                files.append((entry.name.encode("utf-8", "surrogateescape"), st.st_size, st.st_mtime_ns))
+                files.append(
+                    (entry.name.encode("utf-8", "surrogateescape"), st.st_size, st.st_mtime_ns)
+                )
         elif entry.is_symlink() and _inside(entry.path, real_root):
             continue
         else:

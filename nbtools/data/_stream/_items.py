@@ -14,6 +14,7 @@ from nbtools.data._positions import Consumed, Order, slot_chunks
 
 __all__ = ["Item", "check_mode", "slot_items"]
 
+
 class Item(NamedTuple):
     """One file to serve: its cache key, size and mtime to expect, and its source's index in
     the listing.

@@ -32,6 +32,7 @@ __all__ = [
     "TaggingCollate",
 ]
 
+
 class Count:
     """How many paths one stream handed out of ``slot`` under ``plan_id``; the stream adds to ``n``."""
 

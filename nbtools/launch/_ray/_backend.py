@@ -157,8 +157,12 @@ def _rank_specs(spec: GroupSpec, where: list[dict], store: tuple[str, int]) -> l
     """Each rank's environment and settings, as torchrun would set them on a multi-node run."""
     node_ids = list(dict.fromkeys(info["node_id"] for info in where))
     local_counts = {n: sum(1 for w in where if w["node_id"] == n) for n in node_ids}
-    node_gpus = {n: sorted({g for w in where if w["node_id"] == n for g in w["gpus"]},
-                           key=lambda g: (len(g), g)) for n in node_ids}
+    node_gpus = {
+        n: sorted(
+            {g for w in where if w["node_id"] == n for g in w["gpus"]}, key=lambda g: (len(g), g)
+        )
+        for n in node_ids
+    }
     seen: dict[str, int] = {}
     specs = []
     base = {k: v for k, v in spec.env.items() if k != CHANNEL_ENV}
@@ -169,11 +173,18 @@ def _rank_specs(spec: GroupSpec, where: list[dict], store: tuple[str, int]) -> l
         node_rank = node_ids.index(node)
         env = dict(base)
         env.update(
-            RANK=str(rank), LOCAL_RANK=str(local), GROUP_RANK=str(node_rank),
-            NODE_RANK=str(node_rank), ROLE_RANK=str(rank), ROLE_NAME="default",
-            WORLD_SIZE=str(spec.world_size), LOCAL_WORLD_SIZE=str(local_counts[node]),
-            ROLE_WORLD_SIZE=str(spec.world_size), GROUP_WORLD_SIZE=str(len(node_ids)),
-            MASTER_ADDR=store[0], MASTER_PORT=str(store[1]),
+            RANK=str(rank),
+            LOCAL_RANK=str(local),
+            GROUP_RANK=str(node_rank),
+            NODE_RANK=str(node_rank),
+            ROLE_RANK=str(rank),
+            ROLE_NAME="default",
+            WORLD_SIZE=str(spec.world_size),
+            LOCAL_WORLD_SIZE=str(local_counts[node]),
+            ROLE_WORLD_SIZE=str(spec.world_size),
+            GROUP_WORLD_SIZE=str(len(node_ids)),
+            MASTER_ADDR=store[0],
+            MASTER_PORT=str(store[1]),
             TORCHELASTIC_RUN_ID=spec.run_id,
             TORCHELASTIC_RESTART_COUNT=str(spec.restart_count),
             TORCHELASTIC_MAX_RESTARTS=str(spec.max_restarts),
@@ -190,10 +201,16 @@ def _rank_specs(spec: GroupSpec, where: list[dict], store: tuple[str, int]) -> l
             # A cluster on one machine: keep gloo and nccl on the loopback interface.
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
             env.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        specs.append({
-            "rank": rank, "world_size": spec.world_size, "backend": spec.backend,
-            "device": device, "store": store, "env": env,
-        })
+        specs.append(
+            {
+                "rank": rank,
+                "world_size": spec.world_size,
+                "backend": spec.backend,
+                "device": device,
+                "store": store,
+                "env": env,
+            }
+        )
     return specs
 
 
@@ -208,7 +225,12 @@ class RayGroup:
     """One attempt's rank actors; implements :class:`~nbtools.launch._backend.RankGroup`."""
 
     def __init__(
-        self, ray: Any, group: Any, actors: list[Any], where: list[dict], spec: GroupSpec,
+        self,
+        ray: Any,
+        group: Any,
+        actors: list[Any],
+        where: list[dict],
+        spec: GroupSpec,
         timings: dict[str, float],
     ) -> None:
         self._ray = ray

@@ -293,15 +293,13 @@ class RankActor:
         self._offsets[index] += len(data)
         if any(m in data for m in _RAY_MARKERS):
             data = b"".join(
-                line for line in data.splitlines(keepends=True)
-                if not line.startswith(_RAY_MARKERS)
+                line for line in data.splitlines(keepends=True) if not line.startswith(_RAY_MARKERS)
             )
         return data
 
     def stacks(self) -> None:
         """Print every thread's Python stack to this rank's stderr."""
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-
 
 
 def _preload() -> None:

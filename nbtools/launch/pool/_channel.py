@@ -54,7 +54,13 @@ from nbtools.launch.pool._frames import (
 )
 
 __all__ = [
-    "Listener", "Link", "connect", "frame", "wait_readable", "ChannelClosed", "socket_directory",
+    "Listener",
+    "Link",
+    "connect",
+    "frame",
+    "wait_readable",
+    "ChannelClosed",
+    "socket_directory",
 ]
 
 _log = get_logger("launch")
@@ -78,6 +84,7 @@ _MAX_PENDING = 64
 _MAX_UNIX_PATH = 100
 # How long a blocked write waits before it reports progress to its caller.
 _WRITE_WAIT_S = 0.05
+
 
 class ChannelClosed(ConnectionError):
     """The other end of a link has gone away (or the link can no longer be used)."""
@@ -166,7 +173,9 @@ class Link:
         while budget > 0:
             buffer = memoryview(self._into)[self._got :]
             try:
-                count = self.sock.recv_into(buffer, min(len(buffer), _RECV_CHUNK), socket.MSG_DONTWAIT)
+                count = self.sock.recv_into(
+                    buffer, min(len(buffer), _RECV_CHUNK), socket.MSG_DONTWAIT
+                )
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:

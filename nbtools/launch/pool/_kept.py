@@ -43,7 +43,9 @@ def call_kept(fn: Callable[..., Any], config: LaunchConfig, args: tuple, kwargs:
             events.emit("restart", headline, attempt=attempt, max_restarts=config.max_restarts)
             _log.warning(
                 "%s; running the call again (restart %d of %d)",
-                headline, attempt, config.max_restarts,
+                headline,
+                attempt,
+                config.max_restarts,
             )
 
 

@@ -98,8 +98,14 @@ class RankPool:
             )
         # The same checks and sizes as @distributed with these options.
         config = LaunchConfig(
-            processes=processes, gpus=gpus, output=output, hang_timeout=hang_timeout,
-            cluster=cluster, nodes=nodes, runtime_env=runtime_env, rich_output=rich_output,
+            processes=processes,
+            gpus=gpus,
+            output=output,
+            hang_timeout=hang_timeout,
+            cluster=cluster,
+            nodes=nodes,
+            runtime_env=runtime_env,
+            rich_output=rich_output,
             on_hang=on_hang,
         )
         self._open(config, max_restarts)
@@ -142,8 +148,11 @@ class RankPool:
             raise
         register(self)
         events.emit(
-            "launch", f"pool of {self.world_size} ranks ({backend.name})",
-            world_size=self.world_size, cluster=backend.name, pool=True,
+            "launch",
+            f"pool of {self.world_size} ranks ({backend.name})",
+            world_size=self.world_size,
+            cluster=backend.name,
+            pool=True,
         )
 
     # --- public calls ---------------------------------------------------------------
@@ -198,7 +207,9 @@ class RankPool:
         """
         if not isinstance(code, str):
             raise TypeError(f"execute() takes the code as a string, got {type(code).__name__}")
-        compile(code, "<pool execute>", "exec")  # a syntax error is raised here, before any rank runs
+        compile(
+            code, "<pool execute>", "exec"
+        )  # a syntax error is raised here, before any rank runs
         replies = self._call("exec", (code, "<pool execute>", "value"), uses=code.encode())
         return self._values(replies)
 
@@ -314,7 +325,10 @@ class RankPool:
         return CallGuard(self, restartable)
 
     def _call(
-        self, op: str, arg: Any, localize: Callable[[str], str] = lambda text: text,
+        self,
+        op: str,
+        arg: Any,
+        localize: Callable[[str], str] = lambda text: text,
         uses: bytes = b"",
     ) -> dict[int, tuple[str, Any]]:
         """Send one command to every rank; their answers, or the error that ended the call.

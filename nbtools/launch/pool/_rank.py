@@ -65,7 +65,10 @@ def serve(
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     shared = isinstance(address, str) and kernel_pid is not None and can_open_shared(kernel_pid)
     hello = {
-        "rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "shared_memory": shared,
+        "rank": rank,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "shared_memory": shared,
     }
     link = connect(address, key, hello)
     server = _Server(link, rank, use_cuda)

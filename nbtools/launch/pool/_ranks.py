@@ -125,7 +125,11 @@ class Ranks:
     """The running ranks of one pool generation; made by :meth:`start`."""
 
     def __init__(
-        self, group: RankGroup, forwarder: OutputForwarder, listener: Listener, world_size: int,
+        self,
+        group: RankGroup,
+        forwarder: OutputForwarder,
+        listener: Listener,
+        world_size: int,
         remote: bool,
     ) -> None:
         self.group = group
@@ -144,7 +148,11 @@ class Ranks:
 
     @classmethod
     def start(
-        cls, backend: LaunchBackend, spec: GroupSpec, output: str, stdout: TextIO | None = None,
+        cls,
+        backend: LaunchBackend,
+        spec: GroupSpec,
+        output: str,
+        stdout: TextIO | None = None,
         stderr: TextIO | None = None,
     ) -> Ranks:
         """Start ``spec.world_size`` ranks serving commands; return once all are connected.
@@ -157,7 +165,8 @@ class Ranks:
         """
         remote = backend.remote_nodes
         listener = (
-            Listener(spec.world_size, host=_driver_address()) if remote
+            Listener(spec.world_size, host=_driver_address())
+            if remote
             else Listener(spec.world_size, directory=spec.attempt_dir)
         )
         kernel_pid = None if remote else os.getpid()  # whose memory files large pushes use
@@ -165,8 +174,14 @@ class Ranks:
             (serve, (listener.address, listener.key, spec.use_cuda, kernel_pid), {})
         )
         spec = GroupSpec(
-            payload, spec.world_size, spec.use_cuda, spec.run_id, spec.restart_count,
-            spec.max_restarts, spec.attempt_dir, spec.env,
+            payload,
+            spec.world_size,
+            spec.use_cuda,
+            spec.run_id,
+            spec.restart_count,
+            spec.max_restarts,
+            spec.attempt_dir,
+            spec.env,
         )
         try:
             group = backend.start(spec)
@@ -174,7 +189,10 @@ class Ranks:
             listener.close()
             raise
         forwarder = OutputForwarder(
-            group.stdouts, group.stderrs, output, stdout or _Follow("stdout"),
+            group.stdouts,
+            group.stderrs,
+            output,
+            stdout or _Follow("stdout"),
             stderr or _Follow("stderr"),
         )
         ranks = cls(group, forwarder, listener, spec.world_size, remote)
@@ -213,8 +231,12 @@ class Ranks:
     # --- commands --------------------------------------------------------------------
 
     def call(
-        self, op: str, arg: Any, hang_timeout: float | None = None,
-        setup: dict[str, Any] | None = None, on_hang: str = "report",
+        self,
+        op: str,
+        arg: Any,
+        hang_timeout: float | None = None,
+        setup: dict[str, Any] | None = None,
+        on_hang: str = "report",
     ) -> dict[int, tuple]:
         """Send one command to every rank; every rank's ``(kind, data)`` answer.
 
@@ -276,7 +298,9 @@ class Ranks:
         if pending:
             _log.warning(
                 "interrupted: rank%s %s did not stop within %.0f s; the Python stack of every "
-                "rank follows", "s" if len(pending) > 1 else "", _ranks_text(pending),
+                "rank follows",
+                "s" if len(pending) > 1 else "",
+                _ranks_text(pending),
                 INTERRUPT_GRACE_S,
             )
             with contextlib.suppress(KeyboardInterrupt):
@@ -285,8 +309,13 @@ class Ranks:
         raise RanksInterrupted(not pending, replies, pending)
 
     def _gather(
-        self, seq: int, replies: dict[int, tuple], *, deadline: float | None = None,
-        hang_timeout: float | None = None, on_hang: str = "report",
+        self,
+        seq: int,
+        replies: dict[int, tuple],
+        *,
+        deadline: float | None = None,
+        hang_timeout: float | None = None,
+        on_hang: str = "report",
     ) -> None:
         # Hangs are judged from the ranks' progress reports while a call runs.
         dog = events.Watchdog(len(self.links), hang_timeout=hang_timeout)
@@ -294,8 +323,13 @@ class Ranks:
             self._gather_replies(seq, replies, dog, deadline, hang_timeout, on_hang)
 
     def _gather_replies(
-        self, seq: int, replies: dict[int, tuple], dog: events.Watchdog,
-        deadline: float | None, hang_timeout: float | None, on_hang: str = "report",
+        self,
+        seq: int,
+        replies: dict[int, tuple],
+        dog: events.Watchdog,
+        deadline: float | None,
+        hang_timeout: float | None,
+        on_hang: str = "report",
     ) -> None:
         started = time.monotonic()
         next_poll = started + _GROUP_POLL_S
@@ -345,7 +379,8 @@ class Ranks:
                 _log.warning(
                     "no rank has written any output for %.0f s (hang_timeout); the Python stack "
                     "of every rank follows. The call keeps running; interrupt the kernel to "
-                    "stop it.", quiet,
+                    "stop it.",
+                    quiet,
                 )
                 self.group.show_stacks(self._pumped)
 

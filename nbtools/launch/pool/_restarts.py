@@ -64,8 +64,13 @@ class Generations:
     """
 
     def __init__(
-        self, backend: LaunchBackend, plan: Plan, max_restarts: int | None, run_id: str,
-        run_dir: str, collector: events.Collector,
+        self,
+        backend: LaunchBackend,
+        plan: Plan,
+        max_restarts: int | None,
+        run_id: str,
+        run_dir: str,
+        collector: events.Collector,
     ) -> None:
         self.backend = backend
         self.plan = plan
@@ -94,7 +99,9 @@ class Generations:
         """
         outcome = until_formed(self._attempt)
         if isinstance(outcome, Failed):
-            text = describe(outcome.failures, outcome.first) if outcome.failures else "the ranks ended"
+            text = (
+                describe(outcome.failures, outcome.first) if outcome.failures else "the ranks ended"
+            )
             raise LaunchError(f"the pool's ranks could not start: {text}")
 
     def _attempt(self) -> Failed | None:
@@ -142,7 +149,11 @@ class Generations:
             )
         _log.warning(
             "interrupted: rank%s %s did not stop within %.0f s%s; %s",
-            plural(exc.pending), ranks_text(exc.pending), INTERRUPT_GRACE_S, why, note,
+            plural(exc.pending),
+            ranks_text(exc.pending),
+            INTERRUPT_GRACE_S,
+            why,
+            note,
         )
 
     def after_stuck(self, exc: RanksStuck, localize: Callable[[str], str]) -> DistributedError:
@@ -182,7 +193,9 @@ class Generations:
                 f"(max_restarts={self.max_restarts})"
             )
             self.discard()
-            note = self.stopped + "; call pool.restart() (%distributed restart) to start fresh ranks"
+            note = (
+                self.stopped + "; call pool.restart() (%distributed restart) to start fresh ranks"
+            )
             events.emit("failure", headline.splitlines()[0], pool=True)
         else:
             note = self.replace(reason)
@@ -202,7 +215,10 @@ class Generations:
         self.discard(graceful)
         self.restarts += 1
         events.emit(
-            "pool_restarted", f"{reason}; {LOST}", reason=reason, restarts=self.restarts,
+            "pool_restarted",
+            f"{reason}; {LOST}",
+            reason=reason,
+            restarts=self.restarts,
             world_size=self.plan.world_size,
         )
         self.start()
