@@ -106,7 +106,9 @@ class Sampler:
         self._last_activity = clock()
         self._next_due = self._last_activity
         self.last_sample: Sample | None = None
-        self._status, self._reason, self._message = "polling", None, ""
+        self._status: str = "polling"
+        self._reason: str | None = None
+        self._message = ""
         if self._open_backend() and start:
             self._poll(clock())  # the first sample is there when the constructor returns
         self._ensure_thread()
