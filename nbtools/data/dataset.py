@@ -292,14 +292,8 @@ class VolumeDataset(IterableDataset):
                     )
             else:
                 token = job_token(fallback=self._uid)
-                files = load_index(
-                    self.root,
-                    self.pattern,
-                    self.cache_dir,
-                    self.refresh,
-                    token,
-                    self.index_in_root,
-                )
+                where = (self.root, self.pattern, self.cache_dir, self.refresh)
+                files = load_index(*where, token, self.index_in_root)
                 self._index_at = (files.path, files.root, files.fingerprint, files.identity)
             self._files = files
         return self._files
@@ -356,19 +350,12 @@ class VolumeDataset(IterableDataset):
             and (layout["world_size"], layout["num_workers"]) == (world, num_workers)
         ):
             rotation = int(layout["rotation"][rank]) % num_workers
+        # fmt: off
         plan = IterationPlan(
-            IterationPlan.new_id(),
-            epoch,
-            consumed,
-            rank,
-            world,
-            num_workers,
-            tracked,
-            rotation,
-            hold,
-            check=self._checking,
-            recheck=self.check_sources == "epoch",
+            IterationPlan.new_id(), epoch, consumed, rank, world, num_workers, tracked, rotation,
+            hold, check=self._checking, recheck=self.check_sources == "epoch",
         )
+        # fmt: on
         if plan.same_work(reuse):
             plan = reuse  # type: ignore[assignment]
         self._epoch, self._consumed, self._plan, self._counts = epoch, consumed, plan, {}
@@ -405,17 +392,12 @@ class VolumeDataset(IterableDataset):
             rank, world = runtime.get_rank(), runtime.get_world_size()
             epoch = self._explicit_epoch if self._explicit_epoch is not None else self._epoch
             base = self._consumed if epoch == self._epoch else Consumed()
+            # fmt: off
             plan = IterationPlan(
-                IterationPlan.new_id(),
-                epoch,
-                base,
-                rank,
-                world,
-                num_workers,
-                False,
-                check=self.check_sources != "never",
-                recheck=self.check_sources == "epoch",
+                IterationPlan.new_id(), epoch, base, rank, world, num_workers, False,
+                check=self.check_sources != "never", recheck=self.check_sources == "epoch",
             )
+            # fmt: on
         if plan.num_workers != num_workers:
             raise DataError(
                 f"the dataset was planned for {plan.num_workers} workers but runs in a loader "

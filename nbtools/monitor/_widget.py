@@ -36,6 +36,7 @@ import traitlets
 from nbtools.monitor._rates import RateRow
 from nbtools.monitor.history import History
 from nbtools.monitor.readings import Sample, describe_throttle
+from nbtools.monitor.snapshot import COLORS as _COLORS
 from nbtools.monitor.timeline import MESSAGE_BUDGET, PROGRESS_KIND, EventFeed
 
 __all__ = ["GPUChart", "plotly_js_gzip"]
@@ -45,18 +46,6 @@ _HERE = Path(__file__).parent
 # (history field, scale, digits) of the three panels, in trace order.
 _PANELS = (("utilization", 1.0, 1), ("memory_used", 1.0 / _GIB, 2), ("temperature", 1.0, 1))
 _TITLES = ("Utilization (%)", "Memory used (GiB)", "Temperature (°C)")
-_COLORS = (
-    "#1f77b4",
-    "#ff7f0e",
-    "#2ca02c",
-    "#d62728",
-    "#9467bd",
-    "#8c564b",
-    "#e377c2",
-    "#7f7f7f",
-    "#bcbd22",
-    "#17becf",
-)
 _DASHES = ("solid", "dot", "dash", "longdash", "dashdot")
 _MISSING = 65535  # uint16 value of a point that was not available
 _RATE_TITLE = "Steps per second, by rank"

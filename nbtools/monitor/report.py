@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from nbtools.monitor.history import History
+from nbtools.monitor.snapshot import COLORS as _COLORS
 from nbtools.monitor.snapshot import readings_table, summary
 from nbtools.monitor.timeline import CATEGORY_LABELS
 
@@ -29,18 +30,6 @@ _PANELS = (
     ("utilization", 1.0, "Utilization (%)"),
     ("memory_used", 1.0 / _GIB, "Memory used (GiB)"),
     ("temperature", 1.0, "Temperature (°C)"),
-)
-_COLORS = (
-    "#1f77b4",
-    "#ff7f0e",
-    "#2ca02c",
-    "#d62728",
-    "#9467bd",
-    "#8c564b",
-    "#e377c2",
-    "#7f7f7f",
-    "#bcbd22",
-    "#17becf",
 )
 _DASHES = ("solid", "dot", "dash", "longdash", "dashdot")
 # The live chart's styles (nbtools/monitor/_chart.js).

@@ -26,12 +26,13 @@ import numpy as np
 
 from nbtools.monitor.history import History
 
-__all__ = ["Snapshot", "readings_table", "render_png", "summary", "MAX_POINTS", "STYLE"]
+__all__ = ["Snapshot", "readings_table", "render_png", "summary", "COLORS", "MAX_POINTS", "STYLE"]
 
 #: Most points drawn per line (bucket means of the history).
 MAX_POINTS = 360
 _GIB = 1024**3
-_COLORS = (
+#: Line colours by rank or GPU index, shared by the live pane, the report and the still picture.
+COLORS = (
     "#1f77b4",
     "#ff7f0e",
     "#2ca02c",
@@ -187,12 +188,12 @@ def render_png(
         [
             (
                 f"{h} · GPU {i}" if len(hosts) > 1 else f"GPU {i}",
-                _COLORS[i % len(_COLORS)],
+                COLORS[i % len(COLORS)],
                 hosts.index(h) % 2 == 1,
             )
             for h, i, _ in gpus
         ]
-        + [(f"rank {r}", _COLORS[r % len(_COLORS)], False) for r in sorted(rates or {})]
+        + [(f"rank {r}", COLORS[r % len(COLORS)], False) for r in sorted(rates or {})]
     )
     memory_top = (
         max([_GIB] + [getattr(latest.get((h, i)), "memory_total", 0) or 0 for h, i, _ in gpus])
@@ -218,7 +219,7 @@ def render_png(
                 box.vline(e[0] / 1000, style["color"], style["line"])
         if field == "steps":
             for rank, (at, rate) in sorted((rates or {}).items()):
-                color = _COLORS[rank % len(_COLORS)]
+                color = COLORS[rank % len(COLORS)]
                 xs, ys = np.asarray(at, dtype=float), np.asarray(rate, dtype=float)
                 box.line(xs, ys, color)
                 if rank in flagged:  # drawn twice, a pixel apart: bold
@@ -226,7 +227,7 @@ def render_png(
         else:
             for host, index, _name in gpus:
                 x, y = series[(host, index, field)]
-                box.line(x, y, _COLORS[index % len(_COLORS)], dashed=hosts.index(host) % 2 == 1)
+                box.line(x, y, COLORS[index % len(COLORS)], dashed=hosts.index(host) % 2 == 1)
         if panel == 0:
             for e in events:
                 style = STYLE.get(e[2], STYLE["mark"])
