@@ -18,6 +18,11 @@ Kernel side, for a launcher::
     ...                                             # ranks call events.flush() at their end
     collector.stop()                                # after they exit: all delivered
 
+A launcher whose ranks live where no ask file of the kernel reaches (Ray
+actors) adds a way to ask them which collective they are in, for hang
+reports (``events.add_collectives_asker(ask)``), and names each rank's node
+through ``NODE_ENV`` in its environment.
+
 This package is stdlib-only and imports no other nbtools package but the base.
 """
 
@@ -26,9 +31,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from nbtools.events._bus import Bus, Subscriber
+from nbtools.events._collectives import add_asker as add_collectives_asker
+from nbtools.events._collectives import remove_asker as remove_collectives_asker
 from nbtools.events._collector import Collector
 from nbtools.events._emit import BUS as _BUS
-from nbtools.events._emit import emit, flush
+from nbtools.events._emit import NODE_ENV, NODE_SEPARATOR, emit, flush
 from nbtools.events._progress import step
 from nbtools.events._record import Event
 from nbtools.events._report import HangReport
@@ -37,16 +44,20 @@ from nbtools.events._watchdog import Watchdog
 
 __all__ = [
     "CHANNEL_ENV",
+    "NODE_ENV",
+    "NODE_SEPARATOR",
     "Bus",
     "Collector",
     "Event",
     "HangReport",
     "Watchdog",
+    "add_collectives_asker",
     "bus",
     "dropped",
     "emit",
     "flush",
     "log",
+    "remove_collectives_asker",
     "step",
     "subscribe",
     "unsubscribe",

@@ -17,6 +17,12 @@ wait in all_reduce #1812, which rank 1 never entered (its last: all_reduce
 #1811)". Nothing is read while steps flow: the only steady cost is the
 ``stat`` on the flusher thread.
 
+Ranks that no ask file of the kernel reaches (Ray ranks, whose channel
+ends in a collector inside their own actor) are asked by a callable that a
+launcher adds (:func:`add_asker`): the Ray launcher's calls the actors, and
+each actor touches its own collector's ask file (:meth:`Collector.ask`); the
+answers come back with the rank's other events.
+
 The recorder must be on before the process group is created: the collector
 puts ``TORCH_FR_BUFFER_SIZE`` (:data:`BUFFER_ENV`) in the ranks' environment
 unless the kernel's environment sets it. This module imports no torch: it
@@ -30,6 +36,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from nbtools._internal.log import get_logger
@@ -42,6 +49,9 @@ __all__ = [
     "ask_path",
     "register",
     "unregister",
+    "add_asker",
+    "remove_asker",
+    "touch",
     "ask_all",
     "Answers",
     "ANSWER_S",
@@ -63,9 +73,10 @@ _ASK_SUFFIX = ".ask"
 _CHECK_S = 0.25  # the flusher looks at the ask file at most this often
 _MAX_GROUPS = 8  # process groups answered per request
 #: How long a hang report waits for the ranks' answers.
-ANSWER_S = 2.0
+ANSWER_S = 3.0
 
 _asks: set[str] = set()  # ask files of the collectors of this process (the kernel)
+_askers: list[Callable[[], int]] = []  # launchers' ways to ask ranks no ask file reaches
 _asks_lock = threading.Lock()
 
 
@@ -95,18 +106,41 @@ def unregister(path: str) -> None:
         pass
 
 
+def add_asker(ask: Callable[[], int]) -> None:
+    """Also call ``ask()`` on each request; it asks ranks elsewhere and returns how many."""
+    with _asks_lock:
+        _askers.append(ask)
+
+
+def remove_asker(ask: Callable[[], int]) -> None:
+    """Stop calling ``ask``; removing one that was never added is harmless."""
+    with _asks_lock:
+        if ask in _askers:
+            _askers.remove(ask)
+
+
+def touch(path: str) -> bool:
+    """Write a new request into the ask file ``path``; False when it cannot be written."""
+    try:
+        with open(path, "w") as f:
+            f.write(f"{time.time():.6f}\n")
+        return True
+    except OSError as exc:
+        _log.debug("could not ask the ranks at %s for their collectives: %s", path, exc)
+        return False
+
+
 def ask_all() -> int:
-    """Ask every local rank for its collectives; returns how many channels were asked."""
+    """Ask every rank for its collectives; returns how many channels or ranks were asked."""
     with _asks_lock:
         paths = list(_asks)
-    asked = 0
-    for path in paths:
+        askers = list(_askers)
+    asked = sum(1 for path in paths if touch(path))
+    for ask in askers:
         try:
-            with open(path, "w") as f:
-                f.write(f"{time.time():.6f}\n")
-            asked += 1
-        except OSError as exc:
-            _log.debug("could not ask the ranks at %s for their collectives: %s", path, exc)
+            asked += ask()
+        except Exception:  # noqa: BLE001 - one launcher's failure must not silence the rest
+            _log.debug("asking ranks for their collectives failed", exc_info=True)
     return asked
 
 

@@ -120,6 +120,17 @@ class Collector:
             env[_collectives.BUFFER_ENV] = _collectives.BUFFER_SIZE
         return env
 
+    def ask(self) -> bool:
+        """Ask the ranks sending here which collective they are in; their answers follow.
+
+        Each rank's events thread notices within a second and sends one
+        ``collectives`` event per process group (see the watchdog's hang
+        reports). False when the collector is not running.
+        """
+        if self.path is None or self._thread is None:
+            return False
+        return _collectives.touch(_collectives.ask_path(f"fifo:{self.path}") or "")
+
     def drain(self) -> int:
         """Publish everything written to the pipe before this call; return the events published."""
         with self._lock:

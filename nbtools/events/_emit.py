@@ -7,6 +7,12 @@ otherwise (the kernel itself, a plain script) they go straight into this
 process's bus. After ``fork`` the child chooses again, with an empty buffer of
 its own: the parent's buffered events stay the parent's to send.
 
+Each event names the node it comes from: the host name, unless the process's
+environment sets ``NBTOOLS_NODE`` (:data:`NODE_ENV`). The Ray launcher sets it
+to the node's label, the host name followed by `` · `` and the start of the
+Ray node id where several nodes share a host name, as the GPU pane names
+them; the part before `` · `` is always the host name.
+
 Events still buffered when a process ends normally are sent at exit: by
 ``atexit`` in an interpreter that exits, and by a ``multiprocessing`` finalizer
 in a multiprocessing child (loader workers), which skips ``atexit``.
@@ -30,7 +36,7 @@ from nbtools.events._record import Event, check_event
 from nbtools.events._sinks import CHANNEL_ENV, open_sink
 from nbtools.events._wire import Record
 
-__all__ = ["emit", "flush", "BUS", "EXIT_FLUSH_S"]
+__all__ = ["emit", "flush", "BUS", "EXIT_FLUSH_S", "NODE_ENV", "NODE_SEPARATOR", "machine_of"]
 
 _log = get_logger("events")
 
@@ -38,6 +44,10 @@ _log = get_logger("events")
 BUS = Bus()
 #: How long a process waits at exit for a full channel to take its last events.
 EXIT_FLUSH_S = 3.0
+#: The node this process's events name, when set (else the host name).
+NODE_ENV = "NBTOOLS_NODE"
+#: Between the host name and what tells apart nodes sharing it, in a node label.
+NODE_SEPARATOR = " · "
 
 _put: Any = None  # record -> None, chosen at the first emit of this process
 _rank: int | None = None  # this process's own rank, stamped on its events
@@ -92,6 +102,15 @@ def flush(timeout: float = EXIT_FLUSH_S) -> bool:
     return emitter.flush(timeout)
 
 
+def machine_of(node: str) -> str:
+    """The host name in a node label (``"gpu-a · 1a2b3c4d"`` -> ``"gpu-a"``)."""
+    return node.split(NODE_SEPARATOR, 1)[0]
+
+
+def _own_node() -> str:
+    return os.environ.get(NODE_ENV, "").strip() or socket.gethostname()
+
+
 def _own_rank() -> int | None:
     value = os.environ.get("RANK", "")
     try:
@@ -105,7 +124,7 @@ def _setup() -> Any:
     with _setup_lock:
         if _put is not None:
             return _put
-        pid, host, rank = os.getpid(), socket.gethostname(), _own_rank()
+        pid, host, rank = os.getpid(), _own_node(), _own_rank()
         channel = os.environ.get(CHANNEL_ENV)
         sink = None
         if channel:

@@ -1,6 +1,6 @@
 """``step``: a rank's step boundaries, coalesced into one report a second.
 
-The training thread pays for three stores into a list and one clock read:
+The training thread pays for a few stores into a list and one clock read:
 no lock, no allocation, no event per step. The events flusher thread
 (:mod:`nbtools.events._emitter`) looks at that list about once a second and,
 when the count moved, queues one ``progress`` event carrying the latest step,
@@ -10,6 +10,14 @@ channel drops (and counts) progress like any other event, never blocking.
 
 The kernel turns these reports into step rates, hang and straggler flags
 (:mod:`nbtools.events._watchdog`).
+
+Explicit step numbers win. A loop that uses nbtools' ``DataLoader`` (a
+mark per batch, ``step(None)``) and ``CheckpointManager.maybe_save`` (a
+numbered ``step(n)`` per training step) would otherwise count two steps per
+training step and halve the step time the kernel judges by. So once a process
+has reported a numbered step, its unnumbered marks no longer count as steps:
+they only say that the rank is alive (an evaluation loop over a loader), and
+the report carries the time of the latest one as ``alive``.
 
 A process without a channel (the kernel, a plain script) keeps the count
 only; nothing is sent.
@@ -30,11 +38,12 @@ __all__ = ["step", "PROGRESS_KIND", "progress_so_far"]
 #: The kind of the coalesced reports.
 PROGRESS_KIND = "progress"
 
-# [last step (int or None), steps so far, epoch time of the last step]. Written only
-# by the training thread; the flusher reads it. A torn read (count from one call,
-# time from the next) is harmless: the next report carries both.
-_latest: list[Any] = [None, 0, 0.0]
-_shipped = [0]  # the count in the last report sent
+# [last step (int or None), steps so far, epoch time of the last step, epoch time of
+# the last mark of any kind, whether a numbered step was reported]. Written only by
+# the training thread; the flusher reads it. A torn read (count from one call, time
+# from the next) is harmless: the next report carries both.
+_latest: list[Any] = [None, 0, 0.0, 0.0, False]
+_shipped: list[Any] = [0, 0.0]  # the count and the last mark in the last report sent
 _hooked = [False]  # reset in a forked child, which hooks its own flusher
 _hook_lock = threading.Lock()
 _time = time.time
@@ -48,6 +57,11 @@ def step(step: int | None = None) -> None:
     themselves). The kernel learns each rank's pace from these reports and
     flags hangs and stragglers. Never blocks, never raises for a full channel.
 
+    Numbered steps win: once this process reported a step number, calls
+    without one (the loader's batches) only mark the rank as alive and are
+    not counted as steps, so a loop that reports both counts each training
+    step once.
+
     Args:
         step: The step just finished (an int), or None to count steps only.
 
@@ -60,18 +74,24 @@ def step(step: int | None = None) -> None:
         ...     events.step(i)
     """
     latest = _latest
-    if step is not None and step.__class__ is not int:
-        step = _checked(step)
+    if step is None:
+        if latest[4]:  # numbered steps count; this mark only says "alive"
+            latest[3] = _time()
+            return
+    else:
+        if step.__class__ is not int:
+            step = _checked(step)
+        latest[4] = True
     latest[0] = step
     latest[1] += 1
-    latest[2] = _time()
+    latest[2] = latest[3] = _time()
     if not _hooked[0]:
         _hook()
 
 
 def progress_so_far() -> tuple[int | None, int, float]:
     """``(last step, steps counted, epoch time of the last)`` of this process."""
-    step_, count, at = _latest
+    step_, count, at = _latest[:3]
     return step_, count, at
 
 
@@ -97,12 +117,18 @@ def _hook() -> None:
 
 
 def _collect() -> list[Record]:
-    """On the flusher thread: the report to send, if any step happened since the last."""
-    step_, count, at = _latest
-    if count == _shipped[0]:
+    """On the flusher thread: the report to send, if any step or mark happened since the last.
+
+    The report is stamped with the time of the last step; a later mark that
+    counts no step (see the module docstring) travels as ``alive``.
+    """
+    step_, count, at, marked, _ = _latest
+    if count == _shipped[0] and marked <= _shipped[1]:
         return []
-    _shipped[0] = count
-    fields = {"steps": count, "cpu": round(time.process_time(), 3)}
+    _shipped[0], _shipped[1] = count, marked
+    fields: dict[str, Any] = {"steps": count, "cpu": round(time.process_time(), 3)}
+    if marked > at:
+        fields["alive"] = round(marked, 3)
     return [(at, _emit._rank, PROGRESS_KIND, None, step_, fields)]  # noqa: SLF001
 
 
@@ -110,8 +136,8 @@ def _after_fork_in_child() -> None:
     # A child (a loader worker) counts its own steps, if any, from zero.
     global _hook_lock
     _hook_lock = threading.Lock()
-    _latest[:] = [None, 0, 0.0]
-    _shipped[0] = 0
+    _latest[:] = [None, 0, 0.0, 0.0, False]
+    _shipped[:] = [0, 0.0]
     _hooked[0] = False
 
 

@@ -7,7 +7,15 @@ import os
 from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["RankState", "Flag", "now_state", "setting", "lower_median", "RECENT_SAMPLES"]
+__all__ = [
+    "RankState",
+    "Flag",
+    "now_state",
+    "last_sign",
+    "setting",
+    "lower_median",
+    "RECENT_SAMPLES",
+]
 
 RECENT_SAMPLES = 20  # the state of a rank "now": the majority of its latest samples
 
@@ -22,7 +30,8 @@ class RankState:
     local: bool = False
     step: int | None = None
     steps: int = 0
-    progressed_at: float = 0.0
+    progressed_at: float = 0.0  # rank's time of its latest step
+    alive_at: float = 0.0  # rank's time of its latest mark that counted no step
     arrived_at: float = 0.0  # kernel time of the latest report
     streak_from: float = 0.0  # kernel time since which reports came without a gap
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=256))
@@ -44,6 +53,11 @@ class Flag:
     node: str
     since: float
     score: float | None = None
+
+
+def last_sign(state: RankState) -> float:
+    """When the rank last showed progress: a step, or a mark (a batch) that counted none."""
+    return max(state.progressed_at, state.alive_at)
 
 
 def now_state(state: RankState) -> str | None:

@@ -42,10 +42,11 @@ from typing import Any
 from nbtools._internal.log import get_logger
 from nbtools.events import _collectives, _procstate
 from nbtools.events._bus import Bus
-from nbtools.events._emit import BUS, emit
+from nbtools.events._emit import BUS, emit, machine_of
 from nbtools.events._progress import PROGRESS_KIND
 from nbtools.events._rankstate import Flag as _Flag
 from nbtools.events._rankstate import RankState as _Rank
+from nbtools.events._rankstate import last_sign as _last_sign
 from nbtools.events._rankstate import lower_median as _lower_median
 from nbtools.events._rankstate import now_state as _now_state
 from nbtools.events._rankstate import setting as _setting
@@ -205,19 +206,34 @@ class Watchdog:
     def _progress(self, event: Event) -> None:
         state = self._ranks.get(event.rank)  # type: ignore[arg-type]
         if state is None or state.pid != event.pid:
-            state = _Rank(event.rank, event.host, event.pid, event.host == self._host)  # type: ignore[arg-type]
+            local = machine_of(event.host) == self._host  # its process can be read here
+            state = _Rank(event.rank, event.host, event.pid, local)  # type: ignore[arg-type]
             self._ranks[event.rank] = state  # type: ignore[index]
         steps = event.fields.get("steps")
-        if type(steps) is not int or steps <= state.steps:
+        if type(steps) is not int:
             return
+        # A mark that counted no step (a batch of an evaluation loop, once the rank
+        # reports numbered steps): the rank is alive, its step times are unchanged.
+        alive = event.fields.get("alive")
+        marked = type(alive) in (int, float) and alive > state.alive_at
+        if marked:
+            state.alive_at = float(alive)
+        if steps <= state.steps:
+            if marked:
+                self._arrived(state)
+            return
+        self._arrived(state)
+        if state.steps and event.time > state.progressed_at:
+            state.step_times.append((event.time - state.progressed_at) / (steps - state.steps))
+        state.steps, state.step, state.progressed_at = steps, event.step, event.time
+
+    def _arrived(self, state: _Rank) -> None:
+        """A report that shows progress arrived now."""
         arrived = time.time()
         self._first_progress = self._first_progress or arrived
         if not state.arrived_at or arrived - state.arrived_at > _REPORT_GRACE_S:
             state.streak_from = arrived  # reports resume after a gap: a new streak
         state.arrived_at = arrived
-        if state.steps and event.time > state.progressed_at:
-            state.step_times.append((event.time - state.progressed_at) / (steps - state.steps))
-        state.steps, state.step, state.progressed_at = steps, event.step, event.time
 
     def _answer(self, event: Event) -> None:
         state = self._ranks.get(event.rank)  # type: ignore[arg-type]
@@ -278,7 +294,7 @@ class Watchdog:
             return []
         for state in self._ranks.values():  # progress again: the flag ends
             flag = self._flags.get(("hang", state.rank))
-            if flag is not None and state.progressed_at > flag.since:
+            if flag is not None and _last_sign(state) > flag.since:
                 del self._flags[("hang", state.rank)]
                 self._emit_end(flag, now, f"made progress again (step {state.step})")
         bound = self.bound()
@@ -287,7 +303,7 @@ class Watchdog:
         # A rank yet to report is judged from when the first rank did: starting up
         # (imports, a restore) is not a hang.
         begun = self._first_progress
-        stalled = [s for s in ranks.values() if now - (s.progressed_at or begun) > bound]
+        stalled = [s for s in ranks.values() if now - (_last_sign(s) or begun) > bound]
         if not stalled:
             return []
         if len(stalled) < len(ranks):
@@ -303,7 +319,7 @@ class Watchdog:
         for state in culprits:
             if ("hang", state.rank) in self._flags:
                 continue
-            flag = _Flag("hang", state.rank, state.host, state.progressed_at or begun)
+            flag = _Flag("hang", state.rank, state.host, _last_sign(state) or begun)
             self._flags[("hang", state.rank)] = flag
             new.append(flag)
         return new

@@ -26,9 +26,9 @@ from nbtools.events._progress import progress_so_far
 def test_step_counts_in_a_process_without_channel_and_checks_its_argument():
     _, before, _ = progress_so_far()
     events.step(7)
-    events.step(None)
+    events.step(None)  # a numbered step came first: this batch mark counts no step
     last, count, at = progress_so_far()
-    assert count == before + 2 and last is None and at > 0
+    assert count == before + 1 and last == 7 and at > 0
     with pytest.raises(TypeError, match="events.step takes the step number as an int"):
         events.step("7")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
@@ -56,6 +56,74 @@ def test_a_rank_reports_coalesced_progress_through_the_channel():
     assert reports and len(reports) <= 5  # one a second, not one a step
     assert all(e.rank == 3 for e in reports)
     assert reports[-1].step == 20009 and reports[-1].fields["steps"] == 20010
+
+
+def test_a_loop_with_the_loader_and_the_manager_counts_one_step_per_training_step(tmp_path):
+    """Batch marks count as steps only until the rank reports numbered steps."""
+    bus = events.Bus()
+    code = """
+        import sys, time
+        from nbtools.checkpoint import CheckpointManager
+        from nbtools.data import DataLoader
+        loader = DataLoader(list(range(40)), batch_size=2, num_workers=0)
+        with CheckpointManager(sys.argv[1]) as ckpt:   # no every=: nothing is saved
+            for step, batch in enumerate(loader):      # a mark per batch...
+                time.sleep(0.01)
+                ckpt.maybe_save(step)                  # ...and a numbered step
+        time.sleep(1.5)   # the report of the training steps leaves
+        for batch in loader:                           # an evaluation: marks only
+            time.sleep(0.01)
+    """
+    with events.Collector(bus=bus) as collector:
+        env = dict(os.environ, **collector.environment(), RANK="0")
+        subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code), str(tmp_path / "ckpt")],
+            env=env,
+            check=True,
+            timeout=120,
+        )
+        collector.drain()
+    reports = [e for e in bus.log() if e.kind == "progress"]
+    assert reports, bus.log()
+    # 20 training steps; the first batch came before the first numbered step.
+    assert reports[-1].step == 19 and reports[-1].fields["steps"] == 21, reports
+    # The evaluation's batches say the rank is alive, later than its last step.
+    assert reports[-1].fields["alive"] > reports[-1].time
+
+
+def test_a_rank_whose_batches_go_on_is_alive_and_keeps_its_step_times():
+    dog = Watchdog(2, hang_timeout=5.0)
+    now = time.time()
+    dog._on_events(
+        [
+            _progress(r, 100 + r, s, now - 20 + s, host="node-x")
+            for r in (0, 1)
+            for s in (1, 2, 3, 4)
+        ]
+    )
+    before = list(dog._ranks[1].step_times)
+    report = _progress(1, 101, 4, now - 16, host="node-x")
+    report.fields["alive"] = now - 0.2  # evaluation batches: no step, but alive
+    dog._on_events([report])
+    assert list(dog._ranks[1].step_times) == before
+    # Judged 3 s on: rank 1's marks kept coming, rank 0 shows nothing for 19 s.
+    new = dog._judge_hangs(now + 3.0)
+    assert [f.rank for f in new] == [0]
+
+
+def test_events_name_the_node_from_the_environment_and_its_host_stays_local():
+    bus = events.Bus()
+    node = f"{socket.gethostname()}{events.NODE_SEPARATOR}1a2b3c4d"
+    with events.Collector(bus=bus) as collector:
+        env = dict(os.environ, **collector.environment(), RANK="2", **{events.NODE_ENV: node})
+        code = "from nbtools import events; events.step(5); events.flush()"
+        subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+        collector.drain()
+    (report,) = [e for e in bus.log() if e.kind == "progress"]
+    assert report.host == node and report.rank == 2
+    dog = Watchdog(3)
+    dog._on_events([report, _progress(1, 101, 5, time.time(), host="gpu-b · 1a2b3c4d")])
+    assert dog._ranks[2].local and not dog._ranks[1].local  # its process can be read here
 
 
 def _process(code: str, state: str) -> subprocess.Popen:

@@ -24,7 +24,13 @@ from typing import Any
 
 from nbtools._internal.log import get_logger
 from nbtools.errors import LaunchError
-from nbtools.events import CHANNEL_ENV
+from nbtools.events import (
+    CHANNEL_ENV,
+    NODE_ENV,
+    NODE_SEPARATOR,
+    add_collectives_asker,
+    remove_collectives_asker,
+)
 from nbtools.launch._backend import Failed, Finished, GroupSpec, Outcome, wait_for_stacks
 from nbtools.launch._failures import RankFailure, from_record
 from nbtools.launch._ray import _cluster
@@ -92,7 +98,7 @@ class RayBackend:
             where = [where[i] for i in order]
             store = _gather(ray, [actors[0].host_store.remote(spec.world_size)], "host the store")
             self.timings["actors"] = time.perf_counter() - t0 - self.timings["placement"]
-            specs = _rank_specs(spec, where, store[0])
+            specs = _rank_specs(spec, where, store[0], _node_names(ray, where))
             ranks = RayGroup(ray, group, actors, where, spec, self.timings)
             ranks.begin([a.run.remote(spec.payload, s) for a, s in zip(actors, specs, strict=True)])
             return ranks
@@ -153,7 +159,27 @@ def _order(where: list[dict], slots: list[int]) -> list[int]:
     return sorted(range(len(where)), key=key)
 
 
-def _rank_specs(spec: GroupSpec, where: list[dict], store: tuple[str, int]) -> list[dict]:
+def _node_names(ray: Any, where: list[dict]) -> dict[str, str]:
+    """``{node id: label}``: the host name, plus the node id's start where hosts share it.
+
+    The same labels as the GPU pane's; a rank's events and hang flags name its node so.
+    """
+    hosts: dict[str, set[str]] = {}
+    for node in _cluster.alive_nodes(ray):
+        hosts.setdefault(node.host, set()).add(node.node_id)
+    for info in where:
+        hosts.setdefault(info["host"], set()).add(info["node_id"])
+    return {
+        info["node_id"]: info["host"]
+        if len(hosts[info["host"]]) == 1
+        else f"{info['host']}{NODE_SEPARATOR}{info['node_id'][:8]}"
+        for info in where
+    }
+
+
+def _rank_specs(
+    spec: GroupSpec, where: list[dict], store: tuple[str, int], names: dict[str, str]
+) -> list[dict]:
     """Each rank's environment and settings, as torchrun would set them on a multi-node run."""
     node_ids = list(dict.fromkeys(info["node_id"] for info in where))
     local_counts = {n: sum(1 for w in where if w["node_id"] == n) for n in node_ids}
@@ -191,6 +217,7 @@ def _rank_specs(spec: GroupSpec, where: list[dict], store: tuple[str, int]) -> l
             TORCHELASTIC_USE_AGENT_STORE="False",
             NBTOOLS_NODE_ID=node,
         )
+        env[NODE_ENV] = names[node]
         device = None
         if spec.use_cuda:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus[node])
@@ -251,6 +278,14 @@ class RayGroup:
     def begin(self, runs: list[Any]) -> None:
         self._runs = {ref: rank for rank, ref in enumerate(runs)}
         self._pump.start()
+        add_collectives_asker(self._ask_collectives)  # hang reports reach the actors
+
+    def _ask_collectives(self) -> int:
+        """Have each running rank's actor ask it which collective it is in; returns how many."""
+        running = [a for r, a in enumerate(self._actors) if r not in self._results]
+        for actor in running:
+            actor.ask_collectives.remote()  # the answer travels with the rank's events
+        return len(running)
 
     def node_label(self, rank: int) -> str:
         """Where rank ``rank`` runs, for messages."""
@@ -333,6 +368,7 @@ class RayGroup:
         if self._stopped:
             return
         self._stopped = True
+        remove_collectives_asker(self._ask_collectives)
         for rank, actor in enumerate(self._actors):
             if rank not in self._results:
                 self._pump.give_up(rank)

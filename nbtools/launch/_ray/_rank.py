@@ -10,6 +10,8 @@ placement group bundle. The kernel drives it with a few method calls:
 - :meth:`RankActor.run` sets the rank's environment, joins the default group
   and calls the function; it returns the result, or the failure record, never
   raises;
+- :meth:`RankActor.ask_collectives` passes on the kernel's question on a
+  hang: the rank's events thread answers with its Flight Recorder position;
 - :meth:`RankActor.output` is polled by the kernel while ``run`` works (the
   actor is threaded): it returns what the rank wrote to its stdout/stderr and
   the events it emitted since the previous call. Output is captured at the
@@ -296,6 +298,11 @@ class RankActor:
                 line for line in data.splitlines(keepends=True) if not line.startswith(_RAY_MARKERS)
             )
         return data
+
+    def ask_collectives(self) -> bool:
+        """Ask this rank which collective it is in (a hang report); the answer is an event."""
+        collector = self._collector
+        return collector.ask() if collector is not None else False
 
     def stacks(self) -> None:
         """Print every thread's Python stack to this rank's stderr."""
