@@ -7,10 +7,13 @@ import os
 from collections import deque
 from dataclasses import dataclass, field
 
+from nbtools.events import _procstate
+
 __all__ = [
     "RankState",
     "Flag",
     "now_state",
+    "stuck_outside",
     "last_sign",
     "setting",
     "lower_median",
@@ -68,6 +71,28 @@ def now_state(state: RankState) -> str | None:
     for kind, _ in state.recent:
         counts[kind] = counts.get(kind, 0) + 1
     return max(counts, key=counts.__getitem__)
+
+
+def stuck_outside(ranks: list[RankState]) -> list[RankState]:
+    """Of ranks that all stopped: those stuck outside a collective, not those waiting."""
+    now_states = {s.rank: now_state(s) for s in ranks}
+    waiting = [s for s in ranks if now_states[s.rank] == _procstate.WAITING]
+    outside = [s for s in ranks if now_states[s.rank] in (_procstate.WORKING, _procstate.STOPPED)]
+    stopped = [s for s in ranks if now_states[s.rank] == _procstate.STOPPED]
+    unknown = [s for s in ranks if now_states[s.rank] is None]
+    most = max(s.steps for s in ranks)
+    lagging = [s for s in ranks if s.steps < most]
+    if waiting and outside:
+        return outside
+    if stopped:
+        return stopped
+    if unknown and lagging:
+        return lagging  # ranks elsewhere: the one behind is the likely culprit
+    if unknown and not outside:
+        return ranks  # nothing tells them apart: every rank stalled
+    if waiting and not outside:
+        return ranks  # every rank waits: the collective itself is stuck
+    return []  # every rank is computing (an evaluation, a compile): not a hang
 
 
 def setting(value: float | None, name: str, default: float) -> float:

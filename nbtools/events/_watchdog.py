@@ -50,6 +50,7 @@ from nbtools.events._rankstate import last_sign as _last_sign
 from nbtools.events._rankstate import lower_median as _lower_median
 from nbtools.events._rankstate import now_state as _now_state
 from nbtools.events._rankstate import setting as _setting
+from nbtools.events._rankstate import stuck_outside as _stuck_outside
 from nbtools.events._record import Event
 from nbtools.events._report import HangReport, clock_text, hang_report
 
@@ -215,9 +216,9 @@ class Watchdog:
         # A mark that counted no step (a batch of an evaluation loop, once the rank
         # reports numbered steps): the rank is alive, its step times are unchanged.
         alive = event.fields.get("alive")
-        marked = type(alive) in (int, float) and alive > state.alive_at
-        if marked:
-            state.alive_at = float(alive)
+        marked = False
+        if isinstance(alive, (int, float)) and alive > state.alive_at:
+            state.alive_at, marked = float(alive), True
         if steps <= state.steps:
             if marked:
                 self._arrived(state)
@@ -241,12 +242,16 @@ class Watchdog:
             self._answers.add(event)
 
     def _ask_collectives(self) -> dict[int, list[dict[str, Any]]]:
-        """Ask the local ranks which collective they are in: ``rank -> positions``."""
+        """Ask the ranks which collective they are in: ``rank -> positions``.
+
+        The wait is for every rank that may answer: those on other machines too
+        (Ray ranks, asked through their actors), not the local ones seen stopped.
+        """
         with self._lock:
             expected = {
                 r
                 for r, s in self._ranks.items()
-                if s.local and _now_state(s) not in (_procstate.STOPPED, _procstate.GONE)
+                if not s.local or _now_state(s) not in (_procstate.STOPPED, _procstate.GONE)
             }
         return self._answers.ask(expected, self._stop)
 
@@ -314,7 +319,7 @@ class Watchdog:
             steady = any(s.streak_from and now - s.streak_from > _REPORT_GRACE_S for s in moving)
             culprits = stalled if steady else []
         else:
-            culprits = self._stuck_outside(list(ranks.values()))
+            culprits = _stuck_outside(list(ranks.values()))
         new = []
         for state in culprits:
             if ("hang", state.rank) in self._flags:
@@ -323,29 +328,6 @@ class Watchdog:
             self._flags[("hang", state.rank)] = flag
             new.append(flag)
         return new
-
-    def _stuck_outside(self, ranks: list[_Rank]) -> list[_Rank]:
-        """Of ranks that all stopped: those stuck outside a collective, not those waiting."""
-        now_states = {s.rank: _now_state(s) for s in ranks}
-        waiting = [s for s in ranks if now_states[s.rank] == _procstate.WAITING]
-        outside = [
-            s for s in ranks if now_states[s.rank] in (_procstate.WORKING, _procstate.STOPPED)
-        ]
-        stopped = [s for s in ranks if now_states[s.rank] == _procstate.STOPPED]
-        unknown = [s for s in ranks if now_states[s.rank] is None]
-        most = max(s.steps for s in ranks)
-        lagging = [s for s in ranks if s.steps < most]
-        if waiting and outside:
-            return outside
-        if stopped:
-            return stopped
-        if unknown and lagging:
-            return lagging  # ranks elsewhere: the one behind is the likely culprit
-        if unknown and not outside:
-            return ranks  # nothing tells them apart: every rank stalled
-        if waiting and not outside:
-            return ranks  # every rank waits: the collective itself is stuck
-        return []  # every rank is computing (an evaluation, a compile): not a hang
 
     def _report(self, flags: list[_Flag], now: float) -> None:
         with self._lock:
