@@ -271,3 +271,28 @@ def test_the_words_about_collectives_name_the_one_in_flight_and_who_never_entere
     assert line.startswith("ranks 0, 2, 3 wait in all_reduce #1812, rank 1 could not answer")
     # Every rank done with its last collective: nothing in flight, nothing to say.
     assert _collectives.describe({0: at(5, 5), 1: at(5, 5)}, culprits=[1], world_size=2) == []
+
+
+def test_the_kernel_asks_ranks_elsewhere_through_the_askers_launchers_add():
+    from nbtools.events import _collectives
+
+    calls = []
+
+    def ask():
+        calls.append("ray")
+        return 3  # three ranks asked
+
+    def broken():
+        raise RuntimeError("the cluster is gone")
+
+    events.add_collectives_asker(broken)
+    events.add_collectives_asker(ask)
+    try:
+        assert _collectives.ask_all() >= 3  # a failing asker does not silence the others
+        assert calls == ["ray"]
+    finally:
+        events.remove_collectives_asker(ask)
+        events.remove_collectives_asker(broken)
+    events.remove_collectives_asker(ask)  # harmless twice
+    _collectives.ask_all()
+    assert calls == ["ray"]
