@@ -16,7 +16,6 @@ an older step or to the volume.
 
 from __future__ import annotations
 
-import zlib
 from collections import defaultdict
 from typing import Any
 
@@ -70,7 +69,7 @@ def _choose(
     return step, plan
 
 
-def _read_any(tier: MemoryTier, owner: int, step: int) -> tuple[bytearray, _slots.Slot]:
+def _read_any(tier: MemoryTier, owner: int, step: int) -> tuple[Any, _slots.Slot]:
     """The first slot of ``owner``'s ``step`` on this node that reads back whole."""
     why = f"rank {tier.rank}'s node holds no slot of it any more"
     for slot in (s for s in tier.visible(owner) if s.step == step):
@@ -116,7 +115,7 @@ def _fetch(tier: MemoryTier, step: int, plan: list[int]) -> tuple[Any, int, list
         got = _replicas.receive_body(group, plan[me])
         if got is not None:
             received, data_len, crc = got
-            if zlib.crc32(received) == crc:
+            if _format.checksum(received) == crc:
                 body = received
             else:
                 _log.warning("rank %d's replica of step %d arrived damaged", me, step)
