@@ -47,7 +47,7 @@ from nbtools.checkpoint._forks import track
 from nbtools.checkpoint._host_buffers import ReusableStager
 from nbtools.checkpoint._lease import WriterLease
 from nbtools.checkpoint._memory._replicas import peers
-from nbtools.checkpoint._memory._restore import agreed_volume_step, memory_restore, report
+from nbtools.checkpoint._memory._restore import VolumeStep, memory_restore, report
 from nbtools.checkpoint._memory._tier import MemoryTier
 from nbtools.checkpoint._quiet import quiet_single_process_warning
 from nbtools.checkpoint._report import SaveTiming
@@ -235,13 +235,13 @@ class CheckpointManager:
         _scratch.sweep(_scratch.staging_base(self._staging_dir))  # a killed writer's leftovers
         if self._memory is not None:
             started = time.perf_counter()
-            volume_step = agreed_volume_step(self._pg, self._target)
-            got = memory_restore(self._memory, _state.classify(objs), self._pg, volume_step)
+            with VolumeStep(self._pg, self._target) as volume_step:
+                got = memory_restore(self._memory, _state.classify(objs), self._pg, volume_step)
             if got is not None:
-                held, snapshot, tier, any_replica = got
+                held, snapshot, tier, any_replica, volume = got
                 report(held, time.perf_counter() - started, "replica" if any_replica else "memory")
                 self.restored_step, self.restored_tier, self.skipped = held, tier, []
-                self.last_saved_step = volume_step
+                self.last_saved_step = volume
                 self.extra = dict(snapshot.get("extra") or {})
                 self.mlflow_run_id = snapshot.get("mlflow_run_id")
                 return held + 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -53,6 +54,11 @@ _PRELOAD = [
     "torch.distributed.checkpoint.state_dict",
     "nbtools.launch._worker",
 ]
+
+#: Object-store clients the forkserver also loads when they are installed (a rank that
+#: reads or writes checkpoints in a bucket imports one: half a second per rank, per
+#: restart). Imported with every error tolerated: a broken one is skipped, never fatal.
+_OPTIONAL_PRELOAD = ("s3fs", "gcsfs", "adlfs")
 
 _MAIN_LOCK = threading.RLock()
 
@@ -212,7 +218,8 @@ def caller_environment() -> dict[str, str]:
 
 
 def settle_forkserver() -> None:
-    """Inside the forkserver: leave the caller's process group; clean up at the end.
+    """Inside the forkserver: leave the caller's process group, load the installed
+    object-store clients (``_OPTIONAL_PRELOAD``); clean up at the end.
 
     Jupyter kernels terminate every process of their group at shutdown and wait
     for them; the forkserver (and the ranks it forks) end by themselves once the
@@ -231,6 +238,9 @@ def settle_forkserver() -> None:
         return
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
+    for name in _OPTIONAL_PRELOAD:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
     try:
         with socket.socket(socket.AF_UNIX, fileno=os.dup(int(match.group(1)))) as listener:
             address = listener.getsockname()

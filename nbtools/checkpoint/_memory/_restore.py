@@ -16,7 +16,9 @@ an older step or to the volume.
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -30,7 +32,7 @@ from nbtools.checkpoint._memory._mapped import tensor_of
 from nbtools.checkpoint._memory._tier import MemoryTier
 from nbtools.errors import CheckpointError
 
-__all__ = ["memory_restore", "agreed_volume_step", "volume_newest", "report"]
+__all__ = ["memory_restore", "VolumeStep", "volume_newest", "report"]
 
 _log = get_logger("checkpoint")
 #: Rounds of choosing a step before the volume is used (each drops a failed source).
@@ -126,15 +128,19 @@ def _fetch(tier: MemoryTier, step: int, plan: list[int]) -> tuple[Any, int, list
 
 
 def memory_restore(
-    tier: MemoryTier, kinds: _state.Objects, pg: Any, volume_step: int | None
-) -> tuple[int, dict[str, Any], str, bool] | None:
+    tier: MemoryTier, kinds: _state.Objects, pg: Any, volume_step: Callable[[], int | None]
+) -> tuple[int, dict[str, Any], str, bool, int | None] | None:
     """Restore from memory (own slots, or peers' replicas) when every rank can get a step
     at least as new as the volume's.
 
-    Returns ``(step, blob, tier, any_replica)`` once the objects hold the snapshot,
-    ``tier`` being where this rank's came from (``"memory"`` or ``"replica"``) and
-    ``any_replica`` whether some rank's came from a replica; or None (nothing
-    changed) when the volume must be used.
+    ``volume_step()`` gives the volume's newest complete step on every rank (a
+    collective, see :class:`VolumeStep`); it is asked once the snapshot is read and
+    checked, so that looking at the volume and reading memory overlap.
+
+    Returns ``(step, blob, tier, any_replica, volume_step)`` once the objects hold
+    the snapshot, ``tier`` being where this rank's came from (``"memory"`` or
+    ``"replica"``) and ``any_replica`` whether some rank's came from a replica; or
+    None (nothing changed) when the volume must be used.
     """
     tier.wait()
     # Without the replicas' group a rank can serve only itself.
@@ -143,7 +149,7 @@ def memory_restore(
     offers = gather(pg, offer)
     bad: set[Source] = set()
     for _ in range(_ROUNDS):
-        chosen = _choose(offers, bad, volume_step)
+        chosen = _choose(offers, bad, None)
         if chosen is None:
             return None
         step, plan = chosen
@@ -153,6 +159,10 @@ def memory_restore(
             break
         bad.update(failures)  # type: ignore[arg-type]
     else:
+        return None
+    newest_volume = volume_step()
+    if newest_volume is not None and step < newest_volume:
+        _log.info("the volume's step %d is newer than memory's %d", newest_volume, step)
         return None
     where = f"the memory snapshot of step {step} of rank {tier.rank}"
     state: dict[str, Any] = {}
@@ -177,7 +187,7 @@ def memory_restore(
         f"memory (ranks {from_peers} from replicas)" if from_peers else "memory",
         step + 1,
     )
-    return step, blob, mine, bool(from_peers)
+    return step, blob, mine, bool(from_peers), newest_volume
 
 
 def volume_newest(target: Any) -> int | None:
@@ -187,9 +197,49 @@ def volume_newest(target: Any) -> int | None:
     return next((step for step, complete in list_steps(target) if complete), None)
 
 
-def agreed_volume_step(pg: Any, target: Any) -> int | None:
-    """:func:`volume_newest`, read by rank 0 and known to every rank."""
-    return agree(pg, volume_newest(target) if runtime.get_rank() == 0 else None)
+class VolumeStep:
+    """The volume's newest complete step, looked up by rank 0 in the background.
+
+    Listing a bucket takes round trips (and, in a fresh process, the client's
+    start): they overlap with reading the memory snapshot. Calling the object
+    is a collective that gives every rank rank 0's answer; rank 0's error is
+    raised on every rank. Use it as a context manager: leaving joins the lookup.
+    """
+
+    def __init__(self, pg: Any, target: Any) -> None:
+        self._pg = pg
+        self._value: int | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if runtime.get_rank() == 0:
+            self._thread = threading.Thread(
+                target=self._look, args=(target,), name="nbtools-volume-step", daemon=True
+            )
+            self._thread.start()
+
+    def _look(self, target: Any) -> None:
+        try:
+            self._value = volume_newest(target)
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank by __call__
+            self._error = exc
+
+    def __enter__(self) -> VolumeStep:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def __call__(self) -> int | None:
+        if self._thread is not None:
+            self._thread.join()
+        error = f"{type(self._error).__name__}: {self._error}" if self._error else ""
+        value, error = agree(self._pg, (self._value, error))
+        if self._error is not None:
+            raise self._error
+        if error:
+            raise CheckpointError(f"rank 0 could not list the checkpoints on the volume: {error}")
+        return value
 
 
 def report(step: int, seconds: float, tier: str) -> None:
