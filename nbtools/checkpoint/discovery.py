@@ -14,6 +14,7 @@ never followed, read or deleted through; the link leads out of the root.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Collection, Iterator
 from typing import Any, NamedTuple
 
@@ -32,6 +33,7 @@ __all__ = [
     "list_steps",
     "validate",
     "root_target",
+    "RootCheck",
     "is_foreign",
     "candidates",
 ]
@@ -52,8 +54,52 @@ def root_target(root: str | os.PathLike[str] | Target) -> Target:
     """The target for a checkpoint root; a root that is a file is a ``ValueError``."""
     target = open_target(root)
     if target.isfile():
-        raise ValueError(f"checkpoint root {target.url} is a file; give a directory path")
+        raise ValueError(_a_file(target))
     return target
+
+
+def _a_file(target: Target) -> str:
+    return f"checkpoint root {target.url} is a file; give a directory path"
+
+
+class RootCheck:
+    """Refuses a checkpoint root that is a file, as :func:`root_target` does, without
+    waiting for an object store.
+
+    On this machine's filesystem the check is a ``stat``, done at once. In an object
+    store it is a request, and a fresh process's first one also starts the client
+    (most of a second): it runs in the background, so that a restarted rank that
+    restores from memory never waits for it. :meth:`result` gives the target, or
+    raises what the check found (``ValueError`` for a file); call it before the
+    first read or write of the volume.
+    """
+
+    def __init__(self, root: str | os.PathLike[str] | Target) -> None:
+        self.target = open_target(root)
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if self.target.local_path is None:
+            self._thread = threading.Thread(target=self._check, name="nbtools-root-check")
+            self._thread.daemon = True
+            self._thread.start()
+        else:
+            self._check()
+            self.result()
+
+    def _check(self) -> None:
+        try:
+            if self.target.isfile():
+                raise ValueError(_a_file(self.target))
+        except BaseException as exc:  # noqa: BLE001 - raised by result()
+            self._error = exc
+
+    def result(self) -> Target:
+        """The root's target once the check passed (waits for a check in progress)."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.target
 
 
 def is_foreign(target: Target, name: str) -> bool:

@@ -27,7 +27,7 @@ from nbtools import events, runtime
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import agree, gather
-from nbtools.checkpoint._memory import _format, _replicas, _slots
+from nbtools.checkpoint._memory import _format, _replicas, _slots, _volume
 from nbtools.checkpoint._memory._mapped import tensor_of
 from nbtools.checkpoint._memory._tier import MemoryTier
 from nbtools.errors import CheckpointError
@@ -128,14 +128,15 @@ def _fetch(tier: MemoryTier, step: int, plan: list[int]) -> tuple[Any, int, list
 
 
 def memory_restore(
-    tier: MemoryTier, kinds: _state.Objects, pg: Any, volume_step: Callable[[], int | None]
+    tier: MemoryTier, kinds: _state.Objects, pg: Any, volume_step: VolumeStep
 ) -> tuple[int, dict[str, Any], str, bool, int | None] | None:
     """Restore from memory (own slots, or peers' replicas) when every rank can get a step
     at least as new as the volume's.
 
-    ``volume_step()`` gives the volume's newest complete step on every rank (a
-    collective, see :class:`VolumeStep`); it is asked once the snapshot is read and
-    checked, so that looking at the volume and reading memory overlap.
+    The volume is not listed when the ranks' records (``_volume``) show that it
+    holds nothing newer than the chosen snapshot. Otherwise ``volume_step`` lists
+    it (rank 0, in the background, while the snapshot is read and checked) and
+    gives every rank the newest complete step (a collective, see :class:`VolumeStep`).
 
     Returns ``(step, blob, tier, any_replica, volume_step)`` once the objects hold
     the snapshot, ``tier`` being where this rank's came from (``"memory"`` or
@@ -146,13 +147,20 @@ def memory_restore(
     # Without the replicas' group a rank can serve only itself.
     owners = range(tier.world) if tier.group is not None else [tier.rank]
     offer = sorted({(o, s.step) for o in owners for s in tier.visible(o)})
-    offers = gather(pg, offer)
+    offers, views = zip(*gather(pg, (offer, tier.volume_bound())), strict=True)
+    known, bound = _volume.combine(list(views))
+
+    def must_list(step: int) -> bool:
+        return not known or (bound is not None and bound > step)
+
     bad: set[Source] = set()
     for _ in range(_ROUNDS):
-        chosen = _choose(offers, bad, None)
+        chosen = _choose(list(offers), bad, None)
         if chosen is None:
             return None
         step, plan = chosen
+        if must_list(step):
+            volume_step.start()  # rank 0 lists the volume while the snapshot is read
         body, data_len, failed, mine = _fetch(tier, step, plan)
         failures = [tuple(f) for fs in gather(pg, failed) for f in fs]
         if not failures:
@@ -160,7 +168,7 @@ def memory_restore(
         bad.update(failures)  # type: ignore[arg-type]
     else:
         return None
-    newest_volume = volume_step()
+    newest_volume = volume_step() if must_list(step) else bound
     if newest_volume is not None and step < newest_volume:
         _log.info("the volume's step %d is newer than memory's %d", newest_volume, step)
         return None
@@ -198,28 +206,34 @@ def volume_newest(target: Any) -> int | None:
 
 
 class VolumeStep:
-    """The volume's newest complete step, looked up by rank 0 in the background.
+    """The volume's newest complete step, looked up by rank 0 in the background
+    (``target()`` gives the volume's target).
 
     Listing a bucket takes round trips (and, in a fresh process, the client's
-    start): they overlap with reading the memory snapshot. Calling the object
-    is a collective that gives every rank rank 0's answer; rank 0's error is
-    raised on every rank. Use it as a context manager: leaving joins the lookup.
+    start): :meth:`start` begins it, to overlap with reading the memory snapshot.
+    Calling the object is a collective that gives every rank rank 0's answer
+    (starting the lookup if needed); rank 0's error is raised on every rank. Use
+    it as a context manager: leaving joins a lookup in progress.
     """
 
-    def __init__(self, pg: Any, target: Any) -> None:
+    def __init__(self, pg: Any, target: Callable[[], Any]) -> None:
         self._pg = pg
+        self._target = target
         self._value: int | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        if runtime.get_rank() == 0:
+
+    def start(self) -> None:
+        """Begin the lookup on rank 0 (once)."""
+        if self._thread is None and runtime.get_rank() == 0:
             self._thread = threading.Thread(
-                target=self._look, args=(target,), name="nbtools-volume-step", daemon=True
+                target=self._look, args=(self._target,), name="nbtools-volume-step", daemon=True
             )
             self._thread.start()
 
     def _look(self, target: Any) -> None:
         try:
-            self._value = volume_newest(target)
+            self._value = volume_newest(target())
         except BaseException as exc:  # noqa: BLE001 - raised on every rank by __call__
             self._error = exc
 
@@ -231,6 +245,7 @@ class VolumeStep:
             self._thread.join()
 
     def __call__(self) -> int | None:
+        self.start()
         if self._thread is not None:
             self._thread.join()
         error = f"{type(self._error).__name__}: {self._error}" if self._error else ""

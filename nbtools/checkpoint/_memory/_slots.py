@@ -35,7 +35,7 @@ from typing import IO, Any
 
 from nbtools._internal.holder import Holder, Liveness
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint._memory import _format
+from nbtools.checkpoint._memory import _format, _volume
 from nbtools.errors import CheckpointError
 
 #: Bytes read and checksummed at a time when a slot is read back (stays in the cache).
@@ -382,14 +382,16 @@ def remove(paths: list[str]) -> None:
 
 
 def drop_job_if_empty(directory: str) -> None:
-    """Remove a job directory that holds no snapshot (its keeper record goes with it)."""
+    """Remove a job directory that holds no snapshot (its keeper and volume records go
+    with it)."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return
-    if all(n == _KEEPER for n in names):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(directory, _KEEPER))
+    if all(n == _KEEPER or _volume.is_record(n) for n in names):
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
         with contextlib.suppress(OSError):
             os.rmdir(directory)
             os.rmdir(os.path.dirname(directory))  # the user's, when no other job is left
