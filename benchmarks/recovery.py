@@ -30,8 +30,8 @@ Figures:
   function's arrival), ``build_model_and_manager``, ``restore`` and
   ``first_step``, and ``dominant_phase`` names the longest;
 - ``steps_trained_again``: the steps between the restored step and the kill;
-- ``volume_bytes_read_on_restore``: object bytes the server served during the
-  restart's restore (goal for memory: 0);
+- ``volume_bytes_read_on_restore``: checkpoint bytes (objects inside ``step_<N>``)
+  the server served during the restart's restore (goal for memory: 0);
 - ``blocked_per_snapshot_s``: median time ``maybe_save`` blocks training at a
   snapshot-only step, over ``plain_copy_s``, the median of copying the same
   state into preallocated tensors at steps between the snapshots of the same
@@ -104,7 +104,7 @@ def _train(cfg: dict) -> dict:
         save_on_close=False,
     )
     endpoint = cfg["endpoint"]
-    served = (lambda: s3_served(endpoint)) if endpoint else (lambda: 0)
+    served = (lambda: s3_served(endpoint, checkpoints=True)) if endpoint else (lambda: 0)
     before = served() if rank == 0 else 0
     began, restoring = time.perf_counter(), time.time()
     start = ckpt.restore(model=model, optimizer=opt)

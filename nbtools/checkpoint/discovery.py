@@ -64,41 +64,30 @@ def _a_file(target: Target) -> str:
 
 class RootCheck:
     """Refuses a checkpoint root that is a file, as :func:`root_target` does, without
-    waiting for an object store.
+    asking an object store before it must.
 
     On this machine's filesystem the check is a ``stat``, done at once. In an object
     store it is a request, and a fresh process's first one also starts the client
-    (most of a second): it runs in the background, so that a restarted rank that
-    restores from memory never waits for it. :meth:`result` gives the target, or
-    raises what the check found (``ValueError`` for a file); call it before the
-    first read or write of the volume.
+    (most of a CPU second): it waits for the first read or write of the volume, so
+    that a restarted rank that restores from memory never pays for it. :meth:`result`
+    gives the target, or raises what the check found (``ValueError`` for a file);
+    call it before the first read or write of the volume.
     """
 
     def __init__(self, root: str | os.PathLike[str] | Target) -> None:
         self.target = open_target(root)
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        if self.target.local_path is None:
-            self._thread = threading.Thread(target=self._check, name="nbtools-root-check")
-            self._thread.daemon = True
-            self._thread.start()
-        else:
-            self._check()
+        self._lock = threading.Lock()
+        self._done = False
+        if self.target.local_path is not None:
             self.result()
 
-    def _check(self) -> None:
-        try:
-            if self.target.isfile():
-                raise ValueError(_a_file(self.target))
-        except BaseException as exc:  # noqa: BLE001 - raised by result()
-            self._error = exc
-
     def result(self) -> Target:
-        """The root's target once the check passed (waits for a check in progress)."""
-        if self._thread is not None:
-            self._thread.join()
-        if self._error is not None:
-            raise self._error
+        """The root's target once the check passed (checks on the first call)."""
+        with self._lock:
+            if not self._done:
+                if self.target.isfile():
+                    raise ValueError(_a_file(self.target))
+                self._done = True
         return self.target
 
 
