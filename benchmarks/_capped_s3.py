@@ -8,7 +8,9 @@ Ranged GETs read only their range of the stored object (as real object stores
 do; moto alone reads the whole object for each). Control, over HTTP on the same
 port:
 
-- ``GET /_served``: ``{"bytes": N, "gets": M}`` served since the last reset;
+- ``GET /_served``: ``{"bytes": N, "gets": M, "checkpoint_bytes": C}`` served since
+  the last reset (``checkpoint_bytes``: of keys inside a ``step_<N>`` directory, so
+  not the writer's lease);
 - ``POST /_served``: reset the counters;
 - ``POST /_stall?suffix=.distcp``: from now on, GETs of keys ending so get no
   answer (the server stops responding) until ``POST /_stall`` with no suffix.
@@ -39,6 +41,7 @@ class Capped:
         self.lock = threading.Lock()
         self.served = 0
         self.gets = 0
+        self.checkpoint_bytes = 0
         self.stall_suffix: str | None = None
         self.unstalled = threading.Event()
         self.unstalled.set()
@@ -61,13 +64,15 @@ class Capped:
         path, method = environ["PATH_INFO"], environ["REQUEST_METHOD"]
         if path == "/_served" and method == "POST":
             with self.lock:
-                self.served = self.gets = 0
+                self.served = self.gets = self.checkpoint_bytes = 0
         elif path == "/_stall":
             suffix = parse_qs(environ.get("QUERY_STRING", "")).get("suffix", [None])[0]
             self.stall_suffix = suffix
             (self.unstalled.clear if suffix else self.unstalled.set)()
         with self.lock:
-            body = json.dumps({"bytes": self.served, "gets": self.gets}).encode()
+            body = json.dumps(
+                {"bytes": self.served, "gets": self.gets, "checkpoint_bytes": self.checkpoint_bytes}
+            ).encode()
         start_response("200 OK", [("Content-Type", "application/json")])
         return [body]
 
@@ -85,7 +90,8 @@ class Capped:
         with self.lock:
             self.gets += 1
         ranged = self._range(environ, start_response)
-        return self._paced(ranged if ranged is not None else self.app(environ, start_response))
+        body = ranged if ranged is not None else self.app(environ, start_response)
+        return self._paced(body, "/step_" in path)
 
     def _range(self, environ: dict[str, Any], start_response: Any) -> list[bytes] | None:
         """A plain ``Range: bytes=a-b`` GET of a stored object, read from that range only.
@@ -137,7 +143,7 @@ class Capped:
         )
         return [body]
 
-    def _paced(self, body: Any) -> Any:
+    def _paced(self, body: Any, checkpoint: bool) -> Any:
         try:
             for chunk in body:
                 for at in range(0, len(chunk), _PIECE):
@@ -145,6 +151,8 @@ class Capped:
                     self._pace(len(piece))
                     with self.lock:
                         self.served += len(piece)
+                        if checkpoint:
+                            self.checkpoint_bytes += len(piece)
                     yield piece
         finally:
             close = getattr(body, "close", None)

@@ -30,8 +30,8 @@ Figures:
   function's arrival), ``build_model_and_manager``, ``restore`` and
   ``first_step``, and ``dominant_phase`` names the longest;
 - ``steps_trained_again``: the steps between the restored step and the kill;
-- ``volume_bytes_read_on_restore``: object bytes the server served during the
-  restart's restore (goal for memory: 0);
+- ``volume_bytes_read_on_restore``: checkpoint bytes (objects inside ``step_<N>``)
+  the server served during the restart's restore (goal for memory: 0);
 - ``blocked_per_snapshot_s``: median time ``maybe_save`` blocks training at a
   snapshot-only step, over ``plain_copy_s``, the median of copying the same
   state into preallocated tensors at steps between the snapshots of the same
@@ -85,12 +85,7 @@ def _train(cfg: dict) -> dict:
     from _restore_servers import s3_served
 
     entered = time.time()
-    try:
-        import psutil
-
-        created = psutil.Process().create_time()  # the rank's process was started (forked)
-    except ImportError:
-        created = entered
+    created = _process_started()
     torch.set_num_threads(1)
     rank, attempt = dist.get_rank(), get_restart_count()
     every, memory_every, kill_at = cfg["every"], cfg["memory_every"], cfg["kill_at"]
@@ -109,7 +104,7 @@ def _train(cfg: dict) -> dict:
         save_on_close=False,
     )
     endpoint = cfg["endpoint"]
-    served = (lambda: s3_served(endpoint)) if endpoint else (lambda: 0)
+    served = (lambda: s3_served(endpoint, checkpoints=True)) if endpoint else (lambda: 0)
     before = served() if rank == 0 else 0
     began, restoring = time.perf_counter(), time.time()
     start = ckpt.restore(model=model, optimizer=opt)
@@ -172,6 +167,18 @@ def _train(cfg: dict) -> dict:
         "first_done": done[0],
         "state_mb": state_bytes / 2**20,
     }
+
+
+def _process_started() -> float:
+    """When this process was created (forked), in epoch seconds, to the clock tick.
+
+    From ``/proc/self/stat``'s start time against the boot-time clock: ``psutil``'s
+    ``create_time`` adds the boot time rounded to the second, too coarse here.
+    """
+    with open("/proc/self/stat") as fh:
+        ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+    age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - age
 
 
 def _phases(result: dict, killed: float, since: float) -> dict:

@@ -228,7 +228,17 @@ class WriterLease:
 
         Called when the manager is created, so that a verdict is usually known
         by the first save. Errors reading the lease are left to the first save.
+        In an object store the read (a request, in a fresh process the client's
+        start too) happens in the background: creating a manager never waits for it.
         """
+        if self._target.local_path is None:
+            threading.Thread(
+                target=self._probe, name="nbtools-ckpt-lease-probe", daemon=True
+            ).start()
+        else:
+            self._probe()
+
+    def _probe(self) -> None:
         with self._lock:
             try:
                 record = self._read()

@@ -16,8 +16,10 @@ restores the per-rank state saved by rank r if there was one, else rank 0's.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import random
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -221,7 +223,32 @@ def apply_state(objs: Objects, state: dict[str, Any], blob: dict[str, Any]) -> N
     for name, model in objs.models.items():
         set_model_state_dict(model, state[name])
     for name, (optim, owner) in objs.optimizers.items():
-        set_optimizer_state_dict(owner, optim, state[name])
+        with _no_warm_up_step(optim):
+            set_optimizer_state_dict(owner, optim, state[name])
     for name, obj in objs.stateful.items():
         obj.load_state_dict(blob["objects"][name])
     restore_rng(blob["rng"])
+
+
+@contextlib.contextmanager
+def _no_warm_up_step(optim: torch.optim.Optimizer) -> Iterator[None]:
+    """Load into an optimizer that has no state yet without DCP's warm-up step.
+
+    ``set_optimizer_state_dict`` first gives a stateless optimizer its state by
+    running one step with zero gradients and a zero learning rate (a full pass over
+    every parameter, plus the state's allocation), then replaces all of that state
+    with the loaded one. A placeholder entry tells it the state exists; the load
+    replaces the placeholder with the rest, and a failed load leaves no trace of it.
+    The loaded tensors are used as they are (same dtype and device: no copy).
+    """
+    params = [p for group in optim.param_groups for p in group["params"]]
+    if optim.state or not params or any(p.grad is not None for p in params):
+        yield
+        return
+    placeholder: dict[str, Any] = {}
+    optim.state[params[0]] = placeholder
+    try:
+        yield
+    finally:
+        if optim.state.get(params[0]) is placeholder:
+            del optim.state[params[0]]

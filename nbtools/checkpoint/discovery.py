@@ -14,6 +14,7 @@ never followed, read or deleted through; the link leads out of the root.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Collection, Iterator
 from typing import Any, NamedTuple
 
@@ -32,6 +33,7 @@ __all__ = [
     "list_steps",
     "validate",
     "root_target",
+    "RootCheck",
     "is_foreign",
     "candidates",
 ]
@@ -52,8 +54,41 @@ def root_target(root: str | os.PathLike[str] | Target) -> Target:
     """The target for a checkpoint root; a root that is a file is a ``ValueError``."""
     target = open_target(root)
     if target.isfile():
-        raise ValueError(f"checkpoint root {target.url} is a file; give a directory path")
+        raise ValueError(_a_file(target))
     return target
+
+
+def _a_file(target: Target) -> str:
+    return f"checkpoint root {target.url} is a file; give a directory path"
+
+
+class RootCheck:
+    """Refuses a checkpoint root that is a file, as :func:`root_target` does, without
+    asking an object store before it must.
+
+    On this machine's filesystem the check is a ``stat``, done at once. In an object
+    store it is a request, and a fresh process's first one also starts the client
+    (most of a CPU second): it waits for the first read or write of the volume, so
+    that a restarted rank that restores from memory never pays for it. :meth:`result`
+    gives the target, or raises what the check found (``ValueError`` for a file);
+    call it before the first read or write of the volume.
+    """
+
+    def __init__(self, root: str | os.PathLike[str] | Target) -> None:
+        self.target = open_target(root)
+        self._lock = threading.Lock()
+        self._done = False
+        if self.target.local_path is not None:
+            self.result()
+
+    def result(self) -> Target:
+        """The root's target once the check passed (checks on the first call)."""
+        with self._lock:
+            if not self._done:
+                if self.target.isfile():
+                    raise ValueError(_a_file(self.target))
+                self._done = True
+        return self.target
 
 
 def is_foreign(target: Target, name: str) -> bool:

@@ -47,7 +47,7 @@ from nbtools.checkpoint._forks import track
 from nbtools.checkpoint._host_buffers import ReusableStager
 from nbtools.checkpoint._lease import WriterLease
 from nbtools.checkpoint._memory._replicas import peers
-from nbtools.checkpoint._memory._restore import agreed_volume_step, memory_restore, report
+from nbtools.checkpoint._memory._restore import VolumeStep, memory_restore, report
 from nbtools.checkpoint._memory._tier import MemoryTier
 from nbtools.checkpoint._quiet import quiet_single_process_warning
 from nbtools.checkpoint._report import SaveTiming
@@ -57,7 +57,7 @@ from nbtools.checkpoint._storage import _scratch
 from nbtools.checkpoint._storage._layout import METADATA_NAME, step_dir_name
 from nbtools.checkpoint._storage._roots import check_root
 from nbtools.checkpoint._storage._target import Target
-from nbtools.checkpoint.discovery import is_foreign, root_target
+from nbtools.checkpoint.discovery import RootCheck, is_foreign
 from nbtools.checkpoint.writer import VolumeWriter
 from nbtools.errors import CheckpointError
 
@@ -150,7 +150,8 @@ class CheckpointManager:
         self.keep = positive("keep", keep)
         if not isinstance(save_on_close, bool):
             raise TypeError(f"save_on_close must be a bool, not {type(save_on_close).__name__}")
-        self._target: Target = root_target(root)
+        self._root = RootCheck(root)  # an object store's is checked in the background
+        self._target: Target = self._root.target
         check_writable(self._target)
         check_root(self._target)  # a root other users can write: planted checkpoints
         self.root = self._target.url
@@ -235,19 +236,23 @@ class CheckpointManager:
         _scratch.sweep(_scratch.staging_base(self._staging_dir))  # a killed writer's leftovers
         if self._memory is not None:
             started = time.perf_counter()
-            volume_step = agreed_volume_step(self._pg, self._target)
-            got = memory_restore(self._memory, _state.classify(objs), self._pg, volume_step)
+            with VolumeStep(self._pg, self._root.result) as volume_step:
+                got = memory_restore(self._memory, _state.classify(objs), self._pg, volume_step)
             if got is not None:
-                held, snapshot, tier, any_replica = got
+                held, snapshot, tier, any_replica, volume = got
+                self._memory.note_volume(volume)
                 report(held, time.perf_counter() - started, "replica" if any_replica else "memory")
                 self.restored_step, self.restored_tier, self.skipped = held, tier, []
-                self.last_saved_step = volume_step
+                self.last_saved_step = volume
                 self.extra = dict(snapshot.get("extra") or {})
                 self.mlflow_run_id = snapshot.get("mlflow_run_id")
                 return held + 1
+        self._root.result()
         restored = restore_newest(self._target, objs, self._pg, self._staging_dir, planner)
         step, blob, self.skipped = restored.step, restored.blob, restored.skipped
         self.restored_step = step
+        if self._memory is not None:
+            self._memory.note_volume(step)  # nothing newer verifies there (see _memory)
         if step is None:
             return 0
         self.restored_tier = "volume"
@@ -301,6 +306,7 @@ class CheckpointManager:
 
     def _save(self, step: int, extra: dict[str, Any] | None, objs: dict[str, Any]) -> bool:
         check_extra(extra)
+        self._root.result()
         self.wait()
         kinds = _state.classify(objs)
         name = step_dir_name(step)
@@ -324,6 +330,8 @@ class CheckpointManager:
             _log.info(
                 "replacing checkpoint %s/%s (atomically: old or new, never a mix)", self.root, name
             )
+        if self._memory is not None:
+            self._memory.note_volume_save(step)  # before the save can complete
         # The run this training logs to: the active one, else the one last saved or
         # restored (a logger closed before the final save on close still owns the run).
         self.mlflow_run_id = active_mlflow_run_id() or self.mlflow_run_id

@@ -38,9 +38,11 @@ def _call(endpoint: str, path: str, method: str = "GET") -> dict:
         return json.loads(response.read())
 
 
-def s3_served(endpoint: str, reset: bool = False) -> int:
-    """Object bytes the server sent since the last reset (and reset, with ``reset``)."""
-    return _call(endpoint, "/_served", "POST" if reset else "GET")["bytes"]
+def s3_served(endpoint: str, reset: bool = False, checkpoints: bool = False) -> int:
+    """Object bytes the server sent since the last reset (and reset, with ``reset``);
+    with ``checkpoints``, only those of keys inside ``step_<N>`` directories."""
+    got = _call(endpoint, "/_served", "POST" if reset else "GET")
+    return got["checkpoint_bytes" if checkpoints else "bytes"]
 
 
 def s3_stall(endpoint: str, suffix: str | None) -> None:

@@ -150,6 +150,51 @@ def test_a_run_restores_its_newest_snapshot_and_says_the_tier(tmp_path, shm):
     assert _files(shm) == []
 
 
+class _CountingAdam(torch.optim.Adam):
+    """The user's optimizer, counting its steps."""
+
+    steps = 0
+
+    def step(self, closure=None):
+        self.steps += 1
+        return super().step(closure)
+
+
+def test_a_fresh_optimizer_takes_the_snapshot_state_without_a_step_of_its_own(tmp_path, shm):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 4)
+    opt = _CountingAdam(net.parameters(), lr=0.1)
+    with (
+        pytest.raises(RuntimeError),
+        CheckpointManager(tmp_path / "root", every=10, memory_every=3, async_save=False) as ckpt,
+    ):
+        _train(ckpt, net, opt, range(13))
+        saved = {k: v.clone() for k, v in net.state_dict().items()}
+        saved_opt = {
+            i: {k: v.clone() for k, v in s.items()} for i, s in enumerate(opt.state.values())
+        }
+        raise RuntimeError("killed")
+    fresh = torch.nn.Linear(4, 4)
+    fresh_opt = _CountingAdam(fresh.parameters(), lr=0.1)
+    with CheckpointManager(tmp_path / "root", memory_every=3, async_save=False) as again:
+        assert again.restore(model=fresh, optimizer=fresh_opt) == 13
+        assert again.restored_tier == "memory"
+        # The state is the snapshot's, and no warm-up step ran to make room for it.
+        assert fresh_opt.steps == 0
+        assert all(p.grad is None for p in fresh.parameters())
+        for name, value in fresh.state_dict().items():
+            assert torch.equal(value, saved[name])
+        restored = list(fresh_opt.state.values())
+        assert len(restored) == len(saved_opt)
+        for i, state in enumerate(restored):
+            assert state.keys() == saved_opt[i].keys()
+            for key, value in state.items():
+                assert torch.equal(value, saved_opt[i][key]), key
+        # Training goes on from it as the killed run would have.
+        _train(again, fresh, fresh_opt, range(13, 14))
+        assert fresh_opt.steps == 1
+
+
 def test_a_damaged_or_planted_snapshot_is_never_loaded(tmp_path, shm, caplog):
     net, opt = _net()
     with (
@@ -261,7 +306,7 @@ def test_a_snapshot_killed_halfway_leaves_the_previous_one_whole(tmp_path, shm):
     user = _slots.user_dir()
     job = _slots.job_path(user, "key")
     assert [s.step for s in _slots.slots(job, "key", 0, 1)] == [5]
-    assert _slots.read_slot(next(_slots.slots(job, "key", 0, 1))) == b"x" * 1000
+    assert bytes(_slots.read_slot(next(_slots.slots(job, "key", 0, 1)))) == b"x" * 1000
     _slots.sweep(user)  # its keeper is dead: the job goes, the half-written file with it
     assert _files(shm) == [f"nbtools-snapshots-{os.geteuid()}"]
     os.rmdir(user)
@@ -278,7 +323,7 @@ def test_a_reused_slot_file_holds_only_the_new_snapshot(tmp_path, shm):
     new = _slots.write_slot(job, "key", 0, 1, 7, lambda fh: fh.write(b"y" * 10), reuse=old)
     assert not os.path.exists(old.path) and os.stat(new.path).st_size == _slots.HEADER_BYTES + 10
     assert sorted(s.step for s in _slots.slots(job, "key", 0, 1)) == [6, 7]
-    assert _slots.read_slot(new) == b"y" * 10 and _slots.read_slot(keep) == b"k" * 10
+    assert bytes(_slots.read_slot(new)) == b"y" * 10 and bytes(_slots.read_slot(keep)) == b"k" * 10
 
     def fails(fh):  # a write that fails while it overwrites a reused file
         fh.write(b"z" * 5)

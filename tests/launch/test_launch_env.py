@@ -52,3 +52,22 @@ def test_main_module_hidden_and_restored():
     assert hasattr(main, "__file__") == had_file
     assert getattr(main, "__file__", None) == file_value
     assert main.__spec__ is spec
+
+
+def _loaded_before_user_code() -> dict:
+    import sys as rank_sys
+
+    wanted = ("torch._dynamo", "torch.distributed.checkpoint.state_dict", "s3fs")
+    return {name: name in rank_sys.modules for name in wanted}
+
+
+def test_ranks_start_with_what_optimizers_dcp_and_object_stores_import():
+    # A restarted group reaches its first step without importing them again: the
+    # forkserver loaded them once (s3fs only where it is installed).
+    import importlib.util
+
+    from nbtools import distributed
+
+    loaded = distributed(processes=2, output="none")(_loaded_before_user_code).distributed()
+    assert loaded[0]["torch._dynamo"] and loaded[1]["torch.distributed.checkpoint.state_dict"]
+    assert loaded[0]["s3fs"] == (importlib.util.find_spec("s3fs") is not None)

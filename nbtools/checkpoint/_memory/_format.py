@@ -22,13 +22,24 @@ import io
 from dataclasses import dataclass
 from typing import Any
 
+import crc32c
 import torch
 
-__all__ = ["Layout", "plan", "skeleton_bytes", "destinations", "decode", "ALIGN"]
+__all__ = ["Layout", "plan", "skeleton_bytes", "destinations", "decode", "checksum", "ALIGN"]
 
 #: Alignment of every tensor in the tensor region (a cache line; any dtype's).
 ALIGN = 64
 _REF = "__nbtools_tensor__"
+
+
+def checksum(data: Any, value: int = 0) -> int:
+    """CRC-32C of ``data`` (any buffer), continuing from ``value``: the checksum of every
+    slot, replica and transfer of a snapshot.
+
+    Computed with the CPU's CRC instruction where it has one (several GB/s, the GIL
+    released), so that checking a restored snapshot costs a fraction of reading it.
+    """
+    return int(crc32c.crc32c(data, value))
 
 
 def _align(n: int) -> int:

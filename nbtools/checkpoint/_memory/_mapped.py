@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,14 +66,14 @@ class Mapped:
 
 
 def crc_of(mapped: Mapped, tail: bytes) -> int:
-    """CRC-32 of a body: the mapped tensor region, then ``tail`` (the skeleton)."""
+    """Checksum of a body: the mapped tensor region, then ``tail`` (the skeleton)."""
     with memoryview(mapped.mm) as view:
         region = view[HEADER_BYTES : HEADER_BYTES + mapped.data_len]
         try:
-            crc = zlib.crc32(region)
+            crc = _format.checksum(region)
         finally:
             region.release()
-    return zlib.crc32(tail, crc)
+    return _format.checksum(tail, crc)
 
 
 class MappedFiles:

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nbtools.checkpoint._memory import _slots
+
 __all__ = [
     "peers",
     "holders",
@@ -160,7 +162,7 @@ def send_body(group: Any, to: int, body: torch.Tensor | None, data_len: int, crc
     return works
 
 
-def receive_body(group: Any, src: int) -> tuple[bytearray, int, int] | None:
+def receive_body(group: Any, src: int) -> tuple[Any, int, int] | None:
     """A payload :func:`send_body` sent: ``(body, tensor region bytes, crc)``, or None for
     a refusal."""
     head = torch.zeros(5, dtype=torch.int64)
@@ -168,7 +170,7 @@ def receive_body(group: Any, src: int) -> tuple[bytearray, int, int] | None:
     ok, _, size, data_len, crc = (int(v) for v in head.tolist())
     if not ok:
         return None
-    body = bytearray(size)
+    body = _slots.new_buffer(size)
     if size:
         dist.recv(torch.frombuffer(body, dtype=torch.uint8), src=src, group=group, tag=_BODY)
     return body, data_len, crc

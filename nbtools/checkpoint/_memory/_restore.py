@@ -16,8 +16,9 @@ an older step or to the volume.
 
 from __future__ import annotations
 
-import zlib
+import threading
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -26,12 +27,12 @@ from nbtools import events, runtime
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import agree, gather
-from nbtools.checkpoint._memory import _format, _replicas, _slots
+from nbtools.checkpoint._memory import _format, _replicas, _slots, _volume
 from nbtools.checkpoint._memory._mapped import tensor_of
 from nbtools.checkpoint._memory._tier import MemoryTier
 from nbtools.errors import CheckpointError
 
-__all__ = ["memory_restore", "agreed_volume_step", "volume_newest", "report"]
+__all__ = ["memory_restore", "VolumeStep", "volume_newest", "report"]
 
 _log = get_logger("checkpoint")
 #: Rounds of choosing a step before the volume is used (each drops a failed source).
@@ -70,7 +71,7 @@ def _choose(
     return step, plan
 
 
-def _read_any(tier: MemoryTier, owner: int, step: int) -> tuple[bytearray, _slots.Slot]:
+def _read_any(tier: MemoryTier, owner: int, step: int) -> tuple[Any, _slots.Slot]:
     """The first slot of ``owner``'s ``step`` on this node that reads back whole."""
     why = f"rank {tier.rank}'s node holds no slot of it any more"
     for slot in (s for s in tier.visible(owner) if s.step == step):
@@ -116,7 +117,7 @@ def _fetch(tier: MemoryTier, step: int, plan: list[int]) -> tuple[Any, int, list
         got = _replicas.receive_body(group, plan[me])
         if got is not None:
             received, data_len, crc = got
-            if zlib.crc32(received) == crc:
+            if _format.checksum(received) == crc:
                 body = received
             else:
                 _log.warning("rank %d's replica of step %d arrived damaged", me, step)
@@ -127,33 +128,49 @@ def _fetch(tier: MemoryTier, step: int, plan: list[int]) -> tuple[Any, int, list
 
 
 def memory_restore(
-    tier: MemoryTier, kinds: _state.Objects, pg: Any, volume_step: int | None
-) -> tuple[int, dict[str, Any], str, bool] | None:
+    tier: MemoryTier, kinds: _state.Objects, pg: Any, volume_step: VolumeStep
+) -> tuple[int, dict[str, Any], str, bool, int | None] | None:
     """Restore from memory (own slots, or peers' replicas) when every rank can get a step
     at least as new as the volume's.
 
-    Returns ``(step, blob, tier, any_replica)`` once the objects hold the snapshot,
-    ``tier`` being where this rank's came from (``"memory"`` or ``"replica"``) and
-    ``any_replica`` whether some rank's came from a replica; or None (nothing
-    changed) when the volume must be used.
+    The volume is not listed when the ranks' records (``_volume``) show that it
+    holds nothing newer than the chosen snapshot. Otherwise ``volume_step`` lists
+    it (rank 0, in the background, while the snapshot is read and checked) and
+    gives every rank the newest complete step (a collective, see :class:`VolumeStep`).
+
+    Returns ``(step, blob, tier, any_replica, volume_step)`` once the objects hold
+    the snapshot, ``tier`` being where this rank's came from (``"memory"`` or
+    ``"replica"``) and ``any_replica`` whether some rank's came from a replica; or
+    None (nothing changed) when the volume must be used.
     """
     tier.wait()
     # Without the replicas' group a rank can serve only itself.
     owners = range(tier.world) if tier.group is not None else [tier.rank]
     offer = sorted({(o, s.step) for o in owners for s in tier.visible(o)})
-    offers = gather(pg, offer)
+    offers, views = zip(*gather(pg, (offer, tier.volume_bound())), strict=True)
+    known, bound = _volume.combine(list(views))
+
+    def must_list(step: int) -> bool:
+        return not known or (bound is not None and bound > step)
+
     bad: set[Source] = set()
     for _ in range(_ROUNDS):
-        chosen = _choose(offers, bad, volume_step)
+        chosen = _choose(list(offers), bad, None)
         if chosen is None:
             return None
         step, plan = chosen
+        if must_list(step):
+            volume_step.start()  # rank 0 lists the volume while the snapshot is read
         body, data_len, failed, mine = _fetch(tier, step, plan)
         failures = [tuple(f) for fs in gather(pg, failed) for f in fs]
         if not failures:
             break
         bad.update(failures)  # type: ignore[arg-type]
     else:
+        return None
+    newest_volume = volume_step() if must_list(step) else bound
+    if newest_volume is not None and step < newest_volume:
+        _log.info("the volume's step %d is newer than memory's %d", newest_volume, step)
         return None
     where = f"the memory snapshot of step {step} of rank {tier.rank}"
     state: dict[str, Any] = {}
@@ -178,7 +195,7 @@ def memory_restore(
         f"memory (ranks {from_peers} from replicas)" if from_peers else "memory",
         step + 1,
     )
-    return step, blob, mine, bool(from_peers)
+    return step, blob, mine, bool(from_peers), newest_volume
 
 
 def volume_newest(target: Any) -> int | None:
@@ -188,9 +205,56 @@ def volume_newest(target: Any) -> int | None:
     return next((step for step, complete in list_steps(target) if complete), None)
 
 
-def agreed_volume_step(pg: Any, target: Any) -> int | None:
-    """:func:`volume_newest`, read by rank 0 and known to every rank."""
-    return agree(pg, volume_newest(target) if runtime.get_rank() == 0 else None)
+class VolumeStep:
+    """The volume's newest complete step, looked up by rank 0 in the background
+    (``target()`` gives the volume's target).
+
+    Listing a bucket takes round trips (and, in a fresh process, the client's
+    start): :meth:`start` begins it, to overlap with reading the memory snapshot.
+    Calling the object is a collective that gives every rank rank 0's answer
+    (starting the lookup if needed); rank 0's error is raised on every rank. Use
+    it as a context manager: leaving joins a lookup in progress.
+    """
+
+    def __init__(self, pg: Any, target: Callable[[], Any]) -> None:
+        self._pg = pg
+        self._target = target
+        self._value: int | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Begin the lookup on rank 0 (once)."""
+        if self._thread is None and runtime.get_rank() == 0:
+            self._thread = threading.Thread(
+                target=self._look, args=(self._target,), name="nbtools-volume-step", daemon=True
+            )
+            self._thread.start()
+
+    def _look(self, target: Any) -> None:
+        try:
+            self._value = volume_newest(target())
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank by __call__
+            self._error = exc
+
+    def __enter__(self) -> VolumeStep:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def __call__(self) -> int | None:
+        self.start()
+        if self._thread is not None:
+            self._thread.join()
+        error = f"{type(self._error).__name__}: {self._error}" if self._error else ""
+        value, error = agree(self._pg, (self._value, error))
+        if self._error is not None:
+            raise self._error
+        if error:
+            raise CheckpointError(f"rank 0 could not list the checkpoints on the volume: {error}")
+        return value
 
 
 def report(step: int, seconds: float, tier: str) -> None:

@@ -24,18 +24,22 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import mmap
 import os
 import secrets
 import shutil
 import stat
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
 from nbtools._internal.holder import Holder, Liveness
 from nbtools._internal.log import get_logger
+from nbtools.checkpoint._memory import _format, _volume
 from nbtools.errors import CheckpointError
+
+#: Bytes read and checksummed at a time when a slot is read back (stays in the cache).
+_READ_CHUNK = 4 << 20
 
 __all__ = [
     "Slot",
@@ -49,6 +53,7 @@ __all__ = [
     "claim",
     "publish",
     "read_slot",
+    "new_buffer",
     "slots",
     "replicas",
     "visible",
@@ -61,7 +66,7 @@ __all__ = [
 
 _log = get_logger("checkpoint")
 
-_MAGIC = b"NBTSNAP1"
+_MAGIC = b"NBTSNAP2"  # 2: CRC-32C checksums
 #: Bytes before the payload: the magic, then the JSON header padded with spaces.
 HEADER_BYTES = 4096
 _KEEPER = "keeper"
@@ -136,14 +141,14 @@ class Slot:
 
 
 class _Crc:
-    """A write-only file wrapper that keeps the CRC-32 and count of what passes through."""
+    """A write-only file wrapper that keeps the checksum and count of what passes through."""
 
     def __init__(self, fh: IO[bytes]) -> None:
         self.fh, self.crc, self.size = fh, 0, 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self.crc = zlib.crc32(view, self.crc)
+        self.crc = _format.checksum(view, self.crc)
         self.size += len(view)
         return self.fh.write(view)
 
@@ -329,24 +334,44 @@ def visible(directory: str, key: str, owner: int, world: int) -> Iterator[Slot]:
     yield from _scan(directory, key, world, f"x{owner}", owner, ANY)
 
 
-def read_slot(slot: Slot) -> bytearray:
-    """The payload of ``slot`` (a writable buffer), checked against its CRC-32.
+def read_slot(slot: Slot) -> Any:
+    """The payload of ``slot`` (a writable buffer of its own), checked against its checksum.
+
+    The file is read in chunks into an anonymous mapping (no zero-filled buffer to
+    write over) and each chunk is checksummed while it is still in the cache: the
+    bytes cross memory once.
 
     Raises:
         CheckpointError: The file changed or its bytes do not match the checksum.
     """
-    data = bytearray(slot.size)
+    data = new_buffer(slot.size)
+    got, crc = 0, 0
     fd = os.open(slot.path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb", buffering=0) as fh:
+    with os.fdopen(fd, "rb", buffering=0) as fh, memoryview(data) as view:
         fh.seek(HEADER_BYTES)
-        got = fh.readinto(data) or 0
+        while got < slot.size:
+            n = fh.readinto(view[got : got + _READ_CHUNK]) or 0
+            if not n:
+                break
+            crc = _format.checksum(view[got : got + n], crc)
+            got += n
         extra = fh.read(1)
-    if got != slot.size or extra or zlib.crc32(data) != slot.crc:
+    if got != slot.size or extra or crc != slot.crc:
         raise CheckpointError(
             f"snapshot {slot.path} of step {slot.step} does not match its checksum "
             f"({got} of {slot.size} bytes); it is not used"
         )
     return data
+
+
+def new_buffer(size: int) -> Any:
+    """A writable buffer of ``size`` bytes that no one else maps: an anonymous mapping,
+    its pages faulted in at once by the kernel (no zero-filling pass here, no fault per
+    page while it is filled)."""
+    if not size:
+        return bytearray()
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(-1, size, flags=flags)
 
 
 def remove(paths: list[str]) -> None:
@@ -357,14 +382,16 @@ def remove(paths: list[str]) -> None:
 
 
 def drop_job_if_empty(directory: str) -> None:
-    """Remove a job directory that holds no snapshot (its keeper record goes with it)."""
+    """Remove a job directory that holds no snapshot (its keeper and volume records go
+    with it)."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return
-    if all(n == _KEEPER for n in names):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(directory, _KEEPER))
+    if all(n == _KEEPER or _volume.is_record(n) for n in names):
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
         with contextlib.suppress(OSError):
             os.rmdir(directory)
             os.rmdir(os.path.dirname(directory))  # the user's, when no other job is left

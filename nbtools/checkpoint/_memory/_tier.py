@@ -38,7 +38,7 @@ from nbtools._internal.holder import Holder, machine_id, process_started
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import gather
-from nbtools.checkpoint._memory import _format, _replicas, _slots
+from nbtools.checkpoint._memory import _format, _replicas, _slots, _volume
 from nbtools.checkpoint._memory._mapped import (
     Mapped,
     MappedFiles,
@@ -103,6 +103,7 @@ class MemoryTier:
         self.enabled = True
         self._checked = False
         self._writer: threading.Thread | None = None
+        self._volume: tuple[bool, int | None] = (False, None)  # see note_volume
         self._error: str | None = None  # what the last background round failed with
         self.send_to = _replicas.holders(self.rank, self.world, local, replicas)
         self.receive_from = _replicas.sources(self.rank, self.world, local, replicas)
@@ -351,6 +352,30 @@ class MemoryTier:
             error, self._error = self._error, None
             self._off(error)
 
+    # --- what the job knows of the volume (see ``_volume``) -------------------------
+
+    def volume_bound(self) -> tuple[bool, int | None]:
+        """``(known, bound)``: what the records on this node say of the volume."""
+        return _volume.read(self.directory, self.key)
+
+    def note_volume(self, bound: int | None) -> None:
+        """Record that no checkpoint of this job on the volume is newer than ``bound``
+        (None: there is none). A record that cannot be written is dropped, so that a
+        restart lists the volume instead of trusting an older one."""
+        self._volume = (True, bound)
+        try:
+            _volume.write(self.directory, self.key, self.rank, bound)
+        except OSError:
+            self._volume = (False, None)
+            with contextlib.suppress(OSError):
+                _volume.remove(self.directory, self.rank)
+
+    def note_volume_save(self, step: int) -> None:
+        """A volume save of ``step`` is about to start: the bound moves up to it first."""
+        known, bound = self._volume
+        if known:
+            self.note_volume(step if bound is None else max(bound, step))
+
     def close(self, keep: bool) -> None:
         """Remove this rank's snapshots and the replicas it holds unless ``keep`` (a close
         after an error keeps them)."""
@@ -359,6 +384,7 @@ class MemoryTier:
         self._held_files.close()
         if keep:
             return
+        _volume.remove(self.directory, self.rank)
         _slots.remove([s.path for s in self.own() + self.held()])
         _slots.sweep_temporaries(self.directory, self.rank)
         _slots.drop_job_if_empty(self.directory)
