@@ -33,7 +33,7 @@ from typing import Any
 from nbtools.events import _emit
 from nbtools.events._wire import Record
 
-__all__ = ["step", "PROGRESS_KIND", "progress_so_far"]
+__all__ = ["step", "PROGRESS_KIND", "progress_so_far", "new_call"]
 
 #: The kind of the coalesced reports.
 PROGRESS_KIND = "progress"
@@ -87,6 +87,12 @@ def step(step: int | None = None) -> None:
     latest[2] = latest[3] = _time()
     if not _hooked[0]:
         _hook()
+
+
+def new_call() -> None:
+    """A kept rank (a pool's) starts another call: until it reports a numbered step
+    again, its batch marks count as steps (a call that only loops over a loader)."""
+    _latest[4] = False
 
 
 def progress_so_far() -> tuple[int | None, int, float]:

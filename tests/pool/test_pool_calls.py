@@ -137,3 +137,43 @@ def test_restart_gives_fresh_ranks_and_emits_an_event():
         with pytest.raises(NameError):
             pool.pull("x")
         assert any(e.kind == "pool_restarted" for e in events.log(since=since))
+
+
+def _numbered_steps():
+    from nbtools import events as rank_events
+
+    for i in range(5):
+        rank_events.step(i)
+
+
+def _batches_only():
+    import time
+
+    from nbtools import events as rank_events
+
+    for _ in range(30):
+        rank_events.step(None)  # a loop over nbtools' loader reports so
+    time.sleep(1.5)  # the rank's flusher ships its count about once a second
+
+
+def _steps_counted(rank: int, at_least: int) -> int:
+    """The newest step count rank ``rank`` reported, once it reached ``at_least`` (or
+    after waiting 20 s for it)."""
+    import time
+
+    deadline = time.monotonic() + 20
+    while True:
+        counts = [e.fields["steps"] for e in events.log(kinds=["progress"]) if e.rank == rank]
+        if (counts and counts[-1] >= at_least) or time.monotonic() > deadline:
+            return counts[-1] if counts else 0
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_call_that_only_loops_over_batches_counts_them_after_numbered_steps(pool):
+    pool.run(_numbered_steps)
+    pool.run(_batches_only)
+    before = _steps_counted(0, 35)
+    pool.run(_numbered_steps)  # numbered steps again: the marks of the next call ...
+    pool.run(_batches_only)  # ... still count, as this call reports no number
+    assert _steps_counted(0, before + 35) >= before + 35

@@ -41,6 +41,7 @@ import time
 import types
 from typing import Any
 
+from nbtools.events import _progress
 from nbtools.launch import _display, _inrank, _kernel_logging, _results
 from nbtools.launch._records import failure_record, flush_events
 from nbtools.launch.pool._channel import ChannelClosed, Link, connect
@@ -163,6 +164,8 @@ class _Server:
                 self._running = seq
                 if self._sleep is not None:
                     self._sleep.arm()
+            if op in ("run", "exec"):
+                _progress.new_call()  # this call's loop may report batches only
             try:
                 value = getattr(self, "_do_" + op)(arg)
             finally:
