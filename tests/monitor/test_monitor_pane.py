@@ -15,6 +15,9 @@ from nbtools.monitor import GPUPane, Sample, SimulatedBackend, acquire, release
 from nbtools.monitor.sampler import THREAD_NAME
 
 pytest.importorskip("anywidget", reason="the pane's chart needs anywidget")
+# The pane draws the kernel's events (a rank's step rate, flags): a test starts without
+# those another test in this process left.
+pytestmark = pytest.mark.usefixtures("clean_bus")
 
 
 def sampler_threads() -> list[threading.Thread]:
