@@ -54,3 +54,84 @@ def test_an_hf_trainer_on_two_ranks_reports_every_step_to_the_kernel(tmp_path):
         )
     last = {rank: (step, steps) for rank, step, steps in reports}  # each rank's latest report
     assert last == {0: (5, 5), 1: (5, 5)}, reports
+
+
+@requires("lightning")
+def test_a_lightning_trainer_on_two_ranks_reports_every_step_to_the_kernel(tmp_path):
+    with NotebookKernel(tmp_path) as nb:
+        nb.run(
+            textwrap.dedent("""\
+            import torch
+            import lightning.pytorch as pl
+            from nbtools import distributed, events
+
+
+            class Model(pl.LightningModule):
+                def __init__(self):
+                    super().__init__()
+                    self.lin = torch.nn.Linear(4, 1)
+
+                def training_step(self, batch, index):
+                    return self.lin(batch[0]).pow(2).mean()
+
+                def configure_optimizers(self):
+                    return torch.optim.SGD(self.parameters(), lr=0.1)
+        """)
+        )
+        nb.run(
+            textwrap.dedent("""\
+            @distributed(processes=2, output="rank0")
+            def fit():
+                data = torch.utils.data.TensorDataset(torch.randn(28, 4))
+                pl.Trainer(
+                    max_steps=7, accelerator="cpu", devices=2, strategy="ddp", logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False,
+                ).fit(Model(), torch.utils.data.DataLoader(data, batch_size=2))
+
+            fit.distributed()
+        """)
+        )
+        reports = nb.eval(
+            "sorted({(e.rank, e.step, e.fields['steps']) for e in events.log(kinds=['progress'])})"
+        )
+    last = {rank: (step, steps) for rank, step, steps in reports}
+    assert last == {0: (7, 7), 1: (7, 7)}, reports
+
+
+def test_a_loop_written_in_a_cell_over_the_loader_reports_its_batches(tmp_path):
+    with NotebookKernel(tmp_path) as nb:
+        nb.run(
+            textwrap.dedent("""\
+            import torch
+            from nbtools import distributed, events
+            from nbtools.data import DataLoader
+
+
+            class Squares(torch.utils.data.Dataset):
+                def __len__(self):
+                    return 24
+
+                def __getitem__(self, i):
+                    return torch.tensor([float(i * i)])
+        """)
+        )
+        nb.run(
+            textwrap.dedent("""\
+            @distributed(processes=2, output="rank0")
+            def train():
+                net = torch.nn.Linear(1, 1)
+                opt = torch.optim.SGD(net.parameters(), lr=1e-4)
+                for batch in DataLoader(Squares(), batch_size=4):  # no call to events
+                    opt.zero_grad()
+                    net(batch).mean().backward()
+                    opt.step()
+
+            train.distributed()
+        """)
+        )
+        reports = nb.eval(
+            "sorted({(e.rank, e.fields['steps']) for e in events.log(kinds=['progress'])})"
+        )
+    last = dict(reports)  # each rank's latest count
+    assert last == {0: 6, 1: 6}, reports
