@@ -297,12 +297,15 @@ class Watchdog:
     def _judge_hangs(self, now: float) -> list[_Flag]:
         if not self._ranks:
             return []
+        bound = self.bound()
         for state in self._ranks.values():  # progress again: the flag ends
             flag = self._flags.get(("hang", state.rank))
-            if flag is not None and _last_sign(state) > flag.since:
+            sign = _last_sign(state)
+            # A report that left before the stall and arrived late (its sender was
+            # stopped too) is no progress: the rank must be back within the bound.
+            if flag is not None and sign > flag.since and now - sign <= bound:
                 del self._flags[("hang", state.rank)]
                 self._emit_end(flag, now, f"made progress again (step {state.step})")
-        bound = self.bound()
         ranks = {r: self._ranks.get(r) or _Rank(r) for r in range(self.world_size)}
         ranks.update(self._ranks)
         # A rank yet to report is judged from when the first rank did: starting up
