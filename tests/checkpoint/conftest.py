@@ -1,4 +1,4 @@
-"""Fixtures of the checkpoint tests: a private staging dir and a small tmpfs."""
+"""Fixtures of the checkpoint tests: a private staging dir, a snapshot base, a small tmpfs."""
 
 from __future__ import annotations
 
@@ -16,6 +16,15 @@ def staging_dir(tmp_path, monkeypatch):
     path = tmp_path / "staging"
     path.mkdir()
     monkeypatch.setenv("NBTOOLS_STAGING_DIR", str(path))
+    return path
+
+
+@pytest.fixture
+def shm(tmp_path, monkeypatch):
+    """A snapshot base of the test's own for the memory tier (``NBTOOLS_SNAPSHOT_DIR``)."""
+    path = tmp_path / "shm"
+    path.mkdir()
+    monkeypatch.setenv("NBTOOLS_SNAPSHOT_DIR", str(path))
     return path
 
 

@@ -16,14 +16,6 @@ from nbtools.checkpoint import CheckpointManager
 from nbtools.checkpoint._memory import _format, _replicas
 
 
-@pytest.fixture
-def shm(tmp_path, monkeypatch):
-    path = tmp_path / "shm"
-    path.mkdir()
-    monkeypatch.setenv("NBTOOLS_SNAPSHOT_DIR", str(path))
-    return path
-
-
 def test_holders_are_on_other_nodes_and_the_next_ranks_on_one_node():
     # 3 nodes of 2 ranks: rank 1 (node 0) is held by rank 3 (node 1), then rank 5 (node 2).
     assert _replicas.holders(1, 6, 2, 1) == [3]

@@ -56,15 +56,6 @@ _RUN = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def shm(tmp_path, monkeypatch):
-    """A snapshot base of the test's own (the real /dev/shm is used by one test only)."""
-    path = tmp_path / "shm"
-    path.mkdir()
-    monkeypatch.setenv("NBTOOLS_SNAPSHOT_DIR", str(path))
-    return path
-
-
 def _run(tmp_path, root, memory_every, kill_at, steps=30, run_id="job-1"):
     script = tmp_path / "train.py"
     script.write_text(_RUN)
