@@ -415,3 +415,56 @@ def test_a_launch_that_ended_for_good_drops_its_snapshots(tmp_path, shm, monkeyp
     assert len(list(shm.rglob("*.slot"))) == 2  # the other run's two slots stay
     assert len(end_run("other")) == 1
     assert _files(shm) == []
+
+
+def _slot_files(shm) -> list[str]:
+    return [f for f in _files(shm) if f.endswith(".slot")]
+
+
+def _fixed_step(net, opt):
+    opt.zero_grad()
+    net(torch.ones(2, 4)).sum().backward()
+    opt.step()
+
+
+def test_a_restore_keeps_its_slot_whole_until_the_optimizer_steps(tmp_path, shm):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 4)
+    opt = torch.optim.Adam(net.parameters(), lr=0.1)
+    with (
+        pytest.raises(RuntimeError),
+        CheckpointManager(tmp_path / "root", every=10, memory_every=3, async_save=False) as ckpt,
+    ):
+        _train(ckpt, net, opt, range(13))
+        raise RuntimeError("killed")
+    assert len(_slot_files(shm)) == 2  # steps 9 and 12
+    fresh = torch.nn.Linear(4, 4)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    again = CheckpointManager(tmp_path / "root", memory_every=3, async_save=False)
+    assert again.restore(model=fresh, optimizer=fresh_opt) == 13
+    # The restored state lives in the slot's pages; until a step changes it the slot is
+    # whole: a rank that dies here restores the same step again, bit for bit.
+    assert len(_slot_files(shm)) == 2
+    other = torch.nn.Linear(4, 4)
+    other_opt = torch.optim.Adam(other.parameters(), lr=0.1)
+    with (
+        pytest.raises(RuntimeError),
+        CheckpointManager(tmp_path / "root", memory_every=3, async_save=False) as third,
+    ):
+        assert third.restore(model=other, optimizer=other_opt) == 13
+        assert third.restored_tier == "memory"
+        raise RuntimeError("killed before its first step")  # a close on an error keeps slots
+    for a, b in zip(other.state_dict().values(), net.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(fresh.state_dict().values(), net.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    # The first step unlinks it (the state may change from here); training goes on exactly.
+    _fixed_step(fresh, fresh_opt)
+    _fixed_step(net, opt)
+    for a, b in zip(fresh.state_dict().values(), net.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(fresh_opt.state.values(), opt.state.values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    _train(again, fresh, fresh_opt, range(13, 16))  # a snapshot at 15 writes a new slot
+    again.close()
+    assert _files(shm) == []

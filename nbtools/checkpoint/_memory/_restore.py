@@ -16,6 +16,7 @@ an older step or to the volume.
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections import defaultdict
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import agree, gather
 from nbtools.checkpoint._memory import _format, _replicas, _slots, _volume
+from nbtools.checkpoint._memory._consumed import Consumed, holes
 from nbtools.checkpoint._memory._mapped import tensor_of
 from nbtools.checkpoint._memory._tier import MemoryTier
 from nbtools.errors import CheckpointError
@@ -71,22 +73,32 @@ def _choose(
     return step, plan
 
 
-def _read_any(tier: MemoryTier, owner: int, step: int) -> tuple[Any, _slots.Slot]:
-    """The first slot of ``owner``'s ``step`` on this node that reads back whole."""
+def _read_any(
+    tier: MemoryTier, owner: int, step: int, in_place: bool = False
+) -> tuple[Any, _slots.Slot, mmap.mmap | None]:
+    """The first slot of ``owner``'s ``step`` on this node that reads back whole: its
+    payload, the slot, and with ``in_place`` the mapping of a rank's own slot (its
+    payload is then a view of that mapping, see ``_consumed``)."""
     why = f"rank {tier.rank}'s node holds no slot of it any more"
     for slot in (s for s in tier.visible(owner) if s.step == step):
         try:
-            return _slots.read_slot(slot), slot
+            if in_place and slot.holder is None:
+                mm = _slots.map_slot(slot)
+                return memoryview(mm)[_slots.HEADER_BYTES :], slot, mm
+            return _slots.read_slot(slot), slot, None
         except (OSError, CheckpointError) as exc:
             _log.warning("not using %s: %s", slot.path, exc)
             why = str(exc)
     raise CheckpointError(why)
 
 
-def _fetch(tier: MemoryTier, step: int, plan: list[int]) -> tuple[Any, int, list[Source], str]:
+def _fetch(
+    tier: MemoryTier, step: int, plan: list[int]
+) -> tuple[Any, int, list[Source], str, tuple[str, mmap.mmap] | None]:
     """This rank's body of ``step`` as ``plan`` says, serving the other ranks whose source
     it is on the way: ``(body, tensor region bytes, failed sources, tier)`` (body None when
-    it failed; tier ``"memory"`` for its own slot, ``"replica"`` for a replica)."""
+    it failed; tier ``"memory"`` for its own slot, ``"replica"`` for a replica), and the
+    path and mapping of its own slot when the body is that mapping."""
     me, group = tier.rank, tier.group
     failed: list[Source] = []
     works: list[Any] = []
@@ -95,7 +107,7 @@ def _fetch(tier: MemoryTier, step: int, plan: list[int]) -> tuple[Any, int, list
         if source != me or owner == me:
             continue
         try:
-            data, slot = _read_any(tier, owner, step)
+            data, slot, _ = _read_any(tier, owner, step)
         except CheckpointError as exc:  # the owner must hear, then try elsewhere
             _log.warning("rank %d cannot serve rank %d's step %d: %s", me, owner, step, exc)
             failed.append((me, owner, step))
@@ -106,10 +118,12 @@ def _fetch(tier: MemoryTier, step: int, plan: list[int]) -> tuple[Any, int, list
     body: Any = None
     data_len = 0
     mine = "replica"
+    mapped: tuple[str, mmap.mmap] | None = None
     if plan[me] == me:
         try:
-            body, slot = _read_any(tier, me, step)
+            body, slot, mm = _read_any(tier, me, step, in_place=True)
             data_len, mine = slot.data_len, "memory" if slot.holder is None else "replica"
+            mapped = (slot.path, mm) if mm is not None else None
         except CheckpointError as exc:
             _log.warning("rank %d has no usable snapshot of step %d: %s", me, step, exc)
             failed.append((me, me, step))
@@ -124,7 +138,7 @@ def _fetch(tier: MemoryTier, step: int, plan: list[int]) -> tuple[Any, int, list
                 failed.append((plan[me], me, step))
     for work in works:
         work.wait()
-    return body, data_len, failed, mine
+    return body, data_len, failed, mine, mapped
 
 
 def memory_restore(
@@ -161,7 +175,7 @@ def memory_restore(
         step, plan = chosen
         if must_list(step):
             volume_step.start()  # rank 0 lists the volume while the snapshot is read
-        body, data_len, failed, mine = _fetch(tier, step, plan)
+        body, data_len, failed, mine, mapped = _fetch(tier, step, plan)
         failures = [tuple(f) for fs in gather(pg, failed) for f in fs]
         if not failures:
             break
@@ -188,6 +202,12 @@ def memory_restore(
         _log.warning("not restoring step %d from memory (%s); using the volume", step, first)
         return None
     _state.apply_state(kinds, state, blob)
+    if mapped is not None and kinds.optimizers:
+        path, mm = mapped
+        live = [t for m in kinds.models.values() for t in [*m.parameters(), *m.buffers()]]
+        copied = [state[name] for name in kinds.models]
+        free = holes(mm, copied, live)
+        tier.hand_over(Consumed(path, mm, free, [o for o, _ in kinds.optimizers.values()]))
     from_peers = [r for r, t in enumerate(gather(pg, mine)) if t == "replica"]
     _log.info(
         "restored step %d from %s; resuming at step %d",

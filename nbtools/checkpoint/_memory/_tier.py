@@ -39,6 +39,7 @@ from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import gather
 from nbtools.checkpoint._memory import _format, _replicas, _slots, _volume
+from nbtools.checkpoint._memory._consumed import Consumed
 from nbtools.checkpoint._memory._mapped import (
     Mapped,
     MappedFiles,
@@ -105,6 +106,7 @@ class MemoryTier:
         self._writer: threading.Thread | None = None
         self._volume: tuple[bool, int | None] = (False, None)  # see note_volume
         self._error: str | None = None  # what the last background round failed with
+        self._consumed: Consumed | None = None  # own slot the restored state lives in
         self.send_to = _replicas.holders(self.rank, self.world, local, replicas)
         self.receive_from = _replicas.sources(self.rank, self.world, local, replicas)
         # Every rank makes the group (a collective) when any rank has a peer.
@@ -201,6 +203,7 @@ class MemoryTier:
         self.wait()
         if not self.due(step):
             return False
+        self._release()
         layout: _format.Layout | None = None
         tail = b""
         if self.enabled:
@@ -342,6 +345,17 @@ class MemoryTier:
 
         return _replicas.Incoming(mapped.body, done, drop_it)
 
+    def hand_over(self, consumed: Consumed) -> None:
+        """A restore left restored state in the pages of an own slot (see ``_consumed``)."""
+        self._release()
+        self._consumed = consumed
+
+    def _release(self) -> None:
+        """Unlink the slot restored in place before any slot file is written or reused."""
+        consumed, self._consumed = self._consumed, None
+        if consumed is not None:
+            consumed.release()
+
     def wait(self) -> None:
         """Block until the round in flight (if any) is complete; a round that failed turns
         the tier off with one warning."""
@@ -382,6 +396,9 @@ class MemoryTier:
         self.wait()
         self._files.close()
         self._held_files.close()
+        consumed, self._consumed = self._consumed, None
+        if consumed is not None:
+            consumed.drop_hooks()  # kept, it is a valid slot until a step changed it
         if keep:
             return
         _volume.remove(self.directory, self.rank)

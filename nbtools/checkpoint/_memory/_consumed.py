@@ -1,0 +1,107 @@
+"""A rank's own slot restored in place: the optimizer state lives on in its pages.
+
+Restoring a rank's own snapshot copies nothing it need not copy: the slot file
+is mapped (shared, writable), checked against its checksum, the model's tensors
+are copied into the model, and the optimizer state is loaded as tensors over
+the mapped pages themselves (no new memory to fault in, no second copy). The
+file stays a valid slot, unchanged, until the first optimizer step would
+write into it: a step pre-hook then unlinks it (the mapping keeps its pages)
+and frees the pages of the tensors that were copied out. A rank that dies
+before that step still finds the slot whole; the next snapshot of the tier
+unlinks it first too, so a reused slot file never shares pages with live state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["Consumed", "holes"]
+
+_PAGE = mmap.PAGESIZE
+
+
+def _tensors(obj: Any) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)
+
+
+def holes(mm: mmap.mmap, copied: Any, live: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
+    """Page ranges ``(start, length)`` of ``mm`` that only the tensors of ``copied`` used.
+
+    Empty when a ``live`` tensor (a model parameter or buffer) sits in the mapping:
+    then its values were not copied out, and no page may be freed.
+    """
+    if not len(mm):
+        return []
+    base = torch.frombuffer(mm, dtype=torch.uint8, count=1).data_ptr()
+    end = base + len(mm)
+    if any(base <= t.data_ptr() < end for t in live if t.numel()):
+        return []
+    out = []
+    for tensor in _tensors(copied):
+        start = tensor.data_ptr() - base
+        if not tensor.numel() or not 0 <= start < len(mm):
+            continue
+        stop = start + tensor.numel() * tensor.element_size()
+        first, last = -(-start // _PAGE) * _PAGE, stop // _PAGE * _PAGE
+        if last > first:
+            out.append((first, last - first))
+    return out
+
+
+class Consumed:
+    """The slot at ``path`` whose mapping ``mm`` the ``optimizers`` now keep their state in.
+
+    Args:
+        path: The slot file (still a valid slot until :meth:`release`).
+        mm: Its shared mapping.
+        free: Page ranges of ``mm`` freed at :meth:`release` (see :func:`holes`).
+        optimizers: Each gets a step pre-hook that calls :meth:`release`.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        mm: mmap.mmap,
+        free: list[tuple[int, int]],
+        optimizers: Iterable[torch.optim.Optimizer],
+    ) -> None:
+        self.path: str | None = path
+        self._mm: mmap.mmap | None = mm
+        self._free = free
+        self._handles = [o.register_step_pre_hook(self._before_step) for o in optimizers]
+
+    def _before_step(self, *args: Any) -> None:
+        self.release()
+
+    def drop_hooks(self) -> None:
+        """Stop watching the optimizers (the file stays as it is)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def release(self) -> None:
+        """Unlink the file (from here the state may change) and free the copied-out pages."""
+        self.drop_hooks()
+        path, mm, self.path, self._mm = self.path, self._mm, None, None
+        if path is None or mm is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        remove = getattr(mmap, "MADV_REMOVE", None)
+        if remove is not None:
+            for start, length in self._free:
+                with contextlib.suppress(OSError, ValueError):
+                    mm.madvise(remove, start, length)
