@@ -468,3 +468,16 @@ def test_a_restore_keeps_its_slot_whole_until_the_optimizer_steps(tmp_path, shm)
     _train(again, fresh, fresh_opt, range(13, 16))  # a snapshot at 15 writes a new slot
     again.close()
     assert _files(shm) == []
+
+
+def test_a_second_manager_of_the_job_closing_leaves_the_first_snapshotting(tmp_path, shm):
+    net, opt = _net()
+    first = CheckpointManager(tmp_path / "root", every=100, memory_every=2, async_save=False)
+    _train(first, net, opt, range(1))
+    with CheckpointManager(tmp_path / "root", memory_every=2, async_save=False) as second:
+        second.restore(model=net, optimizer=opt)
+    _train(first, net, opt, range(1, 5))  # its directory went with the second's clean close
+    first.wait()
+    assert len(_slot_files(shm)) == 2  # steps 2 and 4
+    first.close()
+    assert _files(shm) == []

@@ -119,6 +119,7 @@ class MemoryTier:
         self._held_files = MappedFiles(3 * max(1, len(self.receive_from)))
         self.user = _slots.user_dir()
         _slots.sweep(self.user, own=_slots.job_path(self.user, self.key))
+        self._keeper = keeper
         self.directory = _slots.job_dir(self.user, self.key, keeper)
         _slots.sweep_temporaries(self.directory, self.rank)
 
@@ -212,6 +213,11 @@ class MemoryTier:
                 tail = _format.skeleton_bytes(layout)
             except Exception as exc:  # noqa: BLE001 - a snapshot that fails never stops training
                 self._off(f"the state of step {step} cannot be snapshotted ({exc})")
+        if self.enabled and not os.path.isdir(self.directory):
+            try:  # another manager of this job in this process closed and removed it
+                self.directory = _slots.job_dir(self.user, self.key, self._keeper)
+            except Exception as exc:  # noqa: BLE001 - a snapshot that fails never stops training
+                self._off(f"the snapshot directory {self.directory} cannot be made ({exc})")
         if not self._checked:
             self._first(layout, tail)
         copied: tuple[Mapped, str] | None = None
