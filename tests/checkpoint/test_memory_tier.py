@@ -481,3 +481,35 @@ def test_a_second_manager_of_the_job_closing_leaves_the_first_snapshotting(tmp_p
     assert len(_slot_files(shm)) == 2  # steps 2 and 4
     first.close()
     assert _files(shm) == []
+
+
+class _CopyingAdam(torch.optim.Adam):
+    """An optimizer that copies the state it loads (as one moving it to a GPU does)."""
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key, value in state.items():
+                state[key] = value.clone()
+
+
+def test_an_optimizer_that_copies_its_state_leaves_the_slot_in_place(tmp_path, shm):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 4)
+    opt = _CopyingAdam(net.parameters(), lr=0.1)
+    with (
+        pytest.raises(RuntimeError),
+        CheckpointManager(tmp_path / "root", every=10, memory_every=3, async_save=False) as ckpt,
+    ):
+        _train(ckpt, net, opt, range(13))
+        raise RuntimeError("killed")
+    fresh = torch.nn.Linear(4, 4)
+    fresh_opt = _CopyingAdam(fresh.parameters(), lr=0.1)
+    with CheckpointManager(tmp_path / "root", memory_every=3, async_save=False) as again:
+        assert again.restore(model=fresh, optimizer=fresh_opt) == 13
+        _fixed_step(fresh, fresh_opt)
+        _fixed_step(net, opt)
+        assert len(_slot_files(shm)) == 2  # nothing lives in the slot: it stays a slot
+        for a, b in zip(fresh.state_dict().values(), net.state_dict().values(), strict=True):
+            assert torch.equal(a, b)
+    assert _files(shm) == []

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Consumed", "holes"]
+__all__ = ["Consumed", "holes", "holds"]
 
 _PAGE = mmap.PAGESIZE
 
@@ -37,18 +37,30 @@ def _tensors(obj: Any) -> Iterable[torch.Tensor]:
             yield from _tensors(value)
 
 
+def _span(mm: mmap.mmap) -> tuple[int, int]:
+    """The addresses ``[base, end)`` of ``mm``."""
+    base = torch.frombuffer(mm, dtype=torch.uint8, count=1).data_ptr()
+    return base, base + len(mm)
+
+
+def holds(mm: mmap.mmap, tensors: Any) -> bool:
+    """Whether any tensor of ``tensors`` (nested containers) lives in ``mm``: an optimizer
+    that moved or cast its state on load (to a GPU, to another dtype) keeps none there."""
+    if not len(mm):
+        return False
+    base, end = _span(mm)
+    return any(base <= t.data_ptr() < end for t in _tensors(tensors) if t.numel())
+
+
 def holes(mm: mmap.mmap, copied: Any, live: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
     """Page ranges ``(start, length)`` of ``mm`` that only the tensors of ``copied`` used.
 
     Empty when a ``live`` tensor (a model parameter or buffer) sits in the mapping:
     then its values were not copied out, and no page may be freed.
     """
-    if not len(mm):
+    if not len(mm) or holds(mm, list(live)):
         return []
-    base = torch.frombuffer(mm, dtype=torch.uint8, count=1).data_ptr()
-    end = base + len(mm)
-    if any(base <= t.data_ptr() < end for t in live if t.numel()):
-        return []
+    base, _ = _span(mm)
     out = []
     for tensor in _tensors(copied):
         start = tensor.data_ptr() - base

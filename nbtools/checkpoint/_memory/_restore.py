@@ -29,7 +29,7 @@ from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import agree, gather
 from nbtools.checkpoint._memory import _format, _replicas, _slots, _volume
-from nbtools.checkpoint._memory._consumed import Consumed, holes
+from nbtools.checkpoint._memory._consumed import Consumed, holds, holes
 from nbtools.checkpoint._memory._mapped import tensor_of
 from nbtools.checkpoint._memory._tier import MemoryTier
 from nbtools.errors import CheckpointError
@@ -202,12 +202,13 @@ def memory_restore(
         _log.warning("not restoring step %d from memory (%s); using the volume", step, first)
         return None
     _state.apply_state(kinds, state, blob)
-    if mapped is not None and kinds.optimizers:
+    optimizers = [o for o, _ in kinds.optimizers.values()]
+    if mapped is not None and holds(mapped[1], [o.state for o in optimizers]):
         path, mm = mapped
         live = [t for m in kinds.models.values() for t in [*m.parameters(), *m.buffers()]]
         copied = [state[name] for name in kinds.models]
         free = holes(mm, copied, live)
-        tier.hand_over(Consumed(path, mm, free, [o for o, _ in kinds.optimizers.values()]))
+        tier.hand_over(Consumed(path, mm, free, optimizers))
     from_peers = [r for r, t in enumerate(gather(pg, mine)) if t == "replica"]
     _log.info(
         "restored step %d from %s; resuming at step %d",
