@@ -94,6 +94,8 @@ class _Server:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._running: int | None = None  # seq of the command running user code
+        self._started = 0  # seq of the last command that began here
+        self._early: int | None = None  # an interrupt for a command not begun here yet
         self._thread = threading.get_ident()
         self._in_main = threading.current_thread() is threading.main_thread()
         self._saved_handler: Any = None
@@ -123,7 +125,9 @@ class _Server:
     def _interrupt(self, seq: int) -> None:
         with self._lock:
             if self._running != seq:
-                return  # already finished: nothing to interrupt
+                if seq > self._started:
+                    self._early = seq  # sent while this rank had not begun it: stop it there
+                return  # otherwise already finished: nothing to interrupt
             if self._in_main:
                 signal.pthread_kill(self._thread, signal.SIGINT)
             else:
@@ -162,11 +166,15 @@ class _Server:
         try:
             with self._lock:
                 self._running = seq
+                self._started = seq
+                early, self._early = self._early == seq, None
                 if self._sleep is not None:
                     self._sleep.arm()
             if op in ("run", "exec"):
                 _progress.new_call()  # this call's loop may report batches only
             try:
+                if early:
+                    raise KeyboardInterrupt  # interrupted before it began on this rank
                 value = getattr(self, "_do_" + op)(arg)
             finally:
                 with self._lock:
