@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from nbtools.launch.pool._channel import Listener, wait_readable
 
 _RANK = """
@@ -38,8 +40,8 @@ def _replies(link, wanted: int, deadline: float) -> dict[int, str]:
     return got
 
 
-def test_an_interrupt_read_before_its_command_began_stops_that_command(tmp_path):
-    serving = "main"
+@pytest.mark.parametrize("serving", ["main", "thread"])
+def test_an_interrupt_read_before_its_command_began_stops_that_command(tmp_path, serving):
     listener = Listener(1, directory=str(tmp_path))
     go = tmp_path / "go"
     env = dict(os.environ, RANK="0")

@@ -167,7 +167,9 @@ class _Server:
             with self._lock:
                 self._running = seq
                 self._started = seq
-                early, self._early = self._early == seq, None
+                early = self._early == seq
+                if self._early is not None and self._early <= seq:
+                    self._early = None  # used now, or for a command that is over
                 if self._sleep is not None:
                     self._sleep.arm()
             if op in ("run", "exec"):
