@@ -1,14 +1,15 @@
 """``MemoryTier``: the manager's snapshots in node-local memory, and their replicas on peers.
 
 Every ``memory_every`` steps the manager hands the tier the same state a volume
-checkpoint holds (:func:`nbtools.checkpoint._state.build_state`). Training is
-blocked only while the tier copies that state's tensors, once, straight into
-this rank's next slot file in shared memory (mapped, see ``_mapped``; raw
-bytes, see ``_format``). A background thread at a lower priority then checksums
-the copy, publishes the slot and, with ``replicas``, sends it to the ranks that
-hold it and stores the replicas this rank holds (see ``_replicas``). One round
-is in flight at a time: the next snapshot, a restore and ``close`` wait for it
-first.
+checkpoint holds (:func:`nbtools.checkpoint._state.build_state`). The tier
+copies that state's tensors once, straight into this rank's next slot file in
+shared memory (mapped, see ``_mapped``; raw bytes, see ``_format``): what a
+forward pass may change at once, the parameters and optimizer state on a
+background thread that the next optimizer step waits for (see ``_behind``),
+checksumming each chunk as it is copied. That thread then, at a lower priority,
+publishes the slot and, with ``replicas``, sends it to the ranks that hold it
+and stores the replicas this rank holds (see ``_replicas``). One round is in
+flight at a time: the next snapshot, a restore and ``close`` wait for it first.
 
 Before the first snapshot the tier checks that two slots per rank of this node
 (and two per replica it holds) fit in the snapshot filesystem and in the node's
@@ -29,6 +30,7 @@ import contextlib
 import os
 import shutil
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,6 +41,7 @@ from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import gather
 from nbtools.checkpoint._memory import _format, _replicas, _slots, _volume
+from nbtools.checkpoint._memory._behind import Behind, StepGate, copy_and_checksum, late_tensors
 from nbtools.checkpoint._memory._consumed import Consumed
 from nbtools.checkpoint._memory._mapped import (
     Mapped,
@@ -107,6 +110,9 @@ class MemoryTier:
         self._volume: tuple[bool, int | None] = (False, None)  # see note_volume
         self._error: str | None = None  # what the last background round failed with
         self._consumed: Consumed | None = None  # own slot the restored state lives in
+        self._late = True  # copy parameters and optimizer state behind training
+        self._gate: StepGate | None = None  # makes optimizer steps wait for that copy
+        self._notice: str | None = None  # why copies behind training stopped
         self.send_to = _replicas.holders(self.rank, self.world, local, replicas)
         self.receive_from = _replicas.sources(self.rank, self.world, local, replicas)
         # Every rank makes the group (a collective) when any rank has a peer.
@@ -196,11 +202,16 @@ class MemoryTier:
     ) -> bool:
         """:meth:`snapshot` of the state a checkpoint of ``step`` holds (see ``_state``)."""
         state = _state.build_state(step, kinds, self.rank, self.world, extra, run_id)
-        return self.snapshot(step, state)
+        return self.snapshot(step, state, [optim for optim, _ in kinds.optimizers.values()])
 
-    def snapshot(self, step: int, state: dict[str, Any]) -> bool:
+    def snapshot(
+        self, step: int, state: dict[str, Any], optimizers: Sequence[torch.optim.Optimizer] = ()
+    ) -> bool:
         """Copy ``state`` into this rank's next slot, then finish it (and exchange replicas)
-        in the background; whether a round was started (see :meth:`wait`)."""
+        in the background; whether a round was started (see :meth:`wait`).
+
+        The tensors that only a step of one of ``optimizers`` changes are copied in the
+        background too; every optimizer step waits for that copy (see ``_behind``)."""
         self.wait()
         if not self.due(step):
             return False
@@ -220,10 +231,11 @@ class MemoryTier:
                 self._off(f"the snapshot directory {self.directory} cannot be made ({exc})")
         if not self._checked:
             self._first(layout, tail)
-        copied: tuple[Mapped, str] | None = None
+        copied: tuple[Mapped, str, Behind] | None = None
         if self.enabled and layout is not None:
+            late = late_tensors(layout.tensors, optimizers if self._late else [])
             try:
-                copied = self._copy(step, layout)
+                copied = self._copy(step, layout, late)
             except Exception as exc:  # noqa: BLE001
                 self._off(
                     f"the state of step {step} could not be copied to {self.directory} ({exc})"
@@ -232,14 +244,23 @@ class MemoryTier:
             return False
         # The thread ends with its round; wait() joins it. Not a daemon: a process that
         # exits lets the round finish, so it never leaves a temporary file behind.
+        if copied is not None and not copied[2].copied.is_set():
+            if self._gate is None:
+                self._gate = StepGate()
+            self._gate.hold(copied[2].copied)
         self._writer = threading.Thread(
-            target=self._round, args=(step, copied, tail), name=f"nbtools-snapshot-{self.rank}"
+            target=self._round,
+            args=(step, copied, layout, tail),
+            name=f"nbtools-snapshot-{self.rank}",
         )
         self._writer.start()
         return True
 
-    def _copy(self, step: int, layout: _format.Layout) -> tuple[Mapped, str]:
-        """Copy the tensors into this rank's next slot file (a temporary one until published).
+    def _copy(
+        self, step: int, layout: _format.Layout, late: list[bool]
+    ) -> tuple[Mapped, str, Behind]:
+        """Copy the tensors not ``late`` into this rank's next slot file (a temporary one
+        until published); the late ones are copied by the round (see ``_behind``).
 
         Keeps the newest complete slot while the new one is written: at most two. The
         file of the one that goes becomes the new one, with its mapping.
@@ -254,14 +275,16 @@ class MemoryTier:
         try:
             mapped = self._files.open(fd, layout.data_len)
             with torch.no_grad():
-                for dest, tensor in zip(mapped.destinations(layout), layout.tensors, strict=True):
-                    dest.copy_(tensor)
+                dests = mapped.destinations(layout)
+                for dest, tensor, later in zip(dests, layout.tensors, late, strict=True):
+                    if not later:
+                        dest.copy_(tensor)
         except BaseException:
             if mapped is not None:
                 self._files.forget(mapped)
             _slots.remove([tmp])
             raise
-        return mapped, tmp
+        return mapped, tmp, Behind(layout.tensors, late)
 
     def _publish(self, mapped: Mapped, tmp: str, prefix: str, tail: bytes, head: dict) -> str:
         end = _slots.HEADER_BYTES + mapped.data_len
@@ -271,14 +294,52 @@ class MemoryTier:
         head.update(data_len=mapped.data_len)
         return _slots.publish(mapped.fd, tmp, self.directory, prefix, head)
 
-    def _round(self, step: int, copied: tuple[Mapped, str] | None, tail: bytes) -> None:
-        """Background: finish this rank's slot, then exchange replicas with the peers."""
-        _lower_priority()
+    def _round(
+        self,
+        step: int,
+        copied: tuple[Mapped, str, Behind] | None,
+        layout: _format.Layout | None,
+        tail: bytes,
+    ) -> None:
+        """Background: copy the late tensors and checksum the slot, then (at a lower
+        priority) publish it and exchange replicas with the peers."""
         out = None
-        if copied is not None:
-            mapped, tmp = copied
+        if copied is not None and layout is not None:
+            mapped, tmp, behind = copied
             try:
-                crc = crc_of(mapped, tail)
+                try:
+                    crc = copy_and_checksum(mapped, layout, behind)
+                    changed = behind.changed()
+                finally:
+                    behind.copied.set()
+                _lower_priority()
+                if changed:
+                    self._files.forget(mapped)
+                    _slots.remove([tmp])
+                    self._late = False
+                    dtype, shape, _ = layout.table[changed[0]]
+                    self._notice = (
+                        f"{len(changed)} tensor(s) of the snapshot of step {step} (the first a "
+                        f"{dtype} tensor of shape {list(shape)}) changed in place before the next optimizer "
+                        "step; that snapshot is dropped and snapshots copy the whole state "
+                        "at once from now on (parameters are meant to change only in an "
+                        "optimizer's step)"
+                    )
+                    copied = None
+                else:
+                    crc = _format.checksum(tail, crc)
+            except Exception as exc:  # noqa: BLE001 - reported by wait(), on the training thread
+                self._files.forget(mapped)
+                _slots.remove([tmp])
+                copied = None
+                self._error = (
+                    f"the snapshot of step {step} could not be written to {self.directory} ({exc})"
+                )
+        else:
+            _lower_priority()
+        if copied is not None:
+            mapped, tmp, _ = copied
+            try:
                 head = {"rank": self.rank, "step": step, "crc": crc}
                 self._publish(mapped, tmp, _slots.own_prefix(self.rank), tail, head)
                 self._files.prune({k for s in self.own() if (k := file_key(s.path))})
@@ -368,6 +429,9 @@ class MemoryTier:
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.join()
+        if self._notice is not None:
+            _log.warning("%s", self._notice)
+            self._notice = None
         if self._error is not None:
             error, self._error = self._error, None
             self._off(error)
@@ -400,6 +464,9 @@ class MemoryTier:
         """Remove this rank's snapshots and the replicas it holds unless ``keep`` (a close
         after an error keeps them)."""
         self.wait()
+        if self._gate is not None:
+            self._gate.close()
+            self._gate = None
         self._files.close()
         self._held_files.close()
         consumed, self._consumed = self._consumed, None

@@ -1,0 +1,135 @@
+"""Snapshots whose parameters and optimizer state are copied behind training: the next
+optimizer step waits for the copy, and a tensor changed in place before it drops only
+that snapshot."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+from nbtools.checkpoint import CheckpointManager
+
+_WIDTH = 1024  # 4 MiB per weight: a copy that takes longer than the next line of Python
+
+
+class _Net(torch.nn.Module):
+    """Weights an optimizer steps, and a batch norm whose running statistics a forward
+    pass changes (copied at once, not behind)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            torch.nn.Linear(_WIDTH, _WIDTH), torch.nn.Linear(_WIDTH, _WIDTH)
+        )
+        self.norm = torch.nn.BatchNorm1d(_WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.layers(x))
+
+
+def _state(net: _Net, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    tensors = [t.clone() for t in net.state_dict().values()]
+    return tensors + [t.clone() for s in opt.state.values() for t in s.values()]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _restore(root) -> tuple[int, str | None, list[torch.Tensor]]:
+    """Restore into a fresh model; the manager closes on an error, so the snapshots stay."""
+    net = _Net()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    with (
+        pytest.raises(RuntimeError, match="keep"),
+        CheckpointManager(root, memory_every=1, async_save=False, save_on_close=False) as ckpt,
+    ):
+        start = ckpt.restore(model=net, optimizer=opt)
+        raise RuntimeError("keep")
+    return start, ckpt.restored_tier, _state(net, opt)
+
+
+def _drop_newest(shm) -> None:
+    """Remove rank 0's newest slot (by the step its header names)."""
+    steps = {}
+    for path in shm.rglob("r0-*.slot"):
+        with open(path, "rb") as fh:
+            steps[path] = json.loads(fh.read(4096)[8:].decode())["step"]
+    max(steps, key=lambda p: steps[p]).unlink()
+
+
+def test_each_snapshot_holds_its_step_though_training_runs_on_during_its_copy(tmp_path, shm):
+    hooks = set(_global_optimizer_pre_hooks)
+    torch.manual_seed(0)
+    net = _Net()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    kept = {}
+    with (
+        pytest.raises(RuntimeError, match="stop"),
+        CheckpointManager(tmp_path / "root", every=1000, memory_every=1, async_save=False) as ckpt,
+    ):
+        for step in range(1, 6):
+            # The forward pass changes the running statistics and the step the weights
+            # while the previous snapshot may still be copying.
+            loss = net(torch.randn(8, _WIDTH)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ckpt.maybe_save(step, model=net, optimizer=opt)
+            kept[step] = _state(net, opt)
+        assert len(set(_global_optimizer_pre_hooks) - hooks) == 1  # steps wait for the copy
+        raise RuntimeError("stop")  # keeps the snapshots
+    start, tier, restored = _restore(tmp_path / "root")
+    assert (start, tier) == (6, "memory")
+    assert _same(restored, kept[5])
+    # The snapshot before it is whole too (the other slot).
+    _drop_newest(shm)
+    start, tier, restored = _restore(tmp_path / "root")
+    assert (start, tier) == (5, "memory")
+    assert _same(restored, kept[4])
+    assert set(_global_optimizer_pre_hooks) == hooks  # the hook went with the close
+
+
+def test_a_weight_changed_in_place_before_the_next_step_drops_only_that_snapshot(
+    tmp_path, shm, caplog
+):
+    torch.manual_seed(0)
+    net = _Net()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    kept = {}
+    with (
+        caplog.at_level(logging.WARNING, logger="nbtools"),
+        pytest.raises(RuntimeError, match="stop"),
+        CheckpointManager(tmp_path / "root", every=1000, memory_every=1, async_save=False) as ckpt,
+    ):
+        for step in range(1, 5):
+            net(torch.randn(8, _WIDTH)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ckpt.maybe_save(step, model=net, optimizer=opt)
+            kept[step] = _state(net, opt)
+            if step == 3:
+                with torch.no_grad():  # not in an optimizer step: nothing waits for the copy
+                    net.layers[0].weight.mul_(0.5)
+                kept[3.5] = _state(net, opt)
+        ckpt.wait()
+        raise RuntimeError("stop")
+    dropped = [r for r in caplog.records if "changed in place" in r.getMessage()]
+    start, tier, restored = _restore(tmp_path / "root")
+    assert (start, tier) == (5, "memory")
+    assert _same(restored, kept[4])  # later snapshots copy at once, and hold their step
+    # Step 3's snapshot holds step 3's state when its copy ended first; otherwise it was
+    # dropped, with one warning, and the slot before it is step 2's. Never a torn state.
+    _drop_newest(shm)
+    start, tier, restored = _restore(tmp_path / "root")
+    if dropped:
+        assert len(dropped) == 1
+        assert "step 3" in dropped[0].getMessage()
+        assert (start, _same(restored, kept[2])) == (3, True)
+    else:
+        assert (start, _same(restored, kept[3])) == (4, True)
+    assert not _same(kept[3], kept[3.5])
