@@ -17,7 +17,10 @@ What makes a lease live (anything else is taken over at once):
   by its own timestamp is abandoned without watching.
 
 Watching takes :data:`WATCH_S` and never runs on the training thread: the
-manager starts it in the background when it is created, and a save due before
+manager starts it in the background ahead of the first save (a local root's
+lease is read when the manager is created; an object store's from a restore
+from the volume or the first ``maybe_save``, so a recovery from memory and its
+first step never wait for the store's client to start), and a save due before
 the verdict is deferred (``maybe_save`` saves at the first step after it) rather
 than blocked. A live holder makes every save raise a ``CheckpointError`` naming
 it and saying how to take over: ``CheckpointManager(..., takeover=True)``, or
@@ -107,6 +110,7 @@ class WriterLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watcher: threading.Thread | None = None
+        self._probed = False
         self._beat = 0
         self._since = time.time()
         self.held = False
@@ -224,13 +228,17 @@ class WriterLease:
             self._watcher.start()
 
     def probe(self) -> None:
-        """Start watching the root's lease in the background when another machine holds it.
+        """Start watching the root's lease in the background when another machine holds it;
+        once (later calls do nothing).
 
-        Called when the manager is created, so that a verdict is usually known
-        by the first save. Errors reading the lease are left to the first save.
-        In an object store the read (a request, in a fresh process the client's
-        start too) happens in the background: creating a manager never waits for it.
+        Called ahead of the first save, so that a verdict is usually known by
+        then. Errors reading the lease are left to the first save. In an object
+        store the read (a request, in a fresh process the client's start too)
+        happens in the background: the caller never waits for it.
         """
+        if self._probed:
+            return
+        self._probed = True
         if self._target.local_path is None:
             threading.Thread(
                 target=self._probe, name="nbtools-ckpt-lease-probe", daemon=True

@@ -66,10 +66,6 @@ __all__ = ["CheckpointManager"]
 _log = get_logger("checkpoint")
 
 
-def _noop() -> None:
-    pass
-
-
 class CheckpointManager:
     """Saves and restores training state under ``root/step_<N>/``.
 
@@ -191,11 +187,11 @@ class CheckpointManager:
         if not isinstance(takeover, bool):
             raise TypeError(f"takeover must be a bool, not {type(takeover).__name__}")
         self._lease = WriterLease(self._target, takeover) if main else None
-        if self._lease is not None:
-            self._lease.probe()  # another machine's lease: watch it in the background now
+        if self._lease is not None and self._target.local_path is not None:
+            self._lease.probe()  # a local lease is read now; an object store's later (_probe)
         self._deferred = False  # a due save waits for the lease's verdict
         # A manager dropped without close() (a notebook cell run again) frees the root.
-        self._release = weakref.finalize(self, self._lease.release if self._lease else _noop)
+        self._release = weakref.finalize(self, self._lease.release if self._lease else lambda: None)
         self._memory = (
             MemoryTier(self.memory_every, self.root, self.replicas) if self.memory_every else None
         )
@@ -205,6 +201,13 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed; create a new one")
+
+    def _probe(self) -> None:
+        """Read an object store's writer lease in the background: from a restore from the
+        volume or the first ``maybe_save``, never while a restore from memory and its first
+        step run (in a fresh process it starts the store's client: a second of CPU)."""
+        if self._lease is not None:
+            self._lease.probe()
 
     # --- restore -------------------------------------------------------------
 
@@ -247,6 +250,7 @@ class CheckpointManager:
                 self.extra = dict(snapshot.get("extra") or {})
                 self.mlflow_run_id = snapshot.get("mlflow_run_id")
                 return held + 1
+        self._probe()
         self._root.result()
         restored = restore_newest(self._target, objs, self._pg, self._staging_dir, planner)
         step, blob, self.skipped = restored.step, restored.blob, restored.skipped
@@ -275,6 +279,7 @@ class CheckpointManager:
         events.step(step)  # a loop that saves through the manager is seen progressing
         check_extra(extra)
         self._raise_failed()
+        self._probe()
         self._last_seen = (step, dict(objs), extra)
         if self._memory is not None and self._memory.due(step):
             run_id = active_mlflow_run_id() or self.mlflow_run_id

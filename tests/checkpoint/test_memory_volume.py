@@ -8,6 +8,7 @@ own so that the test counts the listings of the checkpoint root).
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import fsspec
@@ -19,10 +20,16 @@ from nbtools.checkpoint import CheckpointManager
 
 
 class _CountingStore(MemoryFileSystem):
-    """An object store that counts how often each directory is listed."""
+    """An object store that counts how often each directory is listed and each file read."""
 
     protocol = "nbtcount"
     listings: dict[str, int] = {}
+    reads: dict[str, int] = {}
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        key = self._strip_protocol(path)
+        _CountingStore.reads[key] = _CountingStore.reads.get(key, 0) + 1
+        return super().cat_file(path, start=start, end=end, **kwargs)
 
     def ls(self, path, detail=True, **kwargs):
         key = self._strip_protocol(path).rstrip("/")
@@ -41,6 +48,7 @@ def root():
     if fs.exists(f"/{name}"):
         fs.rm(f"/{name}", recursive=True)
     _CountingStore.listings.clear()
+    _CountingStore.reads.clear()
 
 
 def _listed(root: str) -> int:
@@ -83,6 +91,32 @@ def test_a_restart_from_memory_does_not_list_the_volume(root, shm):
     for name, value in net.state_dict().items():
         assert torch.equal(value, weights[name])
     assert not [p for p in shm.rglob("*") if p.is_file()]  # a clean close: nothing left
+
+
+def _lease_reads(root: str) -> int:
+    lease = _CountingStore._strip_protocol(root).rstrip("/") + "/.nbtools-writer"
+    return _CountingStore.reads.get(lease, 0)
+
+
+def test_a_restore_from_memory_and_its_first_step_leave_the_writer_lease_alone(root, shm):
+    # The lease is read ahead of the next volume save, in the background; in a fresh
+    # process that starts the store's client, a second of CPU a recovery does not wait for.
+    _killed_run(root, every=10, steps=13)
+    before = _lease_reads(root)
+    net, opt = _net()
+    with CheckpointManager(root, every=10, memory_every=3, async_save=False) as again:
+        assert again.restore(model=net, optimizer=opt) == 13
+        assert again.restored_tier == "memory"
+        assert _lease_reads(root) == before
+        again.maybe_save(13, model=net, optimizer=opt)  # the first step's: read from here on
+        deadline = time.monotonic() + 60
+        while _lease_reads(root) == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _lease_reads(root) > before
+        assert again.maybe_save(20, model=net, optimizer=opt)  # the volume save goes ahead
+    assert sorted(_CountingStore().ls(_CountingStore._strip_protocol(root), detail=False))[
+        -1
+    ].endswith("step_20")
 
 
 def test_a_save_started_after_the_last_snapshot_is_looked_for_and_wins(root, shm):
