@@ -151,20 +151,25 @@ class _CountingAdam(torch.optim.Adam):
         return super().step(closure)
 
 
-def test_a_fresh_optimizer_takes_the_snapshot_state_without_a_step_of_its_own(tmp_path, shm):
+def _killed_linear_run(tmp_path, optimizer):
+    """Train a linear layer with ``optimizer`` for 13 steps under a memory tier (snapshots
+    every 3 steps), then fail: the snapshots stay. The model and optimizer."""
     torch.manual_seed(0)
     net = torch.nn.Linear(4, 4)
-    opt = _CountingAdam(net.parameters(), lr=0.1)
+    opt = optimizer(net.parameters(), lr=0.1)
     with (
         pytest.raises(RuntimeError),
         CheckpointManager(tmp_path / "root", every=10, memory_every=3, async_save=False) as ckpt,
     ):
         _train(ckpt, net, opt, range(13))
-        saved = {k: v.clone() for k, v in net.state_dict().items()}
-        saved_opt = {
-            i: {k: v.clone() for k, v in s.items()} for i, s in enumerate(opt.state.values())
-        }
         raise RuntimeError("killed")
+    return net, opt
+
+
+def test_a_fresh_optimizer_takes_the_snapshot_state_without_a_step_of_its_own(tmp_path, shm):
+    net, opt = _killed_linear_run(tmp_path, _CountingAdam)
+    saved = {k: v.clone() for k, v in net.state_dict().items()}
+    saved_opt = {i: {k: v.clone() for k, v in s.items()} for i, s in enumerate(opt.state.values())}
     fresh = torch.nn.Linear(4, 4)
     fresh_opt = _CountingAdam(fresh.parameters(), lr=0.1)
     with CheckpointManager(tmp_path / "root", memory_every=3, async_save=False) as again:
@@ -494,15 +499,7 @@ class _CopyingAdam(torch.optim.Adam):
 
 
 def test_an_optimizer_that_copies_its_state_leaves_the_slot_in_place(tmp_path, shm):
-    torch.manual_seed(0)
-    net = torch.nn.Linear(4, 4)
-    opt = _CopyingAdam(net.parameters(), lr=0.1)
-    with (
-        pytest.raises(RuntimeError),
-        CheckpointManager(tmp_path / "root", every=10, memory_every=3, async_save=False) as ckpt,
-    ):
-        _train(ckpt, net, opt, range(13))
-        raise RuntimeError("killed")
+    net, opt = _killed_linear_run(tmp_path, _CopyingAdam)
     fresh = torch.nn.Linear(4, 4)
     fresh_opt = _CopyingAdam(fresh.parameters(), lr=0.1)
     with CheckpointManager(tmp_path / "root", memory_every=3, async_save=False) as again:
