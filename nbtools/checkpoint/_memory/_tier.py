@@ -253,7 +253,15 @@ class MemoryTier:
             args=(step, copied, layout, tail),
             name=f"nbtools-snapshot-{self.rank}",
         )
-        self._writer.start()
+        try:
+            self._writer.start()
+        except BaseException:
+            self._writer = None
+            if copied is not None:  # no step may wait for a copy that never runs
+                copied[2].copied.set()
+                self._files.forget(copied[0])
+                _slots.remove([copied[1]])
+            raise
         return True
 
     def _copy(
