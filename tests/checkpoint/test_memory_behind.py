@@ -133,3 +133,30 @@ def test_a_weight_changed_in_place_before_the_next_step_drops_only_that_snapshot
     else:
         assert (start, _same(restored, kept[3])) == (4, True)
     assert not _same(kept[3], kept[3.5])
+
+
+def test_the_file_of_the_second_snapshot_is_made_ahead_and_then_used(tmp_path, shm):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(64, 64)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+
+    def step_and_snapshot(ckpt, step):
+        net(torch.randn(4, 64)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        assert ckpt.maybe_save(step, model=net, optimizer=opt) is False  # no volume save
+        ckpt.wait()
+        files = [p for p in shm.rglob("*") if p.is_file() and p.name.startswith((".tmp-", "r0-"))]
+        return sorted(files, key=lambda p: p.name.startswith(".tmp-"))
+
+    with CheckpointManager(tmp_path / "root", every=1000, memory_every=1, async_save=False) as ckpt:
+        slot, spare = step_and_snapshot(ckpt, 1)  # one slot, and the next one's file
+        assert slot.name.endswith(".slot") and spare.name.startswith(".tmp-r0-")
+        info = spare.stat()  # private, its space reserved (not a sparse file)
+        assert info.st_mode & 0o777 == 0o600 and info.st_blocks * 512 >= info.st_size > 4096
+        made_ahead = spare.stat().st_ino
+        second = step_and_snapshot(ckpt, 2)  # two slots, the second in that file
+        assert [p.name.endswith(".slot") for p in second] == [True, True]
+        assert made_ahead in {p.stat().st_ino for p in second}
+        assert len(step_and_snapshot(ckpt, 3)) == 2  # from here on the older slot's file
+    assert [p for p in shm.rglob("*") if p.is_file()] == []

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from nbtools.checkpoint._memory import _format
+from nbtools.checkpoint._memory import _format, _slots
 from nbtools.checkpoint._memory._slots import HEADER_BYTES
 
-__all__ = ["Mapped", "MappedFiles", "crc_of", "file_key", "tensor_of"]
+__all__ = ["Mapped", "MappedFiles", "Spare", "crc_of", "file_key", "tensor_of"]
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
@@ -153,3 +153,47 @@ def tensor_of(data: Any) -> torch.Tensor:
         if len(data)
         else torch.empty(0, dtype=torch.uint8)
     )
+
+
+class Spare:
+    """A rank's next slot file, made and mapped ahead by the background thread while the
+    rank holds fewer than two slots (its first snapshots), so that no snapshot waits for a
+    new file's pages to be reserved and mapped. It keeps a temporary name until a snapshot
+    is written into it (a restarted rank removes it like any half-written file)."""
+
+    def __init__(self, files: MappedFiles, directory: str, rank: int) -> None:
+        self.files, self.directory, self.rank = files, directory, rank
+        self.path: str | None = None
+
+    def make(self, data_len: int) -> None:
+        """Make the file (for a tensor region of ``data_len`` bytes) unless there is one."""
+        if self.path is not None:
+            return
+        try:
+            tmp, fd = _slots.claim(self.directory, self.rank, _slots.own_prefix(self.rank), None)
+        except OSError:
+            return
+        try:
+            self.files.open(fd, data_len)
+        except OSError:
+            _slots.remove([tmp])
+            return
+        self.path = tmp
+
+    def take(self) -> tuple[str, int] | None:
+        """The file's path and a new descriptor, for the next snapshot; None if there is none."""
+        path, self.path = self.path, None
+        if path is None:
+            return None
+        try:
+            return path, os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            _slots.remove([path])
+            return None
+
+    def discard(self) -> None:
+        """Remove the file, if any."""
+        taken = self.take()
+        if taken is not None:
+            os.close(taken[1])
+            _slots.remove([taken[0]])

@@ -46,6 +46,7 @@ from nbtools.checkpoint._memory._consumed import Consumed
 from nbtools.checkpoint._memory._mapped import (
     Mapped,
     MappedFiles,
+    Spare,
     crc_of,
     file_key,
     tensor_of,
@@ -128,6 +129,7 @@ class MemoryTier:
         self._keeper = keeper
         self.directory = _slots.job_dir(self.user, self.key, keeper)
         _slots.sweep_temporaries(self.directory, self.rank)
+        self._spare = Spare(self._files, self.directory, self.rank)
 
     def due(self, step: int) -> bool:
         """Whether ``maybe_save(step)`` snapshots (or takes part in the replicas' exchange)."""
@@ -278,7 +280,11 @@ class MemoryTier:
         drop = [s for s in own if s not in older]
         reuse = drop.pop(0) if drop else None
         _slots.remove([s.path for s in drop])
-        tmp, fd = _slots.claim(self.directory, self.rank, _slots.own_prefix(self.rank), reuse)
+        spare = self._spare.take() if reuse is None else None
+        self._spare.discard()
+        tmp, fd = spare or _slots.claim(
+            self.directory, self.rank, _slots.own_prefix(self.rank), reuse
+        )
         mapped: Mapped | None = None
         try:
             mapped = self._files.open(fd, layout.data_len)
@@ -350,7 +356,10 @@ class MemoryTier:
             try:
                 head = {"rank": self.rank, "step": step, "crc": crc}
                 self._publish(mapped, tmp, _slots.own_prefix(self.rank), tail, head)
-                self._files.prune({k for s in self.own() if (k := file_key(s.path))})
+                own = self.own()
+                self._files.prune({k for s in own if (k := file_key(s.path))})
+                if len(own) < 2:  # the next snapshot needs a new file: make it now
+                    self._spare.make(mapped.data_len)
                 out = _replicas.Outgoing(step, mapped.body, tensor_of(bytearray(tail)), crc)
             except Exception as exc:  # noqa: BLE001 - reported by wait(), on the training thread
                 self._files.forget(mapped)
@@ -472,6 +481,7 @@ class MemoryTier:
         """Remove this rank's snapshots and the replicas it holds unless ``keep`` (a close
         after an error keeps them)."""
         self.wait()
+        self._spare.discard()
         if self._gate is not None:
             self._gate.close()
             self._gate = None
