@@ -233,6 +233,14 @@ def _vanished(directory: Target) -> bool:
         return False
 
 
+def _listed_exists(target: Target, step: int) -> bool:
+    """Whether the directory of a listed ``step`` is still there (errors: assume so)."""
+    try:
+        return target.exists(step_dir_name(step))
+    except OSError:
+        return True
+
+
 def candidates(
     target: Target, verify: bool = False, skip: Collection[int] = ()
 ) -> Iterator[tuple[int, Target, Any]]:
@@ -241,7 +249,8 @@ def candidates(
     Checkpoints that fail validation are skipped with a warning saying why: damaged
     ones, and unsafe ones (a ``.metadata`` the restricted unpickler refuses, which
     someone crafted; nothing from it ran). One deleted while it is validated (the
-    retention of a run saving there) is no fault: the root is listed again, so a
+    retention of a run saving there) is no fault, nor is one deleted between the
+    listing and the check that it is complete: the root is listed again, so a
     newer checkpoint published meanwhile is found.
 
     Args:
@@ -253,7 +262,12 @@ def candidates(
     while True:
         relist = False
         for step, complete in list_steps(target):
-            if not complete or step in tried:
+            if step in tried:
+                continue
+            if not complete:
+                if not _listed_exists(target, step):  # deleted since the listing: list again,
+                    relist = True  # a newer one may have been published meanwhile
+                    break
                 continue
             tried.add(step)
             child = target.child(step_dir_name(step))
