@@ -194,8 +194,13 @@ def test_only_the_stopped_rank_is_named_not_those_waiting_for_it(flags):
         assert "Ranks 0, 1 wait for it" in text
         assert text.count("Thread ") >= 3 or "py-spy" in text  # a stack per rank, or why not
         os.kill(procs[2].pid, signal.SIGCONT)
-        events.bus().publish([_progress(2, procs[2].pid, 11, time.time())])
-        assert _wait_until(lambda: any(e.fields.get("ended") for e in seen))
+        steps = iter(range(11, 10_000))
+
+        def resumed() -> bool:  # the rank reports its steps again, as a running rank does
+            events.bus().publish([_progress(2, procs[2].pid, next(steps), time.time())])
+            return any(e.fields.get("ended") for e in seen)
+
+        assert _wait_until(resumed)
         ended = [e for e in seen if e.fields.get("ended")]
         assert [e.rank for e in ended] == [2] and ended[0].fields["lasted_s"] >= 0
     finally:
