@@ -19,8 +19,9 @@ What makes a lease live (anything else is taken over at once):
 Watching takes :data:`WATCH_S` and never runs on the training thread: the
 manager starts it in the background ahead of the first save (a local root's
 lease is read when the manager is created; an object store's from a restore
-from the volume or the first ``maybe_save``, so a recovery from memory and its
-first step never wait for the store's client to start), and a save due before
+from the volume or the first ``maybe_save``, and after a recovery from memory
+:data:`AFTER_RECOVERY_S` later, so that the store's client, a second of CPU in a
+fresh process, does not start beside the recovery's first steps), and a save due before
 the verdict is deferred (``maybe_save`` saves at the first step after it) rather
 than blocked. A live holder makes every save raise a ``CheckpointError`` naming
 it and saying how to take over: ``CheckpointManager(..., takeover=True)``, or
@@ -43,7 +44,7 @@ from nbtools._internal.log import get_logger
 from nbtools.checkpoint._storage._target import Target
 from nbtools.errors import CheckpointError
 
-__all__ = ["LEASE_NAME", "LeasePending", "WriterLease"]
+__all__ = ["AFTER_RECOVERY_S", "LEASE_NAME", "LeasePending", "WriterLease"]
 
 LEASE_NAME = ".nbtools-writer"
 #: Seconds between renewals of a held lease.
@@ -56,6 +57,8 @@ WATCH_S = 3 * HEARTBEAT_S
 MAX_AGE_S = 3600.0
 #: How often the background watch reads a lease of another machine.
 _POLL_S = 1.0
+#: After a recovery from memory, how long the probe waits: its first steps run first.
+AFTER_RECOVERY_S = 10.0
 
 _log = get_logger("checkpoint")
 
@@ -111,6 +114,7 @@ class WriterLease:
         self._thread: threading.Thread | None = None
         self._watcher: threading.Thread | None = None
         self._probed = False
+        self._not_before = 0.0  # see defer_probe
         self._beat = 0
         self._since = time.time()
         self.held = False
@@ -236,7 +240,7 @@ class WriterLease:
         store the read (a request, in a fresh process the client's start too)
         happens in the background: the caller never waits for it.
         """
-        if self._probed:
+        if self._probed or time.monotonic() < self._not_before:
             return
         self._probed = True
         if self._target.local_path is None:
@@ -245,6 +249,11 @@ class WriterLease:
             ).start()
         else:
             self._probe()
+
+    def defer_probe(self, seconds: float) -> None:
+        """Make :meth:`probe` do nothing for ``seconds`` (a save due meanwhile reads the
+        lease itself, as :meth:`acquire` always does)."""
+        self._not_before = time.monotonic() + seconds
 
     def _probe(self) -> None:
         with self._lock:

@@ -45,7 +45,7 @@ from nbtools.checkpoint._collective import agree, final_step
 from nbtools.checkpoint._errors import unwrap
 from nbtools.checkpoint._forks import track
 from nbtools.checkpoint._host_buffers import ReusableStager
-from nbtools.checkpoint._lease import WriterLease
+from nbtools.checkpoint._lease import AFTER_RECOVERY_S, WriterLease
 from nbtools.checkpoint._memory._replicas import peers
 from nbtools.checkpoint._memory._restore import VolumeStep, memory_restore, report
 from nbtools.checkpoint._memory._tier import MemoryTier
@@ -203,9 +203,7 @@ class CheckpointManager:
             raise CheckpointError("this CheckpointManager is closed; create a new one")
 
     def _probe(self) -> None:
-        """Read an object store's writer lease in the background: from a restore from the
-        volume or the first ``maybe_save``, never while a restore from memory and its first
-        step run (in a fresh process it starts the store's client: a second of CPU)."""
+        """Read an object store's writer lease in the background (see ``_lease``)."""
         if self._lease is not None:
             self._lease.probe()
 
@@ -243,6 +241,8 @@ class CheckpointManager:
                 got = memory_restore(self._memory, _state.classify(objs), self._pg, volume_step)
             if got is not None:
                 held, snapshot, tier, any_replica, volume = got
+                if self._lease is not None:  # the first steps of the recovery run first
+                    self._lease.defer_probe(AFTER_RECOVERY_S)
                 self._memory.note_volume(volume)
                 report(held, time.perf_counter() - started, "replica" if any_replica else "memory")
                 self.restored_step, self.restored_tier, self.skipped = held, tier, []

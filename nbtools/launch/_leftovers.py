@@ -12,6 +12,9 @@ even after its parent is gone, unless it deliberately starts a new session.
 
 Processes are never reaped here: a stopped child becomes a zombie that its own
 parent (the rank, or its ``multiprocessing``/``subprocess`` handle) collects.
+A process counts as ended once it runs no more code of its own (:func:`ending`):
+the kernel may take a while longer to free a large process's memory, which
+nothing here waits for.
 """
 
 from __future__ import annotations
@@ -30,9 +33,13 @@ __all__ = [
     "lead_own_group",
     "has_children",
     "is_library_service",
+    "ending",
+    "exit_code",
 ]
 
 _STOP_GRACE_S = 1.0
+# ``flags`` of /proc/<pid>/stat: the process's main thread has begun to exit.
+_PF_EXITING = 0x4
 # Per-process services that a library starts for the process and ends itself at interpreter
 # exit (W&B's ``wandb-core`` after ``run.finish()``): a rank's process never exits on its own
 # before nbtools stops what it left, so finding them is no fault of the user's code.
@@ -45,6 +52,42 @@ def lead_own_group() -> None:
     """Make this process the leader of a new process group (its children inherit it)."""
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` from the state on (None: no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].decode().split()
+    except (OSError, IndexError):
+        return None
+
+
+def ending(pid: int) -> bool:
+    """Whether process ``pid`` runs no code of its own any more: gone, a zombie, or its
+    main thread exiting (killed by a signal or past its exit, the kernel is releasing
+    its memory: a tenth of a second or more for a process of a few GB). A process
+    that exits this way does so as a whole: its other threads never return to it."""
+    fields = _stat(pid)
+    if fields is None:
+        if os.path.isdir("/proc/self"):
+            return True
+        try:  # no /proc here: ask psutil
+            return psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+        except psutil.Error:
+            return True
+    return fields[0] in ("Z", "X", "x") or bool(int(fields[6]) & _PF_EXITING)
+
+
+def exit_code(pid: int) -> int | None:
+    """The exit code of ending process ``pid`` as ``multiprocessing`` reports it (``-N``:
+    killed by signal N), read from ``/proc/<pid>/stat`` before anything reaps it; None
+    when it cannot be known there (still running, gone, or an older kernel)."""
+    fields = _stat(pid)
+    if fields is None or len(fields) < 50 or not ending(pid):
+        return None
+    status = int(fields[49])
+    return -(status & 0x7F) if status & 0x7F else status >> 8
 
 
 def has_children() -> bool:
@@ -96,7 +139,7 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     alive = []
     for proc in procs:
         try:
-            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+            if proc.is_running() and not ending(proc.pid):
                 alive.append(proc)
         except psutil.Error:
             continue

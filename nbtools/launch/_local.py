@@ -10,6 +10,14 @@ the processes they left running as files in the attempt directory
 A rank that failed makes the context stop the others at once instead of
 leaving them in a collective; what ranks leave running is ended by them or,
 after a failure or an interrupt, here (:mod:`nbtools.launch._leftovers`).
+
+A rank is seen to end as soon as it runs no more code (:func:`~nbtools.launch.
+_leftovers.ending`), not once the kernel has released its memory and torch has
+collected its exit status: a process of a few GB takes a tenth of a second or
+more to release, and a rank with memory snapshots mapped longer. On CPU ranks
+the next attempt then starts at once and the stopped ranks are collected in
+the background (:meth:`LocalBackend.close` waits for that); ranks on GPUs are
+collected first, since their device memory is free only once they are gone.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import os
 import pickle
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +65,8 @@ __all__ = ["LocalBackend", "LocalGroup"]
 _POLL_S = 0.005
 # Grace between SIGTERM and SIGKILL when ranks are stopped (must stay well under 5 s).
 _STOP_GRACE_S = 2
+# How long ended ranks may take to be collected in the background (their memory released).
+_COLLECT_S = 30
 # How long a rank that vanished may take to have its exit status reach torch.
 _EXIT_STATUS_WAIT_S = 1.0
 # Under this much free space, a rank that left no failure record is taken to have had no room.
@@ -80,8 +91,12 @@ class LocalBackend:
         """Start the forkserver if needed (GPU counts are checked by the caller's plan)."""
         _env.warm_up()
 
+    def __init__(self) -> None:
+        self._groups: list[LocalGroup] = []
+
     def start(self, spec: GroupSpec) -> LocalGroup:
         """Start the ranks of one attempt."""
+        self._groups = [g for g in self._groups if not g.collected()]
         _env.warm_up()
         base = _env.caller_environment()
         base.update(spec.env)
@@ -118,10 +133,15 @@ class LocalBackend:
         except BaseException:
             quiet.close()
             raise
-        return LocalGroup(ctx, spec, quiet)
+        group = LocalGroup(ctx, spec, quiet)
+        self._groups.append(group)
+        return group
 
     def close(self) -> None:
-        """Nothing is held between attempts."""
+        """Wait until the stopped ranks of earlier attempts are collected."""
+        groups, self._groups = self._groups, []
+        for group in groups:
+            group.collect()
 
 
 @dataclass(frozen=True)
@@ -129,11 +149,14 @@ class _Vanished:
     """A rank that ended without returning, and torch's report of the group where it has one.
 
     ``report`` is ``None`` when torch has not seen the end yet (a busy host):
-    the launcher then goes by the rank's own record or exit code.
+    the launcher then goes by the rank's own record or exit code. ``codes``
+    holds every rank's exit code once all of them have ended and torch is left
+    to collect them in the background.
     """
 
     rank: int
     report: RunProcsResult | None
+    codes: dict[int, int] | None = None  # every rank's exit code: all of them have ended
 
 
 class LocalGroup:
@@ -151,22 +174,27 @@ class LocalGroup:
         self._stopped = False
         self._closed = False
         self._outcome: Outcome | None = None
+        self._collector: threading.Thread | None = None  # see _collect_later
+        self._killed: set[int] = set()  # ranks that needed SIGKILL to end (_exit_codes)
 
     def poll(self) -> Outcome | None:
         if self._outcome is not None:
             return self._outcome
         try:
-            result = self._ctx.wait(0)
+            # A rank that has ended is seen before torch collects it (see the module
+            # docstring); torch's own poll then reports the rest.
+            gone = self._vanished()
+            if gone is not None and gone.codes is not None:
+                self._collect_later()
+                self._outcome = self._ended(gone.rank, gone.codes)
+                return self._outcome
+            result = self._ctx.wait(0) if gone is None else gone.report
             early = None
             if result is None:
-                gone = self._vanished()
                 if gone is None:
                     time.sleep(_POLL_S)
                     return None
-                if gone.report is not None:
-                    result = gone.report
-                else:
-                    early = gone.rank
+                early = gone.rank
         except SignalException as exc:
             raise KeyboardInterrupt from exc
         if early is None and not result.is_failed():
@@ -195,10 +223,86 @@ class LocalGroup:
             self._released = True
         for rank, proc in self._procs.items():
             if rank not in returned and not _running(proc):
+                # The others wait for it in a collective: stop them now, as torch would
+                # once it has collected this one.
+                self._terminate(exclude=rank)
+                if not self._spec.use_cuda:
+                    codes = self._exit_codes()
+                    if codes is not None:
+                        return _Vanished(rank, None, codes)
                 return _Vanished(rank, _exit_status(self._ctx))
         return None
 
-    def _failed(self, result, early: int | None, exited: dict[int, int]) -> Failed:
+    def _terminate(self, exclude: int) -> None:
+        """SIGTERM every rank but ``exclude`` that still runs."""
+        for rank, proc in self._procs.items():
+            if rank != exclude and _running(proc):
+                with contextlib.suppress(psutil.Error, OSError):
+                    proc.send_signal(signal.SIGTERM)
+
+    def _exit_codes(self) -> dict[int, int] | None:
+        """Every rank's exit code once all have ended (SIGKILL after a grace); None where a
+        code cannot be read (torch then reports, as it collects them)."""
+        deadline = time.monotonic() + _STOP_GRACE_S
+        while any(_running(p) for p in self._procs.values()):
+            if time.monotonic() > deadline:
+                if deadline < 0:
+                    return None
+                deadline = -1.0  # once more, after SIGKILL
+                for rank, proc in self._procs.items():
+                    if _running(proc):
+                        self._killed.add(rank)
+                        with contextlib.suppress(psutil.Error, OSError):
+                            proc.kill()
+                deadline = time.monotonic() + _STOP_GRACE_S
+            time.sleep(_POLL_S / 5)
+        known = _torch_compat.process_exitcodes(self._ctx)
+        codes: dict[int, int] = {}
+        for rank, proc in self._procs.items():
+            code = known.get(rank)
+            if code is None and proc is not None:
+                code = _leftovers.exit_code(proc.pid)
+            if code is None:
+                return None
+            codes[rank] = code
+        return codes
+
+    def _ended(self, rank: int, codes: dict[int, int]) -> Failed:
+        """The outcome once every rank has ended, ``rank`` the first seen to."""
+        self._stopped = True
+        # A rank that needed SIGKILL after the grace was stopped, as one ended by SIGTERM.
+        exited = {r: c for r, c in codes.items() if c and r not in self._killed}
+        return self._failed(None, None if codes[rank] else rank, exited, first=rank)
+
+    def _collect_later(self) -> None:
+        """Collect the ended ranks' exit statuses, and their memory, in the background."""
+
+        def collect() -> None:
+            try:
+                self._ctx.close(signal.SIGKILL, timeout=_COLLECT_S)
+            finally:
+                self._quiet.close()  # torch reports each process it closes: silenced till now
+
+        self._collector = threading.Thread(
+            target=collect, name="nbtools-collect-ranks", daemon=True
+        )
+        self._collector.start()
+
+    def collected(self) -> bool:
+        """Whether this group's ranks are all collected (none is being, in the background)."""
+        return self._collector is None or not self._collector.is_alive()
+
+    def collect(self) -> None:
+        """Wait until this group's ended ranks are collected (a few seconds at most)."""
+        if self._collector is not None:
+            self._collector.join()
+
+    def _failed(
+        self, result, early: int | None, exited: dict[int, int], first: int | None = None
+    ) -> Failed:
+        """The failure: from torch's ``result``, or, where it has none, from ``early`` (a
+        rank gone without a known exit code) or the ranks' ``exited`` codes and the
+        rank seen to end ``first``."""
         attempt_dir, attempt = self._spec.attempt_dir, self._spec.restart_count
         world = self._spec.world_size
         returned = frozenset(
@@ -220,7 +324,10 @@ class LocalGroup:
                     attempt_dir,
                 )
             return Failed(failures, early, returned)
-        codes = {r: f.exitcode for r, f in result.failures.items()}
+        if result is not None:
+            codes = {r: f.exitcode for r, f in result.failures.items()}
+        else:
+            codes = {first: exited[first]} if first in exited else {}
         reported = sorted(r for r in codes if r not in failures)
         # Ranks torch did not report (it names one): they died before the stop, unless
         # the caller stopped the group itself, and then torch's report comes first.
@@ -290,7 +397,8 @@ class LocalGroup:
                 left.setdefault(-1, []).extend(stray)
             return left
         finally:
-            self._quiet.close()
+            if self._collector is None:
+                self._quiet.close()
 
 
 def _with_full_disk(failure: RankFailure, attempt_dir: str) -> RankFailure:
@@ -349,10 +457,11 @@ def _process(pid: int) -> psutil.Process | None:
 
 
 def _running(proc: psutil.Process | None) -> bool:
+    """Whether ``proc`` still runs code of its own (see ``_leftovers.ending``)."""
     if proc is None:
         return False
     try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        return proc.is_running() and not _leftovers.ending(proc.pid)
     except psutil.Error:
         return False
 

@@ -17,6 +17,7 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 from nbtools.checkpoint import CheckpointManager
+from nbtools.checkpoint import manager as manager_module
 
 
 class _CountingStore(MemoryFileSystem):
@@ -98,9 +99,13 @@ def _lease_reads(root: str) -> int:
     return _CountingStore.reads.get(lease, 0)
 
 
-def test_a_restore_from_memory_and_its_first_step_leave_the_writer_lease_alone(root, shm):
+@pytest.mark.parametrize("wait", [3600.0, 0.0])
+def test_a_recovery_from_memory_reads_the_writer_lease_only_after_its_first_steps(
+    root, shm, monkeypatch, wait
+):
     # The lease is read ahead of the next volume save, in the background; in a fresh
     # process that starts the store's client, a second of CPU a recovery does not wait for.
+    monkeypatch.setattr(manager_module, "AFTER_RECOVERY_S", wait)
     _killed_run(root, every=10, steps=13)
     before = _lease_reads(root)
     net, opt = _net()
@@ -108,12 +113,27 @@ def test_a_restore_from_memory_and_its_first_step_leave_the_writer_lease_alone(r
         assert again.restore(model=net, optimizer=opt) == 13
         assert again.restored_tier == "memory"
         assert _lease_reads(root) == before
-        again.maybe_save(13, model=net, optimizer=opt)  # the first step's: read from here on
-        deadline = time.monotonic() + 60
+        for step in (13, 14):  # the first steps' saves: the probe starts from here once due
+            again.maybe_save(step, model=net, optimizer=opt)
+        deadline = time.monotonic() + (60 if wait == 0 else 1)
         while _lease_reads(root) == before and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert _lease_reads(root) > before
+        assert (_lease_reads(root) > before) == (wait == 0)
         assert again.maybe_save(20, model=net, optimizer=opt)  # the volume save goes ahead
+        assert _lease_reads(root) > before
+
+
+def test_a_volume_save_due_early_in_a_recovery_reads_the_lease_itself(root, shm):
+    _killed_run(root, every=10, steps=18)  # memory: 15 (every 3); volume: 10
+    net, opt = _net()
+    with CheckpointManager(root, every=10, memory_every=3, async_save=False) as again:
+        assert again.restore(model=net, optimizer=opt) == 16
+        assert again.restored_tier == "memory"
+        before = _lease_reads(root)
+        for step in range(16, 20):
+            assert not again.maybe_save(step, model=net, optimizer=opt)
+        assert again.maybe_save(20, model=net, optimizer=opt)  # well before the probe's time
+        assert _lease_reads(root) > before
     assert sorted(_CountingStore().ls(_CountingStore._strip_protocol(root), detail=False))[
         -1
     ].endswith("step_20")
