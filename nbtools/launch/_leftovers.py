@@ -35,6 +35,7 @@ __all__ = [
     "is_library_service",
     "ending",
     "exit_code",
+    "await_ending",
 ]
 
 _STOP_GRACE_S = 1.0
@@ -88,6 +89,34 @@ def exit_code(pid: int) -> int | None:
         return None
     status = int(fields[49])
     return -(status & 0x7F) if status & 0x7F else status >> 8
+
+
+def await_ending(procs: dict[int, psutil.Process | None], grace: float) -> set[int] | None:
+    """Wait until every process of ``procs`` (by rank) is :func:`ending`; SIGKILL those
+    still running after ``grace`` seconds and wait as long again. Returns the ranks that
+    needed SIGKILL, or None when some never ended (stuck in the kernel)."""
+
+    def runs(proc: psutil.Process | None) -> bool:
+        try:  # is_running also tells a reused process id apart
+            return proc is not None and proc.is_running() and not ending(proc.pid)
+        except psutil.Error:
+            return False
+
+    killed: set[int] = set()
+    for killing in (False, True):
+        deadline = time.monotonic() + grace
+        for rank, proc in procs.items():
+            if killing and runs(proc):
+                killed.add(rank)
+                with contextlib.suppress(psutil.Error, OSError):
+                    proc.kill()  # type: ignore[union-attr]
+        while any(runs(p) for p in procs.values()):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+        else:
+            return killed
+    return None
 
 
 def has_children() -> bool:

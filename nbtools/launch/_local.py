@@ -11,13 +11,16 @@ A rank that failed makes the context stop the others at once instead of
 leaving them in a collective; what ranks leave running is ended by them or,
 after a failure or an interrupt, here (:mod:`nbtools.launch._leftovers`).
 
-A rank is seen to end as soon as it runs no more code (:func:`~nbtools.launch.
-_leftovers.ending`), not once the kernel has released its memory and torch has
-collected its exit status: a process of a few GB takes a tenth of a second or
-more to release, and a rank with memory snapshots mapped longer. On CPU ranks
-the next attempt then starts at once and the stopped ranks are collected in
-the background (:meth:`LocalBackend.close` waits for that); ranks on GPUs are
-collected first, since their device memory is free only once they are gone.
+A rank that dies without a word (a signal, the OOM killer, ``os._exit``) is
+seen as soon as it runs no more code (``_leftovers.ending``), not once the
+kernel has released its memory and torch has collected its exit status: a
+process of a few GB takes a tenth of a second or more to release, a rank with
+memory snapshots mapped longer. Its peers are stopped at once; on CPU ranks the
+next attempt then starts at once and the stopped ranks are collected in the
+background (:meth:`LocalBackend.close` waits for that); ranks on GPUs are
+collected first, since their device memory is free only once they are gone. A
+rank that raised is left to torch as before: its peers may be raising too and
+write their own records.
 """
 
 from __future__ import annotations
@@ -148,15 +151,14 @@ class LocalBackend:
 class _Vanished:
     """A rank that ended without returning, and torch's report of the group where it has one.
 
-    ``report`` is ``None`` when torch has not seen the end yet (a busy host):
-    the launcher then goes by the rank's own record or exit code. ``codes``
-    holds every rank's exit code once all of them have ended and torch is left
-    to collect them in the background.
+    ``report`` is ``None`` when torch has not seen the end yet (a busy host): the
+    launcher goes by the rank's record or exit code, or by ``codes``, every rank's
+    exit code once all have ended (torch collects them in the background).
     """
 
     rank: int
     report: RunProcsResult | None
-    codes: dict[int, int] | None = None  # every rank's exit code: all of them have ended
+    codes: dict[int, int] | None = None
 
 
 class LocalGroup:
@@ -223,8 +225,13 @@ class LocalGroup:
             self._released = True
         for rank, proc in self._procs.items():
             if rank not in returned and not _running(proc):
-                # The others wait for it in a collective: stop them now, as torch would
-                # once it has collected this one.
+                if os.path.exists(failure_path(attempt_dir, rank)):
+                    # It raised: its peers may be raising too, and write their own records,
+                    # or fail in the collective it left; torch stops the rest once it has
+                    # collected this one.
+                    return _Vanished(rank, _exit_status(self._ctx))
+                # Died without a word (a signal, os._exit): the others wait for it in a
+                # collective; stop them now.
                 self._terminate(exclude=rank)
                 if not self._spec.use_cuda:
                     codes = self._exit_codes()
@@ -243,19 +250,10 @@ class LocalGroup:
     def _exit_codes(self) -> dict[int, int] | None:
         """Every rank's exit code once all have ended (SIGKILL after a grace); None where a
         code cannot be read (torch then reports, as it collects them)."""
-        deadline = time.monotonic() + _STOP_GRACE_S
-        while any(_running(p) for p in self._procs.values()):
-            if time.monotonic() > deadline:
-                if deadline < 0:
-                    return None
-                deadline = -1.0  # once more, after SIGKILL
-                for rank, proc in self._procs.items():
-                    if _running(proc):
-                        self._killed.add(rank)
-                        with contextlib.suppress(psutil.Error, OSError):
-                            proc.kill()
-                deadline = time.monotonic() + _STOP_GRACE_S
-            time.sleep(_POLL_S / 5)
+        killed = _leftovers.await_ending(self._procs, _STOP_GRACE_S)
+        if killed is None:
+            return None  # stuck (uninterruptible): torch's own stop deals with it
+        self._killed |= killed
         known = _torch_compat.process_exitcodes(self._ctx)
         codes: dict[int, int] = {}
         for rank, proc in self._procs.items():

@@ -160,3 +160,63 @@ def test_the_file_of_the_second_snapshot_is_made_ahead_and_then_used(tmp_path, s
         assert made_ahead in {p.stat().st_ino for p in second}
         assert len(step_and_snapshot(ckpt, 3)) == 2  # from here on the older slot's file
     assert [p for p in shm.rglob("*") if p.is_file()] == []
+
+
+def _adam_steps(steps: range, net: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    for step in steps:
+        torch.manual_seed(step)
+        opt.zero_grad()
+        net(torch.randn(4, 512)).pow(2).mean().backward()
+        opt.step()
+
+
+def _sums(net: torch.nn.Module, opt: torch.optim.Optimizer) -> list[float]:
+    tensors = list(net.state_dict().values()) + [t for s in opt.state.values() for t in s.values()]
+    return [t.double().sum().item() for t in tensors]
+
+
+@pytest.mark.slow
+def test_eight_ranks_killed_mid_run_resume_bit_exact_from_snapshots_copied_behind(tmp_path, shm):
+    # Eight ranks snapshot every step while the next step runs; rank 5 is killed with a
+    # snapshot copy behind it in flight. Every rank resumes from the newest complete step.
+    from nbtools import distributed
+
+    @distributed(processes=8, max_restarts=1, output="none")
+    def train(root):
+        import os
+        import signal
+
+        import torch
+        import torch.distributed as dist
+
+        from nbtools.checkpoint import CheckpointManager
+        from nbtools.runtime import get_restart_count
+
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+        opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+        with CheckpointManager(root, every=100, memory_every=1, async_save=False) as ckpt:
+            start = ckpt.restore(model=net, optimizer=opt)
+            for step in range(start, 12):
+                torch.manual_seed(step)
+                opt.zero_grad()
+                net(torch.randn(4, 512)).pow(2).mean().backward()
+                for p in net.parameters():  # MAX of equal gradients: the same bits everywhere
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.MAX)
+                opt.step()
+                ckpt.maybe_save(step, model=net, optimizer=opt)
+                if step == 7 and dist.get_rank() == 5 and get_restart_count() == 0:
+                    os.kill(os.getpid(), signal.SIGKILL)  # step 7's copy may be in flight
+        tensors = list(net.state_dict().values())
+        tensors += [t for s in opt.state.values() for t in s.values()]
+        sums = [t.double().sum().item() for t in tensors]
+        return get_restart_count(), ckpt.restored_step, ckpt.restored_tier, sums
+
+    results = train.distributed(str(tmp_path / "root"))
+    assert {r[:3] for r in results} in ({(1, 6, "memory")}, {(1, 7, "memory")})
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    _adam_steps(range(12), net, opt)
+    assert all(r[3] == _sums(net, opt) for r in results)
+    assert not any(p.is_file() for p in shm.rglob("*"))  # closed cleanly: removed

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -473,6 +474,47 @@ def test_a_restore_keeps_its_slot_whole_until_the_optimizer_steps(tmp_path, shm)
     _train(again, fresh, fresh_opt, range(13, 16))  # a snapshot at 15 writes a new slot
     again.close()
     assert _files(shm) == []
+
+
+def test_the_first_step_after_a_restore_in_place_frees_the_pages_copied_out(tmp_path, shm):
+    # The model's weights are copied out of the restored slot; the optimizer state stays in
+    # its pages. Once a step unlinks the slot, the model's 4 MiB there go back to the system.
+    torch.manual_seed(0)
+    net = torch.nn.Linear(1024, 1024, bias=False)
+    opt = torch.optim.Adam(net.parameters(), lr=0.1)
+    with (
+        pytest.raises(RuntimeError),
+        CheckpointManager(tmp_path / "root", every=10, memory_every=3, async_save=False) as ckpt,
+    ):
+        _train_wide(ckpt, net, opt, range(4))
+        raise RuntimeError("killed")
+    fresh = torch.nn.Linear(1024, 1024, bias=False)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    with CheckpointManager(tmp_path / "root", memory_every=3, async_save=False) as again:
+        assert again.restore(model=fresh, optimizer=fresh_opt) == 4
+        fds = {p: os.open(p, os.O_RDONLY) for p in shm.rglob("*.slot")}
+        try:
+            before = {p: os.fstat(fd).st_blocks * 512 for p, fd in fds.items()}
+            _train_wide(again, fresh, fresh_opt, range(4, 5))  # the first step: no snapshot
+            unlinked = [p for p in fds if not p.exists()]
+            assert len(unlinked) == 1  # the restored slot: its state changes from here
+            fd = fds[unlinked[0]]
+            deadline = time.monotonic() + 60
+            while os.fstat(fd).st_blocks * 512 > before[unlinked[0]] - 4 * 2**20:
+                assert time.monotonic() < deadline, "the copied-out pages were not freed"
+                time.sleep(0.01)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+    assert _files(shm) == []
+
+
+def _train_wide(ckpt, net, opt, steps):
+    for step in steps:
+        opt.zero_grad()
+        net(torch.ones(2, 1024)).sum().backward()
+        opt.step()
+        ckpt.maybe_save(step, model=net, optimizer=opt)
 
 
 def test_a_second_manager_of_the_job_closing_leaves_the_first_snapshotting(tmp_path, shm):

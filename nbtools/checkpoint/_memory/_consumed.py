@@ -6,7 +6,8 @@ are copied into the model, and the optimizer state is loaded as tensors over
 the mapped pages themselves (no new memory to fault in, no second copy). The
 file stays a valid slot, unchanged, until the first optimizer step would
 write into it: a step pre-hook then unlinks it (the mapping keeps its pages)
-and frees the pages of the tensors that were copied out. A rank that dies
+and a short background thread frees the pages of the tensors that were copied
+out (tens of milliseconds per 100 MB that the first step does not wait for). A rank that dies
 before that step still finds the slot whole; the next snapshot of the tier
 unlinks it first too, so a reused slot file never shares pages with live state.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -94,6 +96,7 @@ class Consumed:
         self._mm: mmap.mmap | None = mm
         self._free = free
         self._handles = [o.register_step_pre_hook(self._before_step) for o in optimizers]
+        self._freer: threading.Thread | None = None
 
     def _before_step(self, *args: Any) -> None:
         self.release()
@@ -105,15 +108,34 @@ class Consumed:
         self._handles = []
 
     def release(self) -> None:
-        """Unlink the file (from here the state may change) and free the copied-out pages."""
+        """Unlink the file (from here the state may change); free the copied-out pages in
+        the background (see :meth:`join`)."""
         self.drop_hooks()
         path, mm, self.path, self._mm = self.path, self._mm, None, None
         if path is None or mm is None:
             return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        remove = getattr(mmap, "MADV_REMOVE", None)
-        if remove is not None:
-            for start, length in self._free:
-                with contextlib.suppress(OSError, ValueError):
-                    mm.madvise(remove, start, length)
+        if not self._free or getattr(mmap, "MADV_REMOVE", None) is None:
+            return
+        freer = threading.Thread(
+            target=_free_pages, args=(mm, self._free), name="nbtools-free-restored-pages"
+        )
+        try:
+            freer.start()
+        except RuntimeError:  # no new thread (interpreter shutdown): free them here
+            _free_pages(mm, self._free)
+            return
+        self._freer = freer
+
+    def join(self) -> None:
+        """Wait until the pages :meth:`release` frees are freed."""
+        if self._freer is not None:
+            self._freer.join()
+
+
+def _free_pages(mm: mmap.mmap, ranges: list[tuple[int, int]]) -> None:
+    """Give the pages of ``ranges`` of the shared mapping ``mm`` back to the system."""
+    for start, length in ranges:
+        with contextlib.suppress(OSError, ValueError):
+            mm.madvise(mmap.MADV_REMOVE, start, length)

@@ -439,6 +439,7 @@ class MemoryTier:
         consumed, self._consumed = self._consumed, None
         if consumed is not None:
             consumed.release()
+            consumed.join()
 
     def wait(self) -> None:
         """Block until the round in flight (if any) is complete; a round that failed turns
@@ -490,6 +491,7 @@ class MemoryTier:
         consumed, self._consumed = self._consumed, None
         if consumed is not None:
             consumed.drop_hooks()  # kept, it is a valid slot until a step changed it
+            consumed.join()
         if keep:
             return
         _volume.remove(self.directory, self.rank)
