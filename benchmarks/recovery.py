@@ -47,9 +47,13 @@ Figures:
   2-core machine with whatever else runs on it: take the ratio as indicative.
 
     python benchmarks/recovery.py [--state-mb 256] [--every 200] [--memory-every 10]
-        [--mbps 100] [--seed 0] [--local]
+        [--mbps 100] [--seed 0] [--local] [--skip-init]
 
 ``--local`` puts the volume in a local directory instead of the capped server.
+``--skip-init`` makes the restarted ranks of both launches build the model on the
+meta device and give it empty storage (``to_empty``) for the restore to fill, as
+training code that builds large models does, instead of a random initialisation
+that the restore overwrites.
 """
 
 from __future__ import annotations
@@ -95,9 +99,14 @@ def _train(cfg: dict) -> dict:
     # Layers of _WIDTH^2 float32 weights, trained with Adam: 12 bytes of state per weight.
     layers = max(1, round(cfg["state_mb"] * 2**20 / (12 * _WIDTH * _WIDTH)))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        *[torch.nn.Linear(_WIDTH, _WIDTH, bias=False) for _ in range(layers)]
-    )
+    # --skip-init: a restarted rank builds the model on the meta device and gives it empty
+    # storage for the restore to fill, instead of a random init the restore overwrites.
+    with torch.device("meta" if cfg["skip_init"] and attempt else "cpu"):
+        model = torch.nn.Sequential(
+            *[torch.nn.Linear(_WIDTH, _WIDTH, bias=False) for _ in range(layers)]
+        )
+    if cfg["skip_init"] and attempt:
+        model.to_empty(device="cpu")
     opt = torch.optim.Adam(model.parameters(), lr=1e-5)
     ckpt = CheckpointManager(
         cfg["root"],
@@ -284,6 +293,11 @@ def main() -> None:
     parser.add_argument("--mbps", type=float, default=100.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--local", action="store_true", help="the volume in a local directory")
+    parser.add_argument(
+        "--skip-init",
+        action="store_true",
+        help="restarted ranks build the model on the meta device (no random init to overwrite)",
+    )
     args = parser.parse_args()
     rng = random.Random(args.seed)
     kill_at = rng.randint(args.memory_every + 1, args.every - 1)
@@ -297,6 +311,7 @@ def main() -> None:
         "memory_every": args.memory_every,
         "kill_at": kill_at,
         "kill_rank": kill_rank,
+        "skip_init": args.skip_init,
         "volume": "local directory" if args.local else f"capped S3 at {args.mbps:g} MB/s",
     }
     try:
@@ -319,6 +334,7 @@ def main() -> None:
                     "memory_every": memory_every,
                     "kill_at": kill_at,
                     "kill_rank": kill_rank,
+                    "skip_init": args.skip_init,
                     "first": os.path.join(work, f"{name}-first.json"),
                     "killed": os.path.join(work, f"{name}-killed.json"),
                 }
