@@ -84,11 +84,17 @@ def exit_code(pid: int) -> int | None:
     """The exit code of ending process ``pid`` as ``multiprocessing`` reports it (``-N``:
     killed by signal N), read from ``/proc/<pid>/stat`` before anything reaps it; None
     when it cannot be known there (still running, gone, or an older kernel)."""
-    fields = _stat(pid)
-    if fields is None or len(fields) < 50 or not ending(pid):
-        return None
-    status = int(fields[49])
-    return -(status & 0x7F) if status & 0x7F else status >> 8
+    for look in range(2):
+        fields = _stat(pid)
+        if fields is None or len(fields) < 50 or not ending(pid):
+            return None
+        status = int(fields[49])
+        if status or fields[0] in ("Z", "X", "x") or look:
+            return -(status & 0x7F) if status & 0x7F else status >> 8
+        # The kernel sets the code a moment after the exit begins (before it releases
+        # the memory): a 0 read that early is looked at once more.
+        time.sleep(0.01)
+    return None  # pragma: no cover
 
 
 def await_ending(procs: dict[int, psutil.Process | None], grace: float) -> set[int] | None:

@@ -86,6 +86,9 @@ class LocalBackend:
     remote_nodes = False
     interrupts_blocked_calls = True
 
+    def __init__(self) -> None:
+        self._groups: list[LocalGroup] = []
+
     def gpu_count(self) -> int:
         """GPUs torch sees on this machine."""
         return _env.visible_gpu_count()
@@ -93,9 +96,6 @@ class LocalBackend:
     def check(self, world_size: int, use_cuda: bool) -> None:
         """Start the forkserver if needed (GPU counts are checked by the caller's plan)."""
         _env.warm_up()
-
-    def __init__(self) -> None:
-        self._groups: list[LocalGroup] = []
 
     def start(self, spec: GroupSpec) -> LocalGroup:
         """Start the ranks of one attempt."""

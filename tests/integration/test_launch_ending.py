@@ -23,8 +23,8 @@ for i in range(0, len(block), 4096):
     block[i] = 1  # every page touched: the kernel has a GiB to release at the end
 threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
 print("ready", flush=True)
-if sys.argv[1] == "exit":
-    sys.exit(3)
+if sys.argv[1].startswith("exit"):
+    sys.exit(int(sys.argv[1][4:]))
 time.sleep(600)
 """
 
@@ -41,7 +41,8 @@ def _ended_code(proc: subprocess.Popen) -> int | None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("how", "code"), [("kill", -signal.SIGKILL), ("term", -signal.SIGTERM), ("exit", 3)]
+    ("how", "code"),
+    [("kill", -signal.SIGKILL), ("term", -signal.SIGTERM), ("exit3", 3), ("exit0", 0)],
 )
 def test_a_process_holding_a_gib_reads_as_ended_with_its_exit_code_before_it_is_reaped(how, code):
     proc = subprocess.Popen(
