@@ -21,44 +21,39 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from nbtools import events, runtime
 from nbtools._internal.log import get_logger
 from nbtools._internal.runinfo import active_mlflow_run_id
-from nbtools.checkpoint import _report, _state
+from nbtools.checkpoint import _state
 from nbtools.checkpoint._checks import (
-    SaveCase,
-    SaveVerdict,
     check_extra,
     check_step,
     check_writable,
     non_negative,
     positive,
-    save_verdict,
 )
-from nbtools.checkpoint._collective import agree, final_step
 from nbtools.checkpoint._errors import unwrap
-from nbtools.checkpoint._forks import track
 from nbtools.checkpoint._host_buffers import ReusableStager
 from nbtools.checkpoint._lease import AFTER_RECOVERY_S, WriterLease
 from nbtools.checkpoint._memory._replicas import peers
 from nbtools.checkpoint._memory._restore import VolumeStep, memory_restore, report
 from nbtools.checkpoint._memory._tier import MemoryTier
-from nbtools.checkpoint._quiet import quiet_single_process_warning
+from nbtools.checkpoint._meta import find_meta, rank_device
 from nbtools.checkpoint._report import SaveTiming
 from nbtools.checkpoint._restore import restore_newest
 from nbtools.checkpoint._retention import RetentionWorker
+from nbtools.checkpoint._saving import SavingHalf
 from nbtools.checkpoint._storage import _scratch
-from nbtools.checkpoint._storage._layout import METADATA_NAME, step_dir_name
 from nbtools.checkpoint._storage._roots import check_root
 from nbtools.checkpoint._storage._target import Target
-from nbtools.checkpoint.discovery import RootCheck, is_foreign
-from nbtools.checkpoint.writer import VolumeWriter
+from nbtools.checkpoint.discovery import RootCheck
 from nbtools.errors import CheckpointError
 
 __all__ = ["CheckpointManager"]
@@ -66,7 +61,7 @@ __all__ = ["CheckpointManager"]
 _log = get_logger("checkpoint")
 
 
-class CheckpointManager:
+class CheckpointManager(SavingHalf):
     """Saves and restores training state under ``root/step_<N>/``.
 
     One run saves into a root at a time: the first save takes a lease
@@ -209,7 +204,14 @@ class CheckpointManager:
 
     # --- restore -------------------------------------------------------------
 
-    def restore(self, *, planner: Any = None, **objs: Any) -> int:
+    def restore(
+        self,
+        *,
+        planner: Any = None,
+        init: Callable[[torch.nn.Module], None] | None = None,
+        device: str | torch.device | None = None,
+        **objs: Any,
+    ) -> int:
         """Load the newest checkpoint that verifies into ``objs``; return the next step to run.
 
         A checkpoint whose data does not match its recorded checksums is skipped
@@ -223,6 +225,15 @@ class CheckpointManager:
         Args:
             planner: A DCP ``LoadPlanner`` for the model and optimizer state
                 (None: ``DefaultLoadPlanner``).
+            init: For models built on the meta device (``with torch.device("meta"):``):
+                ``init(model)`` initialises one on a fresh start (nothing to restore).
+                None: each module that holds meta tensors calls its
+                ``reset_parameters()``. Such a model's meta tensors first get empty
+                storage on ``device``, keeping the parameters' identity (an
+                optimizer built on the meta model is valid), and a restore fills them
+                without a random initialisation to overwrite.
+            device: Where meta tensors get their storage (None: the rank's GPU
+                where CUDA is available, else the CPU).
             **objs: Models, optimizers and stateful objects by name, as given to ``save``.
 
         Returns:
@@ -231,8 +242,21 @@ class CheckpointManager:
         Raises:
             CorruptCheckpointError: Checkpoints exist but none verifies (``objs``
                 may then hold partly loaded values).
+            CheckpointError: A model built on the meta device cannot be completed:
+                a non-persistent buffer on it (no checkpoint holds it), or, without
+                ``init``, a module with meta tensors and no ``reset_parameters()``.
         """
         self._check_open()
+        metas = find_meta(_state.classify(objs).models, init)
+        for meta in metas:
+            meta.materialize(torch.device(device) if device is not None else rank_device())
+        step = self._restore(planner, objs)
+        if step == 0:
+            for meta in metas:
+                meta.initialize(init)
+        return step
+
+    def _restore(self, planner: Any, objs: dict[str, Any]) -> int:
         self.wait()
         _scratch.sweep(_scratch.staging_base(self._staging_dir))  # a killed writer's leftovers
         if self._memory is not None:
@@ -309,111 +333,6 @@ class CheckpointManager:
         events.step(step)
         return self._save(step, extra, objs)
 
-    def _save(self, step: int, extra: dict[str, Any] | None, objs: dict[str, Any]) -> bool:
-        check_extra(extra)
-        self._root.result()
-        self.wait()
-        kinds = _state.classify(objs)
-        name = step_dir_name(step)
-        verdict: SaveVerdict = agree(
-            self._pg,
-            save_verdict(self._target, self._lease, self.root, name, is_foreign)
-            if runtime.get_rank() == 0
-            else None,
-        )
-        if verdict.case is SaveCase.DEFER:
-            if not self._deferred:
-                _log.warning("not saving step %d yet: %s", step, verdict.error)
-            self._deferred = True
-            self._last_seen = (step, dict(objs), extra)  # close() saves it if nothing later does
-            return False
-        self._deferred = False
-        if verdict.case is SaveCase.REFUSE:
-            assert verdict.error is not None
-            raise verdict.error
-        if verdict.case is SaveCase.REPLACE:  # a resumed loop saving its restored step again
-            _log.info(
-                "replacing checkpoint %s/%s (atomically: old or new, never a mix)", self.root, name
-            )
-        if self._memory is not None:
-            self._memory.note_volume_save(step)  # before the save can complete
-        # The run this training logs to: the active one, else the one last saved or
-        # restored (a logger closed before the final save on close still owns the run).
-        self.mlflow_run_id = active_mlflow_run_id() or self.mlflow_run_id
-        state = _state.build_state(
-            step,
-            kinds,
-            runtime.get_rank(),
-            runtime.get_world_size(),
-            extra or {},
-            self.mlflow_run_id,
-        )
-        writer = VolumeWriter(
-            self._target.child(name), staging_dir=self._staging_dir, sync_files=self._sync_files
-        )
-        if self._pg is None:
-            quiet_single_process_warning()
-        self._saving[0] = step
-        started = time.perf_counter()
-        try:
-            if self._stager is None:
-                dcp.save(state, storage_writer=writer, process_group=self._pg)
-            else:
-                result = dcp.async_save(
-                    state, storage_writer=writer, async_stager=self._stager, process_group=self._pg
-                )
-                # DCP answers with an AsyncSaveResponse only for a stager that stages in
-                # the background, which the reusable one does not: its upload is the save.
-                upload: Any = getattr(result, "upload_completion", result)
-                future: Future[Any] = upload
-        except BaseException as exc:
-            self._discard(step)
-            raise unwrap(exc, f"saving step {step}") from None
-        timing = SaveTiming.now(started, writer)
-        if self._stager is None:
-            self._published(step, timing)
-        else:
-            track(future)  # a fork (loader workers) waits for it; see _forks
-            with self._lock:
-                self._future, self._future_step = future, step
-                self._future_timing = timing
-
-            def published(done: Future[Any], s: int = step, t: SaveTiming = timing) -> None:
-                if done.exception() is None:
-                    self._published(s, t)
-
-            future.add_done_callback(published)
-        return True
-
-    def _discard(self, step: int) -> None:
-        """Remove what a failed save of ``step`` left (never a published checkpoint)."""
-        self._saving[0] = None
-        if runtime.get_rank() != 0:
-            return
-        name = step_dir_name(step)
-        try:
-            if not is_foreign(self._target, name) and not self._target.exists(
-                f"{name}/{METADATA_NAME}"
-            ):
-                self._target.remove_tree(name)
-        except OSError as exc:
-            _log.warning("could not remove %s/%s of a failed save: %s", self.root, name, exc)
-
-    def _published(self, step: int, timing: SaveTiming | None = None) -> None:
-        # Called from the save's done-callback and from wait(), whichever comes first.
-        with self._lock:
-            if self._published_step == step:
-                return
-            self._published_step = step
-            self.last_saved_step = step
-            if self._saving[0] == step:
-                self._saving[0] = None
-        if runtime.get_rank() == 0:
-            _report.saved(self._target.child(step_dir_name(step)).url, step, timing)
-        # A manager that lost the root to another writer deletes nothing of theirs.
-        if self._retention is not None and (self._lease is None or self._lease.held):
-            self._retention.request()
-
     def _raise_failed(self) -> None:
         with self._lock:
             future = self._future
@@ -441,20 +360,6 @@ class CheckpointManager:
             self._discard(step)
             raise unwrap(exc, f"background save of step {step}") from None
         self._published(step, self._future_timing)
-
-    def _save_last_seen(self) -> None:
-        """The final save of ``close``: the last step seen by ``maybe_save``, if newer."""
-        seen = self._last_seen
-        step, steps = final_step(self._pg, seen[0] if seen else None, self.last_saved_step)
-        if step is None or seen is None:
-            if len(set(steps)) != 1:
-                _log.warning("ranks reached different last steps %s; no final save on close", steps)
-            return
-        _log.info("saving step %d, the last one reached, on close", step)
-        if self._lease is not None:
-            self._lease.settle()  # a watch of the lease in progress: close may wait for it
-        self._save(step, seen[2], seen[1])
-        self.wait()
 
     def close(self, *, final_save: bool | None = None) -> None:
         """Finish the save in flight, save the last step reached, release everything.
