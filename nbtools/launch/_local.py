@@ -28,9 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import logging
 import os
-import pickle
 import shutil
 import signal
 import threading
@@ -41,7 +39,6 @@ from dataclasses import dataclass
 import psutil
 from torch.distributed.elastic.multiprocessing import (
     DefaultLogsSpecs,
-    MultiprocessContext,
     PContext,
     RunProcsResult,
     SignalException,
@@ -49,9 +46,9 @@ from torch.distributed.elastic.multiprocessing import (
 )
 
 from nbtools import _torch_compat
-from nbtools.errors import LaunchError
 from nbtools.launch import _env, _leftovers, _results
 from nbtools.launch._backend import Failed, Finished, GroupSpec, Outcome, wait_for_stacks
+from nbtools.launch._elastic import POLL_S, STOP_GRACE_S, ElasticQuiet, exit_status, start
 from nbtools.launch._failures import RankFailure, from_early_exit, from_exit, from_record
 from nbtools.launch._worker import (
     STACK_SIGNAL,
@@ -60,23 +57,14 @@ from nbtools.launch._worker import (
     leftovers_path,
     release_path,
     returned_path,
-    run_rank,
 )
 
 __all__ = ["LocalBackend", "LocalGroup"]
 
-_POLL_S = 0.005
-# Grace between SIGTERM and SIGKILL when ranks are stopped (must stay well under 5 s).
-_STOP_GRACE_S = 2
 # How long ended ranks may take to be collected in the background (their memory released).
 _COLLECT_S = 30
-# How long a rank that vanished may take to have its exit status reach torch.
-_EXIT_STATUS_WAIT_S = 1.0
 # Under this much free space, a rank that left no failure record is taken to have had no room.
 _FULL_DISK_BYTES = 1024 * 1024
-# Stacks are written by the ranks' signal handlers; wait for them to reach the cell.
-# torch's elastic loggers report every closed process; the caller gets one DistributedError instead.
-_ELASTIC_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
 
 
 class LocalBackend:
@@ -130,9 +118,9 @@ class LocalBackend:
             )
             args[rank] = (spec.payload, rank_spec)
         logs = DefaultLogsSpecs(log_dir=os.path.join(spec.attempt_dir, "logs"), redirects=Std.ALL)
-        quiet = _ElasticQuiet()
+        quiet = ElasticQuiet()
         try:
-            ctx = _start(args, envs, logs)
+            ctx = start(args, envs, logs)
         except BaseException:
             quiet.close()
             raise
@@ -164,7 +152,7 @@ class _Vanished:
 class LocalGroup:
     """One attempt's ranks; implements :class:`~nbtools.launch._backend.RankGroup`."""
 
-    def __init__(self, ctx: PContext, spec: GroupSpec, quiet: _ElasticQuiet) -> None:
+    def __init__(self, ctx: PContext, spec: GroupSpec, quiet: ElasticQuiet) -> None:
         self._ctx = ctx
         self._spec = spec
         self._quiet = quiet
@@ -194,7 +182,7 @@ class LocalGroup:
             early = None
             if result is None:
                 if gone is None:
-                    time.sleep(_POLL_S)
+                    time.sleep(POLL_S)
                     return None
                 early = gone.rank
         except SignalException as exc:
@@ -229,7 +217,7 @@ class LocalGroup:
                     # It raised: its peers may be raising too, and write their own records,
                     # or fail in the collective it left; torch stops the rest once it has
                     # collected this one.
-                    return _Vanished(rank, _exit_status(self._ctx))
+                    return _Vanished(rank, exit_status(self._ctx))
                 # Died without a word (a signal, os._exit): the others wait for it in a
                 # collective; stop them now.
                 self._terminate(exclude=rank)
@@ -237,7 +225,7 @@ class LocalGroup:
                     codes = self._exit_codes()
                     if codes is not None:
                         return _Vanished(rank, None, codes)
-                return _Vanished(rank, _exit_status(self._ctx))
+                return _Vanished(rank, exit_status(self._ctx))
         return None
 
     def _terminate(self, exclude: int) -> None:
@@ -250,7 +238,7 @@ class LocalGroup:
     def _exit_codes(self) -> dict[int, int] | None:
         """Every rank's exit code once all have ended (SIGKILL after a grace); None where a
         code cannot be read (torch then reports, as it collects them)."""
-        killed = _leftovers.await_ending(self._procs, _STOP_GRACE_S)
+        killed = _leftovers.await_ending(self._procs, STOP_GRACE_S)
         if killed is None:
             return None  # stuck (uninterruptible): torch's own stop deals with it
         self._killed |= killed
@@ -363,7 +351,7 @@ class LocalGroup:
         if not sent:
             return
         start = time.monotonic()
-        wait_for_stacks(last_output, start, _POLL_S * 10)
+        wait_for_stacks(last_output, start, POLL_S * 10)
 
     def stop(self) -> None:
         """SIGTERM every rank, then SIGKILL after a short grace; a second interrupt hurries it."""
@@ -371,9 +359,9 @@ class LocalGroup:
             return
         self._stopped = True
         try:
-            self._ctx.close(signal.SIGTERM, timeout=_STOP_GRACE_S)
+            self._ctx.close(signal.SIGTERM, timeout=STOP_GRACE_S)
         except KeyboardInterrupt:
-            self._ctx.close(signal.SIGKILL, timeout=_STOP_GRACE_S)
+            self._ctx.close(signal.SIGKILL, timeout=STOP_GRACE_S)
             raise
 
     def close(self) -> dict[int, list[str]]:
@@ -420,33 +408,6 @@ def _with_full_disk(failure: RankFailure, attempt_dir: str) -> RankFailure:
     )
 
 
-def _start(args: dict, envs: dict, logs: DefaultLogsSpecs) -> PContext:
-    # What ``start_processes`` does for a function entry point, except that an
-    # interrupt during the start also stops what has already started.
-    ctx = MultiprocessContext(
-        name="nbtools",
-        entrypoint=run_rank,
-        args=args,
-        envs=envs,
-        logs_specs=logs,
-        start_method=_env.START_METHOD,
-    )
-    try:
-        with _env.main_module_hidden(), _env.signal_handlers_kept():
-            ctx.start()
-    except BaseException as exc:
-        try:
-            ctx.close(signal.SIGTERM, timeout=_STOP_GRACE_S)
-        except KeyboardInterrupt:
-            ctx.close(signal.SIGKILL, timeout=_STOP_GRACE_S)
-        if isinstance(exc, SignalException):
-            raise KeyboardInterrupt from exc
-        if isinstance(exc, (OSError, pickle.PicklingError, RuntimeError)):
-            raise LaunchError(f"the ranks could not be started: {exc}") from exc
-        raise
-    return ctx
-
-
 def _process(pid: int) -> psutil.Process | None:
     try:
         return psutil.Process(pid)
@@ -462,34 +423,3 @@ def _running(proc: psutil.Process | None) -> bool:
         return proc.is_running() and not _leftovers.ending(proc.pid)
     except psutil.Error:
         return False
-
-
-def _exit_status(ctx: PContext) -> RunProcsResult | None:
-    """torch's failure result if the vanished rank exited non-zero; None for exit code 0."""
-    deadline = time.monotonic() + _EXIT_STATUS_WAIT_S
-    while time.monotonic() < deadline:
-        result = ctx.wait(0)
-        if result is not None:
-            return result
-        time.sleep(_POLL_S * 4)
-    return None
-
-
-class _DropRecords(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return False
-
-
-class _ElasticQuiet:
-    """Silences torch's elastic loggers from the start of an attempt until :meth:`close`."""
-
-    def __init__(self) -> None:
-        self._dropper = _DropRecords()
-        self._loggers = [logging.getLogger(name) for name in _ELASTIC_LOGGERS]
-        for logger in self._loggers:
-            logger.addFilter(self._dropper)
-
-    def close(self) -> None:
-        for logger in self._loggers:
-            logger.removeFilter(self._dropper)
-        self._loggers = []

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -51,26 +50,14 @@ from nbtools.checkpoint._memory._mapped import (
     file_key,
     tensor_of,
 )
+from nbtools.checkpoint._memory._space import shortage
 
 __all__ = ["MemoryTier"]
 
 _log = get_logger("checkpoint")
 
-#: Fraction of the node's available memory the snapshots of its ranks may take.
-_MEMORY_SHARE = 0.5
 #: How much nicer than training the background thread runs (checksums, replicas).
 _NICE = 5
-
-
-def _available_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _job() -> tuple[str, Holder]:
@@ -164,28 +151,12 @@ class MemoryTier:
     # --- taking a snapshot ---------------------------------------------------------
 
     def _fits(self, size: int) -> bool:
-        ranks = max(1, runtime.get_local_world_size())
-        copies = 2 * (1 + (len(self.receive_from) if self.exchanging else 0))
-        need = copies * ranks * size
-        free = shutil.disk_usage(self.directory).free
-        memory = _available_memory()
+        peers = len(self.receive_from) if self.exchanging else 0
         held = sum(_slots.HEADER_BYTES + s.size for s in self.own() + self.held())
-        if need > free + held or (memory is not None and need > _MEMORY_SHARE * memory + held):
-            self._off(
-                f"{copies} snapshots for each of the {ranks} rank(s) of this node (its own two"
-                + (
-                    f" and two of each of the {len(self.receive_from)} peer(s) it holds"
-                    if copies > 2
-                    else ""
-                )
-                + f") need about {need / 2**20:.1f} MiB ({size / 2**20:.1f} MiB each) in "
-                f"{self.user}, but that filesystem has {free / 2**20:.1f} MiB free"
-                + (f" and the node {memory / 2**20:.1f} MiB of memory available" if memory else "")
-                + ". Give the shared-memory mount more room (docker run --shm-size=...), point "
-                "NBTOOLS_SNAPSHOT_DIR at a larger tmpfs, keep fewer replicas, or snapshot less state"
-            )
-            return False
-        return True
+        why = shortage(self.directory, self.user, size, peers, held)
+        if why is not None:
+            self._off(why)
+        return why is None
 
     def _first(self, layout: _format.Layout | None, tail: bytes) -> None:
         """Before the first snapshot: check the slots fit; exchanging ranks agree on it."""
