@@ -45,11 +45,6 @@ class MetaModel:
     #: (qualified module name, module, names of its own meta parameters and buffers)
     owners: list[tuple[str, nn.Module, list[str]]] = field(default_factory=list)
 
-    @property
-    def count(self) -> int:
-        """How many meta tensors the model holds."""
-        return sum(len(names) for _, _, names in self.owners)
-
     def materialize(self, device: torch.device) -> None:
         """Give every meta tensor empty storage on ``device``, parameters keeping their identity."""
         for _, module, names in self.owners:
