@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from nbtools import runtime
@@ -30,10 +31,17 @@ Init = Callable[[nn.Module], None]
 
 
 def rank_device() -> torch.device:
-    """The rank's device: its current GPU where CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
+    """Where a rank's meta tensors get storage by default: its current GPU when the job's
+    process group runs NCCL, else torch's default device (the CPU unless the user set one).
+
+    CPU ranks on a machine with GPUs (``processes=N``, gloo) stay on the CPU, as a model
+    built without the meta device would.
+    """
+    nccl = dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend())
+    if nccl and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    default = torch.get_default_device()
+    return torch.device("cpu") if default.type == "meta" else default
 
 
 @dataclass

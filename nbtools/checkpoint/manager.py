@@ -233,7 +233,8 @@ class CheckpointManager(SavingHalf):
                 optimizer built on the meta model is valid), and a restore fills them
                 without a random initialisation to overwrite.
             device: Where meta tensors get their storage (None: the rank's GPU
-                where CUDA is available, else the CPU).
+                when the process group runs NCCL, else torch's default device, the
+                CPU unless set).
             **objs: Models, optimizers and stateful objects by name, as given to ``save``.
 
         Returns:
