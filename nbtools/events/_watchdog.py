@@ -137,8 +137,14 @@ class Watchdog:
     def start(self) -> Watchdog:
         """Listen to the bus and start sampling; returns self."""
         self._bus.subscribe(self._on_events)
-        self._thread = threading.Thread(target=self._loop, name="nbtools-watchdog", daemon=True)
-        self._thread.start()
+        try:
+            self._thread = threading.Thread(target=self._loop, name="nbtools-watchdog", daemon=True)
+            self._thread.start()
+        except BaseException:
+            # An interrupt can land while the thread starts (start() waits for it):
+            # "with" never calls __exit__ then, so undo the start here.
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:

@@ -301,3 +301,21 @@ def test_the_kernel_asks_ranks_elsewhere_through_the_askers_launchers_add():
     events.remove_collectives_asker(ask)  # harmless twice
     _collectives.ask_all()
     assert calls == ["ray"]
+
+
+def test_an_interrupt_while_the_watch_starts_leaves_no_thread_or_subscriber(monkeypatch):
+    # Ctrl+C can land while Thread.start waits for the new thread; "with" then never
+    # reaches __exit__, so the watch must undo its own start.
+    started = threading.Thread.start
+
+    def start_then_interrupted(thread: threading.Thread) -> None:
+        started(thread)
+        raise KeyboardInterrupt
+
+    before = events.bus()._subscribers
+    monkeypatch.setattr(threading.Thread, "start", start_then_interrupted)
+    with pytest.raises(KeyboardInterrupt), Watchdog(2):
+        pytest.fail("the body must not run")
+    monkeypatch.undo()
+    assert events.bus()._subscribers == before
+    assert not [t for t in threading.enumerate() if t.name == "nbtools-watchdog"]
