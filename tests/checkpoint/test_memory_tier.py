@@ -299,13 +299,13 @@ def test_a_snapshot_killed_halfway_leaves_the_previous_one_whole(tmp_path, shm):
         proc.kill()
         proc.wait()
         proc.stdout.close()
-    from nbtools.checkpoint._memory import _slots
+    from nbtools.checkpoint._memory import _slots, _sweep
 
     user = _slots.user_dir()
     job = _slots.job_path(user, "key")
     assert [s.step for s in _slots.slots(job, "key", 0, 1)] == [5]
     assert bytes(_slots.read_slot(next(_slots.slots(job, "key", 0, 1)))) == b"x" * 1000
-    _slots.sweep(user)  # its keeper is dead: the job goes, the half-written file with it
+    _sweep.sweep(user)  # its keeper is dead: the job goes, the half-written file with it
     assert _files(shm) == [f"nbtools-snapshots-{os.geteuid()}"]
     os.rmdir(user)
 

@@ -4,7 +4,9 @@ Each rank keeps its memory snapshots in a directory of its node (the test
 cluster's nodes share one machine, so each node gets a directory of its own,
 as each real node has its own memory); with more than one node every rank's
 snapshot is also held by a rank on another node (``replicas`` defaults to 1).
-The node of rank 1 is removed mid-run and its directory with it.
+The node of the last rank is removed mid-run and its directory with it. With
+two ranks per node, the ranks of a node split their replicated tensors between
+their snapshots: the lost node's new ranks each get both shares from two peers.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ def _training_cell():
     """The training function, defined the way a notebook cell defines it (sent by value)."""
 
     def _train(base, root, gate):
-        """Two ranks on two nodes: snapshots every 2 steps, volume checkpoints every 5."""
+        """Ranks on two nodes: snapshots every 2 steps, volume checkpoints every 5."""
+        import glob
+        import json
         import os
         import time
 
@@ -37,6 +41,7 @@ def _training_cell():
         from nbtools.checkpoint import CheckpointManager
 
         rank, attempt = runtime.get_rank(), runtime.get_restart_count()
+        share = None
         node = os.environ["NBTOOLS_NODE_ID"]
         os.environ["NBTOOLS_SNAPSHOT_DIR"] = memory = os.path.join(base, node)
         os.makedirs(memory, exist_ok=True)
@@ -53,10 +58,15 @@ def _training_cell():
                     dist.all_reduce(p.grad)
                 opt.step()
                 ckpt.maybe_save(step, model=net, optimizer=opt)
+                if step == 8:  # which ranks this rank's snapshot shares tensors with
+                    ckpt.wait()
+                    (slot,) = [p for p in glob.glob(f"{memory}/*/*/r{rank}-*.slot")][-1:]
+                    with open(slot, "rb") as fh:
+                        share = json.loads(fh.read(4096)[8:])["share"]
                 if attempt == 0 and step == 7:
                     ckpt.wait()  # step 6's snapshots and their replicas are complete
                     dist.barrier()
-                    if rank == 1:
+                    if rank == dist.get_world_size() - 1:
                         with open(gate + ".tmp", "w") as fh:
                             fh.write(node)
                         os.replace(gate + ".tmp", gate)
@@ -68,13 +78,14 @@ def _training_cell():
             "tier": ckpt.restored_tier,
             "replicas": ckpt.replicas,
             "node": node,
+            "share": share,
             "weights": weights,
         }
 
     return _train
 
 
-def _reference():
+def _reference(world):
     torch.manual_seed(0)
     net = torch.nn.Linear(4, 4)
     opt = torch.optim.Adam(net.parameters(), lr=0.1)
@@ -83,12 +94,13 @@ def _reference():
         opt.zero_grad()
         net(torch.randn(2, 4)).sum().backward()
         for p in net.parameters():
-            p.grad.mul_(2)  # the all-reduce of two equal gradients
+            p.grad.mul_(world)  # the all-reduce of equal gradients
         opt.step()
     return [p.detach() for p in net.parameters()]
 
 
-def test_a_lost_nodes_rank_restores_from_its_peers_replica(ray_cluster, tmp_path):
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_a_lost_nodes_rank_restores_from_its_peers_replica(ray_cluster, tmp_path, per_node):
     base, gate = tmp_path / "memory", tmp_path / "gate"
     base.mkdir()
 
@@ -105,20 +117,27 @@ def test_a_lost_nodes_rank_restores_from_its_peers_replica(ray_cluster, tmp_path
     remover = threading.Thread(target=lose, name="node-remover")
     remover.start()
     try:
-        fn = distributed(processes=2, cluster="ray", nodes=2, max_restarts=1)(_training_cell())
+        fn = distributed(processes=2 * per_node, cluster="ray", nodes=2, max_restarts=1)(
+            _training_cell()
+        )
         results = fn.distributed(str(base), str(tmp_path / "root"), str(gate))
     finally:
         remover.join()
         ray_cluster.restore()
     lost = gate.read_text()
-    assert [r["restart"] for r in results] == [1, 1]
-    assert [r["replicas"] for r in results] == [1, 1]  # two nodes: one replica by default
+    world = 2 * per_node
+    assert [r["restart"] for r in results] == [1] * world
+    assert [r["replicas"] for r in results] == [1] * world  # two nodes: one replica by default
     assert lost not in {r["node"] for r in results}
-    # Step 6 from memory, not step 5 from the volume; rank 1's own slots went with its node.
-    assert [r["restored"] for r in results] == [6, 6]
+    # Step 6 from memory, not step 5 from the volume; the lost node's own slots went with it.
+    assert [r["restored"] for r in results] == [6] * world
     assert {r["tier"] for r in results} <= {"memory", "replica"}
-    assert results[1]["tier"] == "replica"
-    reference = _reference()
+    assert results[-1]["tier"] == "replica"
+    # Each node's ranks shared their tensors (a node of one rank keeps them whole).
+    assert [r["share"] for r in results] == [
+        [r // per_node * per_node, per_node] for r in range(world)
+    ]
+    reference = _reference(world)
     for result in results:
         assert all(torch.equal(a, b) for a, b in zip(result["weights"], reference, strict=True))
     assert os.path.isdir(tmp_path / "root")

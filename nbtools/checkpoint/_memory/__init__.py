@@ -15,7 +15,7 @@ Ctrl+C) calls :func:`end_run` with the run id it gave the ranks
 
 from __future__ import annotations
 
-from nbtools.checkpoint._memory._slots import drop_jobs
+from nbtools.checkpoint._memory._sweep import drop_jobs
 
 __all__ = ["end_run"]
 

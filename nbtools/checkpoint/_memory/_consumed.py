@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Consumed", "holes", "holds"]
+__all__ = ["Consumed", "holes", "holds", "private"]
 
 _PAGE = mmap.PAGESIZE
 
@@ -139,3 +139,23 @@ def _free_pages(mm: mmap.mmap, ranges: list[tuple[int, int]]) -> None:
     for start, length in ranges:
         with contextlib.suppress(OSError, ValueError):
             mm.madvise(mmap.MADV_REMOVE, start, length)
+
+
+def private(obj: Any, mms: Iterable[mmap.mmap]) -> Any:
+    """``obj`` (nested containers) with each tensor that lives in one of ``mms`` (other
+    ranks' slots, only read from) cloned into memory of its own."""
+    spans = [_span(mm) for mm in mms if len(mm)]
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            inside = value.numel() and any(b <= value.data_ptr() < e for b, e in spans)
+            return value.clone() if inside else value
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(walk(v) for v in value)
+        return value
+
+    return walk(obj) if spans else obj

@@ -41,6 +41,8 @@ __all__ = [
 ]
 
 _HEAD, _BODY, _TAIL = 0x5E1, 0x5E2, 0x5E3
+#: Tags of a restore's transfers start here: two per owner (see :func:`send_body`).
+_OWNER = 0x10000
 #: How long a transfer may wait for a peer before the exchange fails (its snapshot is lost).
 TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -150,27 +152,35 @@ def exchange(
     return errors
 
 
-def send_body(group: Any, to: int, body: torch.Tensor | None, data_len: int, crc: int) -> list[Any]:
-    """Start sending a whole payload (None: a refusal) to ``to``; the works to wait for."""
+def _tags(owner: int) -> tuple[int, int]:
+    """The tags of a transfer of ``owner``'s snapshot (one sender may send several)."""
+    return _OWNER + 2 * owner, _OWNER + 2 * owner + 1
+
+
+def send_body(
+    group: Any, to: int, body: torch.Tensor | None, data_len: int, crc: int, owner: int
+) -> list[Any]:
+    """Start sending ``owner``'s whole payload (None: a refusal) to ``to``; the works to
+    wait for."""
+    head, data = _tags(owner)
     if body is None:
-        return [dist.isend(_head(False, 0, 0, 0, 0), dst=to, group=group, tag=_HEAD)]
-    works = [
-        dist.isend(_head(True, 0, body.numel(), data_len, crc), dst=to, group=group, tag=_HEAD)
-    ]
+        return [dist.isend(_head(False, 0, 0, 0, 0), dst=to, group=group, tag=head)]
+    works = [dist.isend(_head(True, 0, body.numel(), data_len, crc), dst=to, group=group, tag=head)]
     if body.numel():
-        works.append(dist.isend(body, dst=to, group=group, tag=_BODY))
+        works.append(dist.isend(body, dst=to, group=group, tag=data))
     return works
 
 
-def receive_body(group: Any, src: int) -> tuple[Any, int, int] | None:
-    """A payload :func:`send_body` sent: ``(body, tensor region bytes, crc)``, or None for
-    a refusal."""
+def receive_body(group: Any, src: int, owner: int) -> tuple[Any, int, int] | None:
+    """``owner``'s payload that :func:`send_body` sent: ``(body, tensor region bytes,
+    crc)``, or None for a refusal."""
+    head_tag, data_tag = _tags(owner)
     head = torch.zeros(5, dtype=torch.int64)
-    dist.recv(head, src=src, group=group, tag=_HEAD)
+    dist.recv(head, src=src, group=group, tag=head_tag)
     ok, _, size, data_len, crc = (int(v) for v in head.tolist())
     if not ok:
         return None
     body = _slots.new_buffer(size)
     if size:
-        dist.recv(torch.frombuffer(body, dtype=torch.uint8), src=src, group=group, tag=_BODY)
+        dist.recv(torch.frombuffer(body, dtype=torch.uint8), src=src, group=group, tag=data_tag)
     return body, data_len, crc

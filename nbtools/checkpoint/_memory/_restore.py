@@ -5,9 +5,10 @@ rank, its own or a replica (a restarted rank may sit on another node than its
 predecessor; whoever sits on the node holding a slot serves it). The newest
 step that every rank can get (from its own node, else from a rank on a node
 holding it) is chosen, if it is at least as new as the volume's newest
-checkpoint. Each rank then reads its slot, or receives it from that rank over
-the replicas' group;
-every byte is checked against the slot's checksum. A source that fails (a
+checkpoint; where the ranks of a node split their replicated tensors (see
+``_shares``), a rank needs that step's slots of all of them. Each rank then
+reads the slots it needs, or receives them from a rank that holds them over
+the tier's group; every byte is checked against the slot's checksum. A source that fails (a
 damaged slot, a replica that arrives damaged) is dropped and the choice is
 made again, so a rank whose own slot is corrupt takes the step from its
 replica, and only when no source of a step is left do the ranks fall back to
@@ -16,8 +17,8 @@ an older step or to the volume.
 
 from __future__ import annotations
 
-import mmap
 import threading
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -28,9 +29,9 @@ from nbtools import events, runtime
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import agree, gather
-from nbtools.checkpoint._memory import _format, _replicas, _slots, _volume
-from nbtools.checkpoint._memory._consumed import Consumed, holds, holes
-from nbtools.checkpoint._memory._mapped import tensor_of
+from nbtools.checkpoint._memory import _format, _shares, _volume
+from nbtools.checkpoint._memory._consumed import Consumed, holds, holes, private
+from nbtools.checkpoint._memory._fetch import Source, fetch
 from nbtools.checkpoint._memory._tier import MemoryTier
 from nbtools.errors import CheckpointError
 
@@ -39,8 +40,6 @@ __all__ = ["memory_restore", "VolumeStep", "volume_newest", "report"]
 _log = get_logger("checkpoint")
 #: Rounds of choosing a step before the volume is used (each drops a failed source).
 _ROUNDS = 8
-
-Source = tuple[int, int, int]  # (rank holding it, owner, step)
 
 
 def _check_fits(kinds: _state.Objects, state: dict[str, Any], where: str) -> None:
@@ -52,93 +51,39 @@ def _check_fits(kinds: _state.Objects, state: dict[str, Any], where: str) -> Non
             raise CheckpointError(f"{where} holds no optimizer {name!r}")
 
 
+Offer = tuple[int, int, int, int]  # (owner, step, share base, share count)
+
+
 def _choose(
-    offers: list[list[tuple[int, int]]], bad: set[Source], volume_step: int | None
-) -> tuple[int, list[int]] | None:
-    """The newest step every rank can get, and the rank each one gets it from."""
+    offers: list[list[Offer]], bad: set[Source], remote: bool
+) -> tuple[int, list[int], list[range]] | None:
+    """The newest step every rank can get whole, the rank each owner's slot is read from,
+    and the owners whose slots each rank needs (its own and those it shares tensors with,
+    see ``_shares``). Without ``remote`` a rank can only read what its node holds."""
     world = len(offers)
     avail: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(world)]
+    shares: dict[tuple[int, int], range] = {}
     for rank, offer in enumerate(offers):
-        for owner, held in offer:
+        for owner, held, base, count in offer:
             if 0 <= owner < world and (rank, owner, held) not in bad:
                 avail[owner][held].append(rank)
+                shares.setdefault((owner, held), range(base, base + count))
+
+    def whole(step: int) -> bool:
+        for rank in range(world):
+            for owner in shares[(rank, step)]:
+                sources = avail[owner].get(step) if 0 <= owner < world else None
+                if not sources or (not remote and rank not in sources):
+                    return False
+        return True
+
     common = set(avail[0]).intersection(*(set(a) for a in avail[1:]))
-    step = max(common, default=None)
-    if step is None or (volume_step is not None and step < volume_step):
+    step = next((s for s in sorted(common, reverse=True) if whole(s)), None)
+    if step is None:
         return None
-    plan = []
-    for owner in range(world):  # from its own node first (no transfer), else a peer's
-        sources = avail[owner][step]
-        plan.append(owner if owner in sources else min(sources))
-    return step, plan
-
-
-def _read_any(
-    tier: MemoryTier, owner: int, step: int, in_place: bool = False
-) -> tuple[Any, _slots.Slot, mmap.mmap | None]:
-    """The first slot of ``owner``'s ``step`` on this node that reads back whole: its
-    payload, the slot, and with ``in_place`` the mapping of a rank's own slot (its
-    payload is then a view of that mapping, see ``_consumed``)."""
-    why = f"rank {tier.rank}'s node holds no slot of it any more"
-    for slot in (s for s in tier.visible(owner) if s.step == step):
-        try:
-            if in_place and slot.holder is None:
-                mm = _slots.map_slot(slot)
-                return memoryview(mm)[_slots.HEADER_BYTES :], slot, mm
-            return _slots.read_slot(slot), slot, None
-        except (OSError, CheckpointError) as exc:
-            _log.warning("not using %s: %s", slot.path, exc)
-            why = str(exc)
-    raise CheckpointError(why)
-
-
-def _fetch(
-    tier: MemoryTier, step: int, plan: list[int]
-) -> tuple[Any, int, list[Source], str, tuple[str, mmap.mmap] | None]:
-    """This rank's body of ``step`` as ``plan`` says, serving the other ranks whose source
-    it is on the way: ``(body, tensor region bytes, failed sources, tier)`` (body None when
-    it failed; tier ``"memory"`` for its own slot, ``"replica"`` for a replica), and the
-    path and mapping of its own slot when the body is that mapping."""
-    me, group = tier.rank, tier.group
-    failed: list[Source] = []
-    works: list[Any] = []
-    keep_alive = []
-    for owner, source in enumerate(plan):
-        if source != me or owner == me:
-            continue
-        try:
-            data, slot, _ = _read_any(tier, owner, step)
-        except CheckpointError as exc:  # the owner must hear, then try elsewhere
-            _log.warning("rank %d cannot serve rank %d's step %d: %s", me, owner, step, exc)
-            failed.append((me, owner, step))
-            works += _replicas.send_body(group, owner, None, 0, 0)
-            continue
-        keep_alive.append(data)
-        works += _replicas.send_body(group, owner, tensor_of(data), slot.data_len, slot.crc)
-    body: Any = None
-    data_len = 0
-    mine = "replica"
-    mapped: tuple[str, mmap.mmap] | None = None
-    if plan[me] == me:
-        try:
-            body, slot, mm = _read_any(tier, me, step, in_place=True)
-            data_len, mine = slot.data_len, "memory" if slot.holder is None else "replica"
-            mapped = (slot.path, mm) if mm is not None else None
-        except CheckpointError as exc:
-            _log.warning("rank %d has no usable snapshot of step %d: %s", me, step, exc)
-            failed.append((me, me, step))
-    else:
-        got = _replicas.receive_body(group, plan[me])
-        if got is not None:
-            received, data_len, crc = got
-            if _format.checksum(received) == crc:
-                body = received
-            else:
-                _log.warning("rank %d's replica of step %d arrived damaged", me, step)
-                failed.append((plan[me], me, step))
-    for work in works:
-        work.wait()
-    return body, data_len, failed, mine, mapped
+    # From the owner's own node first (no transfer), else a peer's.
+    plan = [o if o in avail[o][step] else min(avail[o][step]) for o in range(world)]
+    return step, plan, [shares[(rank, step)] for rank in range(world)]
 
 
 def memory_restore(
@@ -158,25 +103,29 @@ def memory_restore(
     None (nothing changed) when the volume must be used.
     """
     tier.wait()
-    # Without the replicas' group a rank can serve only itself.
+    # Without the group (a single rank) a rank can read and serve only itself.
     owners = range(tier.world) if tier.group is not None else [tier.rank]
-    offer = sorted({(o, s.step) for o in owners for s in tier.visible(o)})
+    offer = sorted({(o, s.step, *(s.share or (o, 1))) for o in owners for s in tier.visible(o)})
     offers, views = zip(*gather(pg, (offer, tier.volume_bound())), strict=True)
     known, bound = _volume.combine(list(views))
+    here = {(r, o, s) for r, got in enumerate(offers) for o, s, *_ in got}
 
     def must_list(step: int) -> bool:
         return not known or (bound is not None and bound > step)
 
     bad: set[Source] = set()
     for _ in range(_ROUNDS):
-        chosen = _choose(list(offers), bad, None)
+        chosen = _choose(list(offers), bad, tier.group is not None)
         if chosen is None:
             return None
-        step, plan = chosen
+        step, plan, needs = chosen
         if must_list(step):
             volume_step.start()  # rank 0 lists the volume while the snapshot is read
-        body, data_len, failed, mine, mapped = _fetch(tier, step, plan)
-        failures = [tuple(f) for fs in gather(pg, failed) for f in fs]
+        got = fetch(tier, step, plan, needs, here - bad)
+        reports = gather(pg, (got.failed, sorted(got.verified)))
+        failures = [tuple(f) for fs, _ in reports for f in fs]
+        late = got.check(tier.rank, {tuple(v) for _, vs in reports for v in vs})
+        failures += [tuple(f) for fs in gather(pg, late) for f in fs]
         if not failures:
             break
         bad.update(failures)  # type: ignore[arg-type]
@@ -191,8 +140,14 @@ def memory_restore(
     blob: dict[str, Any] = {}
     error = ""
     try:
-        state = _format.decode(body, data_len)
+        with warnings.catch_warnings():  # peers' slots are mapped read-only: only read
+            warnings.filterwarnings("ignore", "The given buffer is not writable")
+            peers = {o: _format.decode(*b) for o, b in got.bodies.items() if o != tier.rank}
+        state = _shares.fill(_format.decode(*got.bodies[tier.rank]), peers, where)
         _check_fits(kinds, state, where)
+        mapped = [mm for _, mm, _ in got.peers.values()]
+        for name in kinds.optimizers:  # the optimizer keeps what it loads: its own copy
+            state[name] = private(state[name], mapped)
         blob = _state.decode_blob({_state.NS: state[_state.NS]}, kinds, where)
     except Exception as exc:  # noqa: BLE001 - every rank must learn it, then use the volume
         error = f"{type(exc).__name__}: {exc}"
@@ -203,12 +158,13 @@ def memory_restore(
         return None
     _state.apply_state(kinds, state, blob)
     optimizers = [o for o, _ in kinds.optimizers.values()]
-    if mapped is not None and holds(mapped[1], [o.state for o in optimizers]):
-        path, mm = mapped
+    if got.mapped is not None and holds(got.mapped[1], [o.state for o in optimizers]):
+        path, mm = got.mapped
         live = [t for m in kinds.models.values() for t in [*m.parameters(), *m.buffers()]]
         copied = [state[name] for name in kinds.models]
         free = holes(mm, copied, live)
         tier.hand_over(Consumed(path, mm, free, optimizers))
+    mine = "replica" if got.replica else "memory"
     from_peers = [r for r, t in enumerate(gather(pg, mine)) if t == "replica"]
     _log.info(
         "restored step %d from %s; resuming at step %d",

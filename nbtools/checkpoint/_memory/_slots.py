@@ -27,13 +27,12 @@ import json
 import mmap
 import os
 import secrets
-import shutil
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
-from nbtools._internal.holder import Holder, Liveness
+from nbtools._internal.holder import Holder
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint._memory import _format, _volume
 from nbtools.errors import CheckpointError
@@ -54,15 +53,16 @@ __all__ = [
     "publish",
     "read_slot",
     "map_slot",
+    "map_peer",
+    "verify",
     "new_buffer",
     "slots",
     "replicas",
     "visible",
     "remove",
     "drop_job_if_empty",
-    "sweep",
+    "KEEPER",
     "sweep_temporaries",
-    "drop_jobs",
 ]
 
 _log = get_logger("checkpoint")
@@ -70,7 +70,7 @@ _log = get_logger("checkpoint")
 _MAGIC = b"NBTSNAP2"  # 2: CRC-32C checksums
 #: Bytes before the payload: the magic, then the JSON header padded with spaces.
 HEADER_BYTES = 4096
-_KEEPER = "keeper"
+KEEPER = "keeper"
 #: ``holder`` of :func:`visible`: a slot of any rank, its owner's own or a replica.
 ANY = -1
 _TMP = ".tmp-"
@@ -119,7 +119,7 @@ def job_dir(user: str, key: str, keeper: Holder) -> str:
     except FileExistsError:
         _owned_private(path, "the job's snapshot directory")
         return path
-    fd = os.open(os.path.join(path, _KEEPER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(os.path.join(path, KEEPER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as fh:
         json.dump({**keeper.record(), "key": key}, fh)
     return path
@@ -139,6 +139,9 @@ class Slot:
     data_len: int = 0
     #: The rank holding this slot for its owner ``rank``; None for the owner's own.
     holder: int | None = None
+    #: ``(base, count)``: the ranks whose slots of this step hold the replicated tensors
+    #: this slot lacks (see ``_shares``); ``(rank, 1)`` for a slot that holds them all.
+    share: tuple[int, int] | None = None
 
 
 class _Crc:
@@ -280,6 +283,13 @@ def _scan(
         yield slot
 
 
+def _share(value: Any) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    base, count = (int(v) for v in value)
+    return base, count
+
+
 def _trusted(
     fh: IO[bytes], path: str, key: str, world: int, owner: int, holder: int | None
 ) -> tuple[Slot | None, str]:
@@ -300,11 +310,14 @@ def _trusted(
             int(head["crc"]),
             int(head.get("data_len", 0)),
             None if head.get("holder") is None else int(head["holder"]),
+            _share(head.get("share")),
         )
     except (ValueError, KeyError, TypeError) as exc:
         return None, f"a damaged header ({exc})"
     if head.get("job") != key or slot.rank != owner or slot.world != world:
         return None, "a snapshot of another job, rank or world size"
+    if slot.share is not None and not 0 <= slot.share[0] <= owner < sum(slot.share) <= world:
+        return None, f"a share of ranks {slot.share} that does not hold rank {owner}"
     if holder != ANY and slot.holder != holder:
         return None, f"held for rank {slot.holder}, not {holder}"
     if info.st_size != HEADER_BYTES + slot.size or not 0 <= slot.data_len <= slot.size:
@@ -376,7 +389,24 @@ def map_slot(slot: Slot) -> mmap.mmap:
     Raises:
         CheckpointError: The file changed or its bytes do not match the checksum.
     """
-    fd = os.open(slot.path, os.O_RDWR | os.O_NOFOLLOW)
+    mm, _ = _map(slot, writable=True)
+    try:
+        verify(mm, slot)
+    except CheckpointError:
+        mm.close()
+        raise
+    return mm
+
+
+def map_peer(slot: Slot) -> tuple[mmap.mmap, tuple[int, int]]:
+    """``slot``'s whole file mapped read-only, not yet checked (see :func:`verify`), and the
+    file's ``(device, inode)``: a slot of another rank of this node whose tensors are
+    copied out (another rank's file is never written here)."""
+    return _map(slot, writable=False)
+
+
+def _map(slot: Slot, writable: bool) -> tuple[mmap.mmap, tuple[int, int]]:
+    fd = os.open(slot.path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
     try:
         info = os.fstat(fd)
         length = HEADER_BYTES + slot.size
@@ -386,20 +416,28 @@ def map_slot(slot: Slot) -> mmap.mmap:
                 f"({info.st_size} bytes where its header says {length}); it is not used"
             )
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mm = mmap.mmap(fd, length, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        mm = mmap.mmap(fd, length, flags=flags, prot=prot)
     finally:
         os.close(fd)
+    return mm, (info.st_dev, info.st_ino)
+
+
+def verify(mm: mmap.mmap, slot: Slot) -> None:
+    """Check the payload ``mm`` maps (a whole slot file) against ``slot``'s checksum.
+
+    Raises:
+        CheckpointError: The bytes do not match.
+    """
     crc = 0
     with memoryview(mm) as view:
-        for start in range(HEADER_BYTES, length, _READ_CHUNK):
-            with view[start : min(length, start + _READ_CHUNK)] as chunk:
+        for start in range(HEADER_BYTES, len(mm), _READ_CHUNK):
+            with view[start : min(len(mm), start + _READ_CHUNK)] as chunk:
                 crc = _format.checksum(chunk, crc)
     if crc != slot.crc:
-        mm.close()
         raise CheckpointError(
             f"snapshot {slot.path} of step {slot.step} does not match its checksum; it is not used"
         )
-    return mm
 
 
 def new_buffer(size: int) -> Any:
@@ -426,39 +464,13 @@ def drop_job_if_empty(directory: str) -> None:
         names = os.listdir(directory)
     except FileNotFoundError:
         return
-    if all(n == _KEEPER or _volume.is_record(n) for n in names):
+    if all(n == KEEPER or _volume.is_record(n) for n in names):
         for name in names:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, name))
         with contextlib.suppress(OSError):
             os.rmdir(directory)
             os.rmdir(os.path.dirname(directory))  # the user's, when no other job is left
-
-
-def sweep(user: str, own: str | None = None) -> list[str]:
-    """Remove the job directories under ``user`` whose keeper process is dead; their names.
-
-    ``own`` (this job's directory) is never removed: a restarted rank's keeper may
-    differ from the one recorded, and the job goes on.
-    """
-    removed: list[str] = []
-    try:
-        names = os.listdir(user)
-    except FileNotFoundError:
-        return removed
-    for name in names:
-        path = os.path.join(user, name)
-        if path == own:
-            continue
-        try:
-            with open(os.path.join(path, _KEEPER)) as fh:
-                keeper = Holder.from_record(json.load(fh))
-        except (OSError, ValueError):
-            keeper = None
-        if keeper is None or keeper.alive() is Liveness.DEAD:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(name)
-    return removed
 
 
 def sweep_temporaries(directory: str, rank: int) -> None:
@@ -468,27 +480,3 @@ def sweep_temporaries(directory: str, rank: int) -> None:
             if name.startswith(f"{_TMP}r{rank}-"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(directory, name))
-
-
-def drop_jobs(prefix: str, base: str | None = None) -> list[str]:
-    """Remove every job directory of this user whose key starts with ``prefix``; their names.
-
-    The launcher's hook for a launch that ended for good (``"run:<run id>|"``):
-    its snapshots serve no restart any more.
-    """
-    user = os.path.join(base or snapshot_base(), f"nbtools-snapshots-{os.geteuid()}")
-    removed = []
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(user):
-            path = os.path.join(user, name)
-            try:
-                with open(os.path.join(path, _KEEPER)) as fh:
-                    key = json.load(fh).get("key")
-            except (OSError, ValueError, AttributeError):
-                continue
-            if isinstance(key, str) and key.startswith(prefix):
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(name)
-    with contextlib.suppress(OSError):
-        os.rmdir(user)  # when no job is left
-    return removed

@@ -2,7 +2,8 @@
 
 Every ``memory_every`` steps the manager hands the tier the same state a volume
 checkpoint holds (:func:`nbtools.checkpoint._state.build_state`). The tier
-copies that state's tensors once, straight into this rank's next slot file in
+copies that state's tensors once (the ranks of a node each a share of the
+replicated ones, see ``_shares``), straight into this rank's next slot file in
 shared memory (mapped, see ``_mapped``; raw bytes, see ``_format``): what a
 forward pass may change at once, the parameters and optimizer state on a
 background thread that the next optimizer step waits for (see ``_behind``),
@@ -39,7 +40,7 @@ from nbtools._internal.holder import Holder, machine_id, process_started
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import gather
-from nbtools.checkpoint._memory import _format, _replicas, _slots, _volume
+from nbtools.checkpoint._memory import _format, _replicas, _shares, _slots, _sweep, _volume
 from nbtools.checkpoint._memory._behind import Behind, StepGate, copy_and_checksum, late_tensors
 from nbtools.checkpoint._memory._consumed import Consumed
 from nbtools.checkpoint._memory._mapped import (
@@ -103,16 +104,19 @@ class MemoryTier:
         self._notice: str | None = None  # why copies behind training stopped
         self.send_to = _replicas.holders(self.rank, self.world, local, replicas)
         self.receive_from = _replicas.sources(self.rank, self.world, local, replicas)
-        # Every rank makes the group (a collective) when any rank has a peer.
+        # Every rank makes the group (a collective): for replicas, for sharing (``_shares``)
+        # and for a restore's transfers to ranks that cannot read a slot where they are.
         distributed = runtime.is_distributed() and self.world > 1
-        self.group = _replicas.new_group() if distributed and replicas > 0 else None
+        self.group = _replicas.new_group() if distributed else None
+        self.share: _shares.Share | None = None  # decided at the first snapshot
+        self._groups: dict[int, tuple[int, int]] = {}  # rank -> (base, count) of its share
         self.exchanging = self.group is not None and bool(self.send_to or self.receive_from)
         if replicas and not self.send_to and self.world > 1:
             _log.warning("replicas=%d: no peer rank to hold a replica; none are kept", replicas)
         self._files = MappedFiles(3)
         self._held_files = MappedFiles(3 * max(1, len(self.receive_from)))
         self.user = _slots.user_dir()
-        _slots.sweep(self.user, own=_slots.job_path(self.user, self.key))
+        _sweep.sweep(self.user, own=_slots.job_path(self.user, self.key))
         self._keeper = keeper
         self.directory = _slots.job_dir(self.user, self.key, keeper)
         _slots.sweep_temporaries(self.directory, self.rank)
@@ -170,6 +174,22 @@ class MemoryTier:
                 self._off(f"the snapshots of rank(s) {others} do not fit on their node")
                 self.exchanging = False
 
+    def _agree_shares(self, state: dict[str, Any]) -> None:
+        """Before the first snapshot (a collective): whether the ranks of this node split
+        their replicated tensors between them (see ``_shares``)."""
+        base, seen = self.rank - runtime.get_local_rank(), os.stat(self.directory)
+        where = f"{machine_id()}:{seen.st_dev}:{seen.st_ino}"  # they must see each other's slots
+        mine = (base, runtime.get_local_world_size(), _shares.digest(state), where)
+        reports = [tuple(r) for r in gather(self.group, mine)]
+        self.share = _shares.decide(self.rank, reports)  # type: ignore[arg-type]
+        for rank in range(self.world):
+            share = _shares.decide(rank, reports)  # type: ignore[arg-type]
+            self._groups[rank] = (share.base, share.count) if share else (rank, 1)
+
+    def share_of(self, rank: int) -> tuple[int, int]:
+        """``(base, count)`` of the ranks ``rank``'s snapshots share tensors with."""
+        return self._groups.get(rank, (rank, 1))
+
     def snapshot_objects(
         self, step: int, kinds: _state.Objects, extra: dict[str, Any], run_id: str | None
     ) -> bool:
@@ -189,10 +209,14 @@ class MemoryTier:
         if not self.due(step):
             return False
         self._release()
+        if not self._groups:
+            self._agree_shares(state)
         layout: _format.Layout | None = None
         tail = b""
         if self.enabled:
             try:
+                if self.share is not None:
+                    state = _shares.mark(state, self.share)
                 layout = _format.plan(state)
                 tail = _format.skeleton_bytes(layout)
             except Exception as exc:  # noqa: BLE001 - a snapshot that fails never stops training
@@ -325,7 +349,8 @@ class MemoryTier:
         if copied is not None:
             mapped, tmp, _ = copied
             try:
-                head = {"rank": self.rank, "step": step, "crc": crc}
+                head: dict[str, Any] = {"rank": self.rank, "step": step, "crc": crc}
+                head["share"] = list(self.share_of(self.rank))
                 self._publish(mapped, tmp, _slots.own_prefix(self.rank), tail, head)
                 own = self.own()
                 self._files.prune({k for s in own if (k := file_key(s.path))})
@@ -392,7 +417,9 @@ class MemoryTier:
             try:
                 if crc_of(mapped, tail) != crc:
                     raise ValueError("it arrived damaged (checksum)")
-                head = {"rank": owner, "step": step, "crc": crc, "holder": self.rank}
+                head: dict[str, Any] = {"rank": owner, "step": step, "crc": crc}
+                head["holder"] = self.rank
+                head["share"] = list(self.share_of(owner))
                 self._publish(mapped, tmp, prefix, tail, head)
             except BaseException:
                 drop_it()

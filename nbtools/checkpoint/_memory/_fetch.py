@@ -1,0 +1,166 @@
+"""Getting the slots a restore chose: read where they are, else sent by a rank that has them.
+
+A rank needs its own slot of the chosen step and, where the ranks of its node
+split their replicated tensors (see ``_shares``), the slots of the same step of
+every rank it shares with. Those its node holds it reads there: its own slot
+mapped in place and checked (see ``_consumed``), a peer's slot mapped read-only
+and checked once, by whichever rank of the node maps it as its own (:meth:`Fetched.check`);
+the others it receives from the rank the plan names, which reads them (checked)
+and sends them over the tier's group, checked again on arrival.
+
+A body mapped from a peer's slot is only read from (the tensors it holds are
+copied into the model, or cloned for the optimizer, before the restore ends):
+that rank's own restore keeps its optimizer state in those pages and changes
+them at its first step.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+from nbtools._internal.holder import machine_id
+from nbtools._internal.log import get_logger
+from nbtools.checkpoint._memory import _format, _replicas, _slots
+from nbtools.checkpoint._memory._mapped import tensor_of
+from nbtools.checkpoint._memory._tier import MemoryTier
+from nbtools.errors import CheckpointError
+
+__all__ = ["Fetched", "Source", "fetch", "read_any"]
+
+_log = get_logger("checkpoint")
+
+Source = tuple[int, int, int]  # (rank holding it, owner, step)
+FileId = tuple[str, int, int]  # (machine, device, inode)
+
+
+def read_any(
+    tier: MemoryTier, owner: int, step: int, in_place: bool = False
+) -> tuple[Any, _slots.Slot, mmap.mmap | None]:
+    """The first slot of ``owner``'s ``step`` on this node that reads back whole: its
+    payload, the slot, and with ``in_place`` the mapping of a rank's own slot (its
+    payload is then a view of that mapping, see ``_consumed``)."""
+    why = f"rank {tier.rank}'s node holds no slot of it any more"
+    for slot in (s for s in tier.visible(owner) if s.step == step):
+        try:
+            if in_place and slot.holder is None:
+                mm = _slots.map_slot(slot)
+                return memoryview(mm)[_slots.HEADER_BYTES :], slot, mm
+            return _slots.read_slot(slot), slot, None
+        except (OSError, CheckpointError) as exc:
+            _log.warning("not using %s: %s", slot.path, exc)
+            why = str(exc)
+    raise CheckpointError(why)
+
+
+def _map_any(tier: MemoryTier, owner: int, step: int) -> tuple[_slots.Slot, mmap.mmap, FileId]:
+    """The first slot of ``owner``'s ``step`` on this node that maps, read-only, unchecked."""
+    why = f"rank {tier.rank}'s node holds no slot of it any more"
+    for slot in (s for s in tier.visible(owner) if s.step == step):
+        try:
+            mm, (device, inode) = _slots.map_peer(slot)
+            return slot, mm, (machine_id(), device, inode)
+        except (OSError, CheckpointError) as exc:
+            _log.warning("not using %s: %s", slot.path, exc)
+            why = str(exc)
+    raise CheckpointError(why)
+
+
+class Fetched:
+    """What :func:`fetch` got for one rank.
+
+    Attributes:
+        bodies: Each needed owner's payload and tensor region bytes.
+        failed: The sources that failed, ``(rank, owner, step)``.
+        replica: Whether any body was a replica (a holder's copy, here or sent).
+        mapped: The path and mapping of this rank's own slot when restored in place.
+        verified: The files this rank checked whole (its own slot, mapped in place).
+        peers: The mappings of other ranks' slots, and their files, not checked yet.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.bodies: dict[int, tuple[Any, int]] = {}
+        self.failed: list[Source] = []
+        self.replica = False
+        self.mapped: tuple[str, mmap.mmap] | None = None
+        self.verified: set[FileId] = set()
+        self.peers: dict[int, tuple[_slots.Slot, mmap.mmap, FileId]] = {}
+
+    def check(self, me: int, verified: set[FileId]) -> list[Source]:
+        """Check each peer's slot mapped here that no rank checked (``verified``: the
+        files every rank checked whole); the sources that fail, their bodies dropped."""
+        failed: list[Source] = []
+        for owner, (slot, mm, file) in list(self.peers.items()):
+            if file in verified:
+                continue
+            try:
+                _slots.verify(mm, slot)
+            except CheckpointError as exc:
+                _log.warning("not using %s: %s", slot.path, exc)
+                failed.append((me, owner, self.step))
+                del self.bodies[owner], self.peers[owner]
+        return failed
+
+
+def fetch(
+    tier: MemoryTier, step: int, plan: list[int], needs: list[range], local: set[Source]
+) -> Fetched:
+    """The bodies of ``step`` this rank needs, read here or received as ``plan`` says,
+    serving the ranks that need a body this rank is the source of and cannot read it
+    where they are (``local``: ``(rank, owner, step)`` a rank can read on its node)."""
+    me, group = tier.rank, tier.group
+    out = Fetched(step)
+    works: list[Any] = []
+    keep_alive = []
+    for owner, source in enumerate(plan):
+        if source != me:
+            continue
+        to = [r for r, need in enumerate(needs) if owner in need and (r, owner, step) not in local]
+        if not to:
+            continue
+        try:
+            data, slot, _ = read_any(tier, owner, step)
+        except CheckpointError as exc:  # the ranks must hear, then try elsewhere
+            _log.warning("rank %d cannot serve rank %d's step %d: %s", me, owner, step, exc)
+            out.failed.append((me, owner, step))
+            for r in to:
+                works += _replicas.send_body(group, r, None, 0, 0, owner)
+            continue
+        keep_alive.append(data)
+        for r in to:
+            works += _replicas.send_body(group, r, tensor_of(data), slot.data_len, slot.crc, owner)
+    for owner in needs[me]:
+        if (me, owner, step) in local:
+            try:
+                if owner == me:
+                    body, slot, mm = read_any(tier, owner, step, in_place=True)
+                else:
+                    slot, mm, file = _map_any(tier, owner, step)
+                    body = memoryview(mm)[_slots.HEADER_BYTES :]
+                    out.peers[owner] = (slot, mm, file)
+                    mm = None
+            except CheckpointError as exc:
+                _log.warning("rank %d cannot read rank %d's step %d: %s", me, owner, step, exc)
+                out.failed.append((me, owner, step))
+                continue
+            out.bodies[owner] = (body, slot.data_len)
+            out.replica = out.replica or slot.holder is not None
+            if mm is not None:
+                out.mapped = (slot.path, mm)
+                info = os.stat(slot.path)
+                out.verified.add((machine_id(), info.st_dev, info.st_ino))
+            continue
+        got = _replicas.receive_body(group, plan[owner], owner)
+        out.replica = True
+        if got is not None:
+            received, data_len, crc = got
+            if _format.checksum(received) == crc:
+                out.bodies[owner] = (received, data_len)
+            else:
+                _log.warning("rank %d's snapshot of step %d arrived damaged", owner, step)
+                out.failed.append((plan[owner], owner, step))
+    for work in works:
+        work.wait()
+    return out

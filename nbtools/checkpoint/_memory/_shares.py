@@ -1,0 +1,202 @@
+"""Replicated state snapshotted once per node: each rank of a node copies a share of it.
+
+A checkpoint holds the model and optimizer tensors once, however many ranks
+hold them (DCP writes a plain, replicated tensor from one rank); only the
+per-rank part (RNG streams, data position, extras) is each rank's own. The
+memory tier follows the same rule on each node: the ``L`` ranks of a node
+split the model and optimizer tensors between them, by size, and each copies
+only its share into its slot (where its skeleton names, for every other
+tensor, the rank whose slot holds it). A snapshot then costs each rank ``1/L``
+of the copy, and the node ``1/L`` of the memory, that full copies would.
+
+Restoring a step reads the slots of every rank of the node at that step (or
+their replicas) and puts the tensors back where the skeleton says. The split
+depends only on the names, dtypes and shapes of the tensors, which every rank
+of a data-parallel job shares; the ranks check that at the first snapshot
+(else each rank keeps its whole state, as before), and every slot records a
+digest of them, so that shares of different layouts are never put together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nbtools.checkpoint import _state
+from nbtools.errors import CheckpointError
+
+__all__ = ["Share", "KEY", "PEER", "digest", "mark", "owners", "fill", "decide"]
+
+#: Where a slot's skeleton records its share (``base``, ``count``, ``index``, ``digest``).
+KEY = "__nbtools_share__"
+#: The skeleton's marker of a tensor held in another rank's slot: ``{PEER: rank}``.
+PEER = "__nbtools_peer__"
+
+
+@dataclass(frozen=True)
+class Share:
+    """Ranks ``base .. base + count - 1`` split their replicated tensors; this rank is
+    the ``index``-th of them."""
+
+    base: int
+    count: int
+    index: int
+
+    @property
+    def ranks(self) -> range:
+        """The ranks sharing."""
+        return range(self.base, self.base + self.count)
+
+
+def _replicated(state: dict[str, Any]) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
+    """``(path, tensor)`` of every tensor outside the per-rank part, in walk order."""
+    out: list[tuple[tuple[Any, ...], torch.Tensor]] = []
+
+    def walk(obj: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(obj, torch.Tensor):
+            out.append((path, obj))
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, (*path, k))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, (*path, i))
+
+    for key, value in state.items():
+        if key not in (_state.NS, KEY):
+            walk(value, (key,))
+    return out
+
+
+def digest(state: dict[str, Any]) -> str:
+    """What the split of ``state`` depends on: its replicated tensors' paths, dtypes, shapes."""
+    h = hashlib.sha256()
+    for path, tensor in _replicated(state):
+        h.update(repr((path, str(tensor.dtype), tuple(tensor.shape))).encode())
+    return h.hexdigest()[:32]
+
+
+def _assign(sizes: list[int], count: int) -> list[int]:
+    """The index of the rank that copies each tensor: largest first, to the least loaded
+    (ties to the lowest index). The same sizes give the same answer on every rank."""
+    loads = [0] * count
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        j = min(range(count), key=lambda j: (loads[j], j))
+        owner[i] = j
+        loads[j] += sizes[i]
+    return owner
+
+
+def mark(state: dict[str, Any], share: Share) -> dict[str, Any]:
+    """``state`` with each replicated tensor of another rank's share replaced by a marker
+    naming that rank, and the share recorded under :data:`KEY`."""
+    found = _replicated(state)
+    owner = _assign([t.numel() * t.element_size() for _, t in found], share.count)
+    others = {
+        path: share.base + j for (path, _), j in zip(found, owner, strict=True) if j != share.index
+    }
+
+    def walk(obj: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            rank = others.get(path)
+            return obj if rank is None else {PEER: rank}
+        if isinstance(obj, dict):
+            return {k: walk(v, (*path, k)) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [walk(v, (*path, i)) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            return tuple(walk(v, (*path, i)) for i, v in enumerate(obj))
+        return obj
+
+    out = {k: v if k == _state.NS else walk(v, (k,)) for k, v in state.items()}
+    out[KEY] = {
+        "base": share.base,
+        "count": share.count,
+        "index": share.index,
+        "digest": digest(state),
+    }
+    return out
+
+
+def _is_marker(obj: Any) -> bool:
+    return isinstance(obj, dict) and len(obj) == 1 and PEER in obj
+
+
+def owners(state: dict[str, Any]) -> set[int]:
+    """The ranks whose slots hold tensors that ``state`` (a decoded snapshot) lacks."""
+    found: set[int] = set()
+
+    def walk(obj: Any) -> None:
+        if _is_marker(obj):
+            found.add(int(obj[PEER]))
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+
+    walk(state)
+    return found
+
+
+def fill(state: dict[str, Any], peers: dict[int, dict[str, Any]], where: str) -> dict[str, Any]:
+    """``state`` (decoded, its share recorded) whole: each marker replaced by the tensor at
+    the same place in the snapshot of the rank it names (``peers``, decoded, same step).
+
+    Raises:
+        CheckpointError: A peer's snapshot is missing, of another layout, or lacks a
+            tensor the marker says it holds.
+    """
+    mine = state.get(KEY)
+    for rank, peer in peers.items():
+        theirs = peer.get(KEY)
+        if mine is None or theirs is None or theirs["digest"] != mine["digest"]:
+            raise CheckpointError(
+                f"{where} and the snapshot of rank {rank} it shares tensors with hold "
+                "different tensors (another model or optimizer layout)"
+            )
+
+    def walk(obj: Any, path: tuple[Any, ...]) -> Any:
+        if _is_marker(obj):
+            rank = int(obj[PEER])
+            if rank not in peers:
+                raise CheckpointError(f"{where} needs the snapshot of rank {rank}; none was read")
+            value: Any = peers[rank]
+            try:
+                for key in path:
+                    value = value[key]
+            except (KeyError, IndexError, TypeError):
+                value = None
+            if not isinstance(value, torch.Tensor):
+                name = ".".join(str(p) for p in path)
+                raise CheckpointError(
+                    f"{where} expects {name} in the snapshot of rank {rank}, which lacks it"
+                )
+            return value
+        if isinstance(obj, dict):
+            return {k: walk(v, (*path, k)) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [walk(v, (*path, i)) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            return tuple(walk(v, (*path, i)) for i, v in enumerate(obj))
+        return obj
+
+    return {k: v if k == _state.NS else walk(v, (k,)) for k, v in state.items() if k != KEY}
+
+
+def decide(rank: int, reports: list[tuple[int, int, str, str]]) -> Share | None:
+    """This rank's share, from every rank's ``(base, count, digest, where)`` at the first
+    snapshot (``where``: the machine and snapshot directory it sees): the ranks of its
+    node share when they all report the same node (``base``, ``count``, ``where``) and the
+    same tensors; else (or alone on its node) None."""
+    base, count, mark_, where = reports[rank]
+    if count < 2 or not 0 <= base <= rank < base + count <= len(reports):
+        return None
+    if any(reports[r] != (base, count, mark_, where) for r in range(base, base + count)):
+        return None
+    return Share(base, count, rank - base)
