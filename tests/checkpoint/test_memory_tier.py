@@ -507,6 +507,18 @@ def test_a_second_manager_of_the_job_closing_leaves_the_first_snapshotting(tmp_p
     assert _files(shm) == []
 
 
+def test_a_manager_whose_directory_went_before_its_first_snapshot_snapshots(tmp_path, shm):
+    net, opt = _net()
+    first = CheckpointManager(tmp_path / "root", every=100, memory_every=2, async_save=False)
+    with CheckpointManager(tmp_path / "root", memory_every=2, async_save=False) as second:
+        second.restore(model=net, optimizer=opt)
+    _train(first, net, opt, range(5))  # the directory went before its first snapshot
+    first.wait()
+    assert len(_slot_files(shm)) == 2  # steps 2 and 4
+    first.close()
+    assert _files(shm) == []
+
+
 class _CopyingAdam(torch.optim.Adam):
     """An optimizer that copies the state it loads (as one moving it to a GPU does)."""
 

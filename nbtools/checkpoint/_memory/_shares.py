@@ -20,15 +20,19 @@ digest of them, so that shares of different layouts are never put together.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from nbtools import runtime
+from nbtools._internal.holder import machine_id
 from nbtools.checkpoint import _state
+from nbtools.checkpoint._collective import gather
 from nbtools.errors import CheckpointError
 
-__all__ = ["Share", "KEY", "PEER", "digest", "mark", "owners", "fill", "decide"]
+__all__ = ["Share", "KEY", "PEER", "digest", "mark", "owners", "fill", "decide", "agree"]
 
 #: Where a slot's skeleton records its share (``base``, ``count``, ``index``, ``digest``).
 KEY = "__nbtools_share__"
@@ -200,3 +204,24 @@ def decide(rank: int, reports: list[tuple[int, int, str, str]]) -> Share | None:
     if any(reports[r] != (base, count, mark_, where) for r in range(base, base + count)):
         return None
     return Share(base, count, rank - base)
+
+
+def agree(
+    group: Any, rank: int, directory: str, state: dict[str, Any]
+) -> tuple[Share | None, dict[int, tuple[int, int]]]:
+    """This rank's share, and every rank's ``(base, count)``, from what each rank reports
+    over ``group`` (a collective; None: a single rank) before its first snapshot of
+    ``state``, its slots in ``directory``."""
+    try:  # ranks that share must see each other's slots
+        seen = os.stat(directory)
+        where = f"{machine_id()}:{seen.st_dev}:{seen.st_ino}"
+    except OSError:  # gone (another manager of the job closed): keep whole snapshots
+        where = f"rank {rank}"
+    base = rank - runtime.get_local_rank()
+    mine = (base, runtime.get_local_world_size(), digest(state), where)
+    reports = [tuple(r) for r in gather(group, mine)]
+    groups = {}
+    for other in range(len(reports)):
+        share = decide(other, reports)  # type: ignore[arg-type]
+        groups[other] = (share.base, share.count) if share else (other, 1)
+    return decide(rank, reports), groups  # type: ignore[arg-type]

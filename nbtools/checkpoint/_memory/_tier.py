@@ -177,14 +177,7 @@ class MemoryTier:
     def _agree_shares(self, state: dict[str, Any]) -> None:
         """Before the first snapshot (a collective): whether the ranks of this node split
         their replicated tensors between them (see ``_shares``)."""
-        base, seen = self.rank - runtime.get_local_rank(), os.stat(self.directory)
-        where = f"{machine_id()}:{seen.st_dev}:{seen.st_ino}"  # they must see each other's slots
-        mine = (base, runtime.get_local_world_size(), _shares.digest(state), where)
-        reports = [tuple(r) for r in gather(self.group, mine)]
-        self.share = _shares.decide(self.rank, reports)  # type: ignore[arg-type]
-        for rank in range(self.world):
-            share = _shares.decide(rank, reports)  # type: ignore[arg-type]
-            self._groups[rank] = (share.base, share.count) if share else (rank, 1)
+        self.share, self._groups = _shares.agree(self.group, self.rank, self.directory, state)
 
     def share_of(self, rank: int) -> tuple[int, int]:
         """``(base, count)`` of the ranks ``rank``'s snapshots share tensors with."""
