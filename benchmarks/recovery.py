@@ -55,7 +55,7 @@ Figures:
   several percent on a shared machine).
 
     python benchmarks/recovery.py [--state-mb 256] [--every 200] [--memory-every 10]
-        [--mbps 100] [--seed 0] [--rate-cycles 10] [--local] [--random-init]
+        [--mbps 100] [--seed 0] [--rate-cycles 20] [--local] [--random-init]
 
 ``--local`` puts the volume in a local directory instead of the capped server.
 Every attempt of both launches builds the model on the meta device, as training
@@ -361,7 +361,7 @@ def main() -> None:
     parser.add_argument("--memory-every", type=int, default=10)
     parser.add_argument("--mbps", type=float, default=100.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rate-cycles", type=int, default=10, help="cycles of the paired rate run")
+    parser.add_argument("--rate-cycles", type=int, default=20, help="cycles of the paired rate run")
     parser.add_argument("--local", action="store_true", help="the volume in a local directory")
     parser.add_argument(
         "--random-init",
