@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,23 +56,41 @@ class Share:
         return range(self.base, self.base + self.count)
 
 
-def _replicated(state: dict[str, Any]) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
-    """``(path, tensor)`` of every tensor outside the per-rank part, in walk order."""
-    out: list[tuple[tuple[Any, ...], torch.Tensor]] = []
+Path = tuple[Any, ...]
 
-    def walk(obj: Any, path: tuple[Any, ...]) -> None:
+
+def _is_marker(obj: Any) -> bool:
+    return isinstance(obj, dict) and len(obj) == 1 and PEER in obj
+
+
+def _rebuild(state: dict[str, Any], leaf: Callable[[Any, Path], Any]) -> dict[str, Any]:
+    """``state`` with each tensor and marker outside the per-rank part (and the share
+    record) replaced by ``leaf(it, path)``, in walk order."""
+
+    def walk(obj: Any, path: Path) -> Any:
+        if isinstance(obj, torch.Tensor) or _is_marker(obj):
+            return leaf(obj, path)
+        if isinstance(obj, dict):
+            return {k: walk(v, (*path, k)) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [walk(v, (*path, i)) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            return tuple(walk(v, (*path, i)) for i, v in enumerate(obj))
+        return obj
+
+    return {k: v if k in (_state.NS, KEY) else walk(v, (k,)) for k, v in state.items()}
+
+
+def _replicated(state: dict[str, Any]) -> list[tuple[Path, torch.Tensor]]:
+    """``(path, tensor)`` of every tensor outside the per-rank part, in walk order."""
+    out: list[tuple[Path, torch.Tensor]] = []
+
+    def seen(obj: Any, path: Path) -> Any:
         if isinstance(obj, torch.Tensor):
             out.append((path, obj))
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, (*path, k))
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(v, (*path, i))
+        return obj
 
-    for key, value in state.items():
-        if key not in (_state.NS, KEY):
-            walk(value, (key,))
+    _rebuild(state, seen)
     return out
 
 
@@ -104,19 +123,11 @@ def mark(state: dict[str, Any], share: Share) -> dict[str, Any]:
         path: share.base + j for (path, _), j in zip(found, owner, strict=True) if j != share.index
     }
 
-    def walk(obj: Any, path: tuple[Any, ...]) -> Any:
-        if isinstance(obj, torch.Tensor):
-            rank = others.get(path)
-            return obj if rank is None else {PEER: rank}
-        if isinstance(obj, dict):
-            return {k: walk(v, (*path, k)) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [walk(v, (*path, i)) for i, v in enumerate(obj)]
-        if isinstance(obj, tuple):
-            return tuple(walk(v, (*path, i)) for i, v in enumerate(obj))
-        return obj
+    def share_of(obj: Any, path: Path) -> Any:
+        rank = others.get(path)
+        return obj if rank is None else {PEER: rank}
 
-    out = {k: v if k == _state.NS else walk(v, (k,)) for k, v in state.items()}
+    out = _rebuild(state, share_of)
     out[KEY] = {
         "base": share.base,
         "count": share.count,
@@ -126,25 +137,16 @@ def mark(state: dict[str, Any], share: Share) -> dict[str, Any]:
     return out
 
 
-def _is_marker(obj: Any) -> bool:
-    return isinstance(obj, dict) and len(obj) == 1 and PEER in obj
-
-
 def owners(state: dict[str, Any]) -> set[int]:
     """The ranks whose slots hold tensors that ``state`` (a decoded snapshot) lacks."""
     found: set[int] = set()
 
-    def walk(obj: Any) -> None:
+    def seen(obj: Any, path: Path) -> Any:
         if _is_marker(obj):
             found.add(int(obj[PEER]))
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                walk(v)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                walk(v)
+        return obj
 
-    walk(state)
+    _rebuild(state, seen)
     return found
 
 
@@ -165,32 +167,28 @@ def fill(state: dict[str, Any], peers: dict[int, dict[str, Any]], where: str) ->
                 "different tensors (another model or optimizer layout)"
             )
 
-    def walk(obj: Any, path: tuple[Any, ...]) -> Any:
-        if _is_marker(obj):
-            rank = int(obj[PEER])
-            if rank not in peers:
-                raise CheckpointError(f"{where} needs the snapshot of rank {rank}; none was read")
-            value: Any = peers[rank]
-            try:
-                for key in path:
-                    value = value[key]
-            except (KeyError, IndexError, TypeError):
-                value = None
-            if not isinstance(value, torch.Tensor):
-                name = ".".join(str(p) for p in path)
-                raise CheckpointError(
-                    f"{where} expects {name} in the snapshot of rank {rank}, which lacks it"
-                )
-            return value
-        if isinstance(obj, dict):
-            return {k: walk(v, (*path, k)) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [walk(v, (*path, i)) for i, v in enumerate(obj)]
-        if isinstance(obj, tuple):
-            return tuple(walk(v, (*path, i)) for i, v in enumerate(obj))
-        return obj
+    def resolve(obj: Any, path: Path) -> Any:
+        if not _is_marker(obj):
+            return obj
+        rank = int(obj[PEER])
+        if rank not in peers:
+            raise CheckpointError(f"{where} needs the snapshot of rank {rank}; none was read")
+        value: Any = peers[rank]
+        try:
+            for key in path:
+                value = value[key]
+        except (KeyError, IndexError, TypeError):
+            value = None
+        if not isinstance(value, torch.Tensor):
+            name = ".".join(str(p) for p in path)
+            raise CheckpointError(
+                f"{where} expects {name} in the snapshot of rank {rank}, which lacks it"
+            )
+        return value
 
-    return {k: v if k == _state.NS else walk(v, (k,)) for k, v in state.items() if k != KEY}
+    out = _rebuild(state, resolve)
+    out.pop(KEY, None)
+    return out
 
 
 def decide(rank: int, reports: list[tuple[int, int, str, str]]) -> Share | None:
