@@ -278,30 +278,19 @@ def test_the_checkpoint_storage_half_never_imports_the_manager_half():
     assert not found, found
 
 
-def test_data_keeps_at_most_twelve_units_and_no_module_over_500_lines():
+def test_data_keeps_at_most_twelve_units():
     root = Path(nbtools.__file__).parent / "data"
     direct = [p.name for p in root.iterdir() if p.name != "__pycache__" and p.name != "__init__.py"]
     assert len(direct) <= 12, sorted(direct)
-    long = {
-        str(p.relative_to(root)): n
-        for p in root.rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > 500
-    }
-    assert not long, long
 
 
-def test_the_checkpoint_package_stays_walkable():
-    # At most 20 modules and rooms directly in checkpoint/, and no module over 500 lines.
-    root = Path(nbtools.__file__).parent / "checkpoint"
-    entries = sorted(
-        p.name
-        for p in root.iterdir()
-        if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").is_file()
-    )
-    assert len(entries) <= 20, entries
+def test_no_module_over_800_lines():
+    # Modules are cut by concern; a concern may take up to about 700 lines, and nothing
+    # grows past 800 (the boundary lists in *_compat modules included).
+    root = Path(nbtools.__file__).parent
     long = [
         f"{p.relative_to(root)}: {n} lines"
         for p in sorted(root.rglob("*.py"))
-        if (n := len(p.read_text().splitlines())) > 500
+        if (n := len(p.read_text().splitlines())) > 800
     ]
     assert not long, long
