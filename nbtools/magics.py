@@ -22,6 +22,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from nbtools._magics import strip_comment
 from nbtools._magics.autoresume import AutoresumeOptions, run_autoresume
 from nbtools._magics.distributed import DistributedMagics
 
@@ -103,7 +104,7 @@ class NbtoolsMagics(Magics):
         Returns the :class:`~nbtools.monitor.GPUPane` (``pane = %gpu_pane``). A second
         ``%gpu_pane`` replaces the pane the first one opened.
         """
-        args = parse_argstring(self.gpu_pane, line)
+        args = parse_argstring(self.gpu_pane, strip_comment(line))
         self.close_pane()
         if args.close:
             return None
@@ -192,7 +193,7 @@ class NbtoolsMagics(Magics):
         printed; running the cell again continues from there.
         """
         __tracebackhide__ = True  # IPython shows the user's cell, not this frame
-        args = parse_argstring(self.autoresume, line)
+        args = parse_argstring(self.autoresume, strip_comment(line))
         options = AutoresumeOptions(
             root=args.root.strip("'\""),
             every=args.every,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__: list[str] = ["cell_number"]
+__all__: list[str] = ["cell_number", "strip_comment"]
 
 
 def cell_number(shell: Any) -> int:
@@ -17,3 +17,24 @@ def cell_number(shell: Any) -> int:
     result = getattr(getattr(shell, "displayhook", None), "exec_result", None)
     number = getattr(result, "execution_count", None)
     return number if isinstance(number, int) else int(shell.execution_count)
+
+
+def strip_comment(line: str) -> str:
+    """``line`` without a trailing ``# comment``, as a shell reads it.
+
+    A ``#`` starts a comment where it begins a word (at the start or after
+    whitespace) outside quotes; ``a#b`` and ``"# kept"`` stay as they are.
+    Unbalanced quotes leave the line whole, for the parser to report.
+    """
+    quote = ""
+    previous = " "
+    for index, char in enumerate(line):
+        if quote:
+            if char == quote:
+                quote = ""
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and previous.isspace():
+            return line[:index].rstrip()
+        previous = char
+    return line.strip() if not quote else line

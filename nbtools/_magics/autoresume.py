@@ -64,11 +64,20 @@ def _is_stateful(value: Any) -> bool:
 def _state_objects(namespace: dict[str, Any], spec: str | None) -> dict[str, Any]:
     """The objects to checkpoint: those named in ``--state``, else every stateful object."""
     if spec is None:
-        return {
+        objects = {
             name: value
             for name, value in namespace.items()
             if not name.startswith("_") and name not in _INJECTED and _is_stateful(value)
         }
+        for name, value in list(objects.items()):
+            unsaved = _no_position(value)
+            if unsaved is not None:
+                del objects[name]
+                _say(
+                    f"leaving out {name} (a DataLoader over a {unsaved}, which has no position "
+                    "to save): its epoch starts over on each run; --state names what to save"
+                )
+        return objects
     names = [name.strip() for name in spec.split(",") if name.strip()]
     if not names:
         raise UsageError("autoresume: --state is empty; list names such as --state model,optimizer")
@@ -87,8 +96,34 @@ def _state_objects(namespace: dict[str, Any], spec: str | None) -> dict[str, Any
                 "state_dict()/load_state_dict(); checkpoint models, optimizers, schedulers, "
                 "datasets or loaders"
             )
+        unsaved = _no_position(namespace[name])
+        if unsaved is not None:
+            raise UsageError(
+                f"autoresume: {name!r} is a DataLoader over a {unsaved}, which has no position "
+                f"to save; remove {name!r} from --state (each run of the cell then starts the "
+                "loader's epoch over), or load files through a VolumeDataset, or give the "
+                f"{unsaved} state_dict()/load_state_dict()"
+            )
         objects[name] = namespace[name]
     return objects
+
+
+def _no_position(value: Any) -> str | None:
+    """The dataset's type name when ``value`` is nbtools' DataLoader that cannot save a position.
+
+    Its ``state_dict`` would fail at the first save, after the cell has run for a
+    while; checked before anything runs instead. Other objects: None.
+    """
+    from nbtools.data import DataLoader
+    from nbtools.data._dataset_link import find_volume_datasets
+
+    if not isinstance(value, DataLoader):
+        return None
+
+    dataset = value.dataset
+    if find_volume_datasets(dataset) or callable(getattr(dataset, "state_dict", None)):
+        return None
+    return type(dataset).__name__
 
 
 def _writable_root(root: str) -> str:
@@ -216,12 +251,14 @@ def _finish(manager: Any, checkpointer: _Checkpointer, completed: bool) -> None:
         raise KeyboardInterrupt
 
 
-def _report(manager: Any, root: str) -> None:
+def _report(manager: Any, root: str, finished: bool) -> None:
     saved = manager.last_saved_step
     if saved is None:
         saved = manager.restored_step
     if saved is None:
         _say(f"nothing saved under {root} (checkpoint(step) saves when a step is due)")
+    elif finished:
+        _say(f"the cell finished; last saved step {saved} under {root}")
     else:
         _say(f"last saved step {saved} under {root}; run the cell again to continue")
 
@@ -280,7 +317,7 @@ def run_autoresume(shell: Any, options: AutoresumeOptions, cell: str) -> Any:
         finally:
             if logger is not None:
                 logger.close(status)
-            _report(manager, root)
+            _report(manager, root, finished=status == "FINISHED")
     return result
 
 

@@ -22,7 +22,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
-from nbtools._magics import cell_number
+from nbtools._magics import cell_number, strip_comment
 
 __all__ = ["DistributedMagics", "format_status"]
 
@@ -88,8 +88,9 @@ class DistributedMagics(Magics):
         [--cluster ray] [--nodes N] [--output all|rank0|none]
         [--rich-output rank0|all|none]``, ``stop``,
         ``status``, ``restart [options]``, ``push NAME...`` (notebook variables to
-        every rank), ``pull NAME...`` (a list with each rank's value; several
-        names: one list per name).
+        every rank), ``pull NAME...`` (binds NAME in the notebook to a list with
+        each rank's value, and returns it; several names: one list per name).
+        A trailing ``# comment`` is ignored, on the line and on ``%%distributed``.
 
         Cell: ``%%distributed`` runs the cell on every rank, in the rank's own
         namespace; names persist from cell to cell, output is prefixed
@@ -97,9 +98,10 @@ class DistributedMagics(Magics):
         (end the cell with ``;`` to hide it).
         """
         __tracebackhide__ = True
+        line = strip_comment(line)  # "%distributed stop  # done" as IPython's magics take it
         if cell is not None:
-            if line.strip():
-                raise UsageError(f"%%distributed takes no options, got {line.strip()!r}")
+            if line:
+                raise UsageError(f"%%distributed takes no options, got {line!r}")
             return self._cell(cell)
         try:
             args = _parser().parse_args(shlex.split(line))
@@ -177,9 +179,16 @@ class DistributedMagics(Magics):
         from nbtools.errors import PicklingError
 
         try:
-            return pool.pull(*args.names)
+            values = pool.pull(*args.names)
         except (NameError, PicklingError, ValueError) as exc:
             raise UsageError(f"distributed pull: {exc}") from None
+        columns = [values] if len(args.names) == 1 else list(values)
+        for name, column in zip(args.names, columns, strict=True):
+            self.shell.user_ns[name] = column
+        names = ", ".join(args.names)
+        are = "is now a list" if len(args.names) == 1 else "are now lists"
+        _say(f"{names} {are} in the notebook, one value per rank ({len(columns[0])} ranks)")
+        return values
 
     # --- cells -------------------------------------------------------------------------
 

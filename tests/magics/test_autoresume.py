@@ -63,11 +63,14 @@ def _autoresume(ip, root, args="--every 3 --state model,optimizer", body=BODY):
 def test_a_fresh_run_saves_and_running_the_cell_again_continues(ip, tmp_path, capsys):
     root = tmp_path / "ckpt"
     _setup(ip)
-    result = _autoresume(ip, root)
+    # A trailing comment on the magic line is a comment, as on IPython's own magics.
+    result = _autoresume(ip, root, args="--every 3 --state model,optimizer   # every 3 steps")
     assert result.success, result.error_in_exec
     out = capsys.readouterr().out
     assert f"no checkpoint under {root}; starting fresh with start_step = 0" in out
-    assert f"last saved step 9 under {root}" in out  # the last step is saved on a normal end
+    # The last step is saved on a normal end, and a loop that ended says so.
+    assert f"the cell finished; last saved step 9 under {root}" in out
+    assert "run the cell again" not in out
     assert ip.user_ns["ran"] == list(range(10))
     assert checkpoint_pkg.find_latest_valid(str(root)) is not None
 
@@ -164,6 +167,33 @@ def test_argument_errors_are_one_clear_line(ip, tmp_path, capsys, args, body, me
     assert ip.user_ns["ran"] == []
 
 
+def test_a_loader_without_a_position_is_named_before_anything_runs(ip, tmp_path, capsys):
+    from IPython.core.error import UsageError
+
+    _setup(ip)
+    made = ip.run_cell(
+        "from torch.utils.data import TensorDataset\n"
+        "from nbtools.data import DataLoader\n"
+        "loader = DataLoader(TensorDataset(x), batch_size=4, num_workers=0)"
+    )
+    assert made.success, made.error_in_exec
+    root = tmp_path / "ckpt"
+    result = _autoresume(ip, root, args="--every 3 --state model,optimizer,loader")
+    assert isinstance(result.error_in_exec, UsageError)
+    message = str(result.error_in_exec)
+    assert "'loader' is a DataLoader over a TensorDataset, which has no position to save" in message
+    assert "remove 'loader' from --state" in message and "VolumeDataset" in message
+    assert ip.user_ns["ran"] == [] and not root.exists()  # nothing ran, nothing was written
+    capsys.readouterr()
+
+    # Without --state every stateful object is saved: the loader is left out, and told.
+    result = _autoresume(ip, root, args="--every 3")
+    assert result.success, result.error_in_exec
+    out = capsys.readouterr().out
+    assert "leaving out loader (a DataLoader over a TensorDataset" in out
+    assert "(state: model, optimizer)" in out and ip.user_ns["ran"] == list(range(10))
+
+
 def test_one_interrupt_is_held_back_while_a_checkpoint_is_completed_and_a_second_is_obeyed(capsys):
     from nbtools._magics.autoresume import _interrupts_deferred
 
@@ -192,7 +222,7 @@ def test_reports_are_display_output_not_prints(ip, tmp_path):
     assert result.success, result.error_in_exec
     shown = "\n".join(out.data.get("text/plain", "") for out in captured.outputs)
     assert f"autoresume: no checkpoint under {root}; starting fresh" in shown
-    assert f"autoresume: last saved step 9 under {root}" in shown
+    assert f"autoresume: the cell finished; last saved step 9 under {root}" in shown
     assert "autoresume" not in captured.stdout
 
 
