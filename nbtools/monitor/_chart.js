@@ -130,26 +130,50 @@ function flaggedRanks(rows) {
   return out;
 }
 
-function eventLayer(rows, traceCount, axis) {
+// Every panel on one time axis. The layout is copied for each view (plotly writes ranges
+// into the layout it draws, and views of one chart share the kernel's figure); every x
+// axis is a date axis matching the bottom panel's. Returns the panels as [x ref, y ref].
+function timeAxes(layout) {
+  const number = (id) => Number(id.slice(5) || 1);
+  const ref = (id) => (number(id) === 1 ? "x" : `x${number(id)}`);
+  const ids = Object.keys(layout).filter((k) => /^xaxis\d*$/.test(k));
+  ids.sort((a, b) => number(a) - number(b));
+  const bottom = ids.length ? ref(ids[ids.length - 1]) : "x";
+  return ids.map((id) => {
+    const axis = layout[id];
+    axis.type = "date";
+    if (ref(id) === bottom) delete axis.matches;
+    else axis.matches = bottom;
+    const anchor = axis.anchor && axis.anchor !== "free" ? axis.anchor : ref(id).replace("x", "y");
+    return [ref(id), anchor];
+  });
+}
+
+// An event's line or band crosses every panel, drawn in that panel's own coordinates.
+function eventLayer(rows, traceCount, axis, panels) {
   const shapes = [];
   const x = [];
   const text = [];
   const color = [];
   const symbol = [];
+  const across = panels.length ? panels : [["x", "y"]];
   for (const e of rows) {
     const style = STYLE[e[2]] || STYLE.mark;
     const t = local(e[0]);
-    if (style.band && e[5] !== null) {
-      shapes.push({
-        type: "rect", xref: "x", yref: "paper", x0: local(e[5]), x1: t, y0: 0, y1: 1,
-        fillcolor: style.color, opacity: style.band, layer: "below",
-        line: { color: style.color, width: 1 },
-      });
-    } else if (style.line) {
-      shapes.push({
-        type: "line", xref: "x", yref: "paper", x0: t, x1: t, y0: 0, y1: 1,
-        line: { color: style.color, width: 1.5, dash: style.line },
-      });
+    for (const [xref, yref] of across) {
+      const place = { xref, yref: `${yref} domain`, y0: 0, y1: 1 };
+      if (style.band && e[5] !== null) {
+        shapes.push({
+          type: "rect", ...place, x0: local(e[5]), x1: t,
+          fillcolor: style.color, opacity: style.band, layer: "below",
+          line: { color: style.color, width: 1 },
+        });
+      } else if (style.line) {
+        shapes.push({
+          type: "line", ...place, x0: t, x1: t,
+          line: { color: style.color, width: 1.5, dash: style.line },
+        });
+      }
     }
     x.push(t);
     text.push(`<b>${escapeHtml(e[1])}</b> ${clock(e[0])}<br>${escapeHtml(describe(e))}`);
@@ -214,6 +238,7 @@ async function render({ model, el }) {
   let ranks = []; // the step-rate row's ranks, their traces after the GPUs'
   let ratePoints = 1200;
   let eventAxis = ["y", 100];
+  let panels = [];
   let flagged = new Map();
 
   function setLast(t) {
@@ -327,7 +352,7 @@ async function render({ model, el }) {
       return;
     }
     markFlagged();
-    const layer = eventLayer(events, traceCount, eventAxis);
+    const layer = eventLayer(events, traceCount, eventAxis, panels);
     Plotly.update(plot, {
       x: [layer.trace.x], y: [layer.trace.y], customdata: [layer.trace.customdata],
       "marker.color": [layer.trace.marker.color], "marker.symbol": [layer.trace.marker.symbol],
@@ -373,9 +398,11 @@ async function render({ model, el }) {
         line: { ...trace.line, width: bold ? 3.5 : 1.5 },
       };
     });
-    const layer = eventLayer(events, data.length, eventAxis);
+    const layout = JSON.parse(JSON.stringify(fig.layout));
+    panels = timeAxes(layout);
+    const layer = eventLayer(events, data.length, eventAxis, panels);
     if (data.length) data.push(layer.trace);
-    Plotly.react(plot, data, { ...fig.layout, shapes: data.length ? layer.shapes : [] }, CONFIG);
+    Plotly.react(plot, data, { ...layout, shapes: data.length ? layer.shapes : [] }, CONFIG);
     const simulated = fig.source === "simulated";
     const hosts = fig.hosts === 1 ? "1 host" : `${fig.hosts} hosts`;
     const label = fig.hosts ? `${fig.source} · ${hosts}` : fig.source;

@@ -45,6 +45,11 @@ from nbtools.monitor.timing import DEFAULT_HISTORY_SECONDS, DEFAULT_IDLE_TIMEOUT
 __all__ = ["GPUPane"]
 
 _log = get_logger("monitor")
+#: What a pane on a machine without GPUs adds to its status line (HTML).
+NO_GPU_HINT = (
+    "to try the pane without a GPU: <code>%gpu_pane --simulated 4</code> or "
+    "<code>GPUPane(simulated=4)</code>"
+)
 _ICONS = {"polling": "●", "paused": "⏸", "unavailable": "⚠", "closed": "■"}
 #: Seconds between looks for new events while no GPU can be polled.
 EVENTS_TICK_S = 1.0
@@ -94,11 +99,14 @@ class GPUPane:
             Use ``SimulatedBackend(num_gpus=4)`` for a demo without GPUs.
         cluster: ``"ray"``: every node of the connected Ray cluster, one small
             sampler actor per node (``pip install "nbtools[ray]"``). Not with ``backend``.
+        simulated: Show this many simulated GPUs (made-up numbers) instead of the real
+            ones, as ``%gpu_pane --simulated N`` does: a demo without GPUs. With
+            ``cluster``, that many on every node. Not with ``backend``.
         display: Show the pane now (inside IPython). False: show it with ``display(pane)``.
 
     Example:
-        >>> from nbtools.monitor import GPUPane, SimulatedBackend
-        >>> pane = GPUPane(backend=SimulatedBackend(num_gpus=4))  # doctest: +SKIP
+        >>> from nbtools.monitor import GPUPane
+        >>> pane = GPUPane(simulated=4)  # doctest: +SKIP
         >>> pane.status  # doctest: +SKIP
         'polling'
         >>> pane.close()  # doctest: +SKIP
@@ -112,8 +120,24 @@ class GPUPane:
         backend: Backend | None = None,
         *,
         cluster: str | None = None,
+        simulated: int | None = None,
         display: bool = True,
     ) -> None:
+        if simulated is not None:
+            if backend is not None:
+                raise ValueError(
+                    "pass either backend= or simulated=, not both; simulated=N is "
+                    "backend=SimulatedBackend(num_gpus=N)"
+                )
+            if isinstance(simulated, bool) or not isinstance(simulated, int) or simulated < 1:
+                raise ValueError(
+                    f"simulated must be a positive number of GPUs, got {simulated!r}; "
+                    "e.g. GPUPane(simulated=4)"
+                )
+            if cluster is None:
+                from nbtools.monitor.simulated import SimulatedBackend
+
+                backend = SimulatedBackend(num_gpus=simulated)
         if cluster is not None:
             if backend is not None:
                 raise ValueError(
@@ -123,7 +147,7 @@ class GPUPane:
                 )
             from nbtools.monitor.cluster import cluster_backend
 
-            backend = cluster_backend(cluster)
+            backend = cluster_backend(cluster, simulated=simulated)
         self.sampler: Sampler = acquire(
             backend if backend is not None else NVMLBackend(),
             interval=interval,
@@ -446,6 +470,8 @@ class GPUPane:
         else:
             text = message or status
         text = html.escape(text)
+        if status == "unavailable" and isinstance(sampler.backend, NVMLBackend):
+            text += " · " + NO_GPU_HINT
         if sampler.simulated:
             text += " · <b>simulated GPUs</b>"
         self._status_label.value = (

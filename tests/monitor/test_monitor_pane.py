@@ -203,6 +203,9 @@ def test_no_gpu_is_said_plainly(comms, fake_pynvml):
     try:
         assert pane.status == "unavailable" and sampler_threads() == []
         assert "driver is installed but not loaded" in pane._status_label.value
+        # ... and how to try the pane without one.
+        assert "%gpu_pane --simulated 4" in pane._status_label.value
+        assert "GPUPane(simulated=4)" in pane._status_label.value
         assert pane.refresh() is None
         assert pane._chart.comm.opened["state"]["_figure"]["data"] == []
     finally:
@@ -249,3 +252,17 @@ def test_cluster_is_checked_before_anything_starts(comms):
         GPUPane(cluster="ray", backend=SimulatedBackend(num_gpus=1), display=False)
     with pytest.raises(ValueError, match="cluster must be 'ray'"):
         GPUPane(cluster="slurm", display=False)
+
+
+def test_simulated_gpus_by_count_as_the_hint_says(comms):
+    pane = GPUPane(simulated=3, display=False)
+    try:
+        assert pane.sampler.simulated and len(pane.sampler.last_sample.gpus) == 3
+        assert "--simulated" not in pane._status_label.value
+    finally:
+        pane.close()
+    with pytest.raises(ValueError, match="either backend= or simulated="):
+        GPUPane(simulated=2, backend=SimulatedBackend(num_gpus=1), display=False)
+    with pytest.raises(ValueError, match="positive number of GPUs, got 0"):
+        GPUPane(simulated=0, display=False)
+    assert sampler_threads() == []
