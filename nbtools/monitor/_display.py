@@ -5,7 +5,9 @@ The pane shows as two ``display_data`` outputs, each with a display id of its ow
 - the live view: the pane's widget (``application/vnd.jupyter.widget-view+json``,
   and an empty ``text/plain``);
 - the picture: a still picture (``image/png``, :mod:`nbtools.monitor.snapshot`),
-  one line of text per host (``text/plain``), and the view of a small hidden
+  one line of text per host (``text/plain``), the same picture with its alt text
+  and those lines under it as HTML (``text/html``: nbconvert and GitHub show the
+  text as text, not only as pixels), and the view of a small hidden
   widget, so that a front end with the widget manager (JupyterLab, Notebook 7,
   VS Code) draws nothing there while the live view is on the page.
 
@@ -35,6 +37,7 @@ The same worker pushes plotly.js to the chart a moment after it is shown (see
 from __future__ import annotations
 
 import base64
+import html
 import threading
 import time
 import uuid
@@ -44,7 +47,15 @@ from typing import Any
 from nbtools._internal.log import get_logger
 from nbtools.monitor.snapshot import Snapshot
 
-__all__ = ["ANCHOR_CLASS", "PaneDisplay", "SNAPSHOT_EVERY_S", "WIDGET_VIEW", "THREAD_NAME"]
+__all__ = [
+    "ANCHOR_CLASS",
+    "PaneDisplay",
+    "SNAPSHOT_EVERY_S",
+    "TEXT_CLASS",
+    "THREAD_NAME",
+    "WIDGET_VIEW",
+    "alt_text",
+]
 
 _log = get_logger("monitor")
 #: Seconds between refreshes of the still picture while samples come in.
@@ -55,6 +66,16 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 THREAD_NAME = "nbtools-pane-display"
 #: CSS class of the hidden widget in the picture output (its output is hidden in JupyterLab).
 ANCHOR_CLASS = "nbtools-gpu-still-anchor"
+#: CSS class of the text under the picture in the output's HTML.
+TEXT_CLASS = "nbtools-gpu-still-text"
+
+
+def alt_text(snapshot: Snapshot) -> str:
+    """What the still picture shows, in words: its panels and the pane's line(s) of text."""
+    return (
+        "GPU pane, still picture: utilization, memory and temperature of each GPU over "
+        "time, with the run's events. " + "; ".join(snapshot.text.splitlines())
+    )
 
 
 class PaneDisplay:
@@ -103,14 +124,30 @@ class PaneDisplay:
         return data
 
     def bundle(self, snapshot: Snapshot) -> dict[str, Any]:
-        """The picture output's representations: PNG, text and (while live) the hidden widget."""
+        """The picture output's representations: PNG, text, HTML and (while live) the hidden widget.
+
+        The HTML is the picture with its alt text (:func:`alt_text`) and the text's lines
+        under it: what an export without widget state shows, words included.
+        """
+        png = base64.b64encode(snapshot.png).decode("ascii")
+        lines = "<br>".join(html.escape(line) for line in snapshot.text.splitlines())
         data: dict[str, Any] = {
             "text/plain": snapshot.text,
-            "image/png": base64.b64encode(snapshot.png).decode("ascii"),
+            "text/html": (
+                f'<img src="data:image/png;base64,{png}" '
+                f'alt="{html.escape(alt_text(snapshot), quote=True)}">\n'
+                f'<p class="{TEXT_CLASS}">{lines}</p>'
+            ),
+            "image/png": png,
         }
         if self._live and self._anchor is not None:
             data[WIDGET_VIEW] = self._view(self._anchor.model_id)
         return data
+
+    @staticmethod
+    def metadata(snapshot: Snapshot) -> dict[str, Any]:
+        """The picture output's metadata: the PNG's alt text, for front ends that read it."""
+        return {"image/png": {"alt": alt_text(snapshot)}}
 
     def show(self) -> None:
         """Display the pane (IPython), or show it again: every output of it is updated together."""
@@ -123,7 +160,12 @@ class PaneDisplay:
             self._anchor.add_class(ANCHOR_CLASS)
         snapshot = self.refresh(publish=False)
         display(self.view_bundle(), raw=True, display_id=self.display_id)
-        display(self.bundle(snapshot), raw=True, display_id=self.picture_id)
+        display(
+            self.bundle(snapshot),
+            raw=True,
+            metadata=self.metadata(snapshot),
+            display_id=self.picture_id,
+        )
         self._shown = True
         if self._live and self._thread is None:
             self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
@@ -139,7 +181,12 @@ class PaneDisplay:
             if publish and self._shown:
                 from IPython.display import update_display
 
-                update_display(self.bundle(snapshot), raw=True, display_id=self.picture_id)
+                update_display(
+                    self.bundle(snapshot),
+                    raw=True,
+                    metadata=self.metadata(snapshot),
+                    display_id=self.picture_id,
+                )
             self.last = snapshot  # once it is in the outputs
         return snapshot
 

@@ -11,9 +11,11 @@ state shows the chart in Chromium.
 from __future__ import annotations
 
 import base64
+import html
 import importlib.util
 import io
 import json
+import logging
 import os
 
 import nbformat
@@ -112,7 +114,7 @@ def test_an_open_pane_saves_its_view_and_a_picture_of_the_last_minute(saved):
     state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
     assert set(view) == {WIDGET_VIEW, "text/plain"} and view["text/plain"] == ""
     assert view[WIDGET_VIEW]["model_id"] in state
-    assert set(data) == {WIDGET_VIEW, "image/png", "text/plain"}
+    assert set(data) == {WIDGET_VIEW, "image/png", "text/html", "text/plain"}
     anchor = state[data[WIDGET_VIEW]["model_id"]]  # a live front end draws this hidden box there
     assert anchor["model_name"] == "BoxModel" and anchor["state"]["children"] == []
     assert state[anchor["state"]["layout"].removeprefix("IPY_MODEL_")]["state"]["display"] == "none"
@@ -126,16 +128,24 @@ def test_an_open_pane_saves_its_view_and_a_picture_of_the_last_minute(saved):
     snapshot = len(data["image/png"])
     chart = [s for s in state.values() if s["model_name"] == "AnyModel"]
     assert len(chart) == 1 and "_plotly_js" not in json.dumps(state)
-    assert size - 2 * snapshot < 500_000, f"saved notebook {size} bytes, snapshot {snapshot}"
+    # The picture travels three times: its PNG, inside its HTML, and in the chart's state.
+    assert size - 3 * snapshot < 500_000, f"saved notebook {size} bytes, snapshot {snapshot}"
 
 
 def test_a_closed_pane_keeps_its_picture_and_text(saved):
     nb, path = saved["closed"]
     view, data = _pane_outputs(nb)
     assert view == {"text/plain": ""}  # the live view ended with the pane
-    assert set(data) == {"image/png", "text/plain"}
+    assert set(data) == {"image/png", "text/html", "text/plain"}
     assert data["text/plain"].startswith("GPU pane · 2 GPUs (simulated) · last sample ")
     assert data["text/plain"].endswith("1 event · closed")
+    # The HTML is the same picture with alt text, and the text as text beside it.
+    assert f'src="data:image/png;base64,{data["image/png"]}"' in data["text/html"]
+    assert html.escape(data["text/plain"]) in data["text/html"]
+    output = next(
+        o for cell in nb.cells for o in cell.get("outputs", []) if "image/png" in o.get("data", {})
+    )
+    assert output["metadata"]["image/png"]["alt"].startswith("GPU pane, still picture: ")
     assert path.stat().st_size < 500_000
 
 
@@ -152,7 +162,16 @@ def test_nbconvert_html_without_widget_state_shows_the_chart(saved, tmp_path):
     nb, _path = saved["open"]
     nb = nbformat.from_dict(json.loads(json.dumps(nb)))
     del nb.metadata["widgets"]  # as shared without widget state
-    body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
+    exporter = HTMLExporter(template_name="lab")
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    exporter.log.addHandler(handler)
+    try:
+        body, _ = exporter.from_notebook_node(nb)
+    finally:
+        exporter.log.removeHandler(handler)
+    assert not [m for m in said if "Alternative text is missing" in m], said
     page_path = tmp_path / "pane.html"
     page_path.write_text(body, encoding="utf-8")
     with sync_playwright() as pw:
@@ -170,8 +189,12 @@ def test_nbconvert_html_without_widget_state_shows_the_chart(saved, tmp_path):
                 timeout=30_000,
             )
             shot = Image.open(io.BytesIO(image.screenshot())).convert("RGB")
+            alt = image.get_attribute("alt")
+            text = page.locator(".nbtools-gpu-still-text").first.inner_text()
         finally:
             browser.close()
+    assert alt.startswith("GPU pane, still picture: utilization, memory and temperature"), alt
+    assert text.startswith("GPU pane · 2 GPUs (simulated) · last sample "), text  # as text
     assert shot.width >= 800
     # The chart's area: the lower two thirds (panels), where the curves are drawn.
     area = shot.crop((60, shot.height // 3, shot.width - 20, shot.height - 120))

@@ -100,7 +100,7 @@ def test_the_output_holds_the_view_then_a_picture_and_text_and_keeps_the_picture
             VIEW: {"version_major": 2, "version_minor": 0, "model_id": pane.widget.model_id},
             "text/plain": "",
         }
-        assert set(data) == {VIEW, "image/png", "text/plain"}
+        assert set(data) == {VIEW, "image/png", "text/html", "text/plain"}
         # A front end with the widget manager draws the hidden widget there, not the picture.
         anchor = pane._display._anchor
         assert data[VIEW]["model_id"] == anchor.model_id != pane.widget.model_id
@@ -124,7 +124,7 @@ def test_the_output_holds_the_view_then_a_picture_and_text_and_keeps_the_picture
     ]
     assert outputs.calls[-2][1] == {"text/plain": ""}  # the live view ended with the pane
     data = outputs.calls[-1][1]
-    assert set(data) == {"image/png", "text/plain"}  # no hidden widget either
+    assert set(data) == {"image/png", "text/html", "text/plain"}  # no hidden widget either
     assert data["text/plain"].endswith("1 event · closed")
     assert pane.snapshot().png == _png(data)
     assert anchor.comm is None and anchor.layout.comm is None  # closed with the pane
