@@ -14,8 +14,10 @@ only on global rank 0. The launcher calls two functions here (registered by
   exist yet is created there, once, under the store's creation lock, so the
   ranks only open it.
 - :func:`in_rank`, in each rank once it imports ``mlflow``: on ranks other than
-  0, MLflow records nothing (:mod:`nbtools.tracking._quiet`); rank 0 says so
-  once in the cell's output. Rank 0 runs MLflow unchanged: autologging,
+  0, MLflow records nothing (:mod:`nbtools.tracking._quiet`). The first of them
+  whose code really starts a run says so, once per job, in the cell's output
+  (Lightning and Hugging Face start runs on rank 0 only: then nothing is said).
+  Rank 0 runs MLflow unchanged: autologging,
   ``report_to="mlflow"``, ``MLFLOW_EXPERIMENT_NAME`` and
   ``mlflow.start_run(run_id=...)`` work there as documented by MLflow.
 """
@@ -23,20 +25,23 @@ only on global rank 0. The launcher calls two functions here (registered by
 from __future__ import annotations
 
 import os
+import sys
 
 from nbtools._internal.log import get_logger
 from nbtools.runtime import get_rank, get_world_size
 
-__all__ = ["before_launch", "in_rank", "RANKS_NOTICE"]
+__all__ = ["before_launch", "in_rank", "notice", "RANKS_NOTICE"]
 
 _log = get_logger("tracking")
 
-#: What rank 0 says once per launch of several ranks that use MLflow.
+#: What the first rank other than 0 that starts a run says, once per job.
 RANKS_NOTICE = (
-    "MLflow in %d ranks: rank 0 records the runs. On ranks 1-%d, mlflow.start_run() returns "
+    "MLflow in %d ranks: rank 0 records the runs. On %s, mlflow.start_run() returns "
     "a run that records nothing, autologging is off and mlflow.log_*/set_tag* do nothing, "
     "so each training is one run (use MlflowClient there to write anyway)"
 )
+#: The key of the job's store that lets one rank say it.
+_NOTICE_KEY = "nbtools/tracking/quiet-run-notice"
 
 
 def before_launch() -> None:
@@ -83,8 +88,40 @@ def in_rank() -> None:
         return
     rank = get_rank()
     if rank == 0:
-        _log.warning(RANKS_NOTICE, world, world - 1)
         return
     from nbtools.tracking._quiet import quiet_this_rank
 
-    quiet_this_rank(rank)
+    quiet_this_rank(rank, on_first_run=lambda: _tell_once(world))
+
+
+def notice(world: int) -> str:
+    """The line a job of ``world`` ranks shows when a rank other than 0 starts a run."""
+    others = "rank 1" if world == 2 else f"ranks 1-{world - 1}"
+    return RANKS_NOTICE % (world, others)
+
+
+def _tell_once(world: int) -> None:
+    """Say what a quiet run is, unless another rank of the job said it already.
+
+    Called on a rank other than 0, whose records the ``nbtools`` logger drops, so
+    the line goes to stderr in the logger's format; the cell shows it as
+    ``[rank N] nbtools: WARNING: ...``.
+    """
+    if _first_in_job():
+        print(f"nbtools: WARNING: {notice(world)}", file=sys.stderr, flush=True)
+
+
+def _first_in_job() -> bool:
+    """True for the first rank of the job to ask (its process group's store counts); else False.
+
+    Without a process group (a script that set ``RANK`` itself) every process is first.
+    """
+    try:
+        import torch.distributed as dist
+
+        default_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+        if default_store is None or not dist.is_initialized():
+            return True
+        return int(default_store().add(_NOTICE_KEY, 1)) == 1
+    except Exception:  # noqa: BLE001 - a store that cannot count says it on this rank
+        return True

@@ -78,11 +78,16 @@ def _quiet_run(
     return _Run(Run(info, RunData()))
 
 
-def quiet_this_rank(rank: int) -> None:
-    """Make MLflow's run API record nothing in this process (a rank other than 0). Idempotent."""
+def quiet_this_rank(rank: int, on_first_run: Callable[[], None] | None = None) -> None:
+    """Make MLflow's run API record nothing in this process (a rank other than 0). Idempotent.
+
+    ``on_first_run`` is called when the process's code starts its first run
+    (the first ``mlflow.start_run``); an error in it never reaches that code.
+    """
     global _done
     if _done:
         return
+    first: list[Callable[[], None]] = [on_first_run] if on_first_run is not None else []
     import mlflow
     from mlflow.tracking import fluent
 
@@ -97,6 +102,12 @@ def quiet_this_rank(rank: int) -> None:
         **kwargs: Any,
     ) -> Any:
         run = _quiet_run(rank, run_id, experiment_id, run_name)
+        try:
+            callback = first.pop()  # atomic: one thread gets it
+        except IndexError:
+            pass
+        else:
+            _tell(callback)
         stack = run_stack()
         if stack is not None:
             stack.append(run)
@@ -127,6 +138,13 @@ def quiet_this_rank(rank: int) -> None:
             rank,
         )
     _done = True
+
+
+def _tell(callback: Callable[[], None]) -> None:
+    try:
+        callback()
+    except Exception as exc:  # noqa: BLE001 - a notice never breaks the script's start_run
+        _log.debug("the quiet run notice failed: %s", exc)
 
 
 def _does_nothing(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -83,4 +83,4 @@ def test_hf_report_to_mlflow_gives_one_run_with_the_run_name(kernel, store, tmp_
     client, runs = _client(store)
     assert [r.info.run_name for r in runs] == ["gpt2-tiny-lr3e5"]
     assert len(client.get_metric_history(runs[0].info.run_id, "loss")) == 3
-    assert output.count(NOTICE) == 1, "rank 0 says once what nbtools changes in other ranks"
+    assert NOTICE not in output, "Hugging Face starts runs on rank 0 only: nothing to say"

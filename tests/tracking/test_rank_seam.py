@@ -66,16 +66,32 @@ def test_a_rank_other_than_zero_records_nothing_and_its_script_still_runs(tmp_pa
     assert seen["active"] == seen["id"] and seen["after"] is True
     assert seen["resumed"] == "0123abcd", "a resumed run keeps the id asked for"
     assert not db.exists(), "rank 1 never touched the store"
+    # Its code started runs: it says once what they are (no process group: once per process).
+    assert err.count("rank 0 records the runs. On rank 1, mlflow.start_run() returns") == 1, err
 
 
 @pytest.mark.slow
-def test_rank_zero_is_unchanged_and_says_once_what_other_ranks_do(tmp_path):
+def test_a_rank_other_than_zero_that_starts_no_run_says_nothing(tmp_path):
+    script = "from nbtools._internal import hooks\nimport nbtools\nhooks.rank_started()\n"
+    script += "import mlflow\nmlflow.log_metric('x', 1.0)\nprint(mlflow.active_run())"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env.update(RANK="1", WORLD_SIZE="3", MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'm.db'}")
+    env["MLFLOW_DISABLE_TELEMETRY"] = "true"
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "None" and "records nothing" not in out.stderr
+
+
+@pytest.mark.slow
+def test_rank_zero_is_unchanged_and_says_nothing_of_other_ranks(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     MlflowClient(tracking_uri=uri).search_experiments()  # the kernel created the store
     seen, err = _as_rank(0, uri)
     # Rank 0 resumes only real runs: the made-up id of the script is refused there.
     assert not seen and "0123abcd" in err
-    assert err.count("rank 0 records the runs") == 1
+    assert "rank 0 records the runs" not in err  # the rank that starts a quiet run says it
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("/Users/t/seam").experiment_id])
     assert [r.info.run_name for r in runs] == ["fit"]

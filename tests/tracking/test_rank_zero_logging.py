@@ -38,3 +38,27 @@ def test_only_rank_zero_reaches_the_root_handler_from_every_nbtools_logger(monke
         "nbtools: from the package logger",
     ]
     assert rank1 == []
+
+
+@pytest.mark.slow
+def test_the_first_other_rank_that_starts_a_run_says_once_what_it_records(client, capfd):
+    @distributed(processes=3)
+    def fit(start: bool) -> str | None:
+        import mlflow
+
+        if not start:
+            return None  # mlflow imported, no run started
+        for _ in range(2):
+            with mlflow.start_run(run_name="fit") as run:
+                mlflow.log_metric("loss", 0.5)
+        return run.info.run_id
+
+    assert fit.distributed(False) == [None, None, None]
+    assert "records nothing" not in capfd.readouterr().err
+    ids = fit.distributed(True)
+    err = capfd.readouterr().err
+    notice = "rank 0 records the runs. On ranks 1-2, mlflow.start_run() returns a run that"
+    assert err.count(notice) == 1, err
+    assert ids[1:] == ["rank1-not-recorded", "rank2-not-recorded"], ids
+    runs = client.search_runs([client.get_run(ids[0]).info.experiment_id])
+    assert [r.info.run_name for r in runs].count("fit") == 2  # rank 0's two runs, no others
