@@ -21,10 +21,11 @@ _ROOT = "nbtools"
 
 
 class _RankZeroFilter(logging.Filter):
-    """Keeps a record only on global rank 0 (or everywhere with ``NBTOOLS_LOG_ALL_RANKS=1``)."""
+    """Keeps a record only on global rank 0 (or everywhere with ``NBTOOLS_LOG_ALL_RANKS=1``),
+    and a record logged with ``extra={"any_rank": True}`` (a condition of its rank alone)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if os.environ.get("NBTOOLS_LOG_ALL_RANKS") == "1":
+        if os.environ.get("NBTOOLS_LOG_ALL_RANKS") == "1" or getattr(record, "any_rank", False):
             return True
         from nbtools.runtime import get_rank
 

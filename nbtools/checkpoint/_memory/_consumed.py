@@ -1,31 +1,31 @@
-"""A rank's own slot restored in place: the optimizer state lives on in its pages.
+"""A rank's own slot restored in place: the optimizer state starts out in its pages.
 
-Restoring a rank's own snapshot copies nothing it need not copy: the slot file
-is mapped (shared, writable), checked against its checksum, the model's tensors
-are copied into the model, and the optimizer state is loaded as tensors over
-the mapped pages themselves (no new memory to fault in, no second copy). The
-file stays a valid slot, unchanged, until the first optimizer step would
-write into it: a step pre-hook then unlinks it (the mapping keeps its pages)
-and a short background thread frees the pages of the tensors that were copied
-out (tens of milliseconds per 100 MB that the first step does not wait for). A rank that dies
-before that step still finds the slot whole; the next snapshot of the tier
-unlinks it first too, so a reused slot file never shares pages with live state.
+Restoring a rank's own snapshot copies nothing on the restore's path that it
+need not copy: the slot file is mapped (shared), checked against its checksum,
+the model's tensors are copied into the model, and the optimizer state is
+loaded as tensors over the mapped pages themselves. Training then starts at
+once, while a background thread copies those tensors into memory of their own.
+The first optimizer step (or the tier's next snapshot, or its close) waits for
+that copy and moves each tensor onto it (``Tensor.set_``: the optimizer keeps
+the same tensor objects), before anything changes them.
+
+So the slot file is never written: it stays a valid slot of the restored step
+until a newer snapshot replaces it like any other. A rank that fails again
+before its next snapshot is published (even during it) restores the same step,
+never an older one: at most ``memory_every`` steps are trained again, however
+often a job fails.
 """
 
 from __future__ import annotations
 
-import contextlib
 import mmap
-import os
 import threading
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-__all__ = ["Consumed", "holes", "holds", "private"]
-
-_PAGE = mmap.PAGESIZE
+__all__ = ["Consumed", "holds", "private", "within"]
 
 
 def _tensors(obj: Any) -> Iterable[torch.Tensor]:
@@ -45,43 +45,28 @@ def _span(mm: mmap.mmap) -> tuple[int, int]:
     return base, base + len(mm)
 
 
+def within(mm: mmap.mmap, tensors: Any) -> list[torch.Tensor]:
+    """The tensors of ``tensors`` (nested containers) whose data lives in ``mm``."""
+    if not len(mm):
+        return []
+    base, end = _span(mm)
+    return [t for t in _tensors(tensors) if t.numel() and base <= t.data_ptr() < end]
+
+
 def holds(mm: mmap.mmap, tensors: Any) -> bool:
     """Whether any tensor of ``tensors`` (nested containers) lives in ``mm``: an optimizer
     that moved or cast its state on load (to a GPU, to another dtype) keeps none there."""
-    if not len(mm):
-        return False
-    base, end = _span(mm)
-    return any(base <= t.data_ptr() < end for t in _tensors(tensors) if t.numel())
-
-
-def holes(mm: mmap.mmap, copied: Any, live: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
-    """Page ranges ``(start, length)`` of ``mm`` that only the tensors of ``copied`` used.
-
-    Empty when a ``live`` tensor (a model parameter or buffer) sits in the mapping:
-    then its values were not copied out, and no page may be freed.
-    """
-    if not len(mm) or holds(mm, list(live)):
-        return []
-    base, _ = _span(mm)
-    out = []
-    for tensor in _tensors(copied):
-        start = tensor.data_ptr() - base
-        if not tensor.numel() or not 0 <= start < len(mm):
-            continue
-        stop = start + tensor.numel() * tensor.element_size()
-        first, last = -(-start // _PAGE) * _PAGE, stop // _PAGE * _PAGE
-        if last > first:
-            out.append((first, last - first))
-    return out
+    return bool(within(mm, tensors))
 
 
 class Consumed:
-    """The slot at ``path`` whose mapping ``mm`` the ``optimizers`` now keep their state in.
+    """The slot at ``path`` whose mapping ``mm`` the ``tensors`` (the restored optimizer
+    state, and any live model tensor) still live in.
 
     Args:
-        path: The slot file (still a valid slot until :meth:`release`).
+        path: The slot file (a valid slot, never written here).
         mm: Its shared mapping.
-        free: Page ranges of ``mm`` freed at :meth:`release` (see :func:`holes`).
+        tensors: The tensors in ``mm``; each moves to memory of its own at :meth:`release`.
         optimizers: Each gets a step pre-hook that calls :meth:`release`.
     """
 
@@ -89,56 +74,63 @@ class Consumed:
         self,
         path: str,
         mm: mmap.mmap,
-        free: list[tuple[int, int]],
+        tensors: list[torch.Tensor],
         optimizers: Iterable[torch.optim.Optimizer],
     ) -> None:
         self.path: str | None = path
         self._mm: mmap.mmap | None = mm
-        self._free = free
+        self._tensors = tensors
+        self._copies: list[torch.Tensor] = []
+        self._copier: threading.Thread | None = threading.Thread(
+            target=self._copy, name="nbtools-copy-restored-state"
+        )
+        try:
+            self._copier.start()
+        except RuntimeError:  # no new thread (interpreter shutdown): copy at release
+            self._copier = None
         self._handles = [o.register_step_pre_hook(self._before_step) for o in optimizers]
-        self._freer: threading.Thread | None = None
+
+    def _copy(self) -> None:
+        try:
+            with torch.no_grad():
+                self._copies = [t.clone() for t in self._tensors]
+        except BaseException:  # noqa: BLE001 - release() copies again, and raises there
+            self._copies = []
 
     def _before_step(self, *args: Any) -> None:
         self.release()
 
     def drop_hooks(self) -> None:
-        """Stop watching the optimizers (the file stays as it is)."""
+        """Stop watching the optimizers."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
 
     def release(self) -> None:
-        """Unlink the file (from here the state may change); free the copied-out pages in
-        the background (see :meth:`join`)."""
+        """Wait for the copy and move every tensor onto it; from here nothing lives in the
+        slot's pages (the slot stays as it is, a valid slot)."""
         self.drop_hooks()
-        path, mm, self.path, self._mm = self.path, self._mm, None, None
-        if path is None or mm is None:
+        copier, self._copier = self._copier, None
+        if copier is not None:
+            copier.join()
+        tensors, self._tensors = self._tensors, []
+        if not tensors:
             return
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        if not self._free or getattr(mmap, "MADV_REMOVE", None) is None:
-            return
-        freer = threading.Thread(
-            target=_free_pages, args=(mm, self._free), name="nbtools-free-restored-pages"
-        )
-        try:
-            freer.start()
-        except RuntimeError:  # no new thread (interpreter shutdown): free them here
-            _free_pages(mm, self._free)
-            return
-        self._freer = freer
+        copies, self._copies = self._copies, []
+        if len(copies) != len(tensors):  # the thread failed or never ran: copy here
+            with torch.no_grad():
+                copies = [t.clone() for t in tensors]
+        with torch.no_grad():
+            for tensor, copy in zip(tensors, copies, strict=True):
+                tensor.set_(
+                    copy.untyped_storage(), copy.storage_offset(), copy.shape, copy.stride()
+                )
+        self.path, self._mm = None, None
 
     def join(self) -> None:
-        """Wait until the pages :meth:`release` frees are freed."""
-        if self._freer is not None:
-            self._freer.join()
-
-
-def _free_pages(mm: mmap.mmap, ranges: list[tuple[int, int]]) -> None:
-    """Give the pages of ``ranges`` of the shared mapping ``mm`` back to the system."""
-    for start, length in ranges:
-        with contextlib.suppress(OSError, ValueError):
-            mm.madvise(mmap.MADV_REMOVE, start, length)
+        """Wait for the background copy (it is :meth:`release` that uses it)."""
+        if self._copier is not None:
+            self._copier.join()
 
 
 def private(obj: Any, mms: Iterable[mmap.mmap]) -> Any:

@@ -22,7 +22,7 @@ from typing import Any
 
 from nbtools._internal.holder import machine_id
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint._memory import _format, _replicas, _slots
+from nbtools.checkpoint._memory import _format, _notes, _replicas, _slots
 from nbtools.checkpoint._memory._mapped import tensor_of
 from nbtools.checkpoint._memory._tier import MemoryTier
 from nbtools.errors import CheckpointError
@@ -43,15 +43,36 @@ def read_any(
     payload is then a view of that mapping, see ``_consumed``)."""
     why = f"rank {tier.rank}'s node holds no slot of it any more"
     for slot in (s for s in tier.visible(owner) if s.step == step):
+        mm = None
         try:
             if in_place and slot.holder is None:
                 mm = _slots.map_slot(slot)
-                return memoryview(mm)[_slots.HEADER_BYTES :], slot, mm
-            return _slots.read_slot(slot), slot, None
+                body: Any = memoryview(mm)[_slots.HEADER_BYTES :]
+            else:
+                body = _slots.read_slot(slot)
+            _check_step(body, slot)
+            return body, slot, mm
         except (OSError, CheckpointError) as exc:
-            _log.warning("not using %s: %s", slot.path, exc)
+            _notes.once(f"skip|{slot.path}", "not using %s: %s", slot.path, exc)
             why = str(exc)
     raise CheckpointError(why)
+
+
+def _check_step(body: Any, slot: _slots.Slot) -> None:
+    """Raise unless the snapshot in ``body`` holds the step ``slot``'s header claims.
+
+    Raises:
+        CheckpointError: It holds another step, or its skeleton cannot be read.
+    """
+    try:
+        held = _format.step_of(body, slot.data_len)
+    except ValueError as exc:
+        raise CheckpointError(f"snapshot {slot.path} of step {slot.step}: {exc}") from None
+    if held != slot.step:
+        raise CheckpointError(
+            f"snapshot {slot.path} holds step {held} where its header says {slot.step}; "
+            "it is not used"
+        )
 
 
 def _map_any(tier: MemoryTier, owner: int, step: int) -> tuple[_slots.Slot, mmap.mmap, FileId]:
@@ -60,9 +81,15 @@ def _map_any(tier: MemoryTier, owner: int, step: int) -> tuple[_slots.Slot, mmap
     for slot in (s for s in tier.visible(owner) if s.step == step):
         try:
             mm, (device, inode) = _slots.map_peer(slot)
+            try:
+                with memoryview(mm) as whole, whole[_slots.HEADER_BYTES :] as body:
+                    _check_step(body, slot)
+            except CheckpointError:
+                mm.close()
+                raise
             return slot, mm, (machine_id(), device, inode)
         except (OSError, CheckpointError) as exc:
-            _log.warning("not using %s: %s", slot.path, exc)
+            _notes.once(f"skip|{slot.path}", "not using %s: %s", slot.path, exc)
             why = str(exc)
     raise CheckpointError(why)
 
@@ -98,7 +125,7 @@ class Fetched:
             try:
                 _slots.verify(mm, slot)
             except CheckpointError as exc:
-                _log.warning("not using %s: %s", slot.path, exc)
+                _notes.once(f"skip|{slot.path}", "not using %s: %s", slot.path, exc)
                 failed.append((me, owner, self.step))
                 del self.bodies[owner], self.peers[owner]
         return failed
@@ -123,7 +150,7 @@ def fetch(
         try:
             data, slot, _ = read_any(tier, owner, step)
         except CheckpointError as exc:  # the ranks must hear, then try elsewhere
-            _log.warning("rank %d cannot serve rank %d's step %d: %s", me, owner, step, exc)
+            _log.info("rank %d cannot serve rank %d's step %d: %s", me, owner, step, exc)
             out.failed.append((me, owner, step))
             for r in to:
                 works += _replicas.send_body(group, r, None, 0, 0, owner)
@@ -142,7 +169,7 @@ def fetch(
                     out.peers[owner] = (slot, mm, file)
                     mm = None
             except CheckpointError as exc:
-                _log.warning("rank %d cannot read rank %d's step %d: %s", me, owner, step, exc)
+                _log.info("rank %d cannot read rank %d's step %d: %s", me, owner, step, exc)
                 out.failed.append((me, owner, step))
                 continue
             out.bodies[owner] = (body, slot.data_len)
@@ -156,7 +183,11 @@ def fetch(
         out.replica = True
         if got is not None:
             received, data_len, crc = got
-            if _format.checksum(received) == crc:
+            try:
+                held = _format.step_of(received, data_len)
+            except ValueError:
+                held = None
+            if _format.checksum(received) == crc and held == step:
                 out.bodies[owner] = (received, data_len)
             else:
                 _log.warning("rank %d's snapshot of step %d arrived damaged", owner, step)

@@ -25,7 +25,16 @@ from typing import Any
 import crc32c
 import torch
 
-__all__ = ["Layout", "plan", "skeleton_bytes", "destinations", "decode", "checksum", "ALIGN"]
+__all__ = [
+    "Layout",
+    "plan",
+    "skeleton_bytes",
+    "destinations",
+    "decode",
+    "step_of",
+    "checksum",
+    "ALIGN",
+]
 
 #: Alignment of every tensor in the tensor region (a cache line; any dtype's).
 ALIGN = 64
@@ -127,6 +136,23 @@ def destinations(buffer: Any, layout: Layout, base: int = 0) -> list[torch.Tenso
     return out
 
 
+def step_of(body: Any, data_len: int) -> Any:
+    """The step the snapshot in ``body`` holds (its state's ``"step"``; None if it has
+    none), read from its skeleton alone: what a slot's header claims is checked
+    against it.
+
+    Raises:
+        ValueError: The skeleton cannot be read.
+    """
+    with memoryview(body) as view, view[data_len:] as tail:
+        try:
+            meta = torch.load(io.BytesIO(tail), weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unreadable skeleton is damage
+            raise ValueError(f"its skeleton cannot be read ({exc})") from None
+    state = meta.get("state") if isinstance(meta, dict) else None
+    return state.get("step") if isinstance(state, dict) else None
+
+
 def decode(body: Any, data_len: int) -> dict[str, Any]:
     """The state a body holds; its tensors share ``body``'s memory (a writable buffer)."""
     view = memoryview(body)
@@ -143,17 +169,24 @@ def decode(body: Any, data_len: int) -> dict[str, Any]:
             tensors.append(torch.empty(shape, dtype=dtype))
         else:
             flat = torch.frombuffer(body, dtype=dtype, count=numel, offset=offset)
-            tensors.append(flat.view(shape))
+            # Not a view of ``flat``: a tensor later moved off ``body`` (``Tensor.set_``)
+            # keeps no reference to it.
+            own = torch.empty(0, dtype=dtype)
+            own.set_(flat.untyped_storage(), 0, shape, flat.view(shape).stride())
+            tensors.append(own)
 
-    def fill(obj: Any) -> Any:
-        if isinstance(obj, dict):
-            if len(obj) == 1 and _REF in obj:
-                return tensors[obj[_REF]]
-            return {k: fill(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [fill(v) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(fill(v) for v in obj)
-        return obj
+    return _fill(meta["state"], tensors)
 
-    return fill(meta["state"])
+
+def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """``obj`` with each placeholder replaced by its tensor. (A function of the module, not
+    a closure: a recursive closure is a cycle that would keep the body mapped until a gc.)"""
+    if isinstance(obj, dict):
+        if len(obj) == 1 and _REF in obj:
+            return tensors[obj[_REF]]
+        return {k: _fill(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_fill(v, tensors) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_fill(v, tensors) for v in obj)
+    return obj

@@ -30,7 +30,7 @@ from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import agree, gather
 from nbtools.checkpoint._memory import _format, _shares, _volume
-from nbtools.checkpoint._memory._consumed import Consumed, holds, holes, private
+from nbtools.checkpoint._memory._consumed import Consumed, private, within
 from nbtools.checkpoint._memory._fetch import Source, fetch
 from nbtools.checkpoint._memory._tier import MemoryTier
 from nbtools.errors import CheckpointError
@@ -86,6 +86,27 @@ def _choose(
     return step, plan, [shares[(rank, step)] for rank in range(world)]
 
 
+def _say_fallback(
+    offers: tuple[list[Offer], ...], failed: tuple[int, list[int]] | None, step: int | None
+) -> None:
+    """One line when the restore goes to an older step or tier than it could have, and why."""
+    if failed is not None:
+        where = f"step {step} from memory" if step is not None else "the volume"
+        _log.warning(
+            "restoring %s: the snapshots of step %d of rank(s) %s failed their checks",
+            where,
+            failed[0],
+            failed[1],
+        )
+    elif step is None and any(offers):
+        newest = [max((s for _, s, *_ in got), default=None) for got in offers]
+        _log.warning(
+            "restoring from the volume: no memory snapshot of a step every rank can get "
+            "(the newest each rank's node holds: %s)",
+            newest,
+        )
+
+
 def memory_restore(
     tier: MemoryTier, kinds: _state.Objects, pg: Any, volume_step: VolumeStep
 ) -> tuple[int, dict[str, Any], str, bool, int | None] | None:
@@ -114,8 +135,10 @@ def memory_restore(
         return not known or (bound is not None and bound > step)
 
     bad: set[Source] = set()
+    failed: tuple[int, list[int]] | None = None  # the step that failed and whose slots
     for _ in range(_ROUNDS):
         chosen = _choose(list(offers), bad, tier.group is not None)
+        _say_fallback(offers, failed, chosen[0] if chosen else None)
         if chosen is None:
             return None
         step, plan, needs = chosen
@@ -129,7 +152,9 @@ def memory_restore(
         if not failures:
             break
         bad.update(failures)  # type: ignore[arg-type]
+        failed = step, sorted({owner for _, owner, _ in failures})
     else:
+        _log.warning("restoring from the volume: the memory snapshots failed %d times", _ROUNDS)
         return None
     newest_volume = volume_step() if must_list(step) else bound
     if newest_volume is not None and step < newest_volume:
@@ -158,12 +183,12 @@ def memory_restore(
         return None
     _state.apply_state(kinds, state, blob)
     optimizers = [o for o, _ in kinds.optimizers.values()]
-    if got.mapped is not None and holds(got.mapped[1], [o.state for o in optimizers]):
+    if got.mapped is not None:
         path, mm = got.mapped
         live = [t for m in kinds.models.values() for t in [*m.parameters(), *m.buffers()]]
-        copied = [state[name] for name in kinds.models]
-        free = holes(mm, copied, live)
-        tier.hand_over(Consumed(path, mm, free, optimizers))
+        inside = within(mm, [[o.state for o in optimizers], live])
+        if inside:
+            tier.hand_over(Consumed(path, mm, inside, optimizers))
     mine = "replica" if got.replica else "memory"
     from_peers = [r for r, t in enumerate(gather(pg, mine)) if t == "replica"]
     _log.info(

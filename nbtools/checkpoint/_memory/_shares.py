@@ -67,18 +67,21 @@ def _rebuild(state: dict[str, Any], leaf: Callable[[Any, Path], Any]) -> dict[st
     """``state`` with each tensor and marker outside the per-rank part (and the share
     record) replaced by ``leaf(it, path)``, in walk order."""
 
-    def walk(obj: Any, path: Path) -> Any:
-        if isinstance(obj, torch.Tensor) or _is_marker(obj):
-            return leaf(obj, path)
-        if isinstance(obj, dict):
-            return {k: walk(v, (*path, k)) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [walk(v, (*path, i)) for i, v in enumerate(obj)]
-        if isinstance(obj, tuple):
-            return tuple(walk(v, (*path, i)) for i, v in enumerate(obj))
-        return obj
+    return {k: v if k in (_state.NS, KEY) else _walk(v, (k,), leaf) for k, v in state.items()}
 
-    return {k: v if k in (_state.NS, KEY) else walk(v, (k,)) for k, v in state.items()}
+
+def _walk(obj: Any, path: Path, leaf: Callable[[Any, Path], Any]) -> Any:
+    """``obj`` rebuilt by :func:`_rebuild`. (A function of the module, not a closure: a
+    recursive closure is a cycle that would keep what ``leaf`` holds until a gc.)"""
+    if isinstance(obj, torch.Tensor) or _is_marker(obj):
+        return leaf(obj, path)
+    if isinstance(obj, dict):
+        return {k: _walk(v, (*path, k), leaf) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_walk(v, (*path, i), leaf) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        return tuple(_walk(v, (*path, i), leaf) for i, v in enumerate(obj))
+    return obj
 
 
 def _replicated(state: dict[str, Any]) -> list[tuple[Path, torch.Tensor]]:

@@ -34,7 +34,7 @@ from typing import IO, Any
 
 from nbtools._internal.holder import Holder
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint._memory import _format, _volume
+from nbtools.checkpoint._memory import _format, _notes, _volume
 from nbtools.errors import CheckpointError
 
 #: Bytes read and checksummed at a time when a slot is read back (stays in the cache).
@@ -67,7 +67,7 @@ __all__ = [
 
 _log = get_logger("checkpoint")
 
-_MAGIC = b"NBTSNAP2"  # 2: CRC-32C checksums
+_MAGIC = b"NBTSNAP3"  # 2: CRC-32C checksums; 3: the header checksummed too
 #: Bytes before the payload: the magic, then the JSON header padded with spaces.
 HEADER_BYTES = 4096
 KEEPER = "keeper"
@@ -203,11 +203,9 @@ def write_slot(
             fh.truncate(HEADER_BYTES + body.size)  # a reused file may have been longer
             head = {"job": key, "rank": rank, "world": world, "step": step}
             head.update(size=body.size, crc=body.crc)
-            data = _MAGIC + json.dumps(head).encode()
-            if len(data) > HEADER_BYTES:
-                raise CheckpointError("snapshot header too long (a job key of over 3 KB)")
+            data = _sealed(head)
             fh.seek(0)
-            fh.write(data.ljust(HEADER_BYTES, b" "))
+            fh.write(data)
         final = os.path.join(directory, f"r{rank}-{secrets.token_hex(16)}.slot")
         os.rename(tmp, final)
     except BaseException:
@@ -240,22 +238,35 @@ def publish(fd: int, tmp: str, directory: str, prefix: str, head: dict[str, Any]
 
     The file's payload must be complete: from here it is a slot. Returns its path.
     """
-    data = _MAGIC + json.dumps(head).encode()
-    if len(data) > HEADER_BYTES:
-        raise CheckpointError("snapshot header too long (a job key of over 3 KB)")
-    os.pwrite(fd, data.ljust(HEADER_BYTES, b" "), 0)
+    os.pwrite(fd, _sealed(head), 0)
     final = os.path.join(directory, f"{prefix}-{secrets.token_hex(16)}.slot")
     os.rename(tmp, final)
     return final
 
 
+def _head_crc(head: dict[str, Any]) -> int:
+    fields = {k: v for k, v in head.items() if k != "head_crc"}
+    return _format.checksum(json.dumps(fields, sort_keys=True).encode())
+
+
+def _sealed(head: dict[str, Any]) -> bytes:
+    """The header block of ``head``: the magic, then the record with a checksum of its own
+    fields (``head_crc``), padded to :data:`HEADER_BYTES`."""
+    data = _MAGIC + json.dumps({**head, "head_crc": _head_crc(head)}).encode()
+    if len(data) > HEADER_BYTES:
+        raise CheckpointError("snapshot header too long (a job key of over 3 KB)")
+    return data.ljust(HEADER_BYTES, b" ")
+
+
 def _header(fh: IO[bytes]) -> dict[str, Any]:
     data = fh.read(HEADER_BYTES)
     if len(data) != HEADER_BYTES or not data.startswith(_MAGIC):
-        raise ValueError("no snapshot header")
+        raise ValueError("no snapshot header of this version")
     head = json.loads(data[len(_MAGIC) :].decode())
     if not isinstance(head, dict):
         raise ValueError("a header that is not a record")
+    if head.get("head_crc") != _head_crc(head):
+        raise ValueError("the header does not match its checksum")
     return head
 
 
@@ -272,13 +283,15 @@ def _scan(
         path = os.path.join(directory, name)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:  # rotated away since it was listed (see claim)
+            continue
         except OSError as exc:
-            _log.warning("skipping snapshot %s: cannot open it (%s)", path, exc)
+            _notes.once(f"skip|{path}", "skipping snapshot %s: cannot open it (%s)", path, exc)
             continue
         with os.fdopen(fd, "rb") as fh:
             slot, why = _trusted(fh, path, key, world, owner, holder)
         if slot is None:
-            _log.warning("skipping snapshot %s: %s", path, why)
+            _notes.once(f"skip|{path}", "skipping snapshot %s: %s", path, why)
             continue
         yield slot
 

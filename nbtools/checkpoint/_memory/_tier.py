@@ -426,11 +426,11 @@ class MemoryTier:
         self._consumed = consumed
 
     def _release(self) -> None:
-        """Unlink the slot restored in place before any slot file is written or reused."""
+        """Move the state restored in place off its slot's pages before any slot file is
+        written or reused (the slot stays, see ``_consumed``)."""
         consumed, self._consumed = self._consumed, None
         if consumed is not None:
             consumed.release()
-            consumed.join()
 
     def wait(self) -> None:
         """Block until the round in flight (if any) is complete; a round that failed turns
@@ -479,10 +479,7 @@ class MemoryTier:
             self._gate = None
         self._files.close()
         self._held_files.close()
-        consumed, self._consumed = self._consumed, None
-        if consumed is not None:
-            consumed.drop_hooks()  # kept, it is a valid slot until a step changed it
-            consumed.join()
+        self._release()
         if keep:
             return
         _volume.remove(self.directory, self.rank)
