@@ -82,7 +82,7 @@ class MlflowLogger:
         experiment_name: Experiment of a new run. Default: ``MLFLOW_EXPERIMENT_NAME``,
             else ``MLFLOW_EXPERIMENT_ID`` (set by ``mlflow.set_experiment``), else the
             notebook's path, else the working directory's name
-            (see :func:`nbtools.tracking.experiment_name`).
+            (see ``nbtools.tracking.experiment_name``).
         run_name: Name of the run (also renames a resumed run).
         run_id: Resume this run (e.g. ``CheckpointManager.mlflow_run_id``);
             default ``MLFLOW_RUN_ID``; None starts a new run. A run already active
