@@ -1,4 +1,4 @@
-"""Command line: ``python -m nbtools demo`` and ``python -m nbtools doctor [--json]``."""
+"""Command line: ``python -m nbtools demo``, ``python -m nbtools doctor [--json]``, ``--version``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     """Run the nbtools command line."""
+    from nbtools._doctor._report import header
+
     parser = argparse.ArgumentParser(prog="nbtools")
+    parser.add_argument("--version", action="version", version=header())
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="2-rank CPU training run that is killed and recovers")
     demo.add_argument("--out", default="nbtools-demo", help="output directory")

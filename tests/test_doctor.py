@@ -9,17 +9,22 @@ that is enough, and through the command line for the exit status and the JSON ou
 from __future__ import annotations
 
 import contextlib
+import http.server
+import importlib.metadata
 import importlib.util
 import json
 import os
+import platform
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+import nbtools
 from nbtools._doctor import Status, _launch, _machine, _storage
 from nbtools._doctor._report import exit_status
 
@@ -201,7 +206,6 @@ def test_this_machine_passes_with_one_json_object_and_nothing_written_here(tmp_p
     assert {
         "torch",
         "gpus",
-        "cuda initialised",
         "shm",
         "open files",
         "forkserver",
@@ -211,6 +215,10 @@ def test_this_machine_passes_with_one_json_object_and_nothing_written_here(tmp_p
         "ray",
     } <= set(by_name)
     assert by_name["ray"]["status"] == "skip"
+    assert "cuda initialised" not in by_name  # always "no" in a fresh process: not a check
+    assert report["versions"]["nbtools"] == nbtools.__version__
+    assert report["versions"]["python"] == platform.python_version()
+    assert report["versions"]["torch"] == importlib.metadata.version("torch")
     assert list(cwd.iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd"]  # no cache dir, no store
 
@@ -242,3 +250,103 @@ def test_the_text_report_fits_one_screen(tmp_path, doctor_env):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) <= 40 and lines[-1].startswith("Training can run here"), proc.stdout
+    assert lines[0] == (
+        f"nbtools {nbtools.__version__} · Python {platform.python_version()} · "
+        f"torch {importlib.metadata.version('torch')}"
+    )
+
+
+def test_version_names_nbtools_python_and_torch():
+    proc = subprocess.run(
+        [sys.executable, "-m", "nbtools", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == (
+        f"nbtools {nbtools.__version__} · Python {platform.python_version()} · "
+        f"torch {importlib.metadata.version('torch')}"
+    )
+
+
+class _HeldServer:
+    """An MLflow tracking server stand-in on loopback that answers only when released."""
+
+    def __init__(self) -> None:
+        self.asked = threading.Event()
+        self.release = threading.Event()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                server.asked.set()
+                server.release.wait(120)
+                body = b'{"experiments": []}'
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.uri = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join()
+
+
+@pytest.mark.slow
+def test_each_check_is_printed_as_it_finishes(tmp_path, doctor_env):
+    pytest.importorskip("mlflow")
+    server = _HeldServer()
+    doctor_env["MLFLOW_TRACKING_URI"] = server.uri
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nbtools", "doctor", "--no-smoke"],
+        cwd=tmp_path,
+        env=doctor_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # The MLflow check waits on the server: the lines before it are already out.
+        assert server.asked.wait(120), "the doctor never asked the tracking server"
+        early = [proc.stdout.readline()]
+        while "] staging dir" not in early[-1] and len(early) < 20:
+            early.append(proc.stdout.readline())
+        assert early[0].startswith(f"nbtools {nbtools.__version__} · Python "), early
+        names = [line[7:].split()[0] for line in early[1:] if line.startswith("[")]
+        assert names == ["torch", "gpus", "shm", "open", "forkserver", "cache", "staging"], early
+        assert proc.poll() is None  # still waiting for the server's answer
+        server.release.set()
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        server.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, rest + err
+    assert rest.splitlines()[0].startswith("[ok  ] mlflow"), rest
+    assert rest.splitlines()[-1].startswith("Training can run here"), rest
+
+
+def test_a_slow_smoke_launch_is_a_warning_with_the_load_average():
+    slow = _launch.smoke_finding({"results": [3.0, 3.0], "seconds": 21.9})
+    assert slow.status is Status.WARN, slow
+    assert "21.9 s: slower than 10 s, with a load average of " in slow.summary
+    assert f"on {os.cpu_count()} CPUs" in slow.summary and "load" in slow.advice
+    assert len(slow.details["load_average"]) == 3
+    assert exit_status([slow]) == 0  # slow is not broken
+    quick = _launch.smoke_finding({"results": [3.0, 3.0], "seconds": 2.4})
+    assert quick.status is Status.OK and "2.4 s" in quick.summary
+    wrong = _launch.smoke_finding({"results": [2.0, 3.0], "seconds": 2.4})
+    assert wrong.status is Status.FAIL

@@ -23,12 +23,25 @@ from urllib.parse import urlsplit
 
 from nbtools._doctor._report import Finding, Status
 
-__all__ = ["RAY_TIMEOUT_S", "SMOKE_TIMEOUT_S", "check_ray", "check_smoke", "ray_endpoint", "smoke"]
+__all__ = [
+    "RAY_TIMEOUT_S",
+    "SMOKE_SLOW_S",
+    "SMOKE_TIMEOUT_S",
+    "check_ray",
+    "check_smoke",
+    "ray_endpoint",
+    "smoke",
+    "smoke_finding",
+]
 
 #: Seconds the Ray check waits for a TCP connection.
 RAY_TIMEOUT_S = 5.0
 #: Seconds the smoke launch may take (a first launch imports torch in a forkserver).
 SMOKE_TIMEOUT_S = 180.0
+#: A smoke launch slower than this is a warning: on an idle machine two CPU ranks start,
+#: all-reduce and exit in a few seconds, so a slower one says the machine is busy (the
+#: warning gives the load average) or a rendezvous waits on something.
+SMOKE_SLOW_S = 10.0
 _RAY_DEFAULT_PORT = 6379
 _RAY_CLIENT_PORT = 10001
 _MARKER = "NBTOOLS-DOCTOR-SMOKE "
@@ -173,7 +186,15 @@ def check_smoke(timeout: float = SMOKE_TIMEOUT_S) -> Finding:
             "fix the error above; python -m nbtools demo shows the ranks' full output",
             {"stderr": err[-4000:]},
         )
-    report = json.loads(line[len(_MARKER) :])
+    return smoke_finding(json.loads(line[len(_MARKER) :]))
+
+
+def smoke_finding(report: dict[str, Any]) -> Finding:
+    """What a finished smoke launch says: its sum, and a warning when it was slow.
+
+    Args:
+        report: What the launch printed: ``results`` (each rank's sum) and ``seconds``.
+    """
     if report["results"] != [3.0, 3.0]:
         return Finding(
             "smoke launch",
@@ -182,11 +203,20 @@ def check_smoke(timeout: float = SMOKE_TIMEOUT_S) -> Finding:
             "gloo gave a wrong sum: check the torch installation",
             report,
         )
+    summary = f"2 CPU ranks (gloo) all-reduced one tensor in {report['seconds']:.1f} s"
+    if report["seconds"] <= SMOKE_SLOW_S:
+        return Finding("smoke launch", Status.OK, summary, "", report)
+    load = os.getloadavg()
+    cpus = os.cpu_count() or 1
+    report = {**report, "load_average": [round(v, 2) for v in load], "cpus": cpus}
     return Finding(
         "smoke launch",
-        Status.OK,
-        f"2 CPU ranks (gloo) all-reduced one tensor in {report['seconds']:.1f} s",
-        "",
+        Status.WARN,
+        f"{summary}: slower than {SMOKE_SLOW_S:.0f} s, with a load average of "
+        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) on {cpus} CPUs",
+        "a first launch starts Python and imports torch in each rank; on a busy machine "
+        "(a load above its CPUs) that takes longer: run the doctor again when the load "
+        "falls, or find what keeps the CPUs busy (top)",
         report,
     )
 

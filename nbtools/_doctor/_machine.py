@@ -13,7 +13,6 @@ from nbtools._doctor._report import Finding, Status
 __all__ = [
     "SHM_FLOOR_BYTES",
     "NOFILE_FLOOR",
-    "check_cuda_state",
     "check_forkserver",
     "check_gpus",
     "check_nofile",
@@ -116,27 +115,6 @@ def check_gpus() -> Finding:
             details,
         )
     return Finding("gpus", Status.OK, summary, "", details)
-
-
-def check_cuda_state() -> Finding:
-    """Whether this process has initialised CUDA (nbtools launches safely either way)."""
-    try:
-        import torch
-
-        initialised = bool(torch.cuda.is_initialized())
-    except ImportError:
-        initialised = False
-    if initialised:
-        return Finding(
-            "cuda initialised",
-            Status.OK,
-            "yes, in this process: ranks still start (forkserver, never a plain fork)",
-            "",
-            {"initialised": True},
-        )
-    return Finding(
-        "cuda initialised", Status.OK, "no, not in this process", "", {"initialised": False}
-    )
 
 
 def check_shm(path: str = "/dev/shm") -> Finding:

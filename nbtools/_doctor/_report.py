@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib.metadata
 import json
+import platform
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Finding", "Status", "exit_status", "to_json", "to_text"]
+__all__ = [
+    "NAME_WIDTH",
+    "Finding",
+    "Status",
+    "exit_status",
+    "finding_lines",
+    "header",
+    "to_json",
+    "verdict",
+    "versions",
+]
 
 
 class Status(str, enum.Enum):
@@ -55,28 +67,53 @@ def exit_status(findings: Sequence[Finding]) -> int:
 
 
 _MARKS = {Status.OK: "ok  ", Status.WARN: "WARN", Status.FAIL: "FAIL", Status.SKIP: "skip"}
+#: Width of the name column: the longest check name ("smoke launch", "staging dir").
+NAME_WIDTH = 12
 
 
-def to_text(findings: Sequence[Finding]) -> str:
-    """One line per check, then the advice of each problem under it."""
-    width = max((len(f.name) for f in findings), default=0)
-    lines = []
-    for finding in findings:
-        lines.append(f"[{_MARKS[finding.status]}] {finding.name:<{width}}  {finding.summary}")
-        if finding.advice and finding.status in (Status.WARN, Status.FAIL):
-            lines.append(f"       {'':<{width}}  -> {finding.advice}")
+def versions() -> dict[str, str | None]:
+    """nbtools, Python and torch versions (torch's from its metadata: nothing is imported)."""
+    from nbtools import __version__
+
+    try:
+        torch: str | None = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch = None
+    return {"nbtools": __version__, "python": platform.python_version(), "torch": torch}
+
+
+def header(found: dict[str, str | None] | None = None) -> str:
+    """The report's first line: which nbtools, Python and torch are checked."""
+    found = versions() if found is None else found
+    torch = found["torch"] or "not installed"
+    return f"nbtools {found['nbtools']} · Python {found['python']} · torch {torch}"
+
+
+def finding_lines(finding: Finding, width: int = NAME_WIDTH) -> list[str]:
+    """One check's line, and its advice under it when something is to be done."""
+    lines = [f"[{_MARKS[finding.status]}] {finding.name:<{width}}  {finding.summary}"]
+    if finding.advice and finding.status in (Status.WARN, Status.FAIL):
+        lines.append(f"       {'':<{width}}  -> {finding.advice}")
+    return lines
+
+
+def verdict(findings: Sequence[Finding]) -> str:
+    """The last line: whether training can run here, and what failed."""
     failed = [f.name for f in findings if f.status is Status.FAIL]
     warned = sum(f.status is Status.WARN for f in findings)
     if failed:
-        lines.append(f"\nTraining cannot run here: {', '.join(failed)} failed (exit status 1).")
-    else:
-        lines.append(f"\nTraining can run here ({warned} warning{'s' * (warned != 1)}).")
-    return "\n".join(lines)
+        return f"Training cannot run here: {', '.join(failed)} failed (exit status 1)."
+    return f"Training can run here ({warned} warning{'s' * (warned != 1)})."
 
 
 def to_json(findings: Sequence[Finding]) -> str:
-    """One JSON object: ``ok``, ``exit_status`` and the ``checks`` in order."""
+    """One JSON object: ``ok``, ``exit_status``, the ``versions`` and the ``checks`` in order."""
     status = exit_status(findings)
     return json.dumps(
-        {"ok": status == 0, "exit_status": status, "checks": [f.to_dict() for f in findings]}
+        {
+            "ok": status == 0,
+            "exit_status": status,
+            "versions": versions(),
+            "checks": [f.to_dict() for f in findings],
+        }
     )
