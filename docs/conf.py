@@ -13,6 +13,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(HERE, "_ext"))
 
 import nbtools  # noqa: E402
 
@@ -27,10 +28,19 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",  # Google-style docstrings
     "sphinx.ext.intersphinx",
+    "sphinx_copybutton",  # a copy button on every code block (prompts and outputs left out)
+    "nbtools_docs",  # generated reference tables; checks of every built page (_ext/)
 ]
 
 source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb", ".rst": "restructuredtext"}
-exclude_patterns = ["_build", "_inventories", "notebooks/.ipynb_checkpoints", "**/mlflow.db*"]
+exclude_patterns = [
+    "_build",
+    "_inventories",
+    "_ext",
+    "_tools",
+    "notebooks/.ipynb_checkpoints",
+    "**/mlflow.db*",
+]
 root_doc = "index"
 
 # Notebooks are documents of their saved outputs: executing them needs ranks, kernels, a cluster.
@@ -38,9 +48,11 @@ nb_execution_mode = "off"
 nb_output_stderr = "show"
 # Notebook cells hold IPython magics (%load_ext, %distributed) that the Python lexer does not
 # know; Pygments renders them in its relaxed mode, which is what is wanted.
-# A saved plotly chart also carries its HTML and PNG renderings, which the pages show;
-# the plotly JSON bundle itself has no renderer in a static page.
-suppress_warnings = ["misc.highlighting_failure", "mystnb.unknown_mime_type"]
+# An output none of whose types the site renders is a warning (mystnb.unknown_mime_type):
+# docs/_tools/run_notebooks.py saves a PNG beside every plotly chart, which the page shows.
+suppress_warnings = ["misc.highlighting_failure"]
+# Widget views need a live kernel's state; a page shows the still picture saved beside them.
+nb_mime_priority_overrides = [("html", "application/vnd.jupyter.widget-view+json", None)]
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3
 
@@ -65,10 +77,23 @@ intersphinx_mapping = {
 }
 intersphinx_disabled_reftypes = ["*"]
 
-html_theme = "alabaster"
+# Furo: the whole table of contents in the sidebar, search, dark mode; code blocks and
+# tables use the content's full width and scroll sideways rather than being cut.
+# Nothing is fetched at build or view time.
+html_theme = "furo"
 html_title = f"nbtools {release}"
-html_static_path: list[str] = []
-html_theme_options = {"description": "Resilient multi-GPU PyTorch training from a notebook"}
+html_static_path = ["_static"]
+html_css_files = ["nbtools.css"]
+html_theme_options = {
+    "source_repository": "https://github.com/nbtools-train/nbtools",
+    "source_branch": "main",
+    "source_directory": "docs/",
+    "navigation_with_keys": False,
+}
+# Copy buttons copy the code only: no ">>> ", "$ " prompts, no "In [1]:".
+copybutton_prompt_text = r">>> |\.\.\. |\$ |In \[\d*\]: "
+copybutton_prompt_is_regexp = True
+copybutton_exclude = ".linenos, .gp, .go"
 
 # A broken cross-reference to an nbtools name is an error. Other projects' names resolve only
 # through vendored inventories, private nbtools names are never documented, and the public

@@ -1,0 +1,381 @@
+"""Sphinx extension of the nbtools site: generated reference tables and checks of the built pages.
+
+Directives (in a MyST page, as ```` ```{nbtools-settings} ````):
+
+- ``nbtools-settings``: the table of ``NBTOOLS_*`` variables, from
+  :data:`nbtools._internal.settings.SETTINGS` (option ``:internal:`` for the ones nbtools sets
+  in its ranks).
+- ``nbtools-cli``: every subcommand of the ``nbtools`` command line and its flags, read from its
+  argparse parser.
+- ``nbtools-magic``: one magic's options, read from its parser (``%gpu_pane``,
+  ``%%autoresume``, ``%distributed``).
+
+Notebook pages show the PNG saved beside a plotly figure (``docs/_tools/run_notebooks.py`` saves
+one); the figure's JSON, which a static page cannot draw, is left out of the page.
+
+Checks, each a warning (an error under ``sphinx -W``), on every page as it is written:
+
+- text of an unresolved role (``{doc}`` followed by its target) outside code;
+- a notebook saved without running it (a code cell with no execution count), or one whose
+  saved outputs do not all appear on its page (an output whose types none renders).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from html.parser import HTMLParser
+from typing import Any
+
+from docutils import nodes
+from docutils.statemachine import StringList
+from sphinx.application import Sphinx
+from sphinx.util import logging
+from sphinx.util.docutils import SphinxDirective
+
+__all__ = ["setup", "unresolved_roles", "rendered_outputs", "notebook_problems"]
+
+_log = logging.getLogger(__name__)
+
+#: A role left as text: ``{doc}`` or ``{py:func}`` right before its backquoted target.
+_ROLE = re.compile(r"\{[a-z][a-z0-9]*(?::[a-z][a-z0-9-]*)*\}(?=`)")
+_SKIP = {"pre", "code", "script", "style", "kbd", "samp", "tt"}
+
+
+class _Text(HTMLParser):
+    """The page's text outside code, with a backquote where an inline code element starts."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+        self._depth = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in _SKIP:
+            if tag == "code" and self._depth == 0:
+                self.parts.append("`")
+            self._depth += 1
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in _SKIP and self._depth:
+            self._depth -= 1
+
+    def handle_data(self, data: str) -> None:
+        if not self._depth:
+            self.parts.append(data)
+
+
+def unresolved_roles(html: str) -> list[str]:
+    """Each role written as text in ``html`` (outside code), with a little of what follows."""
+    parser = _Text()
+    parser.feed(html)
+    parser.close()
+    text = "".join(parser.parts)
+    return [text[m.start() : m.end() + 40].split("\n")[0] for m in _ROLE.finditer(text)]
+
+
+_OUTPUT = re.compile(r'<div class="cell_output[ "]')
+
+
+def rendered_outputs(html: str) -> int:
+    """How many outputs the page shows: the children of its ``cell_output`` containers."""
+
+    class _Outputs(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+            self._stack: list[bool] = []  # per open div: is it a cell_output container
+
+        def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+            classes = (dict(attrs).get("class") or "").split()
+            inside = bool(self._stack) and self._stack[-1]
+            if inside and (tag == "img" or (tag == "div" and "output" in classes)):
+                self.count += 1
+            if tag == "div":
+                # Only the container's direct children count; nothing below them does.
+                self._stack.append("cell_output" in classes)
+
+        def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+            self.handle_starttag(tag, attrs)
+            if tag == "div":
+                self._stack.pop()
+
+        def handle_endtag(self, tag: str) -> None:
+            if tag == "div" and self._stack:
+                self._stack.pop()
+
+    parser = _Outputs()
+    parser.feed(html)
+    parser.close()
+    return parser.count
+
+
+def _saved_outputs(cell: dict[str, Any]) -> int:
+    """The outputs of a cell that a page shows: widget views and empty streams show nothing."""
+    count = 0
+    for output in cell.get("outputs", []):
+        if output.get("output_type") == "stream" and not "".join(output.get("text", "")):
+            continue
+        data = output.get("data", {})
+        if set(data) == {"application/vnd.jupyter.widget-view+json"}:
+            continue
+        if output.get("output_type") in ("display_data", "execute_result") and not data:
+            continue
+        count += 1
+    return count
+
+
+def notebook_problems(notebook: dict[str, Any], html: str) -> list[str]:
+    """What is wrong with a notebook's page: cells never run, outputs the page does not show."""
+    code = [cell for cell in notebook.get("cells", []) if cell.get("cell_type") == "code"]
+    problems = []
+    unrun = [i for i, cell in enumerate(code, 1) if cell.get("execution_count") is None]
+    if unrun:
+        problems.append(
+            f"saved without its outputs (code cells {', '.join(map(str, unrun))} never ran): "
+            "run it with python docs/_tools/run_notebooks.py and commit it"
+        )
+    saved = sum(_saved_outputs(cell) for cell in code)
+    shown = rendered_outputs(html)
+    if shown < saved:
+        problems.append(
+            f"the page shows {shown} of the {saved} outputs saved in the notebook: an output "
+            "has no type the site renders (add a PNG rendering beside it)"
+        )
+    return problems
+
+
+#: Plotly's figure JSON: a page has no renderer for it, but shows the PNG saved beside it.
+PLOTLY = "application/vnd.plotly.v1+json"
+
+
+def _drop_rendered_plotly(app: Sphinx, docname: str, source: list[str]) -> None:
+    """Leave out a plotly figure's JSON where a PNG of it was saved: the page shows the PNG.
+
+    A figure saved without a PNG keeps its JSON, so that myst-nb reports it
+    (``mystnb.unknown_mime_type``) and the page check finds the output missing.
+    """
+    if not str(app.env.doc2path(docname)).endswith(".ipynb"):
+        return
+    notebook = json.loads(source[0])
+    changed = False
+    for cell in notebook.get("cells", []):
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            if PLOTLY in data and "image/png" in data:
+                del data[PLOTLY]
+                changed = True
+    if changed:
+        source[0] = json.dumps(notebook)
+
+
+def _check_page(
+    app: Sphinx, pagename: str, templatename: str, context: dict[str, Any], doctree: Any
+) -> None:
+    body = context.get("body") or ""
+    if not body:
+        return
+    for found in unresolved_roles(body):
+        _log.warning(
+            "unresolved role shown as text: %r",
+            found,
+            location=pagename,
+            type="nbtools",
+            subtype="role",
+        )
+    source = str(app.env.doc2path(pagename)) if pagename in app.env.all_docs else ""
+    if source.endswith(".ipynb"):
+        with open(source, encoding="utf-8") as fh:
+            notebook = json.load(fh)
+        for problem in notebook_problems(notebook, body):
+            _log.warning("%s", problem, location=pagename, type="nbtools", subtype="notebook")
+
+
+# --- generated reference ---------------------------------------------------------------------
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def settings_table(internal: bool = False) -> list[str]:
+    """Markdown lines of the settings table (user-facing, or those nbtools sets for ranks)."""
+    from nbtools._internal.settings import SETTINGS
+
+    lines = ["| Variable | Type | Default | What it changes |", "| --- | --- | --- | --- |"]
+    for setting in SETTINGS:
+        if setting.internal == internal:
+            lines.append(
+                f"| `{setting.name}` | {_cell(setting.type)} | {_cell(setting.default)} "
+                f"| {_cell(setting.meaning)} |"
+            )
+    return lines
+
+
+def _flag(action: argparse.Action) -> str:
+    if not action.option_strings:
+        return f"`{action.metavar or action.dest.upper()}`"
+    name = ", ".join(action.option_strings)
+    if action.nargs == 0:
+        return f"`{name}`"
+    if action.choices:
+        return f"`{name} {'|'.join(map(str, action.choices))}`"
+    number = action.type in (int, float) or getattr(action.type, "__name__", "") == "integer"
+    return f"`{name} {action.metavar or ('N' if number else action.dest.upper())}`"
+
+
+def _default(action: argparse.Action) -> str:
+    if action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
+        return ""
+    return f"`{action.default}`"
+
+
+def options_table(parser: argparse.ArgumentParser) -> list[str]:
+    """Markdown lines of a table of a parser's arguments: flag, default, and help if any."""
+    actions = [
+        action
+        for action in parser._actions
+        if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction))
+    ]
+    if not actions:
+        return []
+    helped = any(action.help for action in actions)
+    lines = [
+        "| Option | Default |" + (" Meaning |" if helped else ""),
+        "| --- | --- |" + (" --- |" if helped else ""),
+    ]
+    for action in actions:
+        row = f"| {_cell(_flag(action))} | {_cell(_default(action))} |"
+        lines.append(row + (f" {_cell(action.help or '')} |" if helped else ""))
+    return lines
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _helps(parser: argparse.ArgumentParser) -> dict[str, str]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return {choice.dest: choice.help or "" for choice in action._choices_actions}
+    return {}
+
+
+def cli_parser() -> argparse.ArgumentParser:
+    """The ``nbtools`` command line's parser, caught as ``main()`` builds it."""
+    from nbtools import __main__ as cli
+
+    caught: list[argparse.ArgumentParser] = []
+
+    class _Caught(Exception):
+        pass
+
+    original = argparse.ArgumentParser.parse_args
+
+    def _catch(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+        caught.append(self)
+        raise _Caught
+
+    argparse.ArgumentParser.parse_args = _catch  # type: ignore[method-assign]
+    try:
+        cli.main([])
+    except _Caught:
+        pass
+    finally:
+        argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
+    return caught[0]
+
+
+def cli_reference() -> list[str]:
+    """Markdown lines: each subcommand of ``nbtools``, what it does, its flags."""
+    parser = cli_parser()
+    lines: list[str] = []
+    helps = _helps(parser)
+    top = options_table(parser)
+    if top:
+        lines += ["`nbtools`", "", *top, ""]
+    for name, sub in _subparsers(parser).items():
+        lines += [f"`nbtools {name}`: {helps.get(name, '')}", ""]
+        table = options_table(sub)
+        lines += [*(table or ["No options."]), ""]
+    return lines
+
+
+def magic_reference(name: str) -> list[str]:
+    """Markdown lines: the usage and options of magic ``name`` (``gpu_pane``, ...)."""
+    if name == "distributed":
+        from nbtools._magics.distributed import _parser
+
+        commands = _subparsers(_parser())
+        lines = ["```text"]
+        lines += [_usage(sub) for sub in commands.values()]
+        lines += ["```", "", "Options of `start` and `restart`:", ""]
+        return [*lines, *options_table(commands["start"]), ""]
+    from IPython.core.magic_arguments import construct_parser  # noqa: TID251 (docs build)
+
+    from nbtools.magics import NbtoolsMagics
+
+    function = getattr(NbtoolsMagics, name)
+    parser = construct_parser(function)
+    return ["```text", _usage(parser), "```", "", *options_table(parser), ""]
+
+
+def _usage(parser: argparse.ArgumentParser) -> str:
+    """A parser's usage on one line, without argparse's "usage: " and wrapping."""
+    return " ".join(parser.format_usage().replace("usage: ", "", 1).split())
+
+
+class _Generated(SphinxDirective):
+    """Renders Markdown lines made at build time into the page."""
+
+    has_content = False
+
+    def lines(self) -> list[str]:
+        raise NotImplementedError
+
+    def run(self) -> list[nodes.Node]:
+        container = nodes.container()
+        source = self.get_source_info()[0]
+        self.state.nested_parse(StringList(self.lines(), source=source), 0, container)
+        return container.children
+
+
+class SettingsDirective(_Generated):
+    option_spec = {"internal": lambda _: True}
+
+    def lines(self) -> list[str]:
+        self.env.note_dependency(os.path.join(_PACKAGE, "_internal", "settings.py"))
+        return settings_table(internal="internal" in self.options)
+
+
+class CliDirective(_Generated):
+    def lines(self) -> list[str]:
+        self.env.note_dependency(os.path.join(_PACKAGE, "__main__.py"))
+        return cli_reference()
+
+
+class MagicDirective(_Generated):
+    required_arguments = 1
+
+    def lines(self) -> list[str]:
+        self.env.note_dependency(os.path.join(_PACKAGE, "magics.py"))
+        self.env.note_dependency(os.path.join(_PACKAGE, "_magics", "distributed.py"))
+        return magic_reference(self.arguments[0].lstrip("%"))
+
+
+_PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "nbtools")
+
+
+def setup(app: Sphinx) -> dict[str, Any]:
+    """Register the directives and the page checks."""
+    app.add_directive("nbtools-settings", SettingsDirective)
+    app.add_directive("nbtools-cli", CliDirective)
+    app.add_directive("nbtools-magic", MagicDirective)
+    app.connect("source-read", _drop_rendered_plotly)
+    app.connect("html-page-context", _check_page)
+    return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
