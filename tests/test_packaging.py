@@ -2,9 +2,10 @@
 
 Every other test imports nbtools from the checkout (an editable install or ``PYTHONPATH``),
 so only this one notices package data missing from the wheel. The wheel goes into a fresh
-virtual environment that sees the machine's site-packages for torch and the other
-dependencies, but nbtools itself comes from the wheel: the test checks where it was imported
-from, with ``PYTHONPATH`` cleared.
+virtual environment that sees the packages of the interpreter running the tests (a virtual
+environment's own, not its base interpreter's) for torch and the other dependencies, but
+nbtools itself comes from the wheel: the test checks where it was imported from, with
+``PYTHONPATH`` cleared.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import textwrap
 import venv
@@ -126,14 +129,41 @@ def test_sdist_and_wheel_pass_twine_check_and_carry_license_and_widget_files(dis
     assert {"LICENSE", "pyproject.toml", "nbtools/monitor/_chart.js"} <= members
 
 
+def _site_packages_here() -> list[str]:
+    """The site-packages directories of the interpreter running the tests, as it sees them:
+    a virtual environment's own (and its base's only when it was made to inherit them)."""
+    found = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        found.append(site.getusersitepackages())
+    return [d for d in dict.fromkeys(found) if os.path.isdir(d)]
+
+
+def _venv_inheriting_these_packages(env_dir: Path) -> Path:
+    """A virtual environment whose interpreter sees this one's packages after its own.
+
+    ``system_site_packages=True`` would give it the *base* interpreter's packages, which
+    inside a virtual environment are not the ones the tests run with. A ``.pth`` file naming
+    this interpreter's site-packages appends them to ``sys.path`` instead; their own ``.pth``
+    files (this checkout's editable install among them) are not run, so ``nbtools`` can come
+    only from what is installed into the new environment.
+    """
+    # Without a pip of its own: ensurepip's older setuptools would shadow the machine's.
+    venv.EnvBuilder(system_site_packages=False, with_pip=False, symlinks=True).create(env_dir)
+    purelib = sysconfig.get_path(
+        "purelib", "posix_prefix", vars={"base": str(env_dir), "platbase": str(env_dir)}
+    )
+    Path(purelib, "_nbtools_tests_inherited.pth").write_text(
+        "".join(f"{d}\n" for d in _site_packages_here())
+    )
+    return env_dir / "bin" / "python"
+
+
 def test_the_installed_wheel_imports_finds_its_widget_and_runs_two_ranks(dist, tmp_path):
     env_dir = tmp_path / "venv"
-    # Without a pip of its own: ensurepip's older setuptools would shadow the machine's.
-    venv.EnvBuilder(system_site_packages=True, with_pip=False, symlinks=True).create(env_dir)
-    python = env_dir / "bin" / "python"
+    python = _venv_inheriting_these_packages(env_dir)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(PIP_DISABLE_PIP_VERSION_CHECK="1")
-    # --no-index: every dependency must already be met by the machine's packages.
+    # --no-index: every dependency must already be met by the packages inherited.
     _run(
         sys.executable,
         "-m",
