@@ -7,14 +7,10 @@ torch once; every rank after that is a cheap fork of it.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import importlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
-import re
-import shutil
 import signal
 import socket
 import sys
@@ -32,7 +28,6 @@ __all__ = [
     "main_module_hidden",
     "signal_handlers_kept",
     "caller_environment",
-    "settle_forkserver",
 ]
 
 #: CUDA-safe and fast once warm; ``spawn`` would re-import torch in every rank.
@@ -44,9 +39,11 @@ START_METHOD = "forkserver"
 #: restarted group then reaches its first step without importing them again. So do
 #: nbtools' own checkpoint and data packages, which a rank's code imports before it
 #: restores (about 0.15 s of CPU per rank, per restart).
-#: None starts a thread or touches a device. ``__main__`` is deliberately absent: a
+#: ``nbtools.launch._forkserver`` comes first and also loads the installed object-store
+#: clients. None starts a thread or touches a device. ``__main__`` is deliberately absent: a
 #: script's top level must not run again.
 _PRELOAD = [
+    "nbtools.launch._forkserver",  # first: settles the forkserver (see there)
     "torch",
     "torch.distributed",
     "torch.distributed.elastic.multiprocessing",
@@ -58,11 +55,6 @@ _PRELOAD = [
     "nbtools.checkpoint",
     "nbtools.data",
 ]
-
-#: Object-store clients the forkserver also loads when they are installed (a rank that
-#: reads or writes checkpoints in a bucket imports one: half a second per rank, per
-#: restart). Imported with every error tolerated: a broken one is skipped, never fatal.
-_OPTIONAL_PRELOAD = ("s3fs", "gcsfs", "adlfs")
 
 _MAIN_LOCK = threading.RLock()
 
@@ -219,37 +211,3 @@ def signal_handlers_kept() -> Iterator[None]:
 def caller_environment() -> dict[str, str]:
     """A snapshot of this process's environment, which every rank inherits."""
     return dict(os.environ)
-
-
-def settle_forkserver() -> None:
-    """Inside the forkserver: leave the caller's process group, load the installed
-    object-store clients (``_OPTIONAL_PRELOAD``); clean up at the end.
-
-    Jupyter kernels terminate every process of their group at shutdown and wait
-    for them; the forkserver (and the ranks it forks) end by themselves once the
-    kernel is gone, and stay out of that. multiprocessing removes the server's
-    ``pymp-*`` socket directory from the caller's exit handlers, which do not
-    run when a kernel is terminated, so the server removes it when it ends: by
-    then the caller and every rank are gone. Does nothing in any other process.
-    """
-    try:
-        with open("/proc/self/cmdline", "rb") as fh:
-            cmdline = fh.read().decode(errors="replace")
-    except OSError:
-        return
-    match = re.search(r"from multiprocessing\.forkserver import main; main\((\d+),", cmdline)
-    if match is None:
-        return
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)
-    for name in _OPTIONAL_PRELOAD:
-        with contextlib.suppress(Exception):
-            importlib.import_module(name)
-    try:
-        with socket.socket(socket.AF_UNIX, fileno=os.dup(int(match.group(1)))) as listener:
-            address = listener.getsockname()
-    except OSError:
-        return
-    directory = os.path.dirname(address) if isinstance(address, str) else ""
-    if os.path.basename(directory).startswith("pymp-"):
-        atexit.register(shutil.rmtree, directory, ignore_errors=True)

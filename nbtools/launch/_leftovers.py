@@ -194,6 +194,7 @@ def _stop(procs: list[psutil.Process]) -> None:
     for proc in procs:
         with contextlib.suppress(psutil.Error):
             proc.terminate()
+            proc.resume()  # a stopped process acts on SIGTERM only once continued
     for proc in _wait_gone(procs, _STOP_GRACE_S):
         with contextlib.suppress(psutil.Error):
             proc.kill()

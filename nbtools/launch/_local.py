@@ -46,7 +46,7 @@ from torch.distributed.elastic.multiprocessing import (
 )
 
 from nbtools import _torch_compat
-from nbtools.launch import _env, _leftovers, _results
+from nbtools.launch import _env, _forkserver, _leftovers, _results
 from nbtools.launch._backend import Failed, Finished, GroupSpec, Outcome, wait_for_stacks
 from nbtools.launch._elastic import POLL_S, STOP_GRACE_S, ElasticQuiet, exit_status, start
 from nbtools.launch._failures import RankFailure, from_early_exit, from_exit, from_record
@@ -76,6 +76,7 @@ class LocalBackend:
 
     def __init__(self) -> None:
         self._groups: list[LocalGroup] = []
+        self._runs: set[str] = set()  # run ids recorded for the forkserver (_forkserver)
 
     def gpu_count(self) -> int:
         """GPUs torch sees on this machine."""
@@ -91,6 +92,11 @@ class LocalBackend:
         _env.warm_up()
         base = _env.caller_environment()
         base.update(spec.env)
+        base.update(_forkserver.rank_environment(base))
+        if spec.run_id not in self._runs:
+            # Should this process die before the launch ends, the forkserver ends it.
+            _forkserver.note_launch(spec.run_id, os.path.dirname(spec.attempt_dir), base)
+            self._runs.add(spec.run_id)
         port = _env.free_port()
         interface = _env.loopback_interface()
         envs, args = {}, {}
@@ -133,6 +139,9 @@ class LocalBackend:
         groups, self._groups = self._groups, []
         for group in groups:
             group.collect()
+        runs, self._runs = self._runs, set()
+        for run_id in runs:
+            _forkserver.forget_launch(run_id)
 
 
 @dataclass(frozen=True)
@@ -234,6 +243,7 @@ class LocalGroup:
             if rank != exclude and _running(proc):
                 with contextlib.suppress(psutil.Error, OSError):
                     proc.send_signal(signal.SIGTERM)
+                    proc.send_signal(signal.SIGCONT)  # a stopped rank acts on it only so
 
     def _exit_codes(self) -> dict[int, int] | None:
         """Every rank's exit code once all have ended (SIGKILL after a grace); None where a
@@ -358,11 +368,19 @@ class LocalGroup:
         if self._stopped:
             return
         self._stopped = True
+        self._resume()
         try:
             self._ctx.close(signal.SIGTERM, timeout=STOP_GRACE_S)
         except KeyboardInterrupt:
             self._ctx.close(signal.SIGKILL, timeout=STOP_GRACE_S)
             raise
+
+    def _resume(self) -> None:
+        """SIGCONT every rank's process group: a stopped process acts on SIGTERM only once
+        continued (systemd does the same), and SIGKILL needs no help."""
+        for pgid in self._groups:
+            with contextlib.suppress(OSError):
+                os.killpg(pgid, signal.SIGCONT)
 
     def close(self) -> dict[int, list[str]]:
         if self._closed:

@@ -32,7 +32,7 @@ from nbtools import events
 from nbtools._internal import hooks
 from nbtools._internal.log import get_logger
 from nbtools.errors import DistributedError
-from nbtools.launch import _display, _kernel_logging, _leftovers, _watch
+from nbtools.launch import _display, _kernel_logging, _leftovers, _termination, _watch
 from nbtools.launch._backend import Failed, GroupSpec, LaunchBackend, Outcome
 from nbtools.launch._failures import describe, forms_again
 from nbtools.launch._output import OutputForwarder
@@ -77,7 +77,21 @@ def run(
     Raises:
         DistributedError: a rank failed in the last allowed attempt.
         KeyboardInterrupt: the caller was interrupted; every rank has been stopped.
+
+    SIGTERM or SIGHUP during the launch stop the ranks and clean up as an interrupt
+    does, then end this process by that signal (:mod:`._termination`).
     """
+    with _termination.ends_launch():
+        return _run(payload, plan, localize, backend)
+    raise AssertionError("unreachable")  # pragma: no cover - the signal ended the process
+
+
+def _run(
+    payload: bytes,
+    plan: Plan,
+    localize: Callable[[str], str],
+    backend: LaunchBackend | None,
+) -> list[bytes]:
     if backend is None:
         from nbtools.launch._local import LocalBackend
 

@@ -26,6 +26,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 from nbtools._internal.fs import free_bytes
@@ -39,7 +40,6 @@ from nbtools.launch import (
     _results,
     _trainer_hooks,
 )
-from nbtools.launch._env import settle_forkserver
 from nbtools.launch._leftovers import LEFTOVER_GRACE_S
 from nbtools.launch._records import GROUP_PHASE, failure_record, flush_events
 
@@ -191,7 +191,19 @@ def _mark_returned(spec: RankSpec) -> None:
 
 
 def _finish(spec: RankSpec) -> None:
-    """Once every rank has returned: end what this rank left running; tell the caller what."""
+    """Once every rank has returned: end what this rank left running; tell the caller what.
+
+    The function has returned and its result is published: nothing here makes the rank
+    fail. An error is printed, as the interpreter prints one from an exit handler.
+    """
+    try:
+        _end_returned(spec)
+    except Exception:  # noqa: BLE001 - reported; the rank's work is done
+        print(f"Exception ignored at the end of rank {spec.rank}:", file=sys.stderr)
+        traceback.print_exc()
+
+
+def _end_returned(spec: RankSpec) -> None:
     release = release_path(spec.run_dir)
     delay = _RELEASE_POLL_S[0]
     while not os.path.exists(release):
@@ -300,7 +312,8 @@ def _die_with_parent_chain(caller_pid: int, caller_dir: str) -> None:
 
     A rank's parent is the forkserver, which outlives the kernel while ranks
     hold it open, so the rank watches the caller itself, and removes the run's
-    directory that the caller can no longer remove.
+    directory that the caller can no longer remove. It ends its process group
+    with it (see :mod:`._leftovers`).
     """
     try:  # the forkserver is the direct parent; SIGKILL even if stuck in C code
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
@@ -313,6 +326,9 @@ def _die_with_parent_chain(caller_pid: int, caller_dir: str) -> None:
             time.sleep(1.0)
             if _start_time(caller_pid) != started:
                 shutil.rmtree(caller_dir, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    if os.getpgid(0) == os.getpid():
+                        os.killpg(0, signal.SIGKILL)  # what it started, in its group, and itself
                 os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="nbtools-caller-watch", daemon=True).start()
@@ -337,7 +353,3 @@ def _start_time(pid: int) -> str | None:
         except PermissionError:
             pass
         return "alive"
-
-
-# This module is preloaded by the forkserver; there, detach it from the caller's group.
-settle_forkserver()
