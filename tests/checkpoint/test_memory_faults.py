@@ -158,3 +158,119 @@ def test_a_second_failure_after_a_recovery_goes_back_at_most_memory_every(
     assert restores[2][0] == "2" and int(restores[2][1]) >= 12 and restores[2][2] == "memory"
     assert weights[0] == weights[1] == _reference()
     assert not any(p.is_file() for p in shm.rglob("*"))
+
+
+_root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+_OTHER = 1001  # another local user
+
+
+def _plant(shm, how):
+    """The predictable snapshot directory, made by another local user first."""
+    path = shm / f"nbtools-snapshots-{os.geteuid()}"
+    if how == "other-owner":
+        path.mkdir(mode=0o777)
+        os.chmod(path, 0o777)
+        os.chown(path, _OTHER, _OTHER)
+    else:
+        target = shm / "elsewhere"
+        target.mkdir()
+        os.chown(target, _OTHER, _OTHER)
+        path.symlink_to(target)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@_root_only
+@pytest.mark.parametrize("how", ["other-owner", "symlink"])
+def test_a_snapshot_directory_another_user_planted_never_stops_training(tmp_path, shm, how):
+    planted = _plant(shm, how)
+    reference, _ = _run(tmp_path, tmp_path / "ref", -1)
+    _, stderr = _run(tmp_path, tmp_path / "root", kill_at=13)
+    # Not a file in the planted directory: the snapshots went to a private one.
+    assert not any(p.name.endswith(".slot") for p in shm.rglob("*") if planted in p.parents)
+    private = [p for p in shm.iterdir() if p.name.startswith(f"{planted.name}-")]
+    assert len(private) == 1 and private[0].stat().st_mode & 0o777 == 0o700
+    assert stderr.count("snapshots go to the private directory") == 1, stderr
+    resumed, _ = _run(tmp_path, tmp_path / "root", -1)
+    assert (resumed["start"], resumed["tier"]) == (13, "memory")  # the restart found them
+    assert resumed["weights"] == reference["weights"]
+    assert (
+        sorted(p.name for p in shm.iterdir())
+        == sorted(["elsewhere", planted.name])[1 - (how == "symlink") :]
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@_root_only
+def test_a_job_directory_opened_to_others_after_a_kill_means_the_volume(tmp_path, shm):
+    reference, _ = _run(tmp_path, tmp_path / "ref", -1)
+    _run(tmp_path, tmp_path / "root", kill_at=13)
+    (job,) = shm.glob("nbtools-snapshots-*/job-*")
+    job.chmod(0o777)  # anyone may have planted a slot there since
+
+    planted = job / "r0-planted.slot"  # another local user's file, planted there
+    planted.write_bytes(b"\0" * 8192)
+    os.chown(planted, _OTHER, _OTHER)
+    resumed, stderr = _run(tmp_path, tmp_path / "root", -1)
+    # No memory tier for this job, said once; the volume's step 0, then exactly as never killed.
+    assert (resumed["start"], resumed["tier"]) == (1, "volume")
+    assert resumed["weights"] == reference["weights"]
+    assert stderr.count("no memory snapshots for this job") == 1, stderr
+    assert planted.exists()  # another user's file is not this job's to touch
+
+
+# One process of the race: make job directories and sweep, in a tight loop. Its jobs are
+# alive (it is their keeper), so no sweep may remove them while it uses them.
+_CREATE_AND_SWEEP = textwrap.dedent(
+    """
+    import os, sys, time
+    from nbtools._internal.holder import Holder
+    from nbtools.checkpoint._memory import _slots, _sweep
+
+    base, name, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    me = Holder.me()
+    made, lost = 0, []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        user = _slots.user_dir(base)
+        key = f"run:{name}-{made}|root|world=1"
+        own = _slots.job_path(user, key)
+        _sweep.sweep_all(base, own=own)
+        job = _slots.job_dir(user, key, me)
+        slot = os.path.join(job, "r0-x.slot")
+        try:
+            with open(slot, "w") as fh:
+                fh.write("snapshot")
+            if not os.path.exists(os.path.join(job, _slots.KEEPER)):
+                lost.append(job)
+        except FileNotFoundError:
+            lost.append(job)
+        _slots.remove([slot])
+        _slots.drop_job_if_empty(job)
+        made += 1
+    print(made, len(lost))
+    """
+)
+
+
+@pytest.mark.slow
+def test_the_sweep_never_touches_a_job_being_created(tmp_path, shm):
+    script = tmp_path / "race.py"
+    script.write_text(_CREATE_AND_SWEEP)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(shm), f"p{i}", "6"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(3)
+    ]
+    results = [p.communicate(timeout=120) for p in procs]
+    for proc, (out, err) in zip(procs, results, strict=True):
+        assert proc.returncode == 0, err  # no FileNotFoundError from job_dir
+        made, lost = (int(v) for v in out.split())
+        assert made > 100 and lost == 0, (made, lost)
+    assert list(shm.iterdir()) == []

@@ -208,12 +208,14 @@ def decide(rank: int, reports: list[tuple[int, int, str, str]]) -> Share | None:
 
 
 def agree(
-    group: Any, rank: int, directory: str, state: dict[str, Any]
+    group: Any, rank: int, directory: str | None, state: dict[str, Any]
 ) -> tuple[Share | None, dict[int, tuple[int, int]]]:
     """This rank's share, and every rank's ``(base, count)``, from what each rank reports
     over ``group`` (a collective; None: a single rank) before its first snapshot of
-    ``state``, its slots in ``directory``."""
+    ``state``, its slots in ``directory`` (None: it snapshots nothing)."""
     try:  # ranks that share must see each other's slots
+        if directory is None:
+            raise FileNotFoundError("no snapshots")
         seen = os.stat(directory)
         where = f"{machine_id()}:{seen.st_dev}:{seen.st_ino}"
     except OSError:  # gone (another manager of the job closed): keep whole snapshots

@@ -27,7 +27,9 @@ import json
 import mmap
 import os
 import secrets
+import shutil
 import stat
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
@@ -43,7 +45,11 @@ _READ_CHUNK = 4 << 20
 __all__ = [
     "Slot",
     "snapshot_base",
+    "trusted",
+    "user_prefix",
     "user_dir",
+    "private_dir",
+    "NEW",
     "job_path",
     "job_dir",
     "write_slot",
@@ -93,12 +99,65 @@ def _owned_private(path: str, what: str) -> None:
         )
 
 
+def trusted(path: str) -> bool:
+    """Whether ``path`` is a real directory of this user that nobody else can use."""
+    try:
+        _owned_private(path, "")
+    except (OSError, CheckpointError):
+        return False
+    return True
+
+
+def user_prefix() -> str:
+    """The name of this user's snapshot directory; its private fallbacks add a suffix."""
+    return f"nbtools-snapshots-{os.geteuid()}"
+
+
 def user_dir(base: str | None = None) -> str:
-    """This user's snapshot directory under ``base``, made (0700) if absent and checked."""
-    path = os.path.join(base or snapshot_base(), f"nbtools-snapshots-{os.geteuid()}")
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
-    _owned_private(path, "the snapshot directory")
+    """This user's snapshot directory under ``base``, made (0700) if absent and checked.
+
+    Raises:
+        CheckpointError: It exists but cannot be trusted (another user's, a link, open
+            to others): see :func:`private_dir`.
+    """
+    path = os.path.join(base or snapshot_base(), user_prefix())
+    _make_private(path, "the snapshot directory")
+    return path
+
+
+def _make_private(path: str, what: str) -> None:
+    """Make the directory ``path`` (0700) unless it exists, and check it can be trusted."""
+    for _ in range(5):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        try:
+            _owned_private(path, what)
+            return
+        except FileNotFoundError:  # removed as empty by another job meanwhile
+            continue
+    _owned_private(path, what)
+
+
+def private_dir(secret: str | None, base: str | None = None) -> str:
+    """A directory of this user's under ``base`` whose name nobody else can predict, for
+    when :func:`user_dir` cannot be trusted (another local user can plant that name).
+
+    The name is a digest of ``secret``, which only the job's processes know (its
+    launch's run id, in their environment), so that the ranks of a node and their
+    restarts find the same directory; None: a random name (a process started by hand,
+    which no restart looks for). It is made with ``mkdir`` (0700, failing if the name
+    exists); one that already exists is used only if it can be trusted.
+
+    Raises:
+        CheckpointError: The name exists and cannot be trusted.
+    """
+    token = (
+        hashlib.sha256(f"{os.geteuid()}|{secret}".encode()).hexdigest()[:32]
+        if secret is not None
+        else secrets.token_hex(16)
+    )
+    path = os.path.join(base or snapshot_base(), f"{user_prefix()}-{token}")
+    _make_private(path, "the private snapshot directory")
     return path
 
 
@@ -107,21 +166,42 @@ def job_path(user: str, key: str) -> str:
     return os.path.join(user, f"job-{hashlib.sha256(key.encode()).hexdigest()[:32]}")
 
 
+#: Prefix of a job directory being made (see :func:`job_dir`): the sweep leaves it alone.
+NEW = ".new-"
+
+
 def job_dir(user: str, key: str, keeper: Holder) -> str:
-    """The directory of the job ``key``, made (0700, with its keeper record) if absent."""
+    """The directory of the job ``key``, made (0700, with its keeper record) if absent.
+
+    A new directory appears whole: it is made under a temporary name, its keeper
+    recorded, then renamed into place, so the sweep of another job never sees a job
+    directory without its keeper (see ``_sweep``).
+
+    Raises:
+        CheckpointError: The job's directory exists and cannot be trusted.
+    """
     path = job_path(user, key)
-    try:
+    for _ in range(5):
+        if os.path.lexists(path):
+            _owned_private(path, "the job's snapshot directory")
+            return path
         try:
-            os.mkdir(path, 0o700)
+            tmp = tempfile.mkdtemp(prefix=NEW, dir=user)
         except FileNotFoundError:  # the user directory was just removed as empty
-            user_dir(os.path.dirname(user))
-            os.mkdir(path, 0o700)
-    except FileExistsError:
-        _owned_private(path, "the job's snapshot directory")
+            _make_private(user, "the snapshot directory")
+            continue
+        try:
+            fd = os.open(os.path.join(tmp, KEEPER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                json.dump({**keeper.record(), "key": key}, fh)
+            os.rename(tmp, path)  # fails when another rank made it first (not empty)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not os.path.lexists(path):
+                raise
+            continue
         return path
-    fd = os.open(os.path.join(path, KEEPER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump({**keeper.record(), "key": key}, fh)
+    _owned_private(path, "the job's snapshot directory")
     return path
 
 

@@ -40,7 +40,15 @@ from nbtools._internal.holder import Holder, machine_id, process_started
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import gather
-from nbtools.checkpoint._memory import _format, _replicas, _shares, _slots, _sweep, _volume
+from nbtools.checkpoint._memory import (
+    _format,
+    _notes,
+    _replicas,
+    _shares,
+    _slots,
+    _sweep,
+    _volume,
+)
 from nbtools.checkpoint._memory._behind import Behind, StepGate, copy_and_checksum, late_tensors
 from nbtools.checkpoint._memory._consumed import Consumed
 from nbtools.checkpoint._memory._mapped import (
@@ -52,6 +60,7 @@ from nbtools.checkpoint._memory._mapped import (
     tensor_of,
 )
 from nbtools.checkpoint._memory._space import shortage
+from nbtools.errors import CheckpointError
 
 __all__ = ["MemoryTier"]
 
@@ -115,12 +124,47 @@ class MemoryTier:
             _log.warning("replicas=%d: no peer rank to hold a replica; none are kept", replicas)
         self._files = MappedFiles(3)
         self._held_files = MappedFiles(3 * max(1, len(self.receive_from)))
-        self.user = _slots.user_dir()
-        _sweep.sweep(self.user, own=_slots.job_path(self.user, self.key))
         self._keeper = keeper
-        self.directory = _slots.job_dir(self.user, self.key, keeper)
-        _slots.sweep_temporaries(self.directory, self.rank)
+        #: Whether this job's snapshot directory can be trusted: if not, the tier is off.
+        self.trusted = False
+        self.user, self.directory = self._place(run)
+        if self.trusted:
+            _slots.sweep_temporaries(self.directory, self.rank)
         self._spare = Spare(self._files, self.directory, self.rank)
+
+    def _place(self, run: str) -> tuple[str, str]:
+        """This user's snapshot directory and this job's in it (swept of dead jobs first).
+
+        A snapshot directory that cannot be trusted never stops training: when the
+        usual one is another user's (or a link, or open to others) the snapshots go to
+        a private directory with a name nobody else can predict; when the job's own
+        directory cannot be trusted, the tier is off for the job (one warning) and
+        restores and checkpoints use the volume.
+        """
+        try:
+            user = _slots.user_dir()
+        except (CheckpointError, OSError) as exc:
+            secret = run if run.startswith("run:") else None
+            try:
+                user = _slots.private_dir(secret)
+            except (CheckpointError, OSError) as again:
+                self._off(f"{exc}; and {again}")
+                return "", ""
+            _notes.once(
+                f"fallback|{user}",
+                "%s; this job's snapshots go to the private directory %s instead",
+                exc,
+                user,
+            )
+        own = _slots.job_path(user, self.key)
+        _sweep.sweep_all(os.path.dirname(user), own=own)
+        try:
+            directory = _slots.job_dir(user, self.key, self._keeper)
+        except (CheckpointError, OSError) as exc:
+            self._off(f"no memory snapshots for this job: {exc}; restoring from the volume")
+            return user, own
+        self.trusted = True
+        return user, directory
 
     def due(self, step: int) -> bool:
         """Whether ``maybe_save(step)`` snapshots (or takes part in the replicas' exchange)."""
@@ -128,23 +172,33 @@ class MemoryTier:
 
     def _off(self, why: str) -> None:
         if self.enabled:
-            _log.warning("memory snapshots are off for this run: %s; volume checkpoints go on", why)
+            _notes.once(
+                f"off|{self.key}",
+                "memory snapshots are off for this run: %s; volume checkpoints go on",
+                why,
+            )
         self.enabled = False
 
     # --- what this rank holds ----------------------------------------------------
 
     def own(self) -> list[_slots.Slot]:
         """This rank's trusted slots, oldest first."""
+        if not self.trusted:
+            return []
         found = _slots.slots(self.directory, self.key, self.rank, self.world)
         return sorted(found, key=lambda s: s.step)
 
     def held(self, owners: list[int] | None = None) -> list[_slots.Slot]:
         """The trusted replicas this rank holds (of ``owners``; None: any), oldest first."""
+        if not self.trusted:
+            return []
         found = _slots.replicas(self.directory, self.key, self.rank, self.world, owners)
         return sorted(found, key=lambda s: s.step)
 
     def visible(self, owner: int) -> list[_slots.Slot]:
         """Every trusted slot of ``owner`` on this node: its own first, then replicas."""
+        if not self.trusted:
+            return []
         return list(_slots.visible(self.directory, self.key, owner, self.world))
 
     def steps(self) -> list[int]:
@@ -177,7 +231,8 @@ class MemoryTier:
     def _agree_shares(self, state: dict[str, Any]) -> None:
         """Before the first snapshot (a collective): whether the ranks of this node split
         their replicated tensors between them (see ``_shares``)."""
-        self.share, self._groups = _shares.agree(self.group, self.rank, self.directory, state)
+        directory = self.directory if self.enabled else None  # off: no share to split
+        self.share, self._groups = _shares.agree(self.group, self.rank, directory, state)
 
     def share_of(self, rank: int) -> tuple[int, int]:
         """``(base, count)`` of the ranks ``rank``'s snapshots share tensors with."""
@@ -449,6 +504,8 @@ class MemoryTier:
 
     def volume_bound(self) -> tuple[bool, int | None]:
         """``(known, bound)``: what the records on this node say of the volume."""
+        if not self.trusted:
+            return False, None
         return _volume.read(self.directory, self.key)
 
     def note_volume(self, bound: int | None) -> None:
@@ -456,6 +513,9 @@ class MemoryTier:
         (None: there is none). A record that cannot be written is dropped, so that a
         restart lists the volume instead of trusting an older one."""
         self._volume = (True, bound)
+        if not self.trusted:
+            self._volume = (False, None)
+            return
         try:
             _volume.write(self.directory, self.key, self.rank, bound)
         except OSError:
@@ -480,7 +540,7 @@ class MemoryTier:
         self._files.close()
         self._held_files.close()
         self._release()
-        if keep:
+        if keep or not self.trusted:
             return
         _volume.remove(self.directory, self.rank)
         _slots.remove([s.path for s in self.own() + self.held()])
