@@ -132,3 +132,4 @@ def test_a_docs_address_is_given_only_where_the_repository_configures_its_host()
     if not hosted:
         assert "readthedocs.io" not in README
         assert "not hosted yet" in README
+        assert "readthedocs.io" not in (ROOT / "pyproject.toml").read_text()  # project.urls
