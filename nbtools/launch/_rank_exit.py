@@ -12,8 +12,9 @@ process it was forked from (those cleanups belong to that process, and running
 them here could remove what it still uses); :func:`run` runs, once the rank's
 function returned, what was registered since, in the interpreter's order: the
 ``atexit`` handlers last registered first, then the finalizers, newest first.
-A failing handler is reported as the interpreter reports it and the others
-still run.
+As in the interpreter, a handler unregistered by one that ran before it does
+not run, and none runs twice. A failing handler is reported as the interpreter
+reports it and the others still run.
 """
 
 from __future__ import annotations
@@ -57,9 +58,11 @@ def run() -> None:
     """In a rank whose function returned: run what its code registered for interpreter exit."""
     if _inherited is None:
         return
-    handlers = list(_handlers)
-    _handlers.clear()
-    for func, args, kwargs in reversed(handlers):
+    # One at a time from the live list, as the interpreter does: a handler that an earlier
+    # one unregistered (OpenTelemetry's providers, shut down by W&B's own handler) does
+    # not run, and none runs twice.
+    while _handlers:
+        func, args, kwargs = _handlers.pop()
         try:
             func(*args, **kwargs)
         except SystemExit:
@@ -78,6 +81,8 @@ def run() -> None:
         reverse=True,
     )
     for _, finalizer in pending:
+        if not finalizer.alive:
+            continue  # called already, by a handler or an earlier finalizer
         try:
             finalizer()
         except BaseException:  # noqa: BLE001 - as above

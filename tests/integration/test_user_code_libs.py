@@ -189,6 +189,8 @@ def _wandb_services() -> list[int]:
 
 @requires("wandb")
 def test_wandb_offline_in_ranks_ends_without_a_warning_and_leaves_nothing_running(kernel, tmp_path):
+    import pathlib
+    import tempfile
     import time
 
     before = set(_wandb_services())
@@ -211,6 +213,10 @@ def test_wandb_offline_in_ranks_ends_without_a_warning_and_leaves_nothing_runnin
     )
     assert "[rank 0] finished 0" in text and "[rank 1] finished 1" in text, text
     assert "left a process running" not in text and "End what a rank starts" not in text, text
+    # Each exit handler ran once, as at interpreter exit (W&B's own shuts OpenTelemetry's down
+    # and unregisters it), and the ranks ended as they returned: no error file is left.
+    assert "can only be called once" not in text and "exited with code" not in text, text
+    assert not list(pathlib.Path(tempfile.gettempdir()).glob("pytorch-errorfile-*")), text
     assert len(list(tmp_path.glob("wandb/offline-run-*"))) == 2  # both runs were recorded
     deadline = time.monotonic() + 30
     while set(_wandb_services()) - before and time.monotonic() < deadline:
