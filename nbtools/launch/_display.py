@@ -14,7 +14,8 @@ shows as the run's own), nbtools
 
 the other ranks' rich output is dropped, as one cell shows one figure, not
 one per rank (their text output is kept), unless the launch asked for
-``rich_output="all"``: then every rank's reaches the cell, labelled by rank.
+``rich_output="all"``: then every rank's reaches the cell, each labelled
+``[rank N]``, rank 0's included.
 Each bundle is written to a file in the launch's private directory and a
 marker line on the rank's stdout names it (:func:`publish`), so the kernel's
 output forwarder shows it in the cell in order with the text around it
@@ -95,6 +96,7 @@ def install() -> None:
         _state["drop"] = True  # the cell shows rank 0's rich output, not N copies of it
     elif os.path.isdir(directory):
         _state["dir"] = directory
+        _state["labelled"] = ranks == "all"  # every rank's reaches the cell: say whose
     else:
         return  # rank 0 on another machine: text only
     if "MPLBACKEND" not in os.environ and "matplotlib.pyplot" not in sys.modules:
@@ -141,7 +143,7 @@ def publish(bundle: dict[str, Any]) -> None:
     path = os.path.join(directory, f"display-{os.getpid()}-{next(_numbers)}.json")
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(bundle, fh)
+        json.dump({"bundle": bundle, "labelled": bool(_state.get("labelled"))}, fh)
     os.replace(tmp, path)
     sys.stdout.flush()  # what was printed before stays before
     sys.stdout.write(f"{MARK}{path}\x07\n")
@@ -153,15 +155,16 @@ def show(line: str, rank: int) -> str | None:
     path = line[line.index(MARK) + len(MARK) :].split("\x07", 1)[0]
     try:
         with open(path, encoding="utf-8") as fh:
-            bundle = json.load(fh)
+            sent = json.load(fh)
         os.unlink(path)
-    except (OSError, ValueError):
+        bundle, labelled = sent["bundle"], sent["labelled"]
+    except (OSError, ValueError, KeyError, TypeError):
         return None
     ipython = sys.modules.get("IPython")
     display = getattr(getattr(ipython, "display", None), "display", None)
     if display is None or not isinstance(bundle, dict):
         return str(bundle.get("text/plain", "")) if isinstance(bundle, dict) else None
-    if rank != 0:
+    if labelled:
         print(f"[rank {rank}]", file=sys.stdout, flush=True)  # rich_output="all": whose it is
     display(bundle, raw=True)
     return None

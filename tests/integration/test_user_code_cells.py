@@ -252,7 +252,7 @@ def test_rich_output_all_shows_every_ranks_display_labelled_by_rank(kernel):
     text = kernel.run(source.format(option=', rich_output="all"'))
     html = sorted(o.data.get("text/html") for o in _rich(kernel.nb.cells[-1]))
     assert html == ["<b>from rank 0</b>", "<b>from rank 1</b>"], html
-    assert "[rank 1]" in text  # whose it is
+    assert "[rank 0]" in text and "[rank 1]" in text  # whose it is, rank 0's included
 
 
 def test_a_figure_left_as_the_last_expression_of_a_pool_cell_shows_as_png(kernel):
