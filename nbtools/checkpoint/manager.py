@@ -39,6 +39,7 @@ from nbtools.checkpoint._checks import (
     non_negative,
     positive,
 )
+from nbtools.checkpoint._collective import release_groups
 from nbtools.checkpoint._errors import unwrap
 from nbtools.checkpoint._host_buffers import ReusableStager
 from nbtools.checkpoint._lease import AFTER_RECOVERY_S, WriterLease
@@ -388,6 +389,18 @@ class CheckpointManager(SavingHalf):
             if self._stager is not None:
                 self._stager.close()
             self._release()
+            self._release_groups(finished)
+
+    def _release_groups(self, finished: bool) -> None:
+        """Destroy the process groups this manager made: a notebook that makes a manager
+        per cell (or per call of a kept pool) must not grow by their sockets and threads.
+        A clean close first waits for every rank there (see ``release_groups``)."""
+        groups = [self._pg, self._memory.group if self._memory is not None else None]
+        if release_groups(groups, sync=self._pg if finished else None):
+            self._pg = None
+            if self._memory is not None:
+                self._memory.group = None
+                self._memory.exchanging = False
 
     def __enter__(self) -> CheckpointManager:
         return self
