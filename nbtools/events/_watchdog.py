@@ -27,7 +27,9 @@ that runs behind in loops that do not synchronise.
 Every flag is a ``hang`` or ``straggler`` event with ``rank``, ``node``,
 ``since`` (and ``score``), and the same kind with ``ended=True`` when it is
 over. A hang also becomes a :class:`HangReport`: one text with the culprits
-and every rank's Python stack, for the cell.
+and every rank's Python stack, for the cell; a straggler flag's start and end
+are one line each for the cell (:meth:`Watchdog.take_notices`), worded as what
+was measured.
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ class Watchdog:
         self._ranks: dict[int, _Rank] = {}
         self._flags: dict[tuple[str, int], _Flag] = {}
         self._reports: list[HangReport] = []
+        self._notices: list[str] = []  # straggler flags' starts and ends, for the cell
         self._outbox: list[tuple[str, str, dict[str, Any]]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -175,6 +178,12 @@ class Watchdog:
         with self._lock:
             reports, self._reports = self._reports, []
         return reports
+
+    def take_notices(self) -> list[str]:
+        """The lines for the cell since the last call: a straggler flag starts or ends."""
+        with self._lock:
+            notices, self._notices = self._notices, []
+        return notices
 
     @property
     def reporting(self) -> bool:
@@ -426,10 +435,15 @@ class Watchdog:
             if state.local and total * self.sample_s >= self.window_s / 2:
                 shares[state.rank] = sum(w for _, w, _ in state.bins) / total
         scores: dict[int, float] = {}
+        measured: dict[int, str] = {}
         if len(shares) >= 2:
             reference = _lower_median(list(shares.values()))
             for rank, share in shares.items():
                 scores[rank] = reference / share if share > 0 else 1.0
+                measured[rank] = (
+                    f"{share:.0%} of its time outside collectives against the median "
+                    f"rank's {reference:.0%}"
+                )
         rates = {
             s.rank: 1.0 / statistics.median(s.step_times)
             for s in self._ranks.values()
@@ -437,11 +451,17 @@ class Watchdog:
         }
         if len(rates) >= 2:
             reference = _lower_median(list(rates.values()))
-            scores.update({rank: rate / reference for rank, rate in rates.items()})
+            for rank, rate in rates.items():
+                scores[rank] = rate / reference
+                measured[rank] = (
+                    f"{rate:.3g} steps/s against the median rank's {reference:.3g} steps/s"
+                )
         for rank, score in scores.items():
-            self._score(self._ranks[rank], min(score, 9.99), now)
+            self._score(self._ranks[rank], min(score, 9.99), now, measured[rank])
 
-    def _score(self, state: _Rank, score: float, now: float) -> None:
+    def _score(self, state: _Rank, score: float, now: float, measured: str) -> None:
+        """Open or end ``state``'s straggler flag by its ``score``; ``measured`` says what the
+        score compares (time outside collectives, or step rates for a rank on another node)."""
         state.score = score
         key = ("straggler", state.rank)
         flag = self._flags.get(key)
@@ -451,10 +471,15 @@ class Watchdog:
             if flag is None and now - state.low_since >= self.confirm_s:
                 flag = _Flag("straggler", state.rank, state.host, state.low_since, score)
                 self._flags[key] = flag
+                message = (
+                    f"rank {state.rank} on {state.host} is a straggler since "
+                    f"{clock_text(flag.since)}: {measured} (score {score:.2f}, flagged under "
+                    f"{self.threshold:.2f})"
+                )
+                self._notices.append(message)
                 self._post(
                     "straggler",
-                    f"rank {state.rank} on {state.host} at {score:.2f} of the median step rate "
-                    f"since {clock_text(flag.since)}",
+                    message,
                     rank=state.rank,
                     node=state.host,
                     since=round(flag.since, 3),
@@ -469,7 +494,7 @@ class Watchdog:
             state.high_since = state.high_since or now
             if now - state.high_since >= self.confirm_s:
                 del self._flags[key]
-                self._emit_end(flag, now, f"back to {score:.2f} of the median step rate")
+                self._emit_end(flag, now, f"{measured}: score {score:.2f}")
 
     def _post(self, kind: str, message: str, **fields: Any) -> None:
         # Emitted after the lock is released: the bus calls this watchdog back.
@@ -485,9 +510,12 @@ class Watchdog:
         lasted = max(0.0, now - flag.since)
         what = "hang" if flag.kind == "hang" else "straggler flag"
         fields: dict[str, Any] = {"score": round(flag.score, 3)} if flag.score is not None else {}
+        message = f"rank {flag.rank} on {flag.node}: {what} over after {lasted:.0f} s ({how})"
+        if flag.kind == "straggler":
+            self._notices.append(message)
         self._post(
             flag.kind,
-            f"rank {flag.rank} on {flag.node}: {what} over after {lasted:.0f} s ({how})",
+            message,
             rank=flag.rank,
             node=flag.node,
             since=round(flag.since, 3),

@@ -5,7 +5,8 @@ polled and made to print their stacks is the backend's business. While the
 group runs, a :class:`nbtools.events.Watchdog` judges the ranks' progress
 reports: a hang is one warning in the cell (culprits, then every rank's
 stack, read from outside the processes), and with ``on_hang="restart"`` a
-failure of the group, which the runner restarts.
+failure of the group, which the runner restarts. A straggler flag is one line
+in the cell when it starts and one when it ends.
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ def watch(
         KeyboardInterrupt: the caller was interrupted (ranks still running).
     """
     with events.Watchdog(len(group.stdouts), hang_timeout=hang_timeout) as dog:
-        return _watch(group, forwarder, hang_timeout, on_hang, dog)
+        outcome = _watch(group, forwarder, hang_timeout, on_hang, dog)
+    for notice in dog.take_notices():  # flags still open ended with the group
+        _log.warning("%s", notice)
+    return outcome
 
 
 def _watch(
@@ -62,6 +66,8 @@ def _watch(
             _log.warning("%s", report.text)
             if on_hang == "restart":
                 return hang_failure(report)
+        for notice in dog.take_notices():  # a straggler flag starts or ends
+            _log.warning("%s", notice)
         if dog.reporting:
             continue
         quiet = time.monotonic() - forwarder.last_output

@@ -246,7 +246,10 @@ def test_a_rank_on_another_node_behind_the_others_is_a_straggler_named_by_node(f
     opened = [e for e in seen if e.kind == "straggler"]
     assert [(e.rank, e.fields["node"]) for e in opened] == [(2, "node-2")]
     assert opened[0].fields["score"] == pytest.approx(0.5, abs=0.05)
-    assert "rank 2 on node-2 at 0.50 of the median step rate" in opened[0].message
+    assert opened[0].message.startswith("rank 2 on node-2 is a straggler since ")
+    assert "2 steps/s against the median rank's 4 steps/s (score 0.50" in opened[0].message
+    assert dog.take_notices() == [opened[0].message]  # one line for the cell
+    assert dog.take_notices() == []
 
 
 def test_bad_settings_are_refused_with_the_name(monkeypatch):

@@ -371,6 +371,8 @@ class Ranks:
                 _log.warning("%s", report.text)
                 if on_hang == "restart":
                     raise RanksHung(report, replies)
+            for notice in dog.take_notices():  # a straggler flag starts or ends
+                _log.warning("%s", notice)
             if dog.reporting:
                 continue
             quiet = now - max(started, self.forwarder.last_output)
