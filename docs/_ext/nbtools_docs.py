@@ -35,7 +35,13 @@ from sphinx.application import Sphinx
 from sphinx.util import logging
 from sphinx.util.docutils import SphinxDirective
 
-__all__ = ["setup", "unresolved_roles", "rendered_outputs", "notebook_problems"]
+__all__ = [
+    "setup",
+    "unresolved_roles",
+    "rendered_outputs",
+    "notebook_problems",
+    "drop_rendered_plotly",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -151,15 +157,12 @@ def notebook_problems(notebook: dict[str, Any], html: str) -> list[str]:
 PLOTLY = "application/vnd.plotly.v1+json"
 
 
-def _drop_rendered_plotly(app: Sphinx, docname: str, source: list[str]) -> None:
-    """Leave out a plotly figure's JSON where a PNG of it was saved: the page shows the PNG.
+def drop_rendered_plotly(notebook: dict[str, Any]) -> bool:
+    """Remove each plotly figure's JSON that has a PNG beside it; return whether any was.
 
     A figure saved without a PNG keeps its JSON, so that myst-nb reports it
     (``mystnb.unknown_mime_type``) and the page check finds the output missing.
     """
-    if not str(app.env.doc2path(docname)).endswith(".ipynb"):
-        return
-    notebook = json.loads(source[0])
     changed = False
     for cell in notebook.get("cells", []):
         for output in cell.get("outputs", []):
@@ -167,7 +170,15 @@ def _drop_rendered_plotly(app: Sphinx, docname: str, source: list[str]) -> None:
             if PLOTLY in data and "image/png" in data:
                 del data[PLOTLY]
                 changed = True
-    if changed:
+    return changed
+
+
+def _drop_rendered_plotly(app: Sphinx, docname: str, source: list[str]) -> None:
+    """``source-read``: a notebook page shows the PNG saved beside a plotly figure."""
+    if not str(app.env.doc2path(docname)).endswith(".ipynb"):
+        return
+    notebook = json.loads(source[0])
+    if drop_rendered_plotly(notebook):
         source[0] = json.dumps(notebook)
 
 

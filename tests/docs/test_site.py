@@ -86,6 +86,16 @@ def test_a_notebook_shown_whole_passes():
     assert nbtools_docs.notebook_problems(notebook, _page(SHOWN, IMAGE)) == []
 
 
+def test_a_plotly_figure_shows_as_its_png_and_one_without_stays_to_be_reported():
+    plotly = "application/vnd.plotly.v1+json"
+    with_png = _output(plotly, "image/png")
+    alone = _output(plotly)
+    notebook = _notebook({"execution_count": 1, "outputs": [with_png, alone]})
+    assert nbtools_docs.drop_rendered_plotly(notebook)
+    assert set(with_png["data"]) == {"image/png"} and set(alone["data"]) == {plotly}
+    assert not nbtools_docs.drop_rendered_plotly(notebook)
+
+
 def test_the_settings_table_renders_every_user_setting():
     from nbtools._internal.settings import SETTINGS
 
