@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -43,14 +44,17 @@ _RUN = textwrap.dedent(
 )
 
 
-def _run(tmp_path, root, kill_at, steps=24):
+def _run(tmp_path, root, kill_at, steps=24, run_id="faults"):
     script = tmp_path / "train.py"
     script.write_text(_RUN)
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
+    if run_id:
+        env["TORCHELASTIC_RUN_ID"] = run_id
     proc = subprocess.run(
         [sys.executable, str(script), str(root), str(kill_at), str(steps)],
         capture_output=True,
         text=True,
-        env={**os.environ, "TORCHELASTIC_RUN_ID": "faults"},
+        env=env,
         timeout=300,
     )
     if kill_at >= 0:
@@ -273,4 +277,38 @@ def test_the_sweep_never_touches_a_job_being_created(tmp_path, shm):
         assert proc.returncode == 0, err  # no FileNotFoundError from job_dir
         made, lost = (int(v) for v in out.split())
         assert made > 100 and lost == 0, (made, lost)
+    assert list(shm.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_sweep_removes_everything_a_dead_job_left(tmp_path, shm):
+    from nbtools.checkpoint._memory import _sweep
+
+    # A run started by hand is its own keeper: killed, its snapshots serve nobody.
+    _run(tmp_path, tmp_path / "root", kill_at=9, run_id="")
+    (user,) = shm.iterdir()
+    (job,) = user.iterdir()
+    (job / ".tmp-r0-r0-half").write_bytes(b"half-written")  # a write the kill cut short
+    stale = user / f"{_slots.NEW}killed"  # a job directory whose maker died making it
+    stale.mkdir()
+    os.utime(stale, (0, 0))
+    (user / "stray").write_text("not a job directory")
+    assert len(list(job.glob("*.slot"))) == 2
+    removed = _sweep.sweep_all(str(shm))
+    assert sorted(removed) == sorted([job.name, stale.name, "stray"])
+    assert list(shm.iterdir()) == []  # the user's directory, left empty, goes too
+
+
+def test_a_launch_that_ended_drops_its_snapshots_wherever_they_went(tmp_path, shm, monkeypatch):
+    from nbtools._internal.holder import Holder
+    from nbtools.checkpoint._memory import end_run
+
+    usual = _slots.user_dir(str(shm))
+    private = _slots.private_dir("run:ended", str(shm))  # where a planted base sent it
+    for user, run in [(usual, "ended"), (private, "ended"), (usual, "other")]:
+        job = _slots.job_dir(user, f"run:{run}|root|world=1", Holder.me())
+        (pathlib.Path(job) / "r0-x.slot").write_bytes(b"snapshot")
+    assert len(end_run("ended", base=str(shm))) == 2
+    assert [p.name for p in shm.iterdir()] == [os.path.basename(usual)]  # the other run's
+    assert len(end_run("other", base=str(shm))) == 1
     assert list(shm.iterdir()) == []
