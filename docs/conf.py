@@ -3,7 +3,9 @@
 The build needs no network: the example notebooks are rendered from their saved outputs
 (never executed), and intersphinx links to other projects' documentation use the inventories
 found in ``docs/_inventories/`` (``<name>.inv``); a project without one is left out, without
-a warning, and its names render as plain code.
+a warning, and its names render as plain code. The site's own extension (``_ext/nbtools_docs.py``)
+generates the configuration reference and fails the build on a role shown as text, a notebook
+saved without its outputs and an output its page drops.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ nb_output_stderr = "show"
 # Notebook cells hold IPython magics (%load_ext, %distributed) that the Python lexer does not
 # know; Pygments renders them in its relaxed mode, which is what is wanted.
 # An output none of whose types the site renders is a warning (mystnb.unknown_mime_type):
-# docs/_tools/run_notebooks.py saves a PNG beside every plotly chart, which the page shows.
+# docs/_tools/run_notebooks.py saves a PNG beside every plotly chart, and the site's extension
+# (_ext/nbtools_docs.py) leaves the chart's JSON out of a page where that PNG is there.
 suppress_warnings = ["misc.highlighting_failure"]
 # Widget views need a live kernel's state; a page shows the still picture saved beside them.
 nb_mime_priority_overrides = [("html", "application/vnd.jupyter.widget-view+json", None)]
