@@ -25,6 +25,9 @@ NOTEBOOK = [
     "%distributed status  # one row per rank",
     "%distributed stop  # nothing keeps running",
     "%gpu_pane --simulated 2   # no GPU needed\n%gpu_pane --close  # stops polling",
+    "import torch\nmodel = torch.nn.Linear(2, 1)",
+    "%%autoresume ckpt --every 2 --state model   # saves every 2 steps\n"
+    "for step in range(start_step, 4):\n    checkpoint(step)",
 ]
 
 
@@ -56,14 +59,15 @@ def test_magics_take_a_trailing_comment_and_pull_binds_the_name(tmp_path):
     errors = [_text(cell, ("error",)) for cell in nb.cells if _text(cell, ("error",))]
     assert not errors, errors
     cells = nb.cells
-    assert "started 2 ranks" in _text(cells[1])
-    pulled = _text(cells[3])
-    assert "loss is now a list in the notebook, one value per rank (2 ranks)" in pulled
-    assert json.loads(_text(cells[4], ("stream",))) == [2.5, 1.5]
+    shown = [_text(cell) for cell in cells]
+    assert "started 2 ranks" in shown[1], shown
+    assert "loss is now a list in the notebook, one value per rank (2 ranks)" in shown[3], shown
+    assert json.loads(_text(cells[4], ("stream",))) == [2.5, 1.5], shown
     pids = json.loads(_text(cells[5], ("stream",)))
-    assert "uptime" in _text(cells[6])
-    assert "stopped 2 ranks" in _text(cells[7])
+    assert "uptime" in shown[6] and "stopped 2 ranks" in shown[7], shown
+    assert "starting fresh with start_step = 0" in shown[10], shown
+    assert "the cell finished; last saved step 3 under" in shown[10], shown
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(psutil.pid_exists(pid) for pid in pids):
         time.sleep(0.1)
-    assert not any(psutil.pid_exists(pid) for pid in pids)
+    assert not [pid for pid in pids if psutil.pid_exists(pid)], pids
