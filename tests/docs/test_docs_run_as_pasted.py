@@ -104,6 +104,24 @@ def test_every_block_is_one_cell_as_ipython_reads_it():
                 pytest.fail(f"{block}: {exc}")
 
 
+def _missing_modules(blocks: list[Block]) -> list[str]:
+    """Top-level modules the blocks import that are not installed here (an extra not installed)."""
+    import ast
+    import importlib.util
+
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    transform = TransformerManager().transform_cell
+    names = set()
+    for block in blocks:
+        for node in ast.walk(ast.parse(transform(block.source))):
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module.split(".")[0])
+    return sorted(name for name in names if importlib.util.find_spec(name) is None)
+
+
 @pytest.mark.kernel
 @pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES)
@@ -115,6 +133,9 @@ def test_the_pages_blocks_run_in_order_in_a_kernel(page, tmp_path):
     if not runnable:
         reasons = sorted({block.not_run for block in cells if block.not_run})
         pytest.skip(f"{page}: no block runs here ({'; '.join(reasons) or 'no code'})")
+    missing = _missing_modules(runnable)
+    if missing:
+        pytest.skip(f"{page} needs {', '.join(missing)} (pip install -e '.[test]')")
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
     client = nbclient.NotebookClient(
