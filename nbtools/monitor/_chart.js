@@ -18,6 +18,8 @@ const STYLE = {
   stall: { color: "#d97706", symbol: "diamond", band: 0.18 },
   failure: { color: "#dc2626", symbol: "x", line: "solid" },
   restart: { color: "#ea580c", symbol: "triangle-up", line: "dash" },
+  restore: { color: "#16a34a", symbol: "triangle-right", band: 0.3 },
+  phase: { color: "#334155", symbol: "diamond-tall", line: "longdash" },
   run: { color: "#6b7280", symbol: "circle-open", line: "dot" },
   hang: { color: "#b91c1c", symbol: "hexagram", band: 0.25 },
   straggler: { color: "#ca8a04", symbol: "star", band: 0.2 },

@@ -34,7 +34,7 @@ class RateRow:
         self._last: dict[int, tuple[float, int]] = {}  # rank -> (time, steps) of its last report
         self._zero_at: dict[int, float] = {}  # rank -> time of its last 0 point while silent
         self._newest = 0.0
-        self.series: dict[int, tuple[deque[float], deque[float]]] = {}
+        self.series: dict[int, tuple[deque[float], deque[float | None]]] = {}
 
     def ranks(self) -> list[int]:
         """Ranks with at least one point, in order."""
@@ -56,22 +56,27 @@ class RateRow:
             if before is None or event.time <= before[0] or steps < before[1]:
                 continue
             rate = (steps - before[1]) / (event.time - before[0])
+            drawn = self.series.get(event.rank)
+            if drawn is not None and drawn[0] and drawn[0][-1] != before[0]:
+                points.append(self._point(event.rank, before[0], None))  # a break: a restart
+            points.append(self._point(event.rank, before[0], rate))
             points.append(self._point(event.rank, event.time, rate))
         for rank, (at, _) in self._last.items():
             if rank not in self.series or self._newest - at <= SILENT_S:
                 continue
             zero = self._zero_at.get(rank)
             if zero is None:
-                points.append(self._point(rank, at + 1.0, 0.0))
+                points.append(self._point(rank, at, 0.0))
             if zero is None or self._newest - zero >= 1.0:
                 points.append(self._point(rank, self._newest, 0.0))
                 self._zero_at[rank] = self._newest
         return points
 
-    def _point(self, rank: int, at: float, rate: float) -> list:
+    def _point(self, rank: int, at: float, rate: float | None) -> list:
         times, values = self.series.setdefault(
             rank, (deque(maxlen=self._capacity), deque(maxlen=self._capacity))
         )
+        value = None if rate is None else round(rate, 3)
         times.append(at)
-        values.append(round(rate, 3))
-        return [rank, round(at * 1000), round(rate, 3)]
+        values.append(value)
+        return [rank, round(at * 1000), value]

@@ -127,6 +127,10 @@ class Panel:
             self._draw.polygon(
                 [(x, y - r), (x + r, y + r), (x - r, y + r)], fill=color, outline="white"
             )
+        elif shape == ">":
+            self._draw.polygon(
+                [(x - r, y - r), (x + r, y), (x - r, y + r)], fill=color, outline="white"
+            )
         elif shape == "v":
             self._draw.polygon(
                 [(x - r, y - r), (x + r, y - r), (x, y + r)], fill=color, outline="white"

@@ -212,7 +212,7 @@ class GPUChart(anywidget.AnyWidget):
                 name=label,
                 legendgroup=label,
                 hovertemplate=f"%{{y}} steps/s<extra>{label}</extra>",
-                line={"color": _COLORS[rank % len(_COLORS)], "width": 1.5, "shape": "hv"},
+                line={"color": _COLORS[rank % len(_COLORS)], "width": 1.5},
             )
             rate_x.append((np.asarray(when, dtype="<f8") * 1000.0).tobytes())
             rate_y.append(list(values))

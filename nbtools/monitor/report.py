@@ -10,6 +10,7 @@ artifact; then the readings table and the list of events as plain HTML.
 from __future__ import annotations
 
 import html
+import math
 import os
 import tempfile
 import time
@@ -38,6 +39,8 @@ _STYLE: dict[str, dict[str, Any]] = {
     "stall": {"color": "#d97706", "symbol": "diamond", "band": 0.18},
     "failure": {"color": "#dc2626", "symbol": "x", "line": "solid"},
     "restart": {"color": "#ea580c", "symbol": "triangle-up", "line": "dash"},
+    "restore": {"color": "#16a34a", "symbol": "triangle-right", "band": 0.3},
+    "phase": {"color": "#334155", "symbol": "diamond-tall", "line": "longdash"},
     "run": {"color": "#6b7280", "symbol": "circle-open", "line": "dot"},
     "hang": {"color": "#b91c1c", "symbol": "hexagram", "band": 0.25},
     "straggler": {"color": "#ca8a04", "symbol": "star", "band": 0.2},
@@ -112,11 +115,10 @@ def timeline_figure(
                 name=label,
                 legendgroup=label,
                 x=[_local(t * 1000) for t in when],
-                y=[round(v, 3) for v in rate],
+                y=[None if math.isnan(v) else round(v, 3) for v in rate],
                 line={
                     "color": _COLORS[rank % len(_COLORS)],
                     "width": 3.5 if rank in flagged else 1.5,
-                    "shape": "hv",
                 },
                 hovertemplate=f"%{{y}} steps/s<extra>{label}</extra>",
             )
@@ -166,6 +168,20 @@ def timeline_figure(
                 line={"color": style["color"], "width": 1.5, "dash": style["line"]},
                 row="all",
                 col=1,
+            )
+        if row[2] == "phase" and row[6]:  # its name beside its line, in the events' lane
+            fig.add_annotation(
+                x=at,
+                xref="x",
+                y=1,
+                yref="y domain",
+                text=html.escape(row[6]),
+                showarrow=False,
+                xanchor="left",
+                yanchor="top",
+                xshift=4,
+                font={"size": 12, "color": style["color"]},
+                bgcolor="rgba(255,255,255,0.8)",
             )
         xs, texts = lanes.setdefault(row[2] if row[2] in _STYLE else "mark", ([], []))
         xs.append(at)
@@ -254,12 +270,13 @@ def write_html(
         for r in reversed(list(events))
     )
     text = summary(history, latest, source, events=len(events), status=status)
+    table = _table(history.gpus(), latest) if history.gpus() else ""  # no empty table on CPU
     page = (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>GPU pane</title><style>"
         "body{font-family:sans-serif;font-size:13px;color:#2a3f5f;margin:16px}"
         "table{border-collapse:collapse;margin:6px 0 14px}td,th{padding:2px 12px 2px 0;"
         "text-align:left}th{color:#666}</style></head><body>"
-        f"<pre class='summary'>{html.escape(text)}</pre>{_table(history.gpus(), latest)}{figure}"
+        f"<pre class='summary'>{html.escape(text)}</pre>{table}{figure}"
         f"<h3>Events ({len(events)})</h3><table class='events'>{listed}</table></body></html>"
     )
     fd, tmp = tempfile.mkstemp(prefix=".gpu-pane-", suffix=".html", dir=folder)

@@ -57,6 +57,8 @@ STYLE: dict[str, dict[str, Any]] = {
     "stall": {"color": "#d97706", "marker": "D", "band": 0.18},
     "failure": {"color": "#dc2626", "marker": "x", "line": "-"},
     "restart": {"color": "#ea580c", "marker": "^", "line": "--"},
+    "restore": {"color": "#16a34a", "marker": ">", "band": 0.3},
+    "phase": {"color": "#334155", "marker": "d", "line": "--"},
     "run": {"color": "#6b7280", "marker": "o", "line": ":"},
     "hang": {"color": "#b91c1c", "marker": "x", "band": 0.25},
     "straggler": {"color": "#ca8a04", "marker": "D", "band": 0.2},
@@ -206,7 +208,7 @@ def render_png(
         elif field == "memory_used":
             low, high = 0.0, memory_top * 1.05
         elif field == "steps":
-            top = max((max(v) for _t, v in (rates or {}).values() if v), default=1.0)
+            top = max((float(np.nanmax(v)) for _t, v in (rates or {}).values() if v), default=1.0)
             low, high = 0.0, max(top, 1e-3) * 1.1
         else:
             low, high = _range([y for (_h, _i, f), (_x, y) in series.items() if f == field])

@@ -17,7 +17,12 @@ How each kind is drawn on the shared time axis (:func:`category`):
   (``input_stall`` with ``seconds``);
 - ``"failure"`` and ``"restart"``: a vertical line (``rank_failed``,
   ``failure``; ``restart``, ``pool_restarted``);
+- ``"restore"``: a band for the seconds a restore took (``checkpoint_restored``
+  with ``seconds``), ending when the state was back;
 - ``"run"``: a thin line where a launch started or finished;
+- ``"phase"``: a line where a named part of the work begins (``phase``, with
+  the name as its message: ``events.emit("phase", "fine-tuning")``); the
+  report writes the name beside it;
 - ``"hang"`` and ``"straggler"``: a flagged rank (``hang``, ``straggler``):
   a band from ``since`` (where the rank stopped or slowed) to when it was
   flagged, and another to when the flag ended (``ended=True``);
@@ -32,6 +37,7 @@ Every event also gets a marker whose hover text gives its details.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections import deque
@@ -73,6 +79,8 @@ _CATEGORIES = {
     "failure": "failure",
     "restart": "restart",
     "pool_restarted": "restart",
+    "checkpoint_restored": "restore",
+    "phase": "phase",
     "launch": "run",
     "finished": "run",
     "hang": "hang",
@@ -88,17 +96,20 @@ CATEGORY_LABELS = {
     "stall": "input stall",
     "failure": "failure",
     "restart": "restart",
+    "restore": "checkpoint restore",
+    "phase": "phase",
     "run": "launch / finish",
     "hang": "hang (rank flagged)",
     "straggler": "straggler (rank flagged)",
     "mark": "other event",
 }
 #: Kinds nbtools emits itself: sent before user events when a poll cannot carry all.
-NOTABLE_KINDS = frozenset([*_CATEGORIES, "checkpoint_restored", "checkpoint_skipped", "cache_full"])
+NOTABLE_KINDS = frozenset([*_CATEGORIES, "checkpoint_skipped", "cache_full"])
 
 
 def category(kind: str) -> str:
-    """How events of ``kind`` are drawn: save, stall, failure, restart, run or mark."""
+    """How events of ``kind`` are drawn: save, stall, failure, restart, restore, phase, run,
+    hang, straggler or mark."""
     return _CATEGORIES.get(kind, "mark")
 
 
@@ -118,9 +129,9 @@ def _span_start(event: Event) -> float | None:
             return None
         end = event.time - (_seconds(event.fields, "upload_s") or 0.0)
         return end - blocked
-    if kind == "stall":
-        waited = _seconds(event.fields, "seconds")
-        return None if waited is None else event.time - waited
+    if kind in ("stall", "restore"):
+        took = _seconds(event.fields, "seconds")
+        return None if took is None else event.time - took
     if kind in ("hang", "straggler"):
         return _seconds(event.fields, "since")
     return None
@@ -193,10 +204,13 @@ def drawn(events: Iterable[Event]) -> list[Event]:
 def step_rates(events: Iterable[Event]) -> dict[int, tuple[list[float], list[float]]]:
     """Each rank's step rate over time from its progress reports: ``rank -> (times, steps/s)``.
 
-    A rate is the steps between two reports over the time between them,
-    stamped at the later one; a rank that stops shows a rate of 0 from its
-    next report on (its reports stop: the last rate is followed by a 0 at the
-    newest report of any rank).
+    A rate is the steps between two reports over the time between them, drawn over
+    that interval: two points, at the earlier report and at the later one, so a line
+    through them is a step function whose every step spans what it measured. Where a
+    rank's intervals do not follow on (a restarted rank counts from zero again, and
+    its first report after the restart gives no rate), a point with a NaN rate breaks
+    the line: no rate is drawn over a restart. A rank that stops shows a rate of 0
+    from its last report to the newest report of any rank.
     """
     last: dict[int, tuple[float, int]] = {}
     rates: dict[int, tuple[list[float], list[float]]] = {}
@@ -212,12 +226,16 @@ def step_rates(events: Iterable[Event]) -> dict[int, tuple[list[float], list[flo
         last[event.rank] = (event.time, steps)
         if before is None or event.time <= before[0] or steps < before[1]:
             continue
+        rate = (steps - before[1]) / (event.time - before[0])
         times, values = rates.setdefault(event.rank, ([], []))
-        times.append(event.time)
-        values.append((steps - before[1]) / (event.time - before[0]))
+        if times and times[-1] != before[0]:  # not the interval after the last one
+            times.append(before[0])
+            values.append(math.nan)
+        times += [before[0], event.time]
+        values += [rate, rate]
     for times, values in rates.values():
         if times and newest - times[-1] > 5.0:  # silent since: no steps
-            times += [times[-1] + 1.0, newest]
+            times += [times[-1], newest]
             values += [0.0, 0.0]
     return rates
 

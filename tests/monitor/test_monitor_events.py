@@ -253,11 +253,16 @@ def test_kinds_and_spans():
             "launch",
             "finished",
             "checkpoint_restored",
+            "phase",
             "eval",
         )
-    ] == ["save", "stall", "failure", "restart", "run", "run", "mark", "mark"]
+    ] == ["save", "stall", "failure", "restart", "run", "run", "restore", "phase", "mark"]
     event = events.Event(100.0, "h", 0, 1, "checkpoint_saved", None, 3, {"blocked_s": "bad"})
     assert encode(event)[5] is None  # no usable duration: drawn as an instant
+    # A restore is drawn over the seconds it took, ending when the state was back.
+    fields = {"seconds": 0.25, "tier": "memory"}
+    restored = events.Event(100.0, "h", 0, 1, "checkpoint_restored", "restored", 12, fields)
+    assert encode(restored)[5] == 99_750
     long = events.Event(100.0, "other", 0, 1, "eval", "m" * 500, None, {})
     text = encode(long, local_host="here")[6]
     assert text.startswith("other · ") and len(text) == 160
@@ -310,13 +315,16 @@ def test_step_rates_ride_the_polls_and_a_new_rank_brings_the_whole_figure(comms,
         events.bus().publish([_report(0, 20, t0 + 2), _report(1, 15, t0 + 2)])
         _poll(sampler, clock)
         figure = chart.sent[-1]["data"]["state"]["_figure"]  # new ranks: the whole figure
-        assert figure["ranks"] == [0, 1] and figure["ry"] == [[5.0], [2.5]]
+        # Each rate is drawn over the interval it measures: from one report to the next.
+        assert figure["ranks"] == [0, 1] and figure["ry"] == [[5.0, 5.0], [2.5, 2.5]]
         assert [t["name"] for t in figure["data"][-2:]] == ["rank 0", "rank 1"]
         assert figure["layout"]["annotations"][-1]["text"] == "Steps per second, by rank"
         events.bus().publish([_report(0, 30, t0 + 4), _report(1, 16, t0 + 4)])
         _poll(sampler, clock)
         assert chart.custom_messages()[-1]["sr"] == [
+            [0, round((t0 + 2) * 1000), 5.0],
             [0, round((t0 + 4) * 1000), 5.0],
+            [1, round((t0 + 2) * 1000), 0.5],
             [1, round((t0 + 4) * 1000), 0.5],
         ]
         # Rank 1 goes silent while rank 0 reports: it drops to 0 steps/s.
@@ -324,7 +332,18 @@ def test_step_rates_ride_the_polls_and_a_new_rank_brings_the_whole_figure(comms,
         _poll(sampler, clock)
         points = chart.custom_messages()[-1]["sr"]
         assert [0, round((t0 + 10) * 1000), 5.0] in points
+        assert [1, round((t0 + 4) * 1000), 0.0] in points  # from its last report on
         assert [1, round((t0 + 10) * 1000), 0.0] in points
+        # A restarted rank counts from zero: no rate is drawn over the restart.
+        events.bus().publish([_report(0, 1, t0 + 16)])  # the first report of the new process
+        events.bus().publish([_report(0, 5, t0 + 17)])
+        _poll(sampler, clock)
+        points = [p for p in chart.custom_messages()[-1]["sr"] if p[0] == 0]
+        assert points[:3] == [
+            [0, round((t0 + 16) * 1000), None],  # a break in the line
+            [0, round((t0 + 16) * 1000), 4.0],
+            [0, round((t0 + 17) * 1000), 4.0],
+        ], points
     finally:
         pane.close()
 

@@ -7,6 +7,7 @@ front-end boundary, like the recording comm); the picture is really drawn.
 from __future__ import annotations
 
 import base64
+import math
 import re
 import threading
 import time
@@ -283,6 +284,20 @@ def test_step_rates_come_from_progress_reports_and_a_silent_rank_drops_to_zero()
     assert set(rates) == {0, 1}
     assert rates[0][1][-1] == pytest.approx(10.0)
     assert rates[1][1][:4] == [pytest.approx(5.0)] * 4 and rates[1][1][-1] == 0.0
+
+
+def test_a_step_rate_spans_what_it_measured_and_none_spans_a_restart():
+    from nbtools.monitor.timeline import step_rates
+
+    reports = [_progress(0, 10 * i, 100.0 + i) for i in range(4)]  # 10 steps/s, 100..103 s
+    reports += [_progress(0, 1, 110.0), _progress(0, 3, 111.0)]  # restarted: counts from 0
+    times, values = step_rates(reports)[0]
+    # Every rate from the report before to its own: 100-101, 101-102, 102-103 at 10.
+    assert times[:6] == [100.0, 101.0, 101.0, 102.0, 102.0, 103.0]
+    assert values[:6] == [pytest.approx(10.0)] * 6
+    # Between 103 s and 110 s (the restart) the line is broken, then 110-111 at 2.
+    assert times[6:] == [110.0, 110.0, 111.0] and math.isnan(values[6])
+    assert values[7:] == [pytest.approx(2.0)] * 2
 
 
 def test_to_html_without_gpus_shows_step_rates_the_flags_and_a_legend(comms, tmp_path):
