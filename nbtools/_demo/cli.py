@@ -1,5 +1,10 @@
 """``python -m nbtools demo``: train on 2 CPU ranks, kill one, recover, compare with an uninterrupted run.
 
+The demo first trains one epoch and throws it away, so that both runs start warm, then runs
+the killed-and-recovered training, then the uninterrupted one. It prints the recovery as
+the run's events measured it (from the kill to the next step, the steps trained again, where
+the state came from) and both wall times.
+
 Layout of the output directory::
 
     OUT/volume/                 the sample files (the "slow volume")
@@ -8,9 +13,11 @@ Layout of the output directory::
     OUT/recovered/checkpoints/  step_<N>/ checkpoints of the killed-and-recovered run
     OUT/recovered/records/      per-rank JSONL: sample ids consumed at every step
     OUT/uninterrupted/...       the same for the reference run
+    OUT/warm-up/...             the warm-up epoch (MLflow experiment "nbtools-demo-warm-up")
     OUT/recovery.html           the recovered loss curve over the uninterrupted one
-    OUT/timeline.html           the GPU pane's timeline of both runs: GPUs (when there are
-                                any), checkpoint saves, the kill, the restart
+    OUT/timeline.html           the GPU pane's timeline of the warm-up and both runs, each
+                                labelled: GPUs (when there are any), checkpoint saves, the
+                                kill, the restart, the restore, each rank's step rate
 """
 
 from __future__ import annotations
@@ -22,12 +29,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from nbtools import events
 from nbtools._demo.history import (
+    Recovery,
     continuity_problems,
     effective_history,
     exactly_once_problems,
     loss_curve,
     prepare_experiment,
+    recovery_from_events,
 )
 from nbtools._demo.samples import make_volume
 from nbtools._demo.training import DemoConfig, train
@@ -36,7 +46,9 @@ from nbtools.errors import DistributedError
 __all__ = ["DemoOutcome", "run_pair", "report", "run_demo"]
 
 _MARKER = ".nbtools-demo"
-_RUN_DIRS = ("recovered", "uninterrupted")
+_RUN_DIRS = ("warm-up", "recovered", "uninterrupted")
+#: The MLflow experiment of the warm-up's one epoch (kept apart from the two runs).
+_WARM_UP_EXPERIMENT = "nbtools-demo-warm-up"
 
 
 @dataclass
@@ -50,6 +62,8 @@ class DemoOutcome:
     samples: int
     recovered_seconds: float
     reference_seconds: float
+    recovery: Recovery | None = None
+    warmup_seconds: float | None = None
 
     @property
     def world_size(self) -> int:
@@ -95,8 +109,12 @@ def run_pair(
     kill_at: int = 13,
     launch: dict[str, Any] | None = None,
     verbose: bool = True,
+    warm: bool = False,
 ) -> DemoOutcome:
     """Run the killed-and-recovered training and the uninterrupted one under ``out``.
+
+    Each run begins with a ``phase`` event naming it (the timeline labels the runs), and
+    the recovery's figures come from the events of the killed run (:class:`Recovery`).
 
     Args:
         out: Output directory (created; an earlier demo's results in it are replaced).
@@ -105,6 +123,10 @@ def run_pair(
         kill_at: Rank 1 SIGKILLs itself after this step on the first attempt.
         launch: ``@distributed`` options (default ``processes=2``).
         verbose: Stream the ranks' progress lines.
+        warm: Start with one epoch trained as the runs train, thrown away (``warm-up/``,
+            its own MLflow experiment), so that neither run pays for a cold start (the
+            ranks' imports, the volume's cache, MLflow's store) and their wall times
+            compare fairly.
     """
     from nbtools.launch import distributed
 
@@ -130,11 +152,32 @@ def run_pair(
     )
     options = dict(launch or {"processes": 2})
     output = "all" if verbose else "none"
+    warmup = None
+    if warm:
+        # One epoch as the runs train it, thrown away: ranks, imports, the volume's cache
+        # and MLflow are warm for both runs.
+        prepare_experiment(uri, _WARM_UP_EXPERIMENT, os.path.join(out, "mlartifacts"))
+        events.emit("phase", "warm-up: one epoch, discarded")
+        began = time.perf_counter()
+        warm_up = base.replace(
+            run_dir=os.path.join(out, "warm-up"),
+            run_name="warm-up",
+            experiment=_WARM_UP_EXPERIMENT,
+            epochs=1,
+            kill_at=None,
+            verbose=False,
+        )
+        distributed(**options, output="none")(train).distributed(warm_up)
+        warmup = time.perf_counter() - began
+    events.emit("phase", "run 1: killed and recovered")
+    since = time.time()
     started = time.perf_counter()
     recovered_results = distributed(**options, max_restarts=2, output=output)(train).distributed(
         recovered
     )
     middle = time.perf_counter()
+    recovery = recovery_from_events(events.log(since=since))
+    events.emit("phase", "run 2: uninterrupted")
     reference_results = distributed(**options, output=output)(train).distributed(reference)
     return DemoOutcome(
         recovered,
@@ -144,6 +187,8 @@ def run_pair(
         samples,
         recovered_seconds=middle - started,
         reference_seconds=time.perf_counter() - middle,
+        recovery=recovery,
+        warmup_seconds=warmup,
     )
 
 
@@ -210,9 +255,13 @@ def run_demo(out: str = "nbtools-demo") -> int:
     print(
         f"nbtools demo: 2 CPU ranks; rank 1 is killed mid-run and the group recovers. Output: {out}"
     )
+    print(
+        "First one warm-up epoch, thrown away, so that neither run pays the cold start; "
+        "then the killed run; then an uninterrupted one to compare with."
+    )
     pane = _open_pane()
     try:
-        outcome = run_pair(out)
+        outcome = run_pair(out, warm=True)
     except FileExistsError as exc:
         print(f"nbtools demo: {exc}", file=sys.stderr)
         return 2
@@ -225,20 +274,23 @@ def run_demo(out: str = "nbtools-demo") -> int:
     problems = report(outcome, html)
     first = outcome.recovered_results[0]
     print()
+    if outcome.recovery is not None:
+        print(outcome.recovery.line())
     print(
         f"restarts:      {first['restart']} (restored step {first['restored_step']} "
         f"from {first['restored_tier']})"
     )
     print(
         f"wall time:     {outcome.recovered_seconds:.1f} s killed and recovered, "
-        f"{outcome.reference_seconds:.1f} s uninterrupted"
+        f"{outcome.reference_seconds:.1f} s uninterrupted (both after a "
+        f"{outcome.warmup_seconds or 0:.1f} s warm-up epoch: neither pays the cold start)"
     )
     print(f"checkpoints:   {outcome.recovered.checkpoints}")
     print(f"MLflow:        {outcome.recovered.tracking_uri}  run id {first['run_id']}")
     print(f"               (mlflow ui --backend-store-uri {outcome.recovered.tracking_uri})")
     print(f"figure:        {html}")
     if timeline:
-        print(f"timeline:      {timeline}  (GPU pane: saves, the kill, the restart)")
+        print(f"timeline:      {timeline}  (both runs: saves, the kill, the restart, the restore)")
     if problems:
         print("FAILED: the recovered run differs from the uninterrupted one:", file=sys.stderr)
         for problem in problems:

@@ -48,31 +48,48 @@ def recovery_figure(
             marker={"size": 5},
         )
     )
+
+    # Three labels at three heights, so none covers another: the kill's at the top right
+    # of its line, the re-run steps' under it, the restore's at the bottom left of its line
+    # (where the falling loss curves leave the plot empty).
+    def label(x: float, y: float, text: str, color: str, side: str) -> None:
+        fig.add_annotation(
+            x=x,
+            xref="x",
+            y=y,
+            yref="paper",
+            text=text,
+            showarrow=False,
+            xanchor=side,
+            yanchor="top" if y > 0.5 else "bottom",
+            xshift=5 if side == "left" else -5,
+            font={"color": color, "size": 12},
+            bgcolor="rgba(255,255,255,0.85)",
+        )
+
     if killed_at is not None and restored_step is not None and killed_at > restored_step:
+        again = killed_at - restored_step
         fig.add_vrect(
             x0=restored_step + 0.5,
             x1=killed_at + 0.5,
             fillcolor="#FFA15A",
             opacity=0.15,
             line_width=0,
-            annotation_text="run again after the restore",
-            annotation_position="bottom right",
+        )
+        label(
+            killed_at + 0.5,
+            0.86,
+            f"{again} step{'s' * (again != 1)} trained again after the restore",
+            "#c2410c",
+            "left",
         )
     if killed_at is not None:
-        fig.add_vline(
-            x=killed_at,
-            line={"color": "#d62728", "dash": "dash"},
-            annotation_text=f"rank SIGKILLed after step {killed_at}",
-            annotation_position="top right",
-        )
+        fig.add_vline(x=killed_at, line={"color": "#d62728", "dash": "dash"})
+        label(killed_at, 0.99, f"rank SIGKILLed after step {killed_at}", "#d62728", "left")
     if restored_step is not None:
-        fig.add_vline(
-            x=restored_step,
-            line={"color": "#2ca02c", "dash": "dot"},
-            annotation_text=f"restored step {restored_step}"
-            + (f" from {restored_tier}" if restored_tier else ""),
-            annotation_position="bottom left",
-        )
+        fig.add_vline(x=restored_step, line={"color": "#2ca02c", "dash": "dot"})
+        where = f" from {restored_tier}" if restored_tier else ""
+        label(restored_step, 0.02, f"restored step {restored_step}{where}", "#15803d", "right")
     fig.update_layout(
         title=title,
         xaxis_title="step",

@@ -1,15 +1,22 @@
-"""What a demo run really did: its effective step history, and its loss curve in MLflow."""
+"""What a demo run really did: its step history, its loss curve in MLflow, its recovery's events."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
 import pathlib
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
+from nbtools._demo.training import KILLED_KIND, RESUMED_KIND
+from nbtools.events import Event
+
 __all__ = [
+    "Recovery",
+    "recovery_from_events",
     "effective_history",
     "exactly_once_problems",
     "loss_curve",
@@ -107,4 +114,52 @@ def prepare_experiment(tracking_uri: str, name: str, artifact_dir: str) -> str:
         return found.experiment_id
     return client.create_experiment(
         name, artifact_location=pathlib.Path(artifact_dir).resolve().as_uri()
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Recovery:
+    """What the recovery took, from the run's events.
+
+    Attributes:
+        seconds: From the kill to the end of the next step (every rank past its all-reduce).
+        trained_again: Steps trained before the kill and again after the restore.
+        restored_step: The step the restore loaded.
+        tier: Where the restore came from (``"memory"``, ``"replica"`` or ``"volume"``).
+    """
+
+    seconds: float
+    trained_again: int
+    restored_step: int
+    tier: str
+
+    def line(self) -> str:
+        """``recovery: 1.4 s from the kill to the next step, 1 step trained again, ...``."""
+        again = f"{self.trained_again} step{'s' * (self.trained_again != 1)}"
+        return (
+            f"recovery: {self.seconds:.1f} s from the kill to the next step, {again} trained "
+            f"again, restored from {self.tier}"
+        )
+
+
+def recovery_from_events(events: Iterable[Event]) -> Recovery | None:
+    """The recovery of a killed run, from its kill, its restore and its next step; None
+    when the events do not hold all three (the run was not killed, or events were lost)."""
+    kill = restored = resumed = None
+    for event in sorted(events, key=lambda e: e.time):
+        if event.kind == KILLED_KIND and kill is None:
+            kill = event
+        elif kill is not None and event.kind == "checkpoint_restored" and restored is None:
+            restored = event
+        elif restored is not None and event.kind == RESUMED_KIND and resumed is None:
+            resumed = event
+    if kill is None or restored is None or resumed is None:
+        return None
+    if kill.step is None or restored.step is None:
+        return None
+    return Recovery(
+        seconds=resumed.time - kill.time,
+        trained_again=kill.step - restored.step,
+        restored_step=restored.step,
+        tier=str(restored.fields.get("tier", "a checkpoint")),
     )

@@ -23,10 +23,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nbtools import runtime
+from nbtools import events, runtime
 from nbtools._demo.samples import FEATURES, DecodedSamples
 
-__all__ = ["DemoConfig", "train", "steps_per_epoch"]
+__all__ = ["KILLED_KIND", "RESUMED_KIND", "DemoConfig", "train", "steps_per_epoch"]
+
+#: The event the killed rank emits just before its SIGKILL (its step: the last it trained).
+KILLED_KIND = "sigkill"
+#: The event rank 0 emits when the first step after a restore is done on every rank.
+RESUMED_KIND = "resumed"
 
 _MLFLOW_SCRUBBED = ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME")
 
@@ -219,6 +224,7 @@ def train(cfg: DemoConfig) -> dict[str, Any]:
                 f"{ckpt.restored_tier} ({where}), resuming at step {step} of {total}"
             )
         loss_fn = torch.nn.MSELoss()
+        resuming = ckpt.restored_step is not None  # until the first step after the restore
         while step < total:
             for ids, x, y in loader:
                 loss = loss_fn(model(x.to(device)), y.to(device))
@@ -229,6 +235,9 @@ def train(cfg: DemoConfig) -> dict[str, Any]:
                 if runtime.is_distributed():
                     dist.all_reduce(mean)
                 value = float(mean) / world
+                if resuming and rank == 0:  # every rank is past this step's all-reduce
+                    events.emit(RESUMED_KIND, f"first step after the restore: {step}", step=step)
+                    resuming = False
                 record: dict[str, Any] = {"attempt": attempt, "step": step}
                 record.update(epoch=step // per_epoch, rank=rank, ids=ids.tolist(), loss=value)
                 records.write(json.dumps(record) + "\n")
@@ -243,6 +252,8 @@ def train(cfg: DemoConfig) -> dict[str, Any]:
                 if attempt == 0 and step == cfg.kill_at and rank == cfg.kill_rank:
                     if cfg.verbose:
                         print(f"step {step}: SIGKILL to myself (pid {os.getpid()})")
+                    events.emit(KILLED_KIND, f"rank {rank} SIGKILLs itself", step=step)
+                    events.flush()
                     os.kill(os.getpid(), signal.SIGKILL)
                 step += 1
                 if step >= total:
