@@ -27,6 +27,7 @@ from datetime import datetime
 
 import nbformat
 from nbclient import NotebookClient
+from nbconvert.preprocessors import CoalesceStreamsPreprocessor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLOTLY = "application/vnd.plotly.v1+json"
@@ -92,6 +93,9 @@ def run(path: str, timeout: int) -> None:
             t1 = datetime.fromisoformat(stamps["shell.execute_reply"].replace("Z", "+00:00"))
             timings.append((index, (t1 - t0).total_seconds()))
     nb.metadata.pop("widgets", None)
+    # What a notebook front end shows: consecutive prints as one output, a progress bar
+    # redrawn with carriage returns as its last state.
+    CoalesceStreamsPreprocessor().preprocess(nb, {})
     added = _png_fallbacks(nb)
     nbformat.write(nb, path)
     left = sorted(_untracked() - before - {os.path.relpath(path, ROOT)})
