@@ -1,11 +1,17 @@
-"""The demo's building blocks in one process: sample files, decoding, and the checks it reports.
+"""The demo's building blocks in one process: sample files, decoding, and the checks it reports;
+its figures as a browser draws them; and ``python -m nbtools demo`` itself, as a user runs it.
 
-The multi-process run itself is tests/integration/test_autorecovery.py.
+The multi-process run's checks are tests/integration/test_autorecovery.py.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -136,13 +142,123 @@ def test_the_demo_writes_the_pane_timeline_of_its_run(tmp_path, clean_bus):
 
     (tmp_path / _MARKER).write_text("made by the demo")
     pane = _open_pane()  # as the demo does: this machine's GPUs (none here), not shown
+    events.emit("phase", "run 1: killed and recovered")
     events.emit("checkpoint_saved", message="saved step_8", step=8, blocked_s=0.2)
     events.emit("rank_failed", message="rank 1 exited with SIGKILL (signal 9)", rank=1)
     events.emit("restart", message="restarting all 2 ranks (restart 1 of 2)", attempt=1)
+    events.emit("checkpoint_restored", "restored step 12 from memory", step=12, seconds=0.1)
+    events.emit("phase", "run 2: uninterrupted")
     path = _close_pane(pane, str(tmp_path / "timeline.html"))
     assert pane.status == "closed"
     assert path == str(tmp_path / "timeline.html")
     text = (tmp_path / "timeline.html").read_text()
-    for kind in ("checkpoint_saved", "rank_failed", "restart"):
+    for kind in ("checkpoint_saved", "rank_failed", "restart", "checkpoint_restored"):
         assert kind in text
     assert "Plotly.newPlot" in text  # plotly.js inside: opens without a network
+    figure = _figure_json(text)
+    legend = {t.get("name") for t in figure["data"]}
+    assert "checkpoint restore" in legend and "other event" not in legend  # drawn as a restore
+    labels = [a["text"] for a in figure["layout"]["annotations"]]
+    assert "run 1: killed and recovered" in labels and "run 2: uninterrupted" in labels
+    assert "class='readings'" not in text  # no GPU here: no empty table of GPU readings
+
+
+def _figure_json(page: str) -> dict:
+    """The figure a plotly HTML page draws (its Plotly.newPlot call's data and layout)."""
+    call = page[page.index("Plotly.newPlot(") :]
+    decoder = json.JSONDecoder()
+    rest = call[call.index("[") :]
+    data, end = decoder.raw_decode(rest)
+    layout, _ = decoder.raw_decode(rest[end:].lstrip(", \n"))
+    return {"data": data, "layout": layout}
+
+
+def test_the_recovery_line_comes_from_the_runs_events():
+    from nbtools._demo.history import recovery_from_events
+    from nbtools._demo.training import KILLED_KIND, RESUMED_KIND
+    from nbtools.events import Event
+
+    def event(at, kind, step=None, **fields):
+        return Event(at, "node-a", 0, 1, kind, "", step, fields)
+
+    run = [
+        event(100.0, "checkpoint_saved", 12),
+        event(101.0, KILLED_KIND, 13),
+        event(101.1, "rank_failed"),
+        event(101.6, "checkpoint_restored", 12, seconds=0.1, tier="memory"),
+        event(102.4, RESUMED_KIND, 13),
+    ]
+    recovery = recovery_from_events(reversed(run))  # in any order
+    assert recovery is not None
+    assert recovery.line() == (
+        "recovery: 1.4 s from the kill to the next step, 1 step trained again, restored from memory"
+    )
+    assert recovery_from_events(run[:3]) is None  # never restored: no line
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(
+    not os.access(CHROMIUM, os.X_OK), reason=f"needs Debian's chromium at {CHROMIUM}"
+)
+@pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="needs playwright")
+def test_the_recovery_figures_labels_cover_nothing_of_each_other(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    from nbtools._demo.figure import recovery_figure
+
+    # The demo's curves: the loss falls from 0.56 to 0.06 over 24 steps.
+    curve = {s: 0.06 + 0.5 * 0.88**s for s in range(24)}
+    fig = recovery_figure(curve, curve, killed_at=13, restored_step=12, restored_tier="memory")
+    fig.write_html(tmp_path / "recovery.html", include_plotlyjs=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 960, "height": 500})
+            page.goto((tmp_path / "recovery.html").as_uri())
+            page.wait_for_selector(".plotly-graph-div .main-svg", timeout=30_000)
+            boxes = page.evaluate(
+                "() => Array.from(document.querySelectorAll('.annotation, .legend'))"
+                ".map((a) => { const r = a.getBoundingClientRect();"
+                " return [a.textContent, r.left, r.top, r.right, r.bottom]; })"
+            )
+        finally:
+            browser.close()
+    texts = [b[0] for b in boxes]
+    assert "rank SIGKILLed after step 13" in texts and "restored step 12 from memory" in texts
+    assert "1 step trained again after the restore" in texts
+    for i, (a, *ra) in enumerate(boxes):
+        for b, *rb in boxes[i + 1 :]:
+            apart = ra[2] <= rb[0] or rb[2] <= ra[0] or ra[3] <= rb[1] or rb[3] <= ra[1]
+            assert apart, f"{a!r} {ra} covers {b!r} {rb}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_demo_warms_up_then_says_what_the_recovery_took(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nbtools", "demo", "--out", str(out)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[1].startswith("First one warm-up epoch, thrown away, so that neither run pays")
+    recovery = [line for line in lines if line.startswith("recovery: ")]
+    assert len(recovery) == 1, proc.stdout
+    assert re.fullmatch(
+        r"recovery: \d+\.\d s from the kill to the next step, \d+ steps? trained again, "
+        r"restored from (memory|replica|volume)",
+        recovery[0],
+    ), recovery
+    wall = next(line for line in lines if line.startswith("wall time:"))
+    assert "s warm-up epoch: neither pays the cold start" in wall, wall
+    assert lines[-1].startswith("OK: final parameters equal the uninterrupted run's")
+    assert (out / "recovery.html").exists() and (out / "timeline.html").exists()
