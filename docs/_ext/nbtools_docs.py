@@ -243,24 +243,59 @@ def _default(action: argparse.Action) -> str:
     return f"`{action.default}`"
 
 
-def options_table(parser: argparse.ArgumentParser) -> list[str]:
-    """Markdown lines of a table of a parser's arguments: flag, default, and help if any."""
-    actions = [
+def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [
         action
         for action in parser._actions
         if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction))
     ]
+
+
+def _name(action: argparse.Action) -> str:
+    return action.option_strings[-1] if action.option_strings else (action.metavar or action.dest)
+
+
+def options_table(
+    parser: argparse.ArgumentParser, meanings: dict[str, str] | None = None
+) -> list[str]:
+    """Markdown lines of a table of a parser's arguments: flag, default, meaning.
+
+    The meaning is the argument's ``help``, else ``meanings[name]`` (``--gpus``, ``NAME``);
+    without either for any argument, the table has no meaning column.
+    """
+    actions = _options(parser)
     if not actions:
         return []
-    helped = any(action.help for action in actions)
+    meanings = meanings or {}
+    told = {_name(a): a.help or meanings.get(_name(a), "") for a in actions}
+    explained = any(told.values())
     lines = [
-        "| Option | Default |" + (" Meaning |" if helped else ""),
-        "| --- | --- |" + (" --- |" if helped else ""),
+        "| Option | Default |" + (" Meaning |" if explained else ""),
+        "| --- | --- |" + (" --- |" if explained else ""),
     ]
     for action in actions:
         row = f"| {_cell(_flag(action))} | {_cell(_default(action))} |"
-        lines.append(row + (f" {_cell(action.help or '')} |" if helped else ""))
+        lines.append(row + (f" {_cell(told[_name(action)])} |" if explained else ""))
     return lines
+
+
+def unexplained(parser: argparse.ArgumentParser, meanings: dict[str, str]) -> list[str]:
+    """The arguments of ``parser`` with neither ``help`` nor an entry in ``meanings``."""
+    return [_name(a) for a in _options(parser) if not a.help and not meanings.get(_name(a))]
+
+
+def parse_meanings(lines: list[str]) -> dict[str, str]:
+    """``--flag: what it does`` lines (continued on indented lines) as ``{"--flag": ...}``."""
+    meanings: dict[str, str] = {}
+    name = ""
+    for line in lines:
+        if line[:1].isspace() and name:
+            meanings[name] += " " + line.strip()
+        elif ":" in line:
+            name, text = line.split(":", 1)
+            name = name.strip()
+            meanings[name] = text.strip()
+    return meanings
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -317,23 +352,30 @@ def cli_reference() -> list[str]:
     return lines
 
 
-def magic_reference(name: str) -> list[str]:
-    """Markdown lines: the usage and options of magic ``name`` (``gpu_pane``, ...)."""
+def magic_parsers(name: str) -> dict[str, argparse.ArgumentParser]:
+    """The parsers of magic ``name``: one per command for ``distributed``, else ``{"": parser}``."""
     if name == "distributed":
         from nbtools._magics.distributed import _parser
 
-        commands = _subparsers(_parser())
-        lines = ["```text"]
-        lines += [_usage(sub) for sub in commands.values()]
-        lines += ["```", "", "Options of `start` and `restart`:", ""]
-        return [*lines, *options_table(commands["start"]), ""]
+        return _subparsers(_parser())
     from IPython.core.magic_arguments import construct_parser  # noqa: TID251 (docs build)
 
     from nbtools.magics import NbtoolsMagics
 
-    function = getattr(NbtoolsMagics, name)
-    parser = construct_parser(function)
-    return ["```text", _usage(parser), "```", "", *options_table(parser), ""]
+    return {"": construct_parser(getattr(NbtoolsMagics, name))}
+
+
+def magic_reference(name: str, meanings: dict[str, str] | None = None) -> list[str]:
+    """Markdown lines: the usage and options of magic ``name`` (``gpu_pane``, ...).
+
+    ``%distributed``'s commands share their options: its table is that of ``start``.
+    """
+    parsers = magic_parsers(name)
+    lines = ["```text", *(_usage(sub) for sub in parsers.values()), "```", ""]
+    if name == "distributed":
+        lines += ["Options of `start` and `restart`:", ""]
+        return [*lines, *options_table(parsers["start"], meanings), ""]
+    return [*lines, *options_table(parsers[""], meanings), ""]
 
 
 def _usage(parser: argparse.ArgumentParser) -> str:
@@ -371,12 +413,34 @@ class CliDirective(_Generated):
 
 
 class MagicDirective(_Generated):
+    """A magic's usage and options; the content gives ``--flag: meaning`` lines for options
+    whose parser has no help. An option with no meaning, or a meaning for no option, is a
+    warning."""
+
     required_arguments = 1
+    has_content = True
 
     def lines(self) -> list[str]:
         self.env.note_dependency(os.path.join(_PACKAGE, "magics.py"))
         self.env.note_dependency(os.path.join(_PACKAGE, "_magics", "distributed.py"))
-        return magic_reference(self.arguments[0].lstrip("%"))
+        name = self.arguments[0].lstrip("%")
+        meanings = parse_meanings(list(self.content))
+        parsers = magic_parsers(name)
+        known = {_name(a) for sub in parsers.values() for a in _options(sub)}
+        for flag in sorted(set(meanings) - known):
+            _log.warning(
+                "%%%s has no option %s", name, flag, location=self.get_location(), type="nbtools"
+            )
+        shown = parsers["start"] if name == "distributed" else parsers[""]
+        for flag in unexplained(shown, meanings):
+            _log.warning(
+                "%%%s %s has no help: say what it does in the directive's content",
+                name,
+                flag,
+                location=self.get_location(),
+                type="nbtools",
+            )
+        return magic_reference(name, meanings)
 
 
 _PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "nbtools")

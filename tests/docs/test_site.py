@@ -108,6 +108,18 @@ def test_the_cli_reference_lists_every_subcommand():
     assert "`nbtools doctor`" in lines and "`nbtools demo`" in lines and "`--json`" in lines
 
 
+def test_a_magic_option_without_help_needs_a_meaning_on_the_page():
+    start = nbtools_docs.magic_parsers("distributed")["start"]
+    assert "--gpus" in nbtools_docs.unexplained(start, {})
+    meanings = nbtools_docs.parse_meanings(
+        ["--gpus: one rank per GPU", "--hang-timeout: seconds without", "  progress"]
+    )
+    assert meanings["--hang-timeout"] == "seconds without progress"
+    assert "--gpus" not in nbtools_docs.unexplained(start, meanings)
+    table = "\n".join(nbtools_docs.options_table(start, meanings))
+    assert "| `--gpus N` |  | one rank per GPU |" in table
+
+
 @pytest.mark.slow
 def test_the_site_builds_with_no_warning_and_shows_every_notebook(tmp_path):
     out = tmp_path / "html"
