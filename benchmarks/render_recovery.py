@@ -2,9 +2,12 @@
 
 The figure is the plotly chart the demo writes to ``recovery.html``, rendered in
 headless Chromium (Debian's ``/usr/bin/chromium`` through playwright) and
-screenshotted. Prints one JSON line: the wall time of the recovered run against
-the uninterrupted one (the baseline, same run), their ratio, and whether the
-final parameters matched.
+screenshotted. As the demo does, one warm-up epoch comes first, so neither run
+pays the cold start. Prints one JSON line: the recovery as the run's events
+measured it (seconds from the kill to the next step, steps trained again, the
+tier restored from), the wall time of the recovered run against the
+uninterrupted one (the baseline, same run), their ratio, and whether the final
+parameters matched.
 
 Usage: python benchmarks/render_recovery.py [--png assets/recovery.png] [--chromium PATH]
 """
@@ -47,7 +50,7 @@ def main() -> int:
 
     work = tempfile.mkdtemp(prefix="nbtools-render-")
     try:
-        outcome = run_pair(os.path.join(work, "demo"), verbose=False)
+        outcome = run_pair(os.path.join(work, "demo"), verbose=False, warm=True)
         html = os.path.join(work, "recovery.html")
         problems = report(outcome, html)
         if os.path.exists(args.chromium):
@@ -58,6 +61,7 @@ def main() -> int:
             png = None
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    recovery = outcome.recovery
     print(
         json.dumps(
             {
@@ -65,6 +69,10 @@ def main() -> int:
                 "world_size": outcome.world_size,
                 "steps": outcome.steps,
                 "restored_step": outcome.recovered_results[0]["restored_step"],
+                "restored_tier": outcome.recovered_results[0]["restored_tier"],
+                "kill_to_next_step_s": recovery and round(recovery.seconds, 2),
+                "steps_trained_again": recovery and recovery.trained_again,
+                "warmup_s": round(outcome.warmup_seconds or 0.0, 2),
                 "recovered_s": round(outcome.recovered_seconds, 2),
                 "uninterrupted_s_baseline": round(outcome.reference_seconds, 2),
                 "ratio_recovered_over_uninterrupted": round(
