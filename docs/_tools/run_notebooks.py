@@ -8,9 +8,9 @@ Each notebook runs top to bottom in a fresh ``python3`` kernel whose working dir
 the site come from CPU ranks. Every plotly figure gets a PNG rendering beside its JSON (with
 kaleido, which drives the system's Chromium: ``pip install kaleido``), so that a page without a
 kernel still shows the chart. Widget state is not kept: the GPU pane leaves a still picture in
-its output, and a page with widget state would load the widgets' JavaScript from a CDN. The per-cell timestamps nbclient records are
-dropped: they would change every file on every run. A notebook that leaves a file in
-``notebooks/`` is an error.
+its output, and a page with widget state would load the widgets' JavaScript from a CDN. The
+per-cell timestamps nbclient records are dropped: they would change every file on every run.
+A notebook that leaves a file in ``notebooks/`` (ignored by git or not) is an error.
 """
 
 from __future__ import annotations
@@ -34,14 +34,15 @@ PLOTLY = "application/vnd.plotly.v1+json"
 
 
 def _untracked() -> set[str]:
-    """The untracked files under notebooks/, the folder a notebook's relative paths land in."""
+    """Files under notebooks/ that git does not track (ignored ones too): where a notebook's
+    relative paths land."""
     out = subprocess.run(
         [
             "git",
             "status",
             "--porcelain",
             "--untracked-files=all",
-            "--ignored=no",
+            "--ignored=matching",
             "--",
             "notebooks",
         ],
@@ -50,7 +51,7 @@ def _untracked() -> set[str]:
         text=True,
         check=True,
     ).stdout
-    return {line[3:] for line in out.splitlines() if line.startswith("??")}
+    return {line[3:] for line in out.splitlines() if line[:2] in ("??", "!!")}
 
 
 def _png_fallbacks(nb: nbformat.NotebookNode) -> int:
