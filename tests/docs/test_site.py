@@ -120,6 +120,22 @@ def test_a_magic_option_without_help_needs_a_meaning_on_the_page():
     assert "| `--gpus N` |  | one rank per GPU |" in table
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.stem)
+def test_every_example_notebook_is_saved_run_with_a_png_beside_each_chart(path):
+    notebook = json.loads(path.read_text(encoding="utf-8"))
+    code = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    unrun = [i for i, cell in enumerate(code, 1) if cell.get("execution_count") is None]
+    assert not unrun, (
+        f"code cells {unrun} never ran: python docs/_tools/run_notebooks.py {path.name}"
+    )
+    assert any(cell.get("outputs") for cell in code)
+    for cell in code:
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            assert "application/vnd.plotly.v1+json" not in data or "image/png" in data
+    assert "widgets" not in notebook["metadata"], "widget state makes the page load a CDN"
+
+
 @pytest.mark.slow
 def test_the_site_builds_with_no_warning_and_shows_every_notebook(tmp_path):
     out = tmp_path / "html"
