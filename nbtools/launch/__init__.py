@@ -12,8 +12,8 @@ Example:
 
 from __future__ import annotations
 
-from nbtools.launch._api import DistributedFunction, distributed
+from nbtools.launch._api import DistributedFunction, distributed, warm_up
 from nbtools.launch._failures import RankFailure
 from nbtools.launch.pool import RankPool
 
-__all__ = ["distributed", "DistributedFunction", "RankFailure", "RankPool"]
+__all__ = ["distributed", "DistributedFunction", "RankFailure", "RankPool", "warm_up"]

@@ -11,7 +11,7 @@ from nbtools.errors import LaunchError
 from nbtools.launch import _env, _inrank, _payload, _runner, _sources
 from nbtools.launch._config import LaunchConfig
 
-__all__ = ["distributed", "DistributedFunction"]
+__all__ = ["distributed", "DistributedFunction", "warm_up"]
 
 R = TypeVar("R")
 
@@ -195,11 +195,11 @@ def distributed(
             raise TypeError(
                 f"@distributed decorates a function, got {type(target).__name__} {target!r:.60}"
             )
-        if cluster is None and _env.may_start_processes():
+        if cluster is None:
             # Start the forkserver now, so that torch is loaded in it by the first call.
             # Not in a child (a rank, or a spawn/forkserver child importing the module
             # that defines this function): starting processes there is unsafe.
-            _env.warm_up()
+            warm_up()
         return DistributedFunction(target, config)
 
     if fn is None:
@@ -211,6 +211,21 @@ def distributed(
             f"did you mean distributed(processes={fn!r:.10})?"
         )
     return decorate(fn)
+
+
+def warm_up() -> None:
+    """Start what local launches need, in the background, and return at once.
+
+    The forkserver that ranks start from imports torch and what training code
+    uses (optimizers, DCP, nbtools' checkpoint and data packages) once; a call
+    that finds it ready starts its ranks in a fraction of a second. Applying
+    ``@distributed``, creating a ``RankPool`` and ``%load_ext nbtools`` call
+    this; a call that comes before the imports are done does not wait for
+    them (its ranks import what they use themselves). Does nothing inside a
+    rank or a child process.
+    """
+    if _env.may_start_processes():
+        _env.warm_up()
 
 
 def _shutdown() -> None:

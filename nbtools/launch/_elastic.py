@@ -37,7 +37,9 @@ _EXIT_STATUS_WAIT_S = 1.0
 _ELASTIC_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
 
 
-def start(args: dict, envs: dict, logs: DefaultLogsSpecs) -> PContext:
+def start(
+    args: dict, envs: dict, logs: DefaultLogsSpecs, start_method: str = _env.START_METHOD
+) -> PContext:
     # What ``start_processes`` does for a function entry point, except that an
     # interrupt during the start also stops what has already started.
     ctx = MultiprocessContext(
@@ -46,7 +48,7 @@ def start(args: dict, envs: dict, logs: DefaultLogsSpecs) -> PContext:
         args=args,
         envs=envs,
         logs_specs=logs,
-        start_method=_env.START_METHOD,
+        start_method=start_method,
     )
     try:
         with _env.main_module_hidden(), _env.signal_handlers_kept():

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 __all__ = [
     "START_METHOD",
+    "PRELOAD",
     "visible_gpu_count",
     "loopback_interface",
     "free_port",
@@ -42,7 +43,7 @@ START_METHOD = "forkserver"
 #: ``nbtools.launch._forkserver`` comes first and also loads the installed object-store
 #: clients. None starts a thread or touches a device. ``__main__`` is deliberately absent: a
 #: script's top level must not run again.
-_PRELOAD = [
+PRELOAD = [
     "nbtools.launch._forkserver",  # first: settles the forkserver (see there)
     "torch",
     "torch.distributed",
@@ -54,6 +55,7 @@ _PRELOAD = [
     "nbtools.launch._worker",
     "nbtools.checkpoint",
     "nbtools.data",
+    "nbtools.launch._forkserver_ready",  # last: every preload is in (``_forkserver.ready``)
 ]
 
 _MAIN_LOCK = threading.RLock()
@@ -158,7 +160,7 @@ def may_start_processes() -> bool:
 
 def warm_up() -> None:
     """Start the forkserver (torch preloaded) if it is not running yet; returns at once."""
-    multiprocessing.set_forkserver_preload(_PRELOAD)
+    multiprocessing.set_forkserver_preload(PRELOAD)
     with main_module_hidden():
         multiprocessing.forkserver.ensure_running()
 

@@ -23,6 +23,11 @@ their run directories, then the ``pymp-*`` directory (its socket, the compile
 cache). multiprocessing removes that directory in the caller's exit handlers,
 which do not run when a kernel is killed.
 
+A first call that comes while the forkserver still imports its preloads starts
+its ranks fresh (``spawn``) instead of waiting; the caller stops the
+forkserver meanwhile (:func:`pause`, :func:`resume`) so that the ranks' own
+imports have the cores.
+
 The caller records each running launch in the ``pymp-*`` directory
 (:func:`note_launch`, :func:`forget_launch`) for that purpose. Nothing here
 runs in any process but the forkserver, except those two and
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import importlib
 import json
 import multiprocessing.util
@@ -43,7 +49,16 @@ import signal
 import socket
 import time
 
-__all__ = ["note_launch", "forget_launch", "rank_environment", "settle"]
+__all__ = [
+    "note_launch",
+    "forget_launch",
+    "rank_environment",
+    "settle",
+    "mark_ready",
+    "ready",
+    "pause",
+    "resume",
+]
 
 #: Object-store clients the forkserver also loads when they are installed (a rank that
 #: reads or writes checkpoints in a bucket imports one: half a second per rank, per
@@ -52,6 +67,13 @@ _OPTIONAL_PRELOAD = ("s3fs", "gcsfs", "adlfs")
 # In the pymp-* directory: one record per running launch, and the ranks' compile cache.
 _LAUNCHES = "nbtools-launches"
 _COMPILE_CACHE = "torchinductor"
+# Made by the forkserver once its last preload is imported (``_forkserver_ready``).
+_READY = "nbtools-forkserver-ready"
+# Made by the forkserver once it would resume by itself if its caller died (``settle``).
+_SETTLED = "nbtools-forkserver-settled"
+_PR_SET_PDEATHSIG = 1
+# A forkserver this old counts as ready even without the file (one started elsewhere).
+_READY_AFTER_S = 60.0
 # Variables a launch-end hook reads from the launch's environment (where its snapshots are).
 _HOOK_ENV = ("NBTOOLS_SNAPSHOT_DIR",)
 # How long the ended forkserver waits for the ranks it SIGKILLed to be gone.
@@ -62,12 +84,19 @@ def _launches_dir(temp_dir: str) -> str:
     return os.path.join(temp_dir, _LAUNCHES)
 
 
-def note_launch(run_id: str, run_dir: str, env: dict[str, str]) -> None:
-    """In the caller: record a running launch, for the forkserver to end if the caller dies."""
+def note_launch(
+    run_id: str, run_dir: str, env: dict[str, str], groups: list[int] | None = None
+) -> None:
+    """In the caller: record a running launch, for the forkserver to end if the caller dies;
+    ``groups``: the process groups its ranks lead (recorded again with each attempt)."""
     directory = _launches_dir(multiprocessing.util.get_temp_dir())
     with contextlib.suppress(FileExistsError):
         os.mkdir(directory, 0o700)
-    record = {"run_dir": run_dir, "env": {k: env[k] for k in _HOOK_ENV if k in env}}
+    record = {
+        "run_dir": run_dir,
+        "env": {k: env[k] for k in _HOOK_ENV if k in env},
+        "groups": list(groups or []),
+    }
     path = os.path.join(directory, run_id)
     with open(f"{path}.tmp", "w") as fh:
         json.dump(record, fh)
@@ -87,6 +116,63 @@ def rank_environment(env: dict[str, str]) -> dict[str, str]:
     return {
         "TORCHINDUCTOR_CACHE_DIR": os.path.join(multiprocessing.util.get_temp_dir(), _COMPILE_CACHE)
     }
+
+
+def ready() -> bool:
+    """In the caller: whether the forkserver has imported every preload (a rank forked from
+    it now starts at once). False while it is still importing them, or not running."""
+    server = multiprocessing.forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return False
+    if os.path.exists(os.path.join(multiprocessing.util.get_temp_dir(), _READY)):
+        return True
+    # Started by other code with other preloads, or long ago: nothing to wait for.
+    from nbtools.launch import _env
+
+    if getattr(server, "_preload_modules", None) != _env.PRELOAD:
+        return True
+    try:
+        import psutil
+
+        return time.time() - psutil.Process(pid).create_time() > _READY_AFTER_S
+    except Exception:  # noqa: BLE001 - psutil's errors, or none: take it as ready
+        return True
+
+
+def pause() -> int | None:
+    """In the caller: stop the forkserver's preloading (SIGSTOP) while ranks started
+    fresh import what they need on the same cores; its pid, for :func:`resume`.
+
+    None (nothing stopped) unless it has settled: from then on it is continued
+    (PR_SET_PDEATHSIG) and ends as usual should the caller die meanwhile.
+    """
+    server = multiprocessing.forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None or not os.path.exists(
+        os.path.join(multiprocessing.util.get_temp_dir(), _SETTLED)
+    ):
+        return None
+    try:
+        os.kill(pid, signal.SIGSTOP)
+    except OSError:
+        return None
+    return pid
+
+
+def resume(pid: int | None) -> None:
+    """In the caller: let a forkserver stopped by :func:`pause` go on; idempotent."""
+    if pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def mark_ready() -> None:
+    """Inside the forkserver, after its last preload: say so (:func:`ready`)."""
+    temp_dir = _temp_dir_of_this_forkserver()
+    if temp_dir:
+        with open(os.path.join(temp_dir, _READY), "w"):
+            pass
 
 
 def _temp_dir_of_this_forkserver() -> str | None:
@@ -115,6 +201,13 @@ def settle() -> None:
         return
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
+    try:  # stopped by pause() when the caller dies: go on, and end as below
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGCONT))
+        if temp_dir:
+            with open(os.path.join(temp_dir, _SETTLED), "w"):
+                pass
+    except (OSError, AttributeError):
+        pass
     if temp_dir and not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         # Read when torch first needs it (its imports below make the directory).
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(temp_dir, _COMPILE_CACHE)
@@ -180,6 +273,11 @@ def _end_launches(directory: str) -> None:
                 record = json.load(fh)
         except (OSError, ValueError):
             continue
+        for pgid in record.get("groups") or []:
+            # Ranks this forkserver did not fork (started with "spawn") and what every rank
+            # started: the groups outlive their leaders.
+            with contextlib.suppress(OSError, TypeError, ValueError):
+                os.killpg(int(pgid), signal.SIGKILL)
         for name in _HOOK_ENV:
             os.environ.pop(name, None)
         os.environ.update(record.get("env") or {})

@@ -1,7 +1,9 @@
 """The local launch backend: ranks on this machine, started by torch's elastic machinery.
 
 Each attempt is one ``PContext`` of ``torch.distributed.elastic.multiprocessing``
-(forkserver start method). Rendezvous is a ``FileStore`` in the attempt's
+(forkserver start method; ``spawn`` while the forkserver is still importing its
+preloads, so that a first call right after the decoration does not wait for
+imports its ranks may not need). Rendezvous is a ``FileStore`` in the attempt's
 private directory: nothing listens on a port for it, and gloo/nccl are pinned
 to the loopback interface. Ranks publish failure records, "returned" marks and
 the processes they left running as files in the attempt directory
@@ -54,6 +56,7 @@ from nbtools.launch._worker import (
     STACK_SIGNAL,
     RankSpec,
     failure_path,
+    formed_path,
     leftovers_path,
     release_path,
     returned_path,
@@ -90,6 +93,16 @@ class LocalBackend:
         """Start the ranks of one attempt."""
         self._groups = [g for g in self._groups if not g.collected()]
         _env.warm_up()
+        method, paused = _start_method(spec.world_size)
+        try:
+            group = self._start(spec, method, paused)
+        except BaseException:
+            _forkserver.resume(paused)
+            raise
+        self._groups.append(group)
+        return group
+
+    def _start(self, spec: GroupSpec, method: str, paused: int | None) -> LocalGroup:
         base = _env.caller_environment()
         base.update(spec.env)
         base.update(_forkserver.rank_environment(base))
@@ -121,17 +134,19 @@ class LocalBackend:
                 run_dir=spec.attempt_dir,
                 caller_pid=os.getpid(),
                 env_names=frozenset(envs[rank]),
+                report_formed=method != _env.START_METHOD,
             )
             args[rank] = (spec.payload, rank_spec)
         logs = DefaultLogsSpecs(log_dir=os.path.join(spec.attempt_dir, "logs"), redirects=Std.ALL)
         quiet = ElasticQuiet()
         try:
-            ctx = start(args, envs, logs)
+            ctx = start(args, envs, logs, method)
         except BaseException:
             quiet.close()
             raise
-        group = LocalGroup(ctx, spec, quiet)
-        self._groups.append(group)
+        group = LocalGroup(ctx, spec, quiet, paused)
+        groups = list(ctx.pids().values())  # each rank leads its own process group
+        _forkserver.note_launch(spec.run_id, os.path.dirname(spec.attempt_dir), base, groups)
         return group
 
     def close(self) -> None:
@@ -161,8 +176,11 @@ class _Vanished:
 class LocalGroup:
     """One attempt's ranks; implements :class:`~nbtools.launch._backend.RankGroup`."""
 
-    def __init__(self, ctx: PContext, spec: GroupSpec, quiet: ElasticQuiet) -> None:
+    def __init__(
+        self, ctx: PContext, spec: GroupSpec, quiet: ElasticQuiet, paused: int | None = None
+    ) -> None:
         self._ctx = ctx
+        self._paused = paused  # the forkserver, stopped until this group has formed
         self._spec = spec
         self._quiet = quiet
         self.stdouts: dict[int, str] = ctx.stdouts
@@ -179,6 +197,8 @@ class LocalGroup:
     def poll(self) -> Outcome | None:
         if self._outcome is not None:
             return self._outcome
+        if self._paused is not None and self._formed():
+            self._resume_forkserver()
         try:
             # A rank that has ended is seen before torch collects it (see the module
             # docstring); torch's own poll then reports the rest.
@@ -206,6 +226,14 @@ class LocalGroup:
         self.stop()
         self._outcome = self._failed(result, early, exited)
         return self._outcome
+
+    def _formed(self) -> bool:
+        attempt_dir = self._spec.attempt_dir
+        return all(os.path.exists(formed_path(attempt_dir, r)) for r in self._procs)
+
+    def _resume_forkserver(self) -> None:
+        _forkserver.resume(self._paused)
+        self._paused = None
 
     def _result(self, rank: int) -> _results.Framed:
         """The return value rank ``rank`` left in its result file, read once."""
@@ -386,6 +414,7 @@ class LocalGroup:
         if self._closed:
             return {}
         self._closed = True
+        self._resume_forkserver()
         try:
             if self._outcome is None:
                 self.stop()
@@ -403,6 +432,30 @@ class LocalGroup:
         finally:
             if self._collector is None:
                 self._quiet.close()
+
+
+def _start_method(world_size: int) -> tuple[str, int | None]:
+    """How this attempt's ranks start, and the forkserver's pid if it was stopped for them.
+
+    A forkserver still importing its preloads would hold the ranks back until it
+    has all of them. Ranks started fresh (``spawn``) import only what they use,
+    in parallel: they start sooner where they have cores of their own, or where
+    the forkserver can be stopped meanwhile (:func:`_forkserver.pause`); else
+    waiting for the forkserver is the faster way.
+    """
+    if _forkserver.ready():
+        return _env.START_METHOD, None
+    paused = _forkserver.pause()
+    if paused is not None or _cores() >= world_size + 2:
+        return "spawn", paused
+    return _env.START_METHOD, None
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _with_full_disk(failure: RankFailure, attempt_dir: str) -> RankFailure:

@@ -49,6 +49,7 @@ __all__ = [
     "failure_path",
     "returned_path",
     "release_path",
+    "formed_path",
     "leftovers_path",
     "GROUP_PHASE",
     "STACK_SIGNAL",
@@ -72,6 +73,8 @@ class RankSpec:
     run_dir: str
     caller_pid: int
     env_names: frozenset[str] = field(default_factory=frozenset)
+    #: Say when the group has formed (:func:`formed_path`): the caller waits for it.
+    report_formed: bool = False
 
 
 def failure_path(run_dir: str, rank: int) -> str:
@@ -82,6 +85,11 @@ def failure_path(run_dir: str, rank: int) -> str:
 def returned_path(run_dir: str, rank: int) -> str:
     """Exists once rank ``rank``'s function has returned (its result is ready)."""
     return os.path.join(run_dir, f"returned-rank{rank}")
+
+
+def formed_path(run_dir: str, rank: int) -> str:
+    """Exists once rank ``rank`` is in the formed group (with ``RankSpec.report_formed``)."""
+    return os.path.join(run_dir, f"formed-rank{rank}")
 
 
 def release_path(run_dir: str) -> str:
@@ -168,6 +176,9 @@ def _run(payload: bytes, spec: RankSpec) -> None:
     except RuntimeError as exc:
         _publish_failure(spec, exc, phase=GROUP_PHASE)
         raise
+    if spec.report_formed:
+        with open(formed_path(spec.run_dir, spec.rank), "w"):
+            pass
     try:
         result = fn(*args, **kwargs)
     except BaseException as exc:

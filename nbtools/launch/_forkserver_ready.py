@@ -1,0 +1,9 @@
+"""Preloaded last by the forkserver: says that every preload is imported (see ``_forkserver``)."""
+
+from __future__ import annotations
+
+from nbtools.launch._forkserver import mark_ready
+
+__all__: list[str] = []
+
+mark_ready()

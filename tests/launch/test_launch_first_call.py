@@ -1,0 +1,74 @@
+"""A first call does not wait for the forkserver's preloads; later calls fork from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, os, time
+    import multiprocessing.forkserver
+    import multiprocessing.util
+
+    import psutil
+
+    import nbtools.launch
+    from nbtools import distributed
+    from nbtools.launch import _forkserver
+
+    nbtools.launch.warm_up()  # what %load_ext nbtools does
+
+    @distributed(processes=2, output="none")
+    def where():
+        import os, sys
+        import torch.distributed as dist
+
+        dist.barrier()
+        return os.getppid(), "torch._dynamo" in sys.modules
+
+    # The forkserver has settled and is still importing torch and the rest.
+    settled = os.path.join(multiprocessing.util.get_temp_dir(), "nbtools-forkserver-settled")
+    while not os.path.exists(settled):
+        time.sleep(0.005)
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    early_ready = _forkserver.ready()
+    first = where.distributed()
+    server_state = psutil.Process(server).status()
+    while not _forkserver.ready():
+        time.sleep(0.05)
+    second = where.distributed()
+    print(json.dumps({"me": os.getpid(), "server": server, "early_ready": early_ready,
+                      "first": first, "second": second, "server_state": server_state}))
+    """
+)
+
+
+def test_a_call_before_the_preloads_are_in_starts_fresh_ranks_and_later_calls_fork(tmp_path):
+    script = tmp_path / "first.py"
+    script.write_text(_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["early_ready"] is False
+    # The first call's ranks are the caller's own children, started at once; they import
+    # what they use (here not torch._dynamo, which the forkserver preloads).
+    assert seen["first"] == [[seen["me"], False], [seen["me"], False]]
+    # The forkserver, stopped while they imported, went on once their group had formed,
+    assert seen["server_state"] != "stopped"
+    # and the next call's ranks are forked from it, with everything preloaded.
+    assert seen["second"] == [[seen["server"], True], [seen["server"], True]]
