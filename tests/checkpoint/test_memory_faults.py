@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import signal
@@ -312,3 +313,63 @@ def test_a_launch_that_ended_drops_its_snapshots_wherever_they_went(tmp_path, sh
     assert [p.name for p in shm.iterdir()] == [os.path.basename(usual)]  # the other run's
     assert len(end_run("other", base=str(shm))) == 1
     assert list(shm.iterdir()) == []
+
+
+def _train(ckpt, net, opt, steps):
+    for step in steps:
+        opt.zero_grad()
+        net(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        ckpt.maybe_save(step, model=net, optimizer=opt)
+
+
+def _messages(caplog, text):
+    return [r for r in caplog.records if text in r.getMessage()]
+
+
+def test_a_truncated_slot_is_reported_once_not_at_every_snapshot(tmp_path, shm, caplog):
+    from nbtools.checkpoint import CheckpointManager
+
+    caplog.set_level(logging.WARNING, logger="nbtools")
+    net = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with CheckpointManager(tmp_path / "root", memory_every=1, async_save=False) as ckpt:
+        _train(ckpt, net, opt, range(2))
+        ckpt.wait()
+        slot = next(shm.rglob("*.slot"))
+        truncated = slot.with_name("r0-truncated.slot")
+        truncated.write_bytes(slot.read_bytes()[:-100])
+        truncated.chmod(0o600)
+        _train(ckpt, net, opt, range(2, 40))  # 38 snapshots list the slots again
+    assert len(_messages(caplog, "r0-truncated.slot")) == 1
+    assert not truncated.exists()  # the clean close removed it with the job
+
+
+@pytest.mark.parametrize("damage", ["payload", "missing"])
+def test_a_restore_that_falls_back_says_why_in_one_line(tmp_path, shm, caplog, damage):
+    from nbtools.checkpoint import CheckpointManager
+
+    net = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with (
+        pytest.raises(RuntimeError),
+        CheckpointManager(tmp_path / "root", every=4, memory_every=3, async_save=False) as ckpt,
+    ):
+        _train(ckpt, net, opt, range(10))
+        raise RuntimeError("killed")  # slots of steps 6 and 9 kept; the volume holds 8
+    newest = max(shm.rglob("*.slot"), key=lambda p: _header(p)[1]["step"])
+    if damage == "payload":
+        data = bytearray(newest.read_bytes())
+        data[-100] ^= 0xFF
+        newest.write_bytes(bytes(data))
+    else:
+        newest.unlink()
+    caplog.set_level(logging.INFO, logger="nbtools")
+    with CheckpointManager(tmp_path / "root", memory_every=3, async_save=False) as again:
+        assert again.restore(model=net, optimizer=opt) == 9  # the volume's step 8
+        assert again.restored_tier == "volume"
+    if damage == "payload":  # step 9 failed its check: step 6 is older than the volume's
+        (line,) = _messages(caplog, "failed their checks")
+        assert "step 9" in line.getMessage() and line.levelno == logging.WARNING
+    (newer,) = _messages(caplog, "the volume's step 8 is newer than memory's 6")
+    assert newer.levelno == logging.INFO  # not a fault: the volume is newer

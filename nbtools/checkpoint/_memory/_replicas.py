@@ -105,10 +105,11 @@ def exchange(
     send_to: list[int],
     receive_from: list[int],
     begin: Callable[[int, int, int], Incoming],
-) -> list[str]:
+) -> list[tuple[int, str]]:
     """One round: send ``out`` (None: nothing this time) to ``send_to``, receive from
     ``receive_from`` into what ``begin(owner, step, body bytes)`` gives. What went wrong
-    with received snapshots (their senders' are theirs to tell); a broken transfer raises."""
+    with received snapshots, ``(owner, why)`` (their senders' are theirs to tell); a
+    broken transfer raises."""
     head = _head(
         out is not None,
         step,
@@ -148,7 +149,7 @@ def exchange(
         try:
             into.done(tail.numpy().tobytes(), crc)
         except Exception as exc:  # noqa: BLE001 - one replica lost, the exchange goes on
-            errors.append(f"the replica of rank {s}'s step {their_step} was not kept ({exc})")
+            errors.append((s, f"the replica of rank {s}'s step {their_step} was not kept ({exc})"))
     return errors
 
 

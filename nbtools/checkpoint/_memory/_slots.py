@@ -66,6 +66,7 @@ __all__ = [
     "replicas",
     "visible",
     "remove",
+    "remove_rank",
     "drop_job_if_empty",
     "KEEPER",
     "sweep_temporaries",
@@ -564,6 +565,23 @@ def drop_job_if_empty(directory: str) -> None:
         with contextlib.suppress(OSError):
             os.rmdir(directory)
             os.rmdir(os.path.dirname(directory))  # the user's, when no other job is left
+
+
+def remove_rank(directory: str, rank: int) -> None:
+    """Remove every slot file of ``rank`` in ``directory``, its own and the replicas it
+    holds, trusted or not (a damaged one too): what a clean close leaves is nothing.
+    Only this user's regular files go (links are not followed)."""
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(directory):
+            if not name.endswith(".slot"):
+                continue
+            mine = name.startswith(f"{own_prefix(rank)}-")
+            held = name.startswith("x") and f"-h{rank}-" in name
+            path = os.path.join(directory, name)
+            with contextlib.suppress(FileNotFoundError):
+                info = os.lstat(path)
+                if (mine or held) and stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+                    os.unlink(path)
 
 
 def sweep_temporaries(directory: str, rank: int) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -37,7 +38,6 @@ import torch
 
 from nbtools import runtime
 from nbtools._internal.holder import Holder, machine_id, process_started
-from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import gather
 from nbtools.checkpoint._memory import (
@@ -64,7 +64,6 @@ from nbtools.errors import CheckpointError
 
 __all__ = ["MemoryTier"]
 
-_log = get_logger("checkpoint")
 
 #: How much nicer than training the background thread runs (checksums, replicas).
 _NICE = 5
@@ -121,7 +120,11 @@ class MemoryTier:
         self._groups: dict[int, tuple[int, int]] = {}  # rank -> (base, count) of its share
         self.exchanging = self.group is not None and bool(self.send_to or self.receive_from)
         if replicas and not self.send_to and self.world > 1:
-            _log.warning("replicas=%d: no peer rank to hold a replica; none are kept", replicas)
+            _notes.once(
+                f"no-peer|{self.key}",
+                "replicas=%d: no peer rank to hold a replica; none are kept",
+                replicas,
+            )
         self._files = MappedFiles(3)
         self._held_files = MappedFiles(3 * max(1, len(self.receive_from)))
         self._keeper = keeper
@@ -173,7 +176,7 @@ class MemoryTier:
     def _off(self, why: str) -> None:
         if self.enabled:
             _notes.once(
-                f"off|{self.key}",
+                f"off|{self.key}|{re.sub(r'[0-9]+', '#', why)}",  # a condition, not a step
                 "memory snapshots are off for this run: %s; volume checkpoints go on",
                 why,
             )
@@ -421,8 +424,8 @@ class MemoryTier:
             self.exchanging = False
             self._error = f"the replicas of step {step} could not be exchanged ({exc})"
             return
-        for why in lost:
-            _log.warning("%s", why)
+        for owner, why in lost:  # a condition of this holder's: said once per job
+            _notes.once(f"replica|{self.key}|{self.rank}|{owner}", "%s", why, mine=True)
         self._held_files.prune({k for s in self.held() if (k := file_key(s.path))})
 
     def _begin(self, owner: int, step: int, data_len: int) -> _replicas.Incoming:
@@ -494,7 +497,7 @@ class MemoryTier:
         if writer is not None:
             writer.join()
         if self._notice is not None:
-            _log.warning("%s", self._notice)
+            _notes.once(f"late|{self.key}", "%s", self._notice)
             self._notice = None
         if self._error is not None:
             error, self._error = self._error, None
@@ -543,6 +546,6 @@ class MemoryTier:
         if keep or not self.trusted:
             return
         _volume.remove(self.directory, self.rank)
-        _slots.remove([s.path for s in self.own() + self.held()])
+        _slots.remove_rank(self.directory, self.rank)
         _slots.sweep_temporaries(self.directory, self.rank)
         _slots.drop_job_if_empty(self.directory)
