@@ -366,6 +366,9 @@ class CheckpointManager(SavingHalf):
     def close(self, *, final_save: bool | None = None) -> None:
         """Finish the save in flight, save the last step reached, release everything.
 
+        Releasing includes the process groups the manager made (after every rank
+        reached its close, on a clean close): a notebook may make a manager per cell.
+
         Args:
             final_save: Save the last step given to ``maybe_save`` when it is
                 newer than the last checkpoint; None: as ``save_on_close`` says.

@@ -9,14 +9,24 @@ and the one before, so a rank killed while it writes a snapshot (the third
 file, under a temporary name) leaves the previous ones whole, and every rank
 still holds the step before. A rank that holds a peer's replicas keeps at most
 two of each, ``x<owner>-h<holder>-<random>.slot``. Files being written are
-``.tmp-r<writer>-...``: a restarted rank removes what it left half-written.
+``.tmp-r<writer>-...``: a restarted rank removes what it left half-written. A
+job directory is made whole: under a temporary name (``.new-...``) with its
+keeper record, then renamed into place.
+
+The predictable name of the user's directory is one another local user can take
+first (a directory of theirs, a link). Such a directory is never trusted, and
+never stops training either: the job's snapshots then go to a private directory,
+``nbtools-snapshots-<uid>-<digest>``, whose name is a digest of the launch's run
+id, which only the job's processes know (:func:`private_dir`).
 
 A slot opens with a fixed-size header (JSON: job, rank, world size, step,
-payload size and CRC-32, the size of its tensor region, and for a replica the
-rank holding it), then the payload. A slot is used only when it is a
-regular file of this user with mode 0600, in a directory of this user that
-nobody else can write, and its header, size and checksum agree; anything else
-is skipped with a warning, like a corrupt checkpoint.
+payload size and CRC-32C, the size of its tensor region, for a replica the rank
+holding it, and the CRC-32C of all these fields), then the payload. A slot is
+used only when it is a regular file of this user with mode 0600, in a directory
+of this user that nobody else can write, and its header (checksum included),
+size and payload checksum agree; a restore also checks that the snapshot holds
+the step its header claims. Anything else is skipped with one warning, like a
+corrupt checkpoint.
 """
 
 from __future__ import annotations

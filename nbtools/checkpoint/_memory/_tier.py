@@ -22,7 +22,11 @@ exchange, sending nothing, so its peers never wait for it.
 The snapshots of a job outlive its ranks (a restarted rank finds them) and
 end with it: a manager closed without an error removes its rank's slots and
 the replicas it holds; directories whose keeper process (the ranks' launching
-process) is gone are swept when a manager starts. Restoring is ``_restore``.
+process) is gone are swept when a manager starts. A snapshot directory that
+cannot be trusted never stops training (see ``_slots``): the tier falls back to
+a private directory, or is off for the job, with one warning. Restoring is
+``_restore``; the slot a rank restores stays valid until a newer snapshot
+replaces it (see ``_consumed``).
 """
 
 from __future__ import annotations
