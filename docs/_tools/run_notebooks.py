@@ -54,6 +54,21 @@ def _untracked() -> set[str]:
     return {line[3:] for line in out.splitlines() if line[:2] in ("??", "!!")}
 
 
+def _drop_empty(nb: nbformat.NotebookNode) -> None:
+    """Remove outputs that show nothing: a widget's empty text once its view is gone."""
+    for cell in nb.cells:
+        if "outputs" in cell:
+            cell.outputs = [
+                output
+                for output in cell.outputs
+                if output.get("output_type") not in ("display_data", "execute_result")
+                or any(
+                    "".join(value) if isinstance(value, list) else value
+                    for value in output.get("data", {}).values()
+                )
+            ]
+
+
 def _png_fallbacks(nb: nbformat.NotebookNode) -> int:
     """Add an ``image/png`` rendering to every plotly output that has none; return how many."""
     import plotly.io as pio  # noqa: TID251 (a documentation tool, not the package)
@@ -97,6 +112,7 @@ def run(path: str, timeout: int) -> None:
     # What a notebook front end shows: consecutive prints as one output, a progress bar
     # redrawn with carriage returns as its last state.
     CoalesceStreamsPreprocessor().preprocess(nb, {})
+    _drop_empty(nb)
     added = _png_fallbacks(nb)
     nbformat.write(nb, path)
     left = sorted(_untracked() - before - {os.path.relpath(path, ROOT)})
