@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 
 def test_load_registers_the_magics_and_unload_removes_them(ip):
     magics = ip.magics_manager.magics
@@ -35,3 +37,25 @@ def test_unloading_the_extension_stops_the_ranks_it_started(ip):
     gone = [p for p in pids if not psutil.pid_exists(p) or psutil.Process(p).status() == "zombie"]
     assert gone == pids
     ip.run_line_magic("load_ext", "nbtools")
+
+
+def test_a_trailing_comment_is_dropped_as_a_shell_drops_it():
+    from nbtools._magics import strip_comment
+
+    assert strip_comment("start --processes 2     # or --gpus 8, --cluster ray") == (
+        "start --processes 2"
+    )
+    assert strip_comment("   # runs on every rank") == ""
+    assert strip_comment("/data/run#3 --every 3") == "/data/run#3 --every 3"  # inside a word
+    assert strip_comment('"/data/a # b" --every 2  # c') == '"/data/a # b" --every 2'
+    assert strip_comment("pull 'x") == "pull 'x"  # unbalanced: left for the parser to report
+
+
+def test_the_line_magics_ignore_a_trailing_comment(ip, capsys):
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match="no pool is running"):
+        ip.run_cell_magic("distributed", "  # runs on every rank", "x = 1")
+    ip.run_line_magic("distributed", "stop   # nothing to stop")
+    assert "distributed: no pool is running" in capsys.readouterr().out
+    ip.run_line_magic("gpu_pane", "--close  # closes nothing")
