@@ -11,6 +11,12 @@ its own, which is ``cuda:LOCAL_RANK``.
 
 After a failure every other actor is killed at once (``ray.kill``); actors
 and the placement group never outlive the attempt.
+
+What a launch keeps on a node outside its ranks (the memory tier's snapshots,
+kept for a restart) ends with the launch on every node it used: the backend's
+:meth:`RayBackend.close` runs the launch-end hooks in a task on each of those
+nodes, with the ranks' ``runtime_env``. The keeper a snapshot records there is
+the Ray worker's parent, which outlives the launch, so no later sweep would.
 """
 
 from __future__ import annotations
@@ -37,10 +43,12 @@ from nbtools.launch._ray import _cluster
 from nbtools.launch._ray._pump import OutputPump
 from nbtools.launch._ray._rank import RankActor
 
-__all__ = ["RayBackend", "RayGroup"]
+__all__ = ["RayBackend", "RayGroup", "end_run_on_node"]
 
 _log = get_logger("launch")
 _POLL_S = 0.05
+# How long the launch-end tasks on the nodes may take, all together.
+_END_RUN_S = 120.0
 # Output a failed attempt's other ranks may still deliver before they are killed.
 _LAST_OUTPUT_S = 1.0
 _actor_class: Any = None
@@ -72,6 +80,7 @@ class RayBackend:
         self.runtime_env = runtime_env
         #: Seconds spent in each start-up phase of the last attempt (benchmarks read it).
         self.timings: dict[str, float] = {}
+        self._nodes: dict[str, set[str]] = {}  # run id: the nodes its ranks ran on
 
     def gpu_count(self) -> int:
         """GPUs of every alive node of the cluster."""
@@ -96,6 +105,7 @@ class RayBackend:
             order = _order(where, slots)
             actors = [actors[i] for i in order]
             where = [where[i] for i in order]
+            self._nodes.setdefault(spec.run_id, set()).update(w["node_id"] for w in where)
             store = _gather(ray, [actors[0].host_store.remote(spec.world_size)], "host the store")
             self.timings["actors"] = time.perf_counter() - t0 - self.timings["placement"]
             specs = _rank_specs(spec, where, store[0], _node_names(ray, where))
@@ -128,7 +138,63 @@ class RayBackend:
         ]
 
     def close(self) -> None:
-        """Nothing is held between attempts (each attempt places its own ranks)."""
+        """The launch is over: run its end hooks on every node it used (the module docstring).
+
+        Nothing else is held between attempts (each attempt places its own ranks).
+        """
+        runs, self._nodes = self._nodes, {}
+        if not runs:
+            return
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        task = ray.remote(num_cpus=0, max_retries=1)(end_run_on_node)
+        # A runtime_env of variables only is passed as they are: the task then runs in a
+        # worker the node already has, instead of waiting for one started for that env.
+        runtime_env = self.runtime_env or {}
+        env = dict(runtime_env.get("env_vars") or {})
+        own_env = bool(runtime_env) and set(runtime_env) != {"env_vars"}
+        refs = []
+        for run_id, nodes in runs.items():
+            for node in sorted(nodes):
+                if not _cluster.node_answers(ray, node):
+                    continue  # gone, and its memory with it
+                options: dict[str, Any] = {
+                    "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)
+                }
+                if own_env:
+                    options["runtime_env"] = self.runtime_env
+                refs.append(task.options(**options).remote(run_id, {} if own_env else env))
+        try:
+            ray.get(refs, timeout=_END_RUN_S)
+        except Exception as exc:  # noqa: BLE001 - the launch's outcome stands; say what is left
+            _log.warning(
+                "the launch's memory snapshots may remain on some of its %d nodes: their "
+                "clean-up did not finish (%s: %s)",
+                len({n for nodes in runs.values() for n in nodes}),
+                type(exc).__name__,
+                exc,
+            )
+
+
+def end_run_on_node(run_id: str, env: dict[str, str]) -> None:
+    """In a Ray task on one node: run the launch-end hooks for ``run_id`` there, with the
+    variables of the ranks' ``runtime_env`` (``env``) set as the ranks had them."""
+    import os
+
+    import nbtools  # noqa: F401 - registers the hooks
+    from nbtools._internal import hooks
+
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        hooks.launch_ended(run_id)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _gather(ray: Any, refs: list, what: str) -> list:

@@ -1,0 +1,55 @@
+"""A Ray launch that ended for good leaves nothing of its memory snapshots on its nodes.
+
+The ranks keep their snapshots in a directory their ``runtime_env`` names, which
+the launching process's own environment does not: only the clean-up that runs
+on the ranks' nodes, with their environment, can find them. (The test cluster's
+nodes share this machine, and so one directory.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nbtools import distributed
+from nbtools.errors import DistributedError
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+
+
+def _training_cell():
+    """The function, defined the way a notebook cell defines it (sent by value)."""
+
+    def snapshot_then_fail(root):
+        import os
+
+        import torch
+
+        from nbtools.checkpoint import CheckpointManager
+
+        net = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        with CheckpointManager(root, every=100, memory_every=1, async_save=False) as ckpt:
+            for step in range(3):
+                ckpt.maybe_save(step, model=net, optimizer=opt)
+            ckpt.wait()
+            held = [f for _, _, fs in os.walk(os.environ["NBTOOLS_SNAPSHOT_DIR"]) for f in fs]
+            assert any(f.endswith(".slot") for f in held), held
+            raise RuntimeError("the step after the snapshots failed")
+
+    return snapshot_then_fail
+
+
+def test_a_launch_failed_past_its_restarts_leaves_no_snapshot_on_its_nodes(ray_cluster, tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    train = distributed(
+        processes=3,
+        cluster="ray",
+        nodes=3,
+        max_restarts=0,
+        output="none",
+        runtime_env={"env_vars": {"NBTOOLS_SNAPSHOT_DIR": str(shm)}},
+    )(_training_cell())
+    with pytest.raises(DistributedError, match="the step after the snapshots failed"):
+        train.distributed(str(tmp_path / "root"))
+    assert [str(p) for p in shm.rglob("*")] == []
