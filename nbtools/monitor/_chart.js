@@ -354,11 +354,14 @@ async function render({ model, el }) {
       return;
     }
     markFlagged();
+    // The events' trace is replaced by Plotly.react, never restyled: restyling a trace's x
+    // makes plotly guess its axis' type again (from the first trace: "linear"), which
+    // unmatches the panels. react keeps every other trace (same objects) and the zoom.
     const layer = eventLayer(events, traceCount, eventAxis, panels);
-    Plotly.update(plot, {
-      x: [layer.trace.x], y: [layer.trace.y], customdata: [layer.trace.customdata],
-      "marker.color": [layer.trace.marker.color], "marker.symbol": [layer.trace.marker.symbol],
-    }, { shapes: layer.shapes }, [layer.index]);
+    const data = plot.data.slice();
+    const old = data[layer.index];
+    data[layer.index] = { ...layer.trace, marker: { ...old.marker, ...layer.trace.marker } };
+    Plotly.react(plot, data, { ...plot.layout, shapes: layer.shapes }, CONFIG);
     drawList();
   }
 

@@ -8,6 +8,7 @@ notebook, waits for its kernel and runs every cell.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import secrets
 import signal
@@ -20,8 +21,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+#: The marks of a test that drives JupyterLab in Chromium: skipped, saying why, without them.
+MARKS = [
+    pytest.mark.browser,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not os.access(CHROMIUM, os.X_OK), reason=f"needs Debian's chromium at {CHROMIUM}"
+    ),
+    pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="needs playwright"),
+    pytest.mark.skipif(importlib.util.find_spec("jupyterlab") is None, reason="needs jupyterlab"),
+    pytest.mark.skipif(importlib.util.find_spec("anywidget") is None, reason="needs anywidget"),
+]
 # The notebook's kernel is up and the page's app is exposed (expose_app_in_browser).
 KERNEL_READY = (
     "() => window.jupyterapp && document.querySelector('.jp-Notebook')"
@@ -127,9 +141,15 @@ def chromium() -> Iterator[Any]:
             browser.close()
 
 
-def open_notebook(browser: Any, url: str) -> Any:
-    """A page showing the notebook at ``url`` once its kernel is up, every cell run."""
+def open_notebook(browser: Any, url: str, console: list[str] | None = None) -> Any:
+    """A page showing the notebook at ``url`` once its kernel is up, every cell run.
+
+    Args:
+        console: Where to collect the page's console messages, from its first on.
+    """
     page = browser.new_page(viewport={"width": 1100, "height": 1000})
+    if console is not None:
+        page.on("console", lambda message: console.append(message.text))
     page.goto(url)
     page.wait_for_function(KERNEL_READY, timeout=60_000)
     page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")

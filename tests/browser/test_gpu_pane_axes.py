@@ -1,44 +1,37 @@
 """The live pane's panels share one time axis in JupyterLab, and its events sit at their times.
 
-Runs ``%gpu_pane --simulated 4`` in a real JupyterLab page (headless Chromium), emits a
-restart (a line), a checkpoint save (a band) and progress reports from two ranks (the
-step-rate row) in the kernel, then reads what plotly drew: every panel's x axis is a date
-axis matching the bottom one with the same range, plotly warned about no axis, and the
-restart's line crosses every panel at the pixel where that panel's axis puts its time.
-A pane on this machine's GPUs (none here) says how to try the pane with simulated ones.
+Runs ``%gpu_pane --simulated 4`` in a real JupyterLab page (headless Chromium); in the kernel,
+two ranks report progress (the chart is rebuilt with their step-rate row), then a restart (a
+line) and a checkpoint save (a band) arrive with the polls that follow. Reads what plotly drew:
+every panel's x axis is a date axis matching the bottom one, with the same range, at every
+moment (looked at every 50 ms: an event drawn after the last rebuild once made the first
+panel's axis a linear one of epoch milliseconds, and plotly said "ignored xaxis.matches");
+plotly warned about no axis; the restart's line crosses every panel at the pixel where that
+panel's axis puts its time. A pane on this machine's GPUs (none here) says how to try the
+pane with simulated ones.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import time
 
-import pytest
-from _lab import CHROMIUM, chromium, jupyterlab, open_notebook
+from _lab import MARKS, chromium, jupyterlab, open_notebook
 
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not os.access(CHROMIUM, os.X_OK), reason=f"needs Debian's chromium at {CHROMIUM}"
-    ),
-    pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="needs playwright"),
-    pytest.mark.skipif(importlib.util.find_spec("jupyterlab") is None, reason="needs jupyterlab"),
-    pytest.mark.skipif(importlib.util.find_spec("anywidget") is None, reason="needs anywidget"),
-]
+pytestmark = MARKS
 
 EVENTS = """\
 import time
 from nbtools import events
-time.sleep(2)
+def report(times):
+    for _ in range(times):
+        for rank in (0, 1):
+            events.emit("progress", rank=rank, steps=10 * int(time.time() * 2))
+        time.sleep(0.5)
+report(6)  # two ranks report: the chart is rebuilt with their step-rate row
 events.emit("restart", message="restarting all 2 ranks (restart 1 of 2)", attempt=1)
 events.emit("checkpoint_saved", message="saved step_8", step=8, blocked_s=0.8)
-for report in range(6):
-    for rank in (0, 1):
-        events.emit("progress", rank=rank, steps=10 * report)
-    time.sleep(0.5)
+report(4)  # the events arrive with polls, after the last rebuild
 """
 
 
@@ -68,6 +61,17 @@ NOTEBOOK = {
     ],
 }
 
+# Every distinct state of the x axes from now on (types and matches), looked at every
+# 50 ms: a drawing that plotly abandons half way never says "afterplot".
+RECORD = """() => { const plot = document.querySelector('.nbtools-gpu-plot');
+  window.__axes = [];
+  window.__recording = setInterval(() => {
+    const L = plot._fullLayout;
+    const now = Object.keys(L).filter((k) => /^xaxis\\d*$/.test(k)).sort()
+      .map((k) => `${k}:${L[k].type}:${L[k].matches || ''}`).join(' ');
+    if (window.__axes[window.__axes.length - 1] !== now) window.__axes.push(now);
+  }, 50); }"""
+
 # Per panel (x axis): its type, range in epoch ms, what it matches, its pixel offset and
 # length, and where its axis puts the restart's time; then the restart's drawn lines.
 AXES = """() => {
@@ -96,10 +100,15 @@ def test_every_panel_shares_the_time_axis_and_draws_events_at_their_time(tmp_pat
     root = tmp_path / "root"
     root.mkdir()
     (root / "axes.ipynb").write_text(json.dumps(NOTEBOOK))
-    warnings: list[str] = []
+    console: list[str] = []
     with jupyterlab(tmp_path, root) as (base, token), chromium() as browser:
-        page = open_notebook(browser, f"{base}/lab/tree/axes.ipynb?token={token}")
-        page.on("console", lambda m: warnings.append(m.text) if "ignored" in m.text else None)
+        page = open_notebook(browser, f"{base}/lab/tree/axes.ipynb?token={token}", console)
+        page.wait_for_function(
+            "() => { const p = document.querySelector('.nbtools-gpu-plot');"
+            " return p && p.data && p.data.length >= 12; }",
+            timeout=120_000,
+        )
+        page.evaluate(RECORD)
         # The restart is drawn and both ranks have a step-rate line of several points.
         page.wait_for_function(
             "() => { const p = document.querySelector('.nbtools-gpu-plot');"
@@ -118,13 +127,18 @@ def test_every_panel_shares_the_time_axis_and_draws_events_at_their_time(tmp_pat
         assert all(p["matches"] == bottom for p in panels[:-1]), panels
         ranges = {tuple(round(v) for v in p["range"]) for p in panels}
         assert len(ranges) == 1, panels  # curves that start together start at one place
-        assert warnings == [], warnings  # no "ignored xaxis.matches"
         # The restart's line crosses every panel where that panel's axis puts its time.
         for panel in panels:
             middle = (panel["top"] + panel["bottom"]) / 2
             crossing = [ln for ln in drawn["lines"] if ln["top"] <= middle <= ln["bottom"]]
             assert crossing, (panel, drawn["lines"])
             assert min(abs(ln["x"] - panel["at"]) for ln in crossing) < 1.5, (panel, crossing)
+        # Every drawing on the way had every panel on a date axis (an event drawn after
+        # the last rebuild once turned the first into a linear one), and plotly never
+        # unmatched an axis (it says so when it does).
+        states = page.evaluate("() => { clearInterval(window.__recording); return window.__axes; }")
+        assert states and all(":linear" not in state for state in states), states
+        assert not [m for m in console if "ignored" in m], console  # "ignored xaxis.matches"
         # Without a GPU, the pane says how to try it with simulated ones.
         status = page.locator(".nbtools-gpu-status").nth(1)
         status.wait_for(timeout=60_000)

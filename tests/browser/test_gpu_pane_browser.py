@@ -27,20 +27,11 @@ import os
 from pathlib import Path
 
 import pytest
-from _lab import CHROMIUM, chromium, jupyterlab, open_notebook
+from _lab import MARKS, chromium, jupyterlab, open_notebook
 
 ASSET = Path(__file__).resolve().parents[2] / "assets" / "gpu_pane.png"
 
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not os.access(CHROMIUM, os.X_OK), reason=f"needs Debian's chromium at {CHROMIUM}"
-    ),
-    pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="needs playwright"),
-    pytest.mark.skipif(importlib.util.find_spec("jupyterlab") is None, reason="needs jupyterlab"),
-    pytest.mark.skipif(importlib.util.find_spec("anywidget") is None, reason="needs anywidget"),
-]
+pytestmark = MARKS
 
 # A notebook's training cell: everything defined in the cell, one slow read, one lost rank.
 TRAINING = """\
