@@ -133,6 +133,10 @@ def test_every_example_notebook_is_saved_run_with_a_png_beside_each_chart(path):
         for output in cell.get("outputs", []):
             data = output.get("data", {})
             assert "application/vnd.plotly.v1+json" not in data or "image/png" in data
+            text = "".join(data.get("text/plain", ""))
+            assert not (text.startswith("<Figure size") and len(data) == 1), (
+                f"{path.name}: a matplotlib figure saved as its repr (a non-inline backend)"
+            )
     assert "widgets" not in notebook["metadata"], "widget state makes the page load a CDN"
 
 
