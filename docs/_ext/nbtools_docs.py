@@ -7,8 +7,9 @@ Directives (in a MyST page, as ```` ```{nbtools-settings} ````):
   in its ranks).
 - ``nbtools-cli``: every subcommand of the ``nbtools`` command line and its flags, read from its
   argparse parser.
-- ``nbtools-magic``: one magic's options, read from its parser (``%gpu_pane``,
-  ``%%autoresume``, ``%distributed``).
+- ``nbtools-magic``: one magic's usage and options, read from its parser (``%gpu_pane``,
+  ``%%autoresume``, ``%distributed``); the directive's content gives ``--flag: meaning`` lines
+  for options whose parser has no help, and an option left without a meaning is a warning.
 
 Notebook pages show the PNG saved beside a plotly figure (``docs/_tools/run_notebooks.py`` saves
 one); the figure's JSON, which a static page cannot draw, is left out of the page.
@@ -41,6 +42,13 @@ __all__ = [
     "rendered_outputs",
     "notebook_problems",
     "drop_rendered_plotly",
+    "settings_table",
+    "cli_reference",
+    "magic_parsers",
+    "magic_reference",
+    "options_table",
+    "parse_meanings",
+    "unexplained",
 ]
 
 _log = logging.getLogger(__name__)
