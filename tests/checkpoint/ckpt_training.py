@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Net", "make_training", "train_step"]
+__all__ = ["Net", "make_training", "train_step", "two_rank_reference"]
 
 
 class Net(torch.nn.Module):
@@ -46,3 +46,20 @@ def train_step(model, optimizer, scheduler) -> None:
     loss.backward()
     optimizer.step()
     scheduler.step()
+
+
+def two_rank_reference(optimizer: type, steps: int) -> torch.nn.Linear:
+    """The ``Linear(4, 4)`` an uninterrupted run of two data-parallel ranks ends with:
+    seeded with 0, step ``s`` draws its batch after ``manual_seed(s)``, and the
+    all-reduce of the two ranks' equal gradients doubles them (``lr=0.1``)."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 4)
+    opt = optimizer(net.parameters(), lr=0.1)
+    for step in range(steps):
+        torch.manual_seed(step)
+        opt.zero_grad()
+        net(torch.randn(2, 4)).sum().backward()
+        for p in net.parameters():
+            p.grad.mul_(2)
+        opt.step()
+    return net

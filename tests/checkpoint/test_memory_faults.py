@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 import torch
+from ckpt_training import two_rank_reference
 
 from nbtools.checkpoint._memory import _slots
 
@@ -123,9 +124,11 @@ def _two_ranks(root, log, second_kill):
                     dist.all_reduce(p.grad)
                 opt.step()
                 ckpt.maybe_save(step, model=net, optimizer=opt)
-                if rank == 1 and restart == 0 and step == 12:
-                    ckpt.wait()  # right after the step-12 snapshot
-                    os.kill(os.getpid(), signal.SIGKILL)
+                if restart == 0 and step == 12:
+                    ckpt.wait()  # right after the step-12 snapshot, complete on every rank
+                    dist.barrier()
+                    if rank == 1:
+                        os.kill(os.getpid(), signal.SIGKILL)
                 if rank == 1 and restart == 1 and step == second_kill:
                     if step % 4:
                         ckpt.wait()
@@ -136,17 +139,7 @@ def _two_ranks(root, log, second_kill):
 
 
 def _reference():
-    torch.manual_seed(0)
-    net = torch.nn.Linear(4, 4)
-    opt = torch.optim.Adam(net.parameters(), lr=0.1)
-    for step in range(20):
-        torch.manual_seed(step)
-        opt.zero_grad()
-        net(torch.randn(2, 4)).sum().backward()
-        for p in net.parameters():
-            p.grad.mul_(2)
-        opt.step()
-    return [p.double().sum().item() for p in net.parameters()]
+    return [p.double().sum().item() for p in two_rank_reference(torch.optim.Adam, 20).parameters()]
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 import torch
+from ckpt_training import two_rank_reference
 
 from nbtools import events
 from nbtools.checkpoint import CheckpointManager
@@ -74,17 +75,7 @@ def test_a_snapshot_body_gives_back_every_tensor_bit_for_bit():
 
 
 def _reference():
-    torch.manual_seed(0)
-    net = torch.nn.Linear(4, 4)
-    opt = torch.optim.Adam(net.parameters(), lr=0.1)
-    for step in range(10):
-        torch.manual_seed(step)
-        opt.zero_grad()
-        net(torch.randn(2, 4)).sum().backward()
-        for p in net.parameters():
-            p.grad.mul_(2)  # the all-reduce of two equal gradients
-        opt.step()
-    return [p.detach() for p in net.parameters()]
+    return [p.detach() for p in two_rank_reference(torch.optim.Adam, 10).parameters()]
 
 
 @pytest.mark.slow

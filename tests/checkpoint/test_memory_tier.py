@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 import torch
+from ckpt_training import two_rank_reference
 
 from nbtools import events
 from nbtools.checkpoint import CheckpointManager
@@ -390,17 +391,8 @@ def test_distributed_ranks_recover_from_memory_after_a_rank_is_killed(tmp_path, 
     results = train.distributed(str(tmp_path / "root"))
     # The volume holds step 5; both ranks hold snapshots of step 6 (rank 1 died at 7).
     assert [r[:3] for r in results] == [(1, 6, "memory"), (1, 6, "memory")]
-    # Bit-exact with an uninterrupted run (the all-reduce of two equal gradients doubles them).
-    torch.manual_seed(0)
-    net = torch.nn.Linear(4, 4)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    for step in range(10):
-        torch.manual_seed(step)
-        opt.zero_grad()
-        net(torch.randn(2, 4)).sum().backward()
-        for p in net.parameters():
-            p.grad.mul_(2)
-        opt.step()
+    # Bit-exact with an uninterrupted run.
+    net = two_rank_reference(torch.optim.SGD, 10)
     assert results[0][3] == results[1][3] == [float(p.double().sum()) for p in net.parameters()]
     assert not any(p.is_file() for p in shm.rglob("*"))  # closed cleanly: removed
 
