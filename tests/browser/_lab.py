@@ -1,6 +1,6 @@
 """A JupyterLab server on loopback and Debian's Chromium, for the pane's browser tests.
 
-:func:`jupyterlab` starts the server in a temporary directory with a token and stops it with
+:func:`notebook` writes a notebook's cells; :func:`jupyterlab` starts the server in a temporary directory with a token and stops it with
 its kernels; :func:`chromium` launches the headless browser; :func:`open_notebook` opens a
 notebook, waits for its kernel and runs every cell.
 """
@@ -44,6 +44,29 @@ KERNEL_READY = (
     " && window.jupyterapp.shell.currentWidget.sessionContext.session"
     " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
 )
+
+
+def notebook(**cells: str) -> dict:
+    """A Python notebook of code cells, each named by its id, in the order given."""
+    return {
+        "nbformat": 4,
+        "nbformat_minor": 5,
+        "metadata": {
+            "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+            "language_info": {"name": "python"},
+        },
+        "cells": [
+            {
+                "cell_type": "code",
+                "id": name,
+                "metadata": {},
+                "outputs": [],
+                "execution_count": None,
+                "source": source,
+            }
+            for name, source in cells.items()
+        ],
+    }
 
 
 def free_port() -> int:

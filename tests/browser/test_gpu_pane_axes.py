@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 
-from _lab import MARKS, chromium, jupyterlab, open_notebook
+from _lab import MARKS, chromium, jupyterlab, notebook, open_notebook
 
 pytestmark = MARKS
 
@@ -35,31 +35,12 @@ report(4)  # the events arrive with polls, after the last rebuild
 """
 
 
-def _cell(name: str, source: str) -> dict:
-    return {
-        "cell_type": "code",
-        "id": name,
-        "metadata": {},
-        "outputs": [],
-        "execution_count": None,
-        "source": source,
-    }
-
-
-NOTEBOOK = {
-    "nbformat": 4,
-    "nbformat_minor": 5,
-    "metadata": {
-        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
-        "language_info": {"name": "python"},
-    },
-    "cells": [
-        _cell("ext", "%load_ext nbtools"),
-        _cell("pane", "%gpu_pane --simulated 4 --interval 0.5"),
-        _cell("events", EVENTS),
-        _cell("nvml", "from nbtools.monitor import GPUPane\nhere = GPUPane(interval=0.5)"),
-    ],
-}
+NOTEBOOK = notebook(
+    ext="%load_ext nbtools",
+    pane="%gpu_pane --simulated 4 --interval 0.5",
+    events=EVENTS,
+    nvml="from nbtools.monitor import GPUPane\nhere = GPUPane(interval=0.5)",
+)
 
 # Every distinct state of the x axes from now on (types and matches), looked at every
 # 50 ms: a drawing that plotly abandons half way never says "afterplot".

@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 
 import pytest
-from _lab import MARKS, chromium, jupyterlab, open_notebook
+from _lab import MARKS, chromium, jupyterlab, notebook, open_notebook
 
 ASSET = Path(__file__).resolve().parents[2] / "assets" / "gpu_pane.png"
 
@@ -91,51 +91,15 @@ def train(work):
 print(train.distributed(str(work)))
 """
 
-NOTEBOOK = {
-    "nbformat": 4,
-    "nbformat_minor": 5,
-    "metadata": {
-        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
-        "language_info": {"name": "python"},
-    },
-    "cells": [
-        {
-            "cell_type": "code",
-            "id": "pane",
-            "metadata": {},
-            "outputs": [],
-            "execution_count": None,
-            "source": "import nbtools.monitor._display as shown\n"
-            "shown.SNAPSHOT_EVERY_S = 4  # the pane's minute, shortened\n"
-            "from nbtools.monitor import GPUPane, SimulatedBackend\n"
-            "pane = GPUPane(interval=0.5, backend=SimulatedBackend(num_gpus=4, speed=90))",
-        },
-        {
-            "cell_type": "code",
-            "id": "train",
-            "metadata": {},
-            "outputs": [],
-            "execution_count": None,
-            "source": TRAINING,
-        },
-        {
-            "cell_type": "code",
-            "id": "second",
-            "metadata": {},
-            "outputs": [],
-            "execution_count": None,
-            "source": "second = GPUPane(interval=0.5, backend=SimulatedBackend(num_gpus=4, speed=90))",
-        },
-        {
-            "cell_type": "code",
-            "id": "nvml",
-            "metadata": {},
-            "outputs": [],
-            "execution_count": None,
-            "source": "third = GPUPane(interval=0.5)  # NVML: no GPU on a machine without one",
-        },
-    ],
-}
+NOTEBOOK = notebook(
+    pane="import nbtools.monitor._display as shown\n"
+    "shown.SNAPSHOT_EVERY_S = 4  # the pane's minute, shortened\n"
+    "from nbtools.monitor import GPUPane, SimulatedBackend\n"
+    "pane = GPUPane(interval=0.5, backend=SimulatedBackend(num_gpus=4, speed=90))",
+    train=TRAINING,
+    second="second = GPUPane(interval=0.5, backend=SimulatedBackend(num_gpus=4, speed=90))",
+    nvml="third = GPUPane(interval=0.5)  # NVML: no GPU on a machine without one",
+)
 
 
 # The text of the first cell's picture output, as the front end's notebook model holds it.
