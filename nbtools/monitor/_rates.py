@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from nbtools.events import Event
-from nbtools.monitor.timeline import PROGRESS_KIND
+from nbtools.monitor.timeline import PROGRESS_KIND, RateWindows
 
 __all__ = ["RateRow", "SILENT_S"]
 
@@ -31,7 +31,7 @@ class RateRow:
 
     def __init__(self, capacity: int) -> None:
         self._capacity = max(2, capacity)
-        self._last: dict[int, tuple[float, int]] = {}  # rank -> (time, steps) of its last report
+        self._windows: dict[int, RateWindows] = {}
         self._zero_at: dict[int, float] = {}  # rank -> time of its last 0 point while silent
         self._newest = 0.0
         self.series: dict[int, tuple[deque[float], deque[float | None]]] = {}
@@ -50,19 +50,15 @@ class RateRow:
             if type(steps) is not int:
                 continue
             self._newest = max(self._newest, event.time)
-            before = self._last.get(event.rank)
-            self._last[event.rank] = (event.time, steps)
+            window = self._windows.setdefault(event.rank, RateWindows())
             self._zero_at.pop(event.rank, None)
-            if before is None or event.time <= before[0] or steps < before[1]:
+            points += self._draw(event.rank, window.add(event.time, steps, event.pid))
+        for rank, window in self._windows.items():
+            at = window.last[0] if window.last is not None else self._newest
+            if self._newest - at <= SILENT_S:
                 continue
-            rate = (steps - before[1]) / (event.time - before[0])
-            drawn = self.series.get(event.rank)
-            if drawn is not None and drawn[0] and drawn[0][-1] != before[0]:
-                points.append(self._point(event.rank, before[0], None))  # a break: a restart
-            points.append(self._point(event.rank, before[0], rate))
-            points.append(self._point(event.rank, event.time, rate))
-        for rank, (at, _) in self._last.items():
-            if rank not in self.series or self._newest - at <= SILENT_S:
+            points += self._draw(rank, window.flush())  # its last window, cut short
+            if rank not in self.series:
                 continue
             zero = self._zero_at.get(rank)
             if zero is None:
@@ -70,6 +66,17 @@ class RateRow:
             if zero is None or self._newest - zero >= 1.0:
                 points.append(self._point(rank, self._newest, 0.0))
                 self._zero_at[rank] = self._newest
+        return points
+
+    def _draw(self, rank: int, closed: list[tuple[float, float, float]]) -> list[list]:
+        """Points of the windows just closed: each over its span, a break before a restart."""
+        points = []
+        for start, end, rate in closed:
+            drawn = self.series.get(rank)
+            if drawn is not None and drawn[0] and drawn[0][-1] != start:
+                points.append(self._point(rank, start, None))  # a break: a restart
+            points.append(self._point(rank, start, rate))
+            points.append(self._point(rank, end, rate))
         return points
 
     def _point(self, rank: int, at: float, rate: float | None) -> list:

@@ -55,6 +55,8 @@ __all__ = [
     "CATEGORY_LABELS",
     "PROGRESS_KIND",
     "drawn",
+    "MIN_WINDOW_S",
+    "RateWindows",
     "step_rates",
     "NOTABLE_KINDS",
     "MESSAGE_BUDGET",
@@ -201,20 +203,71 @@ def drawn(events: Iterable[Event]) -> list[Event]:
     return [e for e in events if e.kind not in _NOT_DRAWN]
 
 
+#: Shortest span a step rate is measured over: reports come about once a second, and more
+#: often around a rank's own events (a save flushes them), where a few milliseconds between
+#: two reports would make a burst of steps look like hundreds a second.
+MIN_WINDOW_S = 0.9
+
+
+class RateWindows:
+    """One rank's progress reports as step rates, each over a window of ``MIN_WINDOW_S`` or more.
+
+    A window runs from one report to the first report at least ``MIN_WINDOW_S`` later (the
+    reports between only move its end); the next window starts where it ended. A report
+    from a new process (a restarted rank: another pid, or a count that went back) starts
+    afresh: no window spans a restart.
+    """
+
+    def __init__(self) -> None:
+        self.last: tuple[float, int, int] | None = None  # (time, steps, pid) of the last report
+        self._start: tuple[float, int] | None = None
+        self._end: tuple[float, int] | None = None
+
+    def add(self, at: float, steps: int, pid: int) -> list[tuple[float, float, float]]:
+        """Take one report; returns the windows it closed: ``(start, end, steps per second)``."""
+        last, self.last = self.last, (at, steps, pid)
+        if last is not None and pid == last[2] and at <= last[0]:
+            self.last = last  # out of order: ignored
+            return []
+        if self._start is None or last is None or pid != last[2] or steps < last[1]:
+            closed = self.flush()
+            self._start, self._end = (at, steps), None
+            return closed
+        self._end = (at, steps)
+        return self.flush() if at - self._start[0] >= MIN_WINDOW_S else []
+
+    def flush(self) -> list[tuple[float, float, float]]:
+        """Close the open window (shorter than ``MIN_WINDOW_S``): the reports end here."""
+        if self._start is None or self._end is None:
+            return []
+        (t0, s0), (t1, s1) = self._start, self._end
+        self._start, self._end = self._end, None
+        return [(t0, t1, (s1 - s0) / (t1 - t0))]
+
+
 def step_rates(events: Iterable[Event]) -> dict[int, tuple[list[float], list[float]]]:
     """Each rank's step rate over time from its progress reports: ``rank -> (times, steps/s)``.
 
-    A rate is the steps between two reports over the time between them, drawn over
-    that interval: two points, at the earlier report and at the later one, so a line
-    through them is a step function whose every step spans what it measured. Where a
-    rank's intervals do not follow on (a restarted rank counts from zero again, and
-    its first report after the restart gives no rate), a point with a NaN rate breaks
-    the line: no rate is drawn over a restart. A rank that stops shows a rate of 0
-    from its last report to the newest report of any rank.
+    A rate is the steps of a window (:class:`RateWindows`: from one report to the first
+    at least ``MIN_WINDOW_S`` later) over its length, drawn over that window: two points,
+    at its start and at its end, so a line through them is a step function whose every
+    step spans what it measured. Where a rank's windows do not follow on (a restarted
+    rank), a point with a NaN rate breaks the line: no rate is drawn over a restart. A
+    rank that stops shows a rate of 0 from its last report to the newest of any rank.
     """
-    last: dict[int, tuple[float, int]] = {}
+    windows: dict[int, RateWindows] = {}
     rates: dict[int, tuple[list[float], list[float]]] = {}
     newest = 0.0
+
+    def draw(rank: int, closed: list[tuple[float, float, float]]) -> None:
+        for start, end, rate in closed:
+            times, values = rates.setdefault(rank, ([], []))
+            if times and times[-1] != start:  # not the window after the last one
+                times.append(start)
+                values.append(math.nan)
+            times += [start, end]
+            values += [rate, rate]
+
     for event in events:
         if event.kind != PROGRESS_KIND or event.rank is None:
             continue
@@ -222,17 +275,12 @@ def step_rates(events: Iterable[Event]) -> dict[int, tuple[list[float], list[flo
         if type(steps) is not int:
             continue
         newest = max(newest, event.time)
-        before = last.get(event.rank)
-        last[event.rank] = (event.time, steps)
-        if before is None or event.time <= before[0] or steps < before[1]:
-            continue
-        rate = (steps - before[1]) / (event.time - before[0])
-        times, values = rates.setdefault(event.rank, ([], []))
-        if times and times[-1] != before[0]:  # not the interval after the last one
-            times.append(before[0])
-            values.append(math.nan)
-        times += [before[0], event.time]
-        values += [rate, rate]
+        draw(
+            event.rank,
+            windows.setdefault(event.rank, RateWindows()).add(event.time, steps, event.pid),
+        )
+    for rank, window in windows.items():
+        draw(rank, window.flush())
     for times, values in rates.values():
         if times and newest - times[-1] > 5.0:  # silent since: no steps
             times += [times[-1], newest]

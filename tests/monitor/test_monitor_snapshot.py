@@ -300,6 +300,25 @@ def test_a_step_rate_spans_what_it_measured_and_none_spans_a_restart():
     assert values[7:] == [pytest.approx(2.0)] * 2
 
 
+def test_a_step_rate_is_measured_over_a_second_not_between_two_reports_of_one_burst():
+    from nbtools.monitor.timeline import step_rates
+
+    # Rank 0 reports once a second, and twice more around a save (a burst of 3 steps in
+    # 30 ms); rank 1, in lockstep, only once a second. Both trained 10 steps a second.
+    zero = [_progress(0, s, t) for s, t in [(0, 100.0), (3, 100.02), (5, 100.03)]]
+    zero += [_progress(0, 10, 101.0), _progress(0, 20, 102.0)]
+    one = [_progress(1, 0, 100.0), _progress(1, 10, 101.0), _progress(1, 20, 102.0)]
+    rates = step_rates(zero + one)
+    assert rates[0] == rates[1] == ([100.0, 101.0, 101.0, 102.0], [10.0, 10.0, 10.0, 10.0])
+    # A report of another process (a restarted rank) starts afresh, whatever its count.
+    later = [
+        events.Event(105.0, "node-b", 0, 999, "progress", None, 40, {"steps": 40}),
+        events.Event(106.0, "node-b", 0, 999, "progress", None, 48, {"steps": 48}),
+    ]
+    times, values = step_rates(zero + later)[0]
+    assert times[4:] == [105.0, 105.0, 106.0] and math.isnan(values[4]) and values[5:] == [8.0] * 2
+
+
 def test_to_html_without_gpus_shows_step_rates_the_flags_and_a_legend(comms, tmp_path):
     from nbtools.monitor.history import History
     from nbtools.monitor.report import write_html
