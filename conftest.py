@@ -53,18 +53,44 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         module.stop()
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """The session ends with a check that it left the checkout as it found it
-    (``tests/_infra/checkout_guard.py``)."""
-    path = os.path.join(os.path.dirname(__file__), "tests", "_infra", "checkout_guard.py")
-    spec = importlib.util.spec_from_file_location("_nbtools_checkout_guard", path)
+def _infra_module(name: str) -> ModuleType | None:
+    """``tests/_infra/<name>.py``, or None where the tests are not there."""
+    path = os.path.join(os.path.dirname(__file__), "tests", "_infra", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_nbtools_{name}", path)
     if spec is None or spec.loader is None or not os.path.exists(path):
-        return
+        return None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    config.pluginmanager.register(
-        module.CheckoutGuard(os.path.dirname(__file__)), "nbtools-checkout-guard"
-    )
+    return module
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """With ``-n N`` and no ``--dist`` given, distribute by groups (``tests/conftest.py`` makes
+    them), in the order ``tests/_infra/group_order.py`` gives, not xdist's by number of tests."""
+    args = config.invocation_params.args
+    if not any(arg == "--dist" or arg.startswith("--dist=") for arg in args):
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            # Workers are configured from the command line, which names no --dist.
+            config.option.loadgroup = True
+        elif getattr(config.option, "numprocesses", None):
+            config.option.dist = "loadgroup"
+    if getattr(config.option, "dist", None) == "loadgroup" and "--loadscope-reorder" not in args:
+        config.option.loadscopereorder = False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The session ends with a check that it left the checkout as it found it
+    (``tests/_infra/checkout_guard.py``); with xdist, the longest groups go first
+    (``tests/_infra/group_order.py``)."""
+    guard = _infra_module("checkout_guard")
+    if guard is not None:
+        config.pluginmanager.register(
+            guard.CheckoutGuard(os.path.dirname(__file__)), "nbtools-checkout-guard"
+        )
+    order = _infra_module("group_order")
+    if order is not None:
+        config.pluginmanager.register(order.GroupOrder(config), "nbtools-group-order")
 
 
 #: Lanes. The fast lane is ``-m "not slow and not kernel and not cluster and not browser and not

@@ -63,18 +63,6 @@ _PROCESS_GRACE_S = float(os.environ.get("NBTOOLS_TESTS_PROCESS_GRACE_S", "10"))
 _SHM_BEFORE: set[str] = set()
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_cmdline_main(config: pytest.Config) -> None:
-    """With ``-n N`` and no ``--dist`` given, distribute by the groups set below."""
-    if any(arg == "--dist" or arg.startswith("--dist=") for arg in config.invocation_params.args):
-        return
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        # Workers are configured from the command line, which names no --dist.
-        config.option.loadgroup = True
-    elif getattr(config.option, "numprocesses", None):
-        config.option.dist = "loadgroup"
-
-
 #: The notebook that runs on the Ray tests' cluster (``RAY_ADDRESS``, set by the
 #: project's root ``conftest.py``) instead of its own.
 _RAY_NOTEBOOK = "notebooks/06_multinode_ray.ipynb"

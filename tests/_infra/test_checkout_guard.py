@@ -15,9 +15,6 @@ from pathlib import Path
 
 import pytest
 
-#: Each test runs a pytest session in a subprocess: seconds each on a small machine.
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parents[2]
 
 WRITES_INTO_CHECKOUT = """\
@@ -60,6 +57,8 @@ def _clone_like(tmp_path: Path, test_code: str) -> Path:
 
 def _pytest(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "NBTOOLS_TESTS"))}
+    # Only the plugins a test names: every other one costs seconds of imports per process.
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, "tests"],
         cwd=repo,
@@ -87,7 +86,7 @@ def test_ignored_files_and_temporary_directories_do_not_count(tmp_path):
 
 def test_with_xdist_workers_the_controller_checks_once(tmp_path):
     pytest.importorskip("xdist")
-    proc = _pytest(_clone_like(tmp_path, WRITES_INTO_CHECKOUT), "-n", "2")
+    proc = _pytest(_clone_like(tmp_path, WRITES_INTO_CHECKOUT), "-p", "xdist.plugin", "-n", "2")
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert proc.stderr.count("LEAK: the test session left files in the checkout") == 1
     assert "?? left_behind.db" in proc.stderr
