@@ -93,11 +93,12 @@ def test_a_slot_whose_header_claims_another_step_is_never_restored(tmp_path, shm
     assert stderr.count(why) == 1, stderr
 
 
-def _two_ranks(root, log, second_kill):
+def _two_ranks(root, log, second_kill, replicas):
     from nbtools import distributed
 
     @distributed(processes=2, max_restarts=2, output="none")
-    def train(root, log, second_kill):
+    def train(root, log, second_kill, replicas):
+        import glob
         import os
         import signal
 
@@ -111,11 +112,11 @@ def _two_ranks(root, log, second_kill):
         net = torch.nn.Linear(4, 4)
         opt = torch.optim.Adam(net.parameters(), lr=0.1)
         restart, rank = get_restart_count(), dist.get_rank()
-        with CheckpointManager(root, every=100, memory_every=4, async_save=False) as ckpt:
+        every = {"every": 100, "memory_every": 4, "replicas": replicas}
+        with CheckpointManager(root, async_save=False, **every) as ckpt:
             start = ckpt.restore(model=net, optimizer=opt)
-            if rank == 0:
-                with open(log, "a") as fh:
-                    fh.write(f"{restart} {ckpt.restored_step} {ckpt.restored_tier}\n")
+            with open(log, "a") as fh:
+                fh.write(f"{restart} {rank} {ckpt.restored_step} {ckpt.restored_tier}\n")
             for step in range(start, 20):
                 torch.manual_seed(step)
                 opt.zero_grad()
@@ -128,6 +129,12 @@ def _two_ranks(root, log, second_kill):
                     ckpt.wait()  # right after the step-12 snapshot, complete on every rank
                     dist.barrier()
                     if rank == 1:
+                        if replicas:  # its own slot of step 12 damaged: its replica serves
+                            for path in glob.glob(f"{os.environ['NBTOOLS_SNAPSHOT_DIR']}/*/*/r1-*"):
+                                with open(path, "r+b") as fh:
+                                    if b'"step": 12' in fh.read(4096):
+                                        fh.seek(-1, os.SEEK_END)
+                                        fh.write(b"?")
                         os.kill(os.getpid(), signal.SIGKILL)
                 if rank == 1 and restart == 1 and step == second_kill:
                     if step % 4:
@@ -135,7 +142,7 @@ def _two_ranks(root, log, second_kill):
                     os.kill(os.getpid(), signal.SIGKILL)  # at 16: during its snapshot
         return [p.double().sum().item() for p in net.parameters()]
 
-    return train.distributed(root, log, second_kill)
+    return train.distributed(root, log, second_kill, replicas)
 
 
 def _reference():
@@ -143,17 +150,27 @@ def _reference():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("second_kill", [14, 16], ids=["before-the-next-snapshot", "during-it"])
+@pytest.mark.parametrize(
+    ("second_kill", "replicas"),
+    [(14, 0), (16, 0), (14, 1)],
+    ids=["before-the-next-snapshot", "during-it", "restored-from-a-replica"],
+)
 def test_a_second_failure_after_a_recovery_goes_back_at_most_memory_every(
-    tmp_path, shm, second_kill
+    tmp_path, shm, second_kill, replicas
 ):
     log = tmp_path / "restores.txt"
-    weights = _two_ranks(str(tmp_path / "root"), str(log), second_kill)
-    restores = [line.split() for line in log.read_text().splitlines()]
-    assert restores[:2] == [["0", "None", "None"], ["1", "12", "memory"]]
+    weights = _two_ranks(str(tmp_path / "root"), str(log), second_kill, replicas)
+    restores = {tuple(line.split()[:2]): line.split()[2:] for line in log.read_text().splitlines()}
+    assert restores[("0", "0")] == restores[("0", "1")] == ["None", "None"]
+    # (The ranks of a node split their replicated tensors: rank 0 reads rank 1's share too.)
+    assert (
+        restores[("1", "0")] == restores[("1", "1")] == ["12", "replica" if replicas else "memory"]
+    )
     # The restored step stays restorable until a newer snapshot is published: step 12 (or
     # 16, when the killed rank's snapshot of it was published), never step 8.
-    assert restores[2][0] == "2" and int(restores[2][1]) >= 12 and restores[2][2] == "memory"
+    for rank in "01":
+        step, tier = restores[("2", rank)]
+        assert int(step) >= 12 and tier in ("memory", "replica"), restores
     assert weights[0] == weights[1] == _reference()
     assert not any(p.is_file() for p in shm.rglob("*"))
 
