@@ -170,13 +170,6 @@ class NbtoolsMagics(Magics):
         "of the notebook with state_dict() and load_state_dict())",
     )
     @argument(
-        "--cluster",
-        choices=["ray"],
-        default=None,
-        help="every node of the connected Ray cluster (with --simulated: N simulated "
-        "GPUs on every node)",
-    )
-    @argument(
         "--mlflow",
         action="store_true",
         help="log to an MLflow run, resumed from the checkpoint, as mlflow_logger",

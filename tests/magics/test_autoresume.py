@@ -142,6 +142,7 @@ def test_default_state_keep_and_the_last_expression_as_output(ip, tmp_path, caps
         ("--every 3", BODY, "the following arguments are required: ROOT"),
         ("ROOT --state optimizer", BODY, "optimizer 'optimizer' optimizes no parameter"),
         ("ROOT", "\n\n", "the cell has no body"),
+        ("ROOT --cluster ray", BODY, "unrecognized arguments: --cluster ray"),
     ],
     ids=[
         "unknown-name",
@@ -151,6 +152,7 @@ def test_default_state_keep_and_the_last_expression_as_output(ip, tmp_path, caps
         "no-root",
         "optimizer-without-model",
         "empty-body",
+        "cluster",  # the cell runs in this kernel; ranks on Ray use CheckpointManager
     ],
 )
 def test_argument_errors_are_one_clear_line(ip, tmp_path, capsys, args, body, message):
@@ -165,6 +167,18 @@ def test_argument_errors_are_one_clear_line(ip, tmp_path, capsys, args, body, me
     lines = [line for line in (captured.err + captured.out).splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("UsageError: ") and message in lines[0], lines
     assert ip.user_ns["ran"] == []
+
+
+def test_every_option_the_magic_parses_reaches_the_run():
+    """An option parsed and then dropped would be accepted and do nothing."""
+    import dataclasses
+
+    from nbtools._magics.autoresume import AutoresumeOptions
+    from nbtools.magics import NbtoolsMagics
+
+    parser = NbtoolsMagics.autoresume.parser
+    parsed = {action.dest for action in parser._actions} - {"help"}
+    assert parsed == {field.name for field in dataclasses.fields(AutoresumeOptions)}
 
 
 def test_a_loader_without_a_position_is_named_before_anything_runs(ip, tmp_path, capsys):
