@@ -200,9 +200,12 @@ def test_this_machine_passes_with_one_json_object_and_nothing_written_here(tmp_p
     report = json.loads(proc.stdout)  # the whole of stdout is one JSON object
     assert proc.returncode == 0 and report["exit_status"] == 0, proc.stdout + proc.stderr
     by_name = {c["name"]: c for c in report["checks"]}
-    assert by_name["smoke launch"]["status"] == "ok" and by_name["smoke launch"]["details"][
-        "results"
-    ] == [3.0, 3.0]
+    smoke = by_name["smoke launch"]
+    assert smoke["details"]["results"] == [3.0, 3.0], smoke
+    # Ok, or (a busy machine: over 10 s) a warning that gives the load average.
+    assert smoke["status"] == "ok" or (
+        smoke["status"] == "warn" and "load average" in smoke["summary"]
+    ), smoke
     assert {
         "torch",
         "gpus",
