@@ -55,6 +55,10 @@ PEER_GRACE_S = 3.0
 INTERRUPT_GRACE_S = 5.0
 # How often the backend is asked whether a rank has died while waiting.
 _GROUP_POLL_S = 0.1
+# A call's watchdog starts once the call has run this long: a call of milliseconds
+# (most of a pool's) neither hangs nor straggles, and a thread per call costs a third
+# of its time; a longer one loses no more than this of its first progress reports.
+_WATCH_AFTER_S = 0.25
 # How often output is forwarded while a command runs (the forwarder's own pace).
 _PUMP_S = 0.02
 # A rank whose channel closed: how long its death may take to reach the backend.
@@ -318,15 +322,17 @@ class Ranks:
         on_hang: str = "report",
     ) -> None:
         # Hangs are judged from the ranks' progress reports while a call runs.
-        dog = events.Watchdog(len(self.links), hang_timeout=hang_timeout)
-        with contextlib.nullcontext() if deadline is not None else dog:
-            self._gather_replies(seq, replies, dog, deadline, hang_timeout, on_hang)
+        watch = _Watch(len(self.links), hang_timeout, active=deadline is None)
+        try:
+            self._gather_replies(seq, replies, watch, deadline, hang_timeout, on_hang)
+        finally:
+            watch.stop()
 
     def _gather_replies(
         self,
         seq: int,
         replies: dict[int, tuple],
-        dog: events.Watchdog,
+        watch: _Watch,
         deadline: float | None,
         hang_timeout: float | None,
         on_hang: str = "report",
@@ -367,14 +373,16 @@ class Ranks:
                 return
             if failed_at is not None and now - failed_at > PEER_GRACE_S:
                 raise RanksStuck(replies, sorted(set(self.links) - set(replies)))
-            for report in dog.take_reports():
-                _log.warning("%s", report.text)
-                if on_hang == "restart":
-                    raise RanksHung(report, replies)
-            for notice in dog.take_notices():  # a straggler flag starts or ends
-                _log.warning("%s", notice)
-            if dog.reporting:
-                continue
+            dog = watch.due(now)
+            if dog is not None:
+                for report in dog.take_reports():
+                    _log.warning("%s", report.text)
+                    if on_hang == "restart":
+                        raise RanksHung(report, replies)
+                for notice in dog.take_notices():  # a straggler flag starts or ends
+                    _log.warning("%s", notice)
+                if dog.reporting:
+                    continue
             quiet = now - max(started, self.forwarder.last_output)
             if hang_timeout is not None and not stacks_shown and quiet > hang_timeout:
                 stacks_shown = True
@@ -463,6 +471,29 @@ def _driver_address() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+class _Watch:
+    """A call's :class:`nbtools.events.Watchdog`, started once the call is past
+    :data:`_WATCH_AFTER_S` (never when not ``active``: a stop's or interrupt's wait)."""
+
+    def __init__(self, world_size: int, hang_timeout: float | None, active: bool) -> None:
+        self._world_size = world_size
+        self._hang_timeout = hang_timeout
+        self._active = active
+        self._from = time.monotonic() + _WATCH_AFTER_S
+        self._dog: events.Watchdog | None = None
+
+    def due(self, now: float) -> events.Watchdog | None:
+        """The watchdog, started now if the call has run long enough; None before."""
+        if self._dog is None and self._active and now >= self._from:
+            self._dog = events.Watchdog(self._world_size, hang_timeout=self._hang_timeout)
+            self._dog.start()
+        return self._dog
+
+    def stop(self) -> None:
+        if self._dog is not None:
+            self._dog.stop()
 
 
 def _ranks_text(ranks: list[int]) -> str:
