@@ -393,6 +393,7 @@ class LocalGroup:
 
     def stop(self) -> None:
         """SIGTERM every rank, then SIGKILL after a short grace; a second interrupt hurries it."""
+        self._resume_forkserver()
         if self._stopped:
             return
         self._stopped = True
