@@ -383,3 +383,60 @@ def test_a_restore_that_falls_back_says_why_in_one_line(tmp_path, shm, caplog, d
         assert "step 9" in line.getMessage() and line.levelno == logging.WARNING
     (newer,) = _messages(caplog, "the volume's step 8 is newer than memory's 6")
     assert newer.levelno == logging.INFO  # not a fault: the volume is newer
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_a_full_snapshot_filesystem_is_reported_once_by_each_holder(
+    tmp_path, mount_tmpfs, monkeypatch
+):
+    from nbtools import distributed
+
+    small = mount_tmpfs("8m")
+    monkeypatch.setenv("NBTOOLS_SNAPSHOT_DIR", str(small))
+
+    @distributed(processes=2, output="none")
+    def train(root, filler):
+        import logging
+        import os
+        import shutil
+
+        import torch
+        import torch.distributed as dist
+
+        from nbtools.checkpoint import CheckpointManager
+
+        said = []
+        handler = logging.Handler()
+        handler.emit = lambda record: said.append(record.getMessage())
+        logging.getLogger("nbtools").addHandler(handler)
+        net = torch.nn.Linear(256, 256)
+        opt = torch.optim.Adam(net.parameters(), lr=0.1)
+        with CheckpointManager(root, memory_every=2, replicas=1, async_save=False) as ckpt:
+            for step in range(1, 21):
+                opt.zero_grad()
+                net(torch.ones(2, 256)).sum().backward()
+                opt.step()
+                ckpt.maybe_save(step, model=net, optimizer=opt)
+                if step == 3:  # the first snapshots and replicas are kept; then it fills up
+                    ckpt.wait()
+                    dist.barrier()
+                    if dist.get_rank() == 0:
+                        with open(filler, "wb") as fh:
+                            free = shutil.disk_usage(os.path.dirname(filler)).free
+                            os.posix_fallocate(fh.fileno(), 0, free - 2**16)  # tails fit
+                    dist.barrier()
+            snapshots = sorted(ckpt._memory.steps())
+            ckpt.wait()
+            dist.barrier()
+        if dist.get_rank() == 0:
+            os.unlink(filler)
+        logging.getLogger("nbtools").removeHandler(handler)
+        return snapshots, [m for m in said if "was not kept" in m]
+
+    results = train.distributed(str(tmp_path / "root"), str(small / "filler"))
+    for snapshots, lost in results:
+        assert snapshots == [18, 20]  # each rank's own snapshots go on (their files rotate)
+        # Nine rounds could not keep the peer's replica: said once, by the rank holding it.
+        assert len(lost) == 1 and "No space left on device" in lost[0], lost
+    assert not any(p.is_file() for p in small.rglob("*"))
