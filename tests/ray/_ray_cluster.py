@@ -50,8 +50,9 @@ class RayCluster:
                 "include_dashboard": False,
             },
         )
+        # The nodes start side by side; then every one of them is waited for.
         for _ in range(WORKER_NODES):
-            self.cluster.add_node(**_NODE_ARGS)
+            self.cluster.add_node(wait=False, **_NODE_ARGS)
         self.cluster.wait_for_nodes()
         self.address = self.cluster.address
 
@@ -69,7 +70,7 @@ class RayCluster:
     def restore(self) -> None:
         """Add nodes until the cluster has its worker nodes again."""
         while len(self.worker_nodes()) < WORKER_NODES:
-            self.cluster.add_node(**_NODE_ARGS)
+            self.cluster.add_node(wait=False, **_NODE_ARGS)
         self.cluster.wait_for_nodes()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
