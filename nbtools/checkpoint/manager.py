@@ -50,7 +50,7 @@ from nbtools.checkpoint._meta import find_meta, rank_device
 from nbtools.checkpoint._report import SaveTiming
 from nbtools.checkpoint._restore import restore_newest
 from nbtools.checkpoint._retention import RetentionWorker
-from nbtools.checkpoint._saving import SavingHalf
+from nbtools.checkpoint._saver import SavingHalf
 from nbtools.checkpoint._storage import _scratch
 from nbtools.checkpoint._storage._roots import check_root
 from nbtools.checkpoint._storage._target import Target
