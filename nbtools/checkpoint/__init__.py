@@ -18,7 +18,7 @@ How the package is laid out, in two halves:
 - ``writer.py`` and ``reader.py``, the DCP storage backends built on it, with
   ``discovery.py`` (which checkpoints a root holds) and ``export.py``.
 - the manager half, above them: ``manager.py`` (start reading here) with
-  ``_state`` (what a checkpoint holds: objects, per-rank blob, RNG streams),
+  ``_saver`` (the volume saves the manager owns, start to publish), ``_state`` (what a checkpoint holds: objects, per-rank blob, RNG streams),
   ``_host_buffers`` (the reused copy an async save stages from), ``_restore``
   (the newest checkpoint that verifies), ``_lease`` (one writer per root),
   ``_retention`` (keeping ``keep``), ``_checks``, ``_collective``, ``_forks``,

@@ -1,11 +1,12 @@
-"""The save half of :class:`~nbtools.checkpoint.CheckpointManager`: one volume save, start to publish.
+"""The manager's volume saves, start to publish: :class:`Saver`.
 
-``_save`` agrees with every rank on what the save may do (go ahead, wait for
-the root's writer lease, refuse, or atomically replace a checkpoint of the same
-step), builds the state, and writes it through a :class:`VolumeWriter`, in the
-background with ``dcp.async_save`` unless ``async_save=False``; the step is
-published (``last_saved_step``, the ``checkpoint_saved`` report, retention)
-when the write completes. ``_save_last_seen`` is the final save of ``close``.
+:meth:`Saver.save` agrees with every rank on what the save may do (go ahead,
+wait for the root's writer lease, refuse, or atomically replace a checkpoint of
+the same step), builds the state, and writes it through a :class:`VolumeWriter`,
+in the background with ``dcp.async_save`` unless ``async_save=False``; the step
+is published (``last_saved_step``, the ``checkpoint_saved`` report, retention)
+when the write completes. :meth:`Saver.save_last_seen` is the final save of
+``close``. The :class:`~nbtools.checkpoint.CheckpointManager` owns one.
 """
 
 from __future__ import annotations
@@ -34,67 +35,144 @@ from nbtools.checkpoint._quiet import quiet_single_process_warning
 from nbtools.checkpoint._report import SaveTiming
 from nbtools.checkpoint._retention import RetentionWorker
 from nbtools.checkpoint._storage._layout import METADATA_NAME, step_dir_name
-from nbtools.checkpoint._storage._target import Target
 from nbtools.checkpoint.discovery import RootCheck, is_foreign
 from nbtools.checkpoint.writer import VolumeWriter
 
-__all__ = ["SavingHalf"]
+__all__ = ["Saver"]
 
 _log = get_logger("checkpoint")
 
 
-class SavingHalf:
-    """The volume-save methods the manager inherits; the manager's ``__init__`` sets the state."""
+class Saver:
+    """One manager's volume saves: one in flight at a time, published when complete.
 
-    root: str
-    mlflow_run_id: str | None
-    last_saved_step: int | None
-    _root: RootCheck
-    _target: Target
-    _pg: dist.ProcessGroup | None
-    _lease: WriterLease | None
-    _memory: MemoryTier | None
-    _retention: RetentionWorker | None
-    _stager: ReusableStager | None
-    _staging_dir: str | os.PathLike[str] | None
-    _sync_files: bool
-    _deferred: bool
-    _last_seen: tuple[int, dict[str, Any], dict[str, Any] | None] | None
-    _saving: list[int | None]
-    _lock: threading.Lock
-    _future: Future | None
-    _future_step: int | None
-    _future_timing: SaveTiming | None
-    _published_step: int | None
+    Args:
+        root: The root being checked (an object store's in the background).
+        pg: The gloo group the saves' collectives run on (None: one process).
+        lease: The root's writer lease (rank 0 only, else None).
+        memory: The memory tier told of each volume save, and waited for with it.
+        keep: Complete checkpoints to keep (retention runs on rank 0); None keeps all.
+        async_save: Save in the background with ``dcp.async_save``.
+        staging_dir: Local staging directory for the writer.
+        sync_files: fsync shards before publishing ``.metadata``.
+    """
 
-    def wait(self) -> None:  # the manager's
-        raise NotImplementedError
+    def __init__(
+        self,
+        root: RootCheck,
+        pg: dist.ProcessGroup | None,
+        lease: WriterLease | None,
+        memory: MemoryTier | None,
+        *,
+        keep: int | None,
+        async_save: bool,
+        staging_dir: str | os.PathLike[str] | None,
+        sync_files: bool,
+    ) -> None:
+        self.pg = pg
+        #: Step of the last checkpoint completed and published (or restored).
+        self.last_saved_step: int | None = None
+        #: MLflow run id of the last save (or of the checkpoint restored).
+        self.mlflow_run_id: str | None = None
+        #: A due save waits for the lease's verdict: ``maybe_save`` saves at the next step.
+        self.deferred = False
+        self._root = root
+        self._target = root.target
+        self._lease = lease
+        self._memory = memory
+        self._staging_dir = staging_dir
+        self._sync_files = sync_files
+        self._lock = threading.Lock()
+        self._future: Future[Any] | None = None
+        self._future_step: int | None = None
+        self._future_timing: SaveTiming | None = None
+        self._published_step: int | None = None
+        self._last_seen: tuple[int, dict[str, Any], dict[str, Any] | None] | None = None
+        # The step being saved: retention never deletes it, even when it is older than the
+        # newest checkpoint. A one-element list so the retention thread holds no saver.
+        saving: list[int | None] = [None]
+        self._saving = saving
+        self._stager = ReusableStager() if async_save else None
+        self._retention = (
+            RetentionWorker(self._target, keep, lambda: [s for s in saving if s is not None])
+            if keep and runtime.get_rank() == 0
+            else None
+        )
 
-    def _save(self, step: int, extra: dict[str, Any] | None, objs: dict[str, Any]) -> bool:
+    @property
+    def future(self) -> Future[Any] | None:
+        """The background save in flight, until :meth:`wait` collects it."""
+        with self._lock:
+            return self._future
+
+    def remember(self, step: int, objs: dict[str, Any], extra: dict[str, Any] | None) -> None:
+        """Note the last step seen by ``maybe_save``: ``close`` saves it if nothing later does."""
+        self._last_seen = (step, dict(objs), extra)
+
+    def raise_failed(self) -> None:
+        """Raise the error of a background save that already failed (else nothing)."""
+        future = self.future
+        if future is not None and future.done() and future.exception() is not None:
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is published and the memory snapshot being
+        written (if any) is complete; raise the save's error if it failed."""
+        if self._memory is not None:
+            self._memory.wait()
+        with self._lock:
+            future, step = self._future, self._future_step
+            self._future = None
+        if future is None or step is None:
+            return
+        try:
+            future.result()
+        except BaseException as exc:
+            if not future.done():  # interrupted while waiting: the save goes on
+                with self._lock:
+                    if self._future is None:
+                        self._future = future
+                raise
+            self._discard(step)
+            raise unwrap(exc, f"background save of step {step}") from None
+        self._published(step, self._future_timing)
+
+    def close(self) -> None:
+        """Stop retention and free the staging buffers (after :meth:`wait`)."""
+        self._last_seen = None
+        if self._retention is not None:
+            self._retention.close()
+        if self._stager is not None:
+            self._stager.close()
+
+    def save(self, step: int, extra: dict[str, Any] | None, objs: dict[str, Any]) -> bool:
+        """Save ``objs`` as ``step`` (after the save in flight); False while it is deferred."""
         check_extra(extra)
         self._root.result()
         self.wait()
         kinds = _state.classify(objs)
         name = step_dir_name(step)
         verdict: SaveVerdict = agree(
-            self._pg,
-            save_verdict(self._target, self._lease, self.root, name, is_foreign)
+            self.pg,
+            save_verdict(self._target, self._lease, self._target.url, name, is_foreign)
             if runtime.get_rank() == 0
             else None,
         )
         if verdict.case is SaveCase.DEFER:
-            if not self._deferred:
+            if not self.deferred:
                 _log.warning("not saving step %d yet: %s", step, verdict.error)
-            self._deferred = True
-            self._last_seen = (step, dict(objs), extra)  # close() saves it if nothing later does
+            self.deferred = True
+            self.remember(step, objs, extra)
             return False
-        self._deferred = False
+        self.deferred = False
         if verdict.case is SaveCase.REFUSE:
             assert verdict.error is not None
             raise verdict.error
         if verdict.case is SaveCase.REPLACE:  # a resumed loop saving its restored step again
             _log.info(
-                "replacing checkpoint %s/%s (atomically: old or new, never a mix)", self.root, name
+                "replacing checkpoint %s/%s (atomically: old or new, never a mix)",
+                self._target.url,
+                name,
             )
         if self._memory is not None:
             self._memory.note_volume_save(step)  # before the save can complete
@@ -112,16 +190,16 @@ class SavingHalf:
         writer = VolumeWriter(
             self._target.child(name), staging_dir=self._staging_dir, sync_files=self._sync_files
         )
-        if self._pg is None:
+        if self.pg is None:
             quiet_single_process_warning()
         self._saving[0] = step
         started = time.perf_counter()
         try:
             if self._stager is None:
-                dcp.save(state, storage_writer=writer, process_group=self._pg)
+                dcp.save(state, storage_writer=writer, process_group=self.pg)
             else:
                 result = dcp.async_save(
-                    state, storage_writer=writer, async_stager=self._stager, process_group=self._pg
+                    state, storage_writer=writer, async_stager=self._stager, process_group=self.pg
                 )
                 # DCP answers with an AsyncSaveResponse only for a stager that stages in
                 # the background, which the reusable one does not: its upload is the save.
@@ -158,7 +236,7 @@ class SavingHalf:
             ):
                 self._target.remove_tree(name)
         except OSError as exc:
-            _log.warning("could not remove %s/%s of a failed save: %s", self.root, name, exc)
+            _log.warning("could not remove %s/%s of a failed save: %s", self._target.url, name, exc)
 
     def _published(self, step: int, timing: SaveTiming | None = None) -> None:
         # Called from the save's done-callback and from wait(), whichever comes first.
@@ -175,10 +253,10 @@ class SavingHalf:
         if self._retention is not None and (self._lease is None or self._lease.held):
             self._retention.request()
 
-    def _save_last_seen(self) -> None:
+    def save_last_seen(self) -> None:
         """The final save of ``close``: the last step seen by ``maybe_save``, if newer."""
         seen = self._last_seen
-        step, steps = final_step(self._pg, seen[0] if seen else None, self.last_saved_step)
+        step, steps = final_step(self.pg, seen[0] if seen else None, self.last_saved_step)
         if step is None or seen is None:
             if len(set(steps)) != 1:
                 _log.warning("ranks reached different last steps %s; no final save on close", steps)
@@ -186,5 +264,5 @@ class SavingHalf:
         _log.info("saving step %d, the last one reached, on close", step)
         if self._lease is not None:
             self._lease.settle()  # a watch of the lease in progress: close may wait for it
-        self._save(step, seen[2], seen[1])
+        self.save(step, seen[2], seen[1])
         self.wait()

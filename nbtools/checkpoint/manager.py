@@ -18,11 +18,9 @@ the rank mixed in if they must differ).
 from __future__ import annotations
 
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -40,17 +38,13 @@ from nbtools.checkpoint._checks import (
     positive,
 )
 from nbtools.checkpoint._collective import release_groups
-from nbtools.checkpoint._errors import unwrap
-from nbtools.checkpoint._host_buffers import ReusableStager
 from nbtools.checkpoint._lease import AFTER_RECOVERY_S, WriterLease
 from nbtools.checkpoint._memory._replicas import peers
 from nbtools.checkpoint._memory._restore import VolumeStep, memory_restore, report
 from nbtools.checkpoint._memory._tier import MemoryTier
 from nbtools.checkpoint._meta import find_meta, rank_device
-from nbtools.checkpoint._report import SaveTiming
 from nbtools.checkpoint._restore import restore_newest
-from nbtools.checkpoint._retention import RetentionWorker
-from nbtools.checkpoint._saver import SavingHalf
+from nbtools.checkpoint._saver import Saver
 from nbtools.checkpoint._storage import _scratch
 from nbtools.checkpoint._storage._roots import check_root
 from nbtools.checkpoint._storage._target import Target
@@ -62,7 +56,7 @@ __all__ = ["CheckpointManager"]
 _log = get_logger("checkpoint")
 
 
-class CheckpointManager(SavingHalf):
+class CheckpointManager:
     """Saves and restores training state under ``root/step_<N>/``.
 
     One run saves into a root at a time: the first save takes a lease
@@ -156,43 +150,52 @@ class CheckpointManager(SavingHalf):
         self._sync_files = sync_files
         self.restored_step: int | None = None
         self.restored_tier: str | None = None
-        self.last_saved_step: int | None = None
-        self.mlflow_run_id: str | None = None
         self.extra: dict[str, Any] = {}
         self.skipped: list[tuple[str, str]] = []
-        self._lock = threading.Lock()
-        self._future: Future | None = None
-        self._future_step: int | None = None
-        self._future_timing: SaveTiming | None = None
-        self._published_step: int | None = None
-        self._last_seen: tuple[int, dict[str, Any], dict[str, Any] | None] | None = None
-        # The step being saved: retention never deletes it, even when it is older than the
-        # newest checkpoint. A one-element list so the retention thread holds no manager.
-        saving: list[int | None] = [None]
-        self._saving = saving
-        self._stager = ReusableStager() if async_save else None
         # Saves run collectives from a background thread: they get their own gloo group
         # so they never interleave with the training loop's collectives.
         self._pg = dist.new_group(backend="gloo") if runtime.is_distributed() else None
         main = runtime.get_rank() == 0
-        self._retention = (
-            RetentionWorker(self._target, self.keep, lambda: [s for s in saving if s is not None])
-            if self.keep and main
-            else None
-        )
         if not isinstance(takeover, bool):
             raise TypeError(f"takeover must be a bool, not {type(takeover).__name__}")
         self._lease = WriterLease(self._target, takeover) if main else None
         if self._lease is not None and self._target.local_path is not None:
             self._lease.probe()  # a local lease is read now; an object store's later (_probe)
-        self._deferred = False  # a due save waits for the lease's verdict
         # A manager dropped without close() (a notebook cell run again) frees the root.
         self._release = weakref.finalize(self, self._lease.release if self._lease else lambda: None)
         self._memory = (
             MemoryTier(self.memory_every, self.root, self.replicas) if self.memory_every else None
         )
+        self._saver = Saver(
+            self._root,
+            self._pg,
+            self._lease,
+            self._memory,
+            keep=self.keep,
+            async_save=async_save,
+            staging_dir=staging_dir,
+            sync_files=sync_files,
+        )
         self._failed = False  # closed on an error: snapshots stay for the restart
         self._closed = False
+
+    @property
+    def last_saved_step(self) -> int | None:
+        """Step of the last checkpoint completed and published (or restored), or None."""
+        return self._saver.last_saved_step
+
+    @last_saved_step.setter
+    def last_saved_step(self, step: int | None) -> None:
+        self._saver.last_saved_step = step
+
+    @property
+    def mlflow_run_id(self) -> str | None:
+        """MLflow run id of the restored checkpoint or of the last save, or None."""
+        return self._saver.mlflow_run_id
+
+    @mlflow_run_id.setter
+    def mlflow_run_id(self, run_id: str | None) -> None:
+        self._saver.mlflow_run_id = run_id
 
     def _check_open(self) -> None:
         if self._closed:
@@ -304,15 +307,15 @@ class CheckpointManager(SavingHalf):
         check_step(step)
         events.step(step)  # a loop that saves through the manager is seen progressing
         check_extra(extra)
-        self._raise_failed()
+        self._saver.raise_failed()
         self._probe()
-        self._last_seen = (step, dict(objs), extra)
+        self._saver.remember(step, objs, extra)
         if self._memory is not None and self._memory.due(step):
             run_id = active_mlflow_run_id() or self.mlflow_run_id
             self._memory.snapshot_objects(step, _state.classify(objs), extra or {}, run_id)
-        if not self._deferred and (self.every is None or step % self.every != 0):
+        if not self._saver.deferred and (self.every is None or step % self.every != 0):
             return False
-        return self._save(step, extra, objs)
+        return self._saver.save(step, extra, objs)
 
     def save(self, step: int, *, extra: dict[str, Any] | None = None, **objs: Any) -> bool:
         """Checkpoint ``objs`` as ``step`` (asynchronously unless ``async_save=False``).
@@ -333,35 +336,12 @@ class CheckpointManager(SavingHalf):
         self._check_open()
         check_step(step)
         events.step(step)
-        return self._save(step, extra, objs)
-
-    def _raise_failed(self) -> None:
-        with self._lock:
-            future = self._future
-        if future is not None and future.done() and future.exception() is not None:
-            self.wait()
+        return self._saver.save(step, extra, objs)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is published and the memory snapshot being
         written (if any) is complete; raise the save's error if it failed."""
-        if self._memory is not None:
-            self._memory.wait()
-        with self._lock:
-            future, step = self._future, self._future_step
-            self._future = None
-        if future is None or step is None:
-            return
-        try:
-            future.result()
-        except BaseException as exc:
-            if not future.done():  # interrupted while waiting: the save goes on
-                with self._lock:
-                    if self._future is None:
-                        self._future = future
-                raise
-            self._discard(step)
-            raise unwrap(exc, f"background save of step {step}") from None
-        self._published(step, self._future_timing)
+        self._saver.wait()
 
     def close(self, *, final_save: bool | None = None) -> None:
         """Finish the save in flight, save the last step reached, release everything.
@@ -380,17 +360,13 @@ class CheckpointManager(SavingHalf):
         try:
             self.wait()
             if self.save_on_close if final_save is None else final_save:
-                self._save_last_seen()
+                self._saver.save_last_seen()
             finished = not self._failed
         finally:
             if self._memory is not None:
                 self._memory.close(keep=not finished)
             self._closed = True
-            self._last_seen = None
-            if self._retention is not None:
-                self._retention.close()
-            if self._stager is not None:
-                self._stager.close()
+            self._saver.close()
             self._release()
             self._release_groups(finished)
 
@@ -400,7 +376,7 @@ class CheckpointManager(SavingHalf):
         A clean close first waits for every rank there (see ``release_groups``)."""
         groups = [self._pg, self._memory.group if self._memory is not None else None]
         if release_groups(groups, sync=self._pg if finished else None):
-            self._pg = None
+            self._pg = self._saver.pg = None
             if self._memory is not None:
                 self._memory.group = None
                 self._memory.exchanging = False

@@ -12,7 +12,7 @@ shards get names of their own (``__<rank>_<n>.<tag>.distcp``) next to the old
 ones, the new ``.metadata`` replaces the old in one atomic step (a rename; one
 PUT on object stores), and only then are the old shards removed. At every
 moment the directory holds one complete checkpoint, old or new. A marker
-(``.nbtools-saving-<tag>``, see ``_saving``) says which save writes, so a second
+(``.nbtools-saving-<tag>``, see ``_storage._save_markers``) says which save writes, so a second
 save into the same directory at the same time is refused and files left by a
 killed save are removed by the next one.
 

@@ -13,7 +13,7 @@ def test_a_fork_waits_for_the_background_save_in_flight(tmp_path):
     model = torch.nn.Linear(4096, 8192)  # 134 MB: its upload takes far longer than a fork
     with CheckpointManager(tmp_path / "ckpt", save_on_close=False) as ckpt:
         assert ckpt.save(0, model=model)
-        future = ckpt._future
+        future = ckpt._saver.future
         assert future is not None
         pid = os.fork()
         if pid == 0:
