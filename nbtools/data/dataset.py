@@ -36,6 +36,21 @@ _STATE_VERSION = 2
 _UNSHUFFLED_STATES = (1,)  # versions whose unshuffled positions mean the same
 
 
+def _refuse_in_worker(method: str) -> None:
+    """Fail at once where a collective would hang: in a loader's worker process."""
+    info = get_worker_info()
+    if info is None:
+        return
+    raise DataError(
+        f"VolumeDataset.{method}() was called in loader worker {info.id} of {info.num_workers} "
+        f"on rank {runtime.get_rank()}: the position in the epoch is agreed by all ranks' "
+        "training processes, which a worker cannot join, so a loader that saves its "
+        "dataset's state in its workers (torchdata's StatefulDataLoader) cannot resume it. "
+        "Iterate it through nbtools.data.DataLoader (pass data=loader to CheckpointManager), "
+        "or use num_workers=0"
+    )
+
+
 class VolumeDataset(IterableDataset):
     """The files under ``root``, yielded as paths of complete local copies.
 
@@ -204,7 +219,13 @@ class VolumeDataset(IterableDataset):
         Plain Python (ints, strings, lists). With a process group of several
         ranks this is a collective: call it on every rank; every rank gets the
         same state, which any rank can restore with any world size.
+
+        Raises:
+            DataError: Called inside a loader worker, where no collective can run
+                (a loader that saves its dataset's state in its workers, such as
+                torchdata's ``StatefulDataLoader``).
         """
+        _refuse_in_worker("state_dict")
         files = self._listing()
         epoch, consumed, layout = self._current(files)
         if self._explicit_epoch is not None and self._explicit_epoch != epoch:
@@ -223,6 +244,7 @@ class VolumeDataset(IterableDataset):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a position saved by :meth:`state_dict` (any world size or workers)."""
+        _refuse_in_worker("load_state_dict")
         version = state.get("version") if isinstance(state, dict) else None
         if version != _STATE_VERSION and version not in _UNSHUFFLED_STATES:
             raise ValueError(
