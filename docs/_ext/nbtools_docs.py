@@ -260,7 +260,9 @@ def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
 
 
 def _name(action: argparse.Action) -> str:
-    return action.option_strings[-1] if action.option_strings else (action.metavar or action.dest)
+    if action.option_strings:
+        return action.option_strings[-1]
+    return action.metavar if isinstance(action.metavar, str) else action.dest
 
 
 def options_table(
@@ -379,7 +381,10 @@ def magic_reference(name: str, meanings: dict[str, str] | None = None) -> list[s
     ``%distributed``'s commands share their options: its table is that of ``start``.
     """
     parsers = magic_parsers(name)
-    lines = ["```text", *(_usage(sub) for sub in parsers.values()), "```", ""]
+    usages = [_usage(sub) for sub in parsers.values()]
+    if name != "distributed" and name in _cell_magics():  # IPython's parser names it %name
+        usages = ["%" + usage for usage in usages]
+    lines = ["```text", *usages, "```", ""]
     if name == "distributed":
         lines += ["Options of `start` and `restart`:", ""]
         return [*lines, *options_table(parsers["start"], meanings), ""]
@@ -387,8 +392,17 @@ def magic_reference(name: str, meanings: dict[str, str] | None = None) -> list[s
 
 
 def _usage(parser: argparse.ArgumentParser) -> str:
-    """A parser's usage on one line, without argparse's "usage: " and wrapping."""
-    return " ".join(parser.format_usage().replace("usage: ", "", 1).split())
+    """A parser's usage on one line, without argparse's "usage: ", IPython's "::" and wrapping."""
+    words = parser.format_usage().replace("usage: ", "", 1).split()
+    return " ".join(words[1:] if words[:1] == ["::"] else words)
+
+
+def _cell_magics() -> set[str]:
+    """The names of the extension's cell magics (``autoresume``)."""
+    from nbtools.magics import NbtoolsMagics
+
+    magics: dict[str, dict[str, str]] = getattr(NbtoolsMagics, "magics", None) or {}
+    return set(magics.get("cell", {}))
 
 
 class _Generated(SphinxDirective):

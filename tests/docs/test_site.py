@@ -120,6 +120,16 @@ def test_a_magic_option_without_help_needs_a_meaning_on_the_page():
     assert "| `--gpus N` |  | one rank per GPU |" in table
 
 
+def test_a_magics_usage_is_written_as_a_user_types_it():
+    def usage(name):
+        lines = nbtools_docs.magic_reference(name)
+        return lines[lines.index("```text") + 1]
+
+    assert usage("autoresume").startswith("%%autoresume [--every N]")
+    assert usage("gpu_pane").startswith("%gpu_pane [--interval S]")
+    assert usage("distributed").startswith("%distributed start [--processes")
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.stem)
 def test_every_example_notebook_is_saved_run_with_a_png_beside_each_chart(path):
     notebook = json.loads(path.read_text(encoding="utf-8"))
