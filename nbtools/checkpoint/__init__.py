@@ -18,11 +18,13 @@ How the package is laid out, in two halves:
 - ``writer.py`` and ``reader.py``, the DCP storage backends built on it, with
   ``discovery.py`` (which checkpoints a root holds) and ``export.py``.
 - the manager half, above them: ``manager.py`` (start reading here) with
-  ``_saver`` (the volume saves the manager owns, start to publish), ``_state`` (what a checkpoint holds: objects, per-rank blob, RNG streams),
+  ``_saver`` (the volume saves the manager owns, start to publish), ``_state``
+  (what a checkpoint holds: objects, per-rank blob, RNG streams),
   ``_host_buffers`` (the reused copy an async save stages from), ``_restore``
   (the newest checkpoint that verifies), ``_lease`` (one writer per root),
   ``_retention`` (keeping ``keep``), ``_checks``, ``_collective``, ``_forks``,
-  ``_report``, ``_quiet`` and ``_errors``; and ``_memory/``, the memory tier
+  ``_report`` and ``_dcp`` (how nbtools calls DCP: its errors, its
+  single-process warning); and ``_memory/``, the memory tier
   (``memory_every``): snapshots in node-local shared memory that a restarted
   rank restores from before the volume.
 """

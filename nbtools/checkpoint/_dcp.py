@@ -1,10 +1,18 @@
-"""Silencing DCP's single-process warning, only where nbtools means a single process.
+"""How nbtools calls DCP: its errors turned into nbtools errors, its single-process warning quieted.
 
-Without a process group, ``dcp.save``/``dcp.load`` warn on every call that
-they assume one process, which is exactly what a notebook without
-``@distributed`` intends. Importing nbtools changes no warning filter; the
-manager calls :func:`quiet_single_process_warning` just before it saves or
-restores without a process group.
+Every ``dcp.save``, ``dcp.async_save`` and ``dcp.load`` nbtools makes (the
+manager's saves, the restores, :func:`~nbtools.checkpoint.export`) goes through
+the two helpers here:
+
+- :func:`unwrap`: DCP raises a ``CheckpointException`` (a ``BaseException``)
+  holding each rank's failure; the caller raises what :func:`unwrap` returns
+  instead, the first nbtools error of any rank, else a ``CheckpointError``
+  naming the rank and what failed.
+- :func:`quiet_single_process_warning`: without a process group,
+  ``dcp.save``/``dcp.load`` warn on every call that they assume one process,
+  which is exactly what a notebook without ``@distributed`` intends. Importing
+  nbtools changes no warning filter; the manager calls it just before it saves
+  or restores without a process group.
 
 Why a filter and not ``warnings.catch_warnings()``: before Python 3.14,
 ``catch_warnings`` swaps the process-wide filter list and puts it back on
@@ -21,8 +29,11 @@ from __future__ import annotations
 
 import threading
 import warnings
+from typing import Any
 
-__all__ = ["quiet_single_process_warning", "SINGLE_PROCESS_MESSAGE", "DCP_MODULES"]
+from nbtools.errors import CheckpointError, NbtoolsError
+
+__all__ = ["unwrap", "quiet_single_process_warning", "SINGLE_PROCESS_MESSAGE", "DCP_MODULES"]
 
 #: The message DCP issues when it runs without a process group (save or load).
 SINGLE_PROCESS_MESSAGE = (
@@ -33,6 +44,30 @@ SINGLE_PROCESS_MESSAGE = (
 DCP_MODULES = r"torch\.distributed\.checkpoint(\.[\w.]+)?\Z"
 
 _lock = threading.Lock()
+
+
+def unwrap(exc: BaseException, what: str) -> BaseException:
+    """The error to raise for ``exc``: the first nbtools error of any rank, else a CheckpointError."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException):
+        failures: dict[int, Any] = exc.failures
+        for rank in sorted(failures):
+            inner = failures[rank][0]
+            if isinstance(inner, NbtoolsError):
+                return inner
+        rank = min(failures) if failures else -1
+        inner = failures[rank][0] if failures else exc
+        err = CheckpointError(f"{what} failed on rank {rank}: {type(inner).__name__}: {inner}")
+        err.__cause__ = exc
+        return err
+    if isinstance(exc, NbtoolsError):
+        return exc
+    if isinstance(exc, Exception):
+        err = CheckpointError(f"{what} failed: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        return err
+    return exc
 
 
 def _installed() -> bool:

@@ -26,8 +26,7 @@ from nbtools._internal.runinfo import active_mlflow_run_id
 from nbtools.checkpoint import _report, _state
 from nbtools.checkpoint._checks import SaveCase, SaveVerdict, check_extra, save_verdict
 from nbtools.checkpoint._collective import agree, final_step
-from nbtools.checkpoint._dcp import quiet_single_process_warning
-from nbtools.checkpoint._errors import unwrap
+from nbtools.checkpoint._dcp import quiet_single_process_warning, unwrap
 from nbtools.checkpoint._forks import track
 from nbtools.checkpoint._host_buffers import ReusableStager
 from nbtools.checkpoint._lease import WriterLease
