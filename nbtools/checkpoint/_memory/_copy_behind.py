@@ -31,7 +31,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from nbtools.checkpoint._memory import _format
-from nbtools.checkpoint._memory._mapped import Mapped
+from nbtools.checkpoint._memory._slot_maps import Mapped
 from nbtools.checkpoint._memory._slots import HEADER_BYTES
 
 __all__ = ["Behind", "late_tensors", "copy_and_checksum", "StepGate"]

@@ -30,8 +30,8 @@ from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import agree, gather
 from nbtools.checkpoint._memory import _format, _shares, _volume
-from nbtools.checkpoint._memory._consumed import Consumed, private, within
-from nbtools.checkpoint._memory._fetch import Source, fetch
+from nbtools.checkpoint._memory._in_place import Consumed, private, within
+from nbtools.checkpoint._memory._slot_sources import Source, fetch
 from nbtools.checkpoint._memory._tier import MemoryTier
 from nbtools.errors import CheckpointError
 

@@ -23,7 +23,7 @@ from typing import Any
 from nbtools._internal.holder import machine_id
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint._memory import _format, _notes, _replicas, _slots
-from nbtools.checkpoint._memory._mapped import tensor_of
+from nbtools.checkpoint._memory._slot_maps import tensor_of
 from nbtools.checkpoint._memory._tier import MemoryTier
 from nbtools.errors import CheckpointError
 

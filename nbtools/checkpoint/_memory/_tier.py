@@ -53,9 +53,14 @@ from nbtools.checkpoint._memory import (
     _sweep,
     _volume,
 )
-from nbtools.checkpoint._memory._behind import Behind, StepGate, copy_and_checksum, late_tensors
-from nbtools.checkpoint._memory._consumed import Consumed
-from nbtools.checkpoint._memory._mapped import (
+from nbtools.checkpoint._memory._copy_behind import (
+    Behind,
+    StepGate,
+    copy_and_checksum,
+    late_tensors,
+)
+from nbtools.checkpoint._memory._in_place import Consumed
+from nbtools.checkpoint._memory._slot_maps import (
     Mapped,
     MappedFiles,
     Spare,
