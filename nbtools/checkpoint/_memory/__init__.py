@@ -1,12 +1,35 @@
 """The memory tier: snapshots of the training state in node-local shared memory.
 
-What it holds: ``_slots`` (the snapshot files: a 0700 directory per user and
-job under ``/dev/shm``, 0600 slots with random names and a checksummed header,
-the sweep of dead jobs) and ``_tier`` (:class:`MemoryTier`, which the manager
-asks to snapshot every ``memory_every`` steps, and the restore that agrees on
-the newest step every rank holds). It uses the manager half's state builder
-(``_state``) and collectives, and ``nbtools._internal.holder`` to tell whether
-a job's keeper process lives. Start reading at ``_tier``.
+Start reading at ``_tier``. The modules, one line each:
+
+- ``_tier``: :class:`MemoryTier`, which the manager asks to snapshot every
+  ``memory_every`` steps, and which runs the snapshot's rounds in the background.
+- ``_copy_behind``: the copy of parameters and optimizer state that runs behind
+  training until the next optimizer step, fused with the slot's checksum.
+- ``_format``: the bytes of a snapshot: tensors as raw buffers, the rest as a
+  small skeleton.
+- ``_shares``: replicated state snapshotted once per node, each rank of the node
+  copying a share of it.
+- ``_slots``: the snapshot files: a 0700 directory per user and job under
+  ``/dev/shm``, 0600 slots with random names and a checksummed header.
+- ``_slot_maps``: the slots' memory maps, kept from one snapshot to the next.
+- ``_space``: whether a node has room for its ranks' snapshots, checked before the
+  first one.
+- ``_sweep``: ending jobs' snapshots: a dead job's, swept by the next one; a
+  finished launch's (:func:`end_run`).
+- ``_volume``: what a job's ranks know of the volume, kept beside their snapshots.
+- ``_replicas``: each rank's snapshot also held by peers, sent over the job's
+  process group.
+- ``_restore``: restoring from memory: the newest step every rank can get, from
+  its own slot or a peer's.
+- ``_slot_sources``: getting the slots a restore chose: read where they are, else
+  sent by a rank that has them.
+- ``_in_place``: a rank's own slot restored in place: the optimizer state starts
+  out in its pages.
+- ``_notes``: what the tier says: one message per condition per job.
+
+It uses the manager half's state builder (``_state``) and collectives, and
+``nbtools._internal.holder`` to tell whether a job's keeper process lives.
 
 A launcher whose launch ended for good (success, failure past its restarts,
 Ctrl+C, a signal) calls :func:`end_run` with the run id it gave the ranks

@@ -3,7 +3,7 @@
 A rank needs its own slot of the chosen step and, where the ranks of its node
 split their replicated tensors (see ``_shares``), the slots of the same step of
 every rank it shares with. Those its node holds it reads there: its own slot
-mapped in place and checked (see ``_consumed``), a peer's slot mapped read-only
+mapped in place and checked (see ``_in_place``), a peer's slot mapped read-only
 and checked once, by whichever rank of the node maps it as its own (:meth:`Fetched.check`);
 the others it receives from the rank the plan names, which reads them (checked)
 and sends them over the tier's group, checked again on arrival.
@@ -40,7 +40,7 @@ def read_any(
 ) -> tuple[Any, _slots.Slot, mmap.mmap | None]:
     """The first slot of ``owner``'s ``step`` on this node that reads back whole: its
     payload, the slot, and with ``in_place`` the mapping of a rank's own slot (its
-    payload is then a view of that mapping, see ``_consumed``)."""
+    payload is then a view of that mapping, see ``_in_place``)."""
     why = f"rank {tier.rank}'s node holds no slot of it any more"
     for slot in (s for s in tier.visible(owner) if s.step == step):
         mm = None

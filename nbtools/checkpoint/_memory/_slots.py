@@ -485,7 +485,7 @@ def read_slot(slot: Slot) -> Any:
 def map_slot(slot: Slot) -> mmap.mmap:
     """``slot``'s whole file mapped shared and writable, its payload checked against its
     checksum: the restore of a rank's own slot, which hands the mapped pages to the
-    objects restored instead of copying them (see ``_consumed``).
+    objects restored instead of copying them (see ``_in_place``).
 
     The payload starts at :data:`HEADER_BYTES` in the mapping. The pages are the
     file's own (shared memory): mapping them costs no copy and no zero-filling.

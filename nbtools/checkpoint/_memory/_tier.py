@@ -4,9 +4,9 @@ Every ``memory_every`` steps the manager hands the tier the same state a volume
 checkpoint holds (:func:`nbtools.checkpoint._state.build_state`). The tier
 copies that state's tensors once (the ranks of a node each a share of the
 replicated ones, see ``_shares``), straight into this rank's next slot file in
-shared memory (mapped, see ``_mapped``; raw bytes, see ``_format``): what a
+shared memory (mapped, see ``_slot_maps``; raw bytes, see ``_format``): what a
 forward pass may change at once, the parameters and optimizer state on a
-background thread that the next optimizer step waits for (see ``_behind``),
+background thread that the next optimizer step waits for (see ``_copy_behind``),
 checksumming each chunk as it is copied. That thread then, at a lower priority,
 publishes the slot and, with ``replicas``, sends it to the ranks that hold it
 and stores the replicas this rank holds (see ``_replicas``). One round is in
@@ -26,7 +26,7 @@ process) is gone are swept when a manager starts. A snapshot directory that
 cannot be trusted never stops training (see ``_slots``): the tier falls back to
 a private directory, or is off for the job, with one warning. Restoring is
 ``_restore``; the slot a rank restores stays valid until a newer snapshot
-replaces it (see ``_consumed``).
+replaces it (see ``_in_place``).
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ class MemoryTier:
         in the background; whether a round was started (see :meth:`wait`).
 
         The tensors that only a step of one of ``optimizers`` changes are copied in the
-        background too; every optimizer step waits for that copy (see ``_behind``)."""
+        background too; every optimizer step waits for that copy (see ``_copy_behind``)."""
         self.wait()
         if not self.due(step):
             return False
@@ -325,7 +325,7 @@ class MemoryTier:
         self, step: int, layout: _format.Layout, late: list[bool]
     ) -> tuple[Mapped, str, Behind]:
         """Copy the tensors not ``late`` into this rank's next slot file (a temporary one
-        until published); the late ones are copied by the round (see ``_behind``).
+        until published); the late ones are copied by the round (see ``_copy_behind``).
 
         Keeps the newest complete slot while the new one is written: at most two. The
         file of the one that goes becomes the new one, with its mapping.
@@ -488,13 +488,13 @@ class MemoryTier:
         return _replicas.Incoming(mapped.body, done, drop_it)
 
     def hand_over(self, consumed: Consumed) -> None:
-        """A restore left restored state in the pages of an own slot (see ``_consumed``)."""
+        """A restore left restored state in the pages of an own slot (see ``_in_place``)."""
         self._release()
         self._consumed = consumed
 
     def _release(self) -> None:
         """Move the state restored in place off its slot's pages before any slot file is
-        written or reused (the slot stays, see ``_consumed``)."""
+        written or reused (the slot stays, see ``_in_place``)."""
         consumed, self._consumed = self._consumed, None
         if consumed is not None:
             consumed.release()
