@@ -156,6 +156,7 @@ def test_a_rank_whose_snapshot_is_lost_restores_from_its_replica_else_the_volume
     assert not any(p.is_file() for p in shm.rglob("*"))  # closed cleanly: all removed
 
 
+@pytest.mark.slow
 def test_a_loop_that_only_saves_through_the_manager_reports_progress(tmp_path):
     bus = events.Bus()
     code = f"""

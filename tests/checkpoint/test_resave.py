@@ -303,6 +303,7 @@ def test_a_second_save_into_a_directory_being_written_is_refused(tmp_path):
     assert not [n for n in os.listdir(path) if n.startswith(".nbtools")]
 
 
+@pytest.mark.slow
 def test_a_save_of_another_live_process_here_is_refused(tmp_path):
     # A real second process holds a save into the directory in write_data.
     path = tmp_path / "step_8"

@@ -73,6 +73,7 @@ def test_a_shrunken_copy_ahead_window_is_an_event(monkeypatch):
     assert full.fields["cache_dir"] == "/cache/dir" and "copying ahead 2 files" in full.message
 
 
+@pytest.mark.slow
 def test_a_loop_over_the_loader_alone_is_seen_progressing_by_the_kernel(tree):
     src, cache = tree
     code = f"""
