@@ -294,3 +294,88 @@ def test_no_module_over_800_lines():
         if (n := len(p.read_text().splitlines())) > 800
     ]
     assert not long, long
+
+
+#: Sub-rooms whose front door (their ``__init__``) is the only way in from outside them.
+_FRONT_DOORS = ("nbtools.checkpoint._memory", "nbtools.checkpoint._storage")
+
+
+def _front_door_breaches(room: str) -> list[str]:
+    """Where code outside ``room`` reaches past its ``__init__``: an import of one of its
+    modules (lazy ones included), a name its ``__all__`` does not export, or a dotted
+    string (a hook such as ``"pkg.mod:func"``, or a module name) naming one of its modules
+    or such a name; prose that mentions a module is not a way in."""
+    import ast
+
+    root = Path(nbtools.__file__).parent
+    door = root.parent.joinpath(*room.split("."), "__init__.py")
+    exported: set[str] = set()
+    for node in ast.parse(door.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            exported = set(ast.literal_eval(node.value))
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if name == room or name.startswith(room + "."):
+            continue
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        where = path.relative_to(root.parent)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found += [
+                    f"{where}:{node.lineno} imports {a.name}"
+                    for a in node.names
+                    if a.name.startswith(room + ".")
+                ]
+            elif isinstance(node, ast.ImportFrom):
+                target = node.module or ""
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                if target.startswith(room + "."):
+                    found.append(f"{where}:{node.lineno} imports from {target}")
+                elif target == room:
+                    found += [
+                        f"{where}:{node.lineno} imports {a.name}, which {room} does not export"
+                        for a in node.names
+                        if a.name not in exported
+                    ]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                ref = node.value  # a whole string that names a module or a name in it
+                if re.fullmatch(re.escape(room) + r"[.:][\w.]+", ref) and (
+                    ref.startswith(room + ".") or ref.split(":", 1)[1] not in exported
+                ):
+                    found.append(f"{where}:{node.lineno} names {ref}")
+    return found
+
+
+@pytest.mark.parametrize("room", _FRONT_DOORS)
+def test_outside_code_enters_a_checkpoint_sub_room_only_through_its_front_door(room):
+    assert room in _nbtools_imports(), f"{room} is gone: update _FRONT_DOORS"
+    found = _front_door_breaches(room)
+    assert not found, found
+
+
+def test_the_front_door_check_sees_a_lazy_import_past_the_door(tmp_path, monkeypatch):
+    # The check must see what a maintainer sees: a module, an unexported name, a hook string.
+    fake = tmp_path / "nbtools"
+    (fake / "room").mkdir(parents=True)
+    (fake / "__init__.py").write_text('HOOK = "nbtools.room:hidden"\n')
+    (fake / "room" / "__init__.py").write_text('__all__ = ["shown"]\nshown = 1\n')
+    (fake / "room" / "_inner.py").write_text("hidden = 2\n")
+    (fake / "user.py").write_text(
+        "from nbtools.room import shown\n"
+        "def f():\n"
+        "    from nbtools.room._inner import hidden\n"
+        "    from .room import hidden as h\n"
+    )
+    monkeypatch.setattr(nbtools, "__file__", str(fake / "__init__.py"))
+    found = _front_door_breaches("nbtools.room")
+    assert found == [
+        "nbtools/__init__.py:1 names nbtools.room:hidden",
+        "nbtools/user.py:3 imports from nbtools.room._inner",
+        "nbtools/user.py:4 imports hidden, which nbtools.room does not export",
+    ]

@@ -8,8 +8,7 @@ from typing import Any
 
 from nbtools._internal.location import unwritable_reason
 from nbtools.checkpoint._lease import LeasePending
-from nbtools.checkpoint._storage._layout import METADATA_NAME
-from nbtools.checkpoint._storage._target import Target
+from nbtools.checkpoint._storage import METADATA_NAME, Target
 from nbtools.errors import CheckpointError
 
 __all__ = [

@@ -41,7 +41,7 @@ from typing import Any
 
 from nbtools._internal.holder import Holder, Liveness, machine_id
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint._storage._target import Target
+from nbtools.checkpoint._storage import Target
 from nbtools.errors import CheckpointError
 
 __all__ = ["AFTER_RECOVERY_S", "LEASE_NAME", "LeasePending", "WriterLease"]

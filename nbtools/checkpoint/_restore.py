@@ -27,8 +27,7 @@ from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import agree, gather
 from nbtools.checkpoint._dcp import quiet_single_process_warning, unwrap
-from nbtools.checkpoint._storage._layout import METADATA_NAME, step_dir_name
-from nbtools.checkpoint._storage._target import Target
+from nbtools.checkpoint._storage import METADATA_NAME, Target, step_dir_name
 from nbtools.checkpoint.discovery import candidates
 from nbtools.checkpoint.reader import VolumeReader
 from nbtools.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError

@@ -15,8 +15,7 @@ import threading
 from collections.abc import Callable, Collection
 
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint._storage._layout import METADATA_NAME, step_dir_name
-from nbtools.checkpoint._storage._target import Target
+from nbtools.checkpoint._storage import METADATA_NAME, Target, step_dir_name
 from nbtools.checkpoint.discovery import is_foreign, list_steps
 
 __all__ = ["purge", "RetentionWorker"]

@@ -30,10 +30,10 @@ from nbtools.checkpoint._dcp import quiet_single_process_warning, unwrap
 from nbtools.checkpoint._forks import track
 from nbtools.checkpoint._host_buffers import ReusableStager
 from nbtools.checkpoint._lease import WriterLease
-from nbtools.checkpoint._memory._tier import MemoryTier
+from nbtools.checkpoint._memory import MemoryTier
 from nbtools.checkpoint._report import SaveTiming
 from nbtools.checkpoint._retention import RetentionWorker
-from nbtools.checkpoint._storage._layout import METADATA_NAME, step_dir_name
+from nbtools.checkpoint._storage import METADATA_NAME, step_dir_name
 from nbtools.checkpoint.discovery import RootCheck, is_foreign
 from nbtools.checkpoint.writer import VolumeWriter
 

@@ -19,11 +19,16 @@ from collections.abc import Collection, Iterator
 from typing import Any, NamedTuple
 
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint._storage._layout import METADATA_NAME, parse_step_dir, step_dir_name
-from nbtools.checkpoint._storage._roots import skip_untrusted
-from nbtools.checkpoint._storage._safe_pickle import read_metadata
-from nbtools.checkpoint._storage._shards import verify_items
-from nbtools.checkpoint._storage._target import Target, open_target
+from nbtools.checkpoint._storage import (
+    METADATA_NAME,
+    Target,
+    open_target,
+    parse_step_dir,
+    read_metadata,
+    skip_untrusted,
+    step_dir_name,
+    verify_items,
+)
 from nbtools.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = [

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from nbtools._internal.fs import atomic_write
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._dcp import quiet_single_process_warning, unwrap
-from nbtools.checkpoint._storage._layout import METADATA_NAME
+from nbtools.checkpoint._storage import METADATA_NAME
 from nbtools.checkpoint.discovery import candidates, root_target, validate
 from nbtools.checkpoint.reader import VolumeReader
 from nbtools.errors import CheckpointError, CheckpointNotFoundError

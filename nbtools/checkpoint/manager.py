@@ -39,15 +39,11 @@ from nbtools.checkpoint._checks import (
 )
 from nbtools.checkpoint._collective import release_groups
 from nbtools.checkpoint._lease import AFTER_RECOVERY_S, WriterLease
-from nbtools.checkpoint._memory._replicas import peers
-from nbtools.checkpoint._memory._restore import VolumeStep, memory_restore, report
-from nbtools.checkpoint._memory._tier import MemoryTier
+from nbtools.checkpoint._memory import MemoryTier, VolumeStep, memory_restore, peers, report
 from nbtools.checkpoint._meta import find_meta, rank_device
 from nbtools.checkpoint._restore import restore_newest
 from nbtools.checkpoint._saver import Saver
-from nbtools.checkpoint._storage import _scratch
-from nbtools.checkpoint._storage._roots import check_root
-from nbtools.checkpoint._storage._target import Target
+from nbtools.checkpoint._storage import Target, check_root, scratch
 from nbtools.checkpoint.discovery import RootCheck
 from nbtools.errors import CheckpointError
 
@@ -146,7 +142,7 @@ class CheckpointManager:
         self._staging_dir = staging_dir
         # What a killed run's save left in the staging directory goes now, not at the
         # next save: a run may restore and train long before it saves.
-        _scratch.sweep(_scratch.staging_base(staging_dir))
+        scratch.sweep(scratch.staging_base(staging_dir))
         self._sync_files = sync_files
         self.restored_step: int | None = None
         self.restored_tier: str | None = None
@@ -263,7 +259,7 @@ class CheckpointManager:
 
     def _restore(self, planner: Any, objs: dict[str, Any]) -> int:
         self.wait()
-        _scratch.sweep(_scratch.staging_base(self._staging_dir))  # a killed writer's leftovers
+        scratch.sweep(scratch.staging_base(self._staging_dir))  # a killed writer's leftovers
         if self._memory is not None:
             started = time.perf_counter()
             with VolumeStep(self._pg, self._root.result) as volume_step:

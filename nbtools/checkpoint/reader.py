@@ -38,16 +38,29 @@ from torch.futures import Future
 
 from nbtools import _torch_compat
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint._storage import _scratch
-from nbtools.checkpoint._storage._coop_read import NOTE
-from nbtools.checkpoint._storage._delivery import Delivery, Slice, dense_destination, saved_data
-from nbtools.checkpoint._storage._layout import METADATA_NAME, rank_metadata_name
-from nbtools.checkpoint._storage._rank_local import check_rank_local
-from nbtools.checkpoint._storage._safe_pickle import check_weights_only, read_metadata
-from nbtools.checkpoint._storage._shards import item_checksum, read_item_into, verify_items
-from nbtools.checkpoint._storage._staged_read import StagedFetch, Timings
-from nbtools.checkpoint._storage._target import Target, can_open, open_target
-from nbtools.checkpoint._storage._transforms import StreamTransforms, descriptors_of
+from nbtools.checkpoint._storage import (
+    METADATA_NAME,
+    NOTE,
+    Delivery,
+    Slice,
+    StagedFetch,
+    StreamTransforms,
+    Target,
+    Timings,
+    can_open,
+    check_rank_local,
+    check_weights_only,
+    dense_destination,
+    descriptors_of,
+    item_checksum,
+    open_target,
+    rank_metadata_name,
+    read_item_into,
+    read_metadata,
+    saved_data,
+    scratch,
+    verify_items,
+)
 from nbtools.errors import CorruptCheckpointError
 
 __all__ = ["VolumeReader", "read_metadata"]
@@ -127,7 +140,7 @@ class VolumeReader(StorageReader):
             min_chunk_size=int(min_chunk_size),
             read_timeout=float(read_timeout),
         )
-        self._staging_base = _scratch.staging_base(staging_dir)
+        self._staging_base = scratch.staging_base(staging_dir)
         self._stage_choice = stage
         self._open(path)
         self.thread_count = self._fetch.thread_count = max(1, thread_count)
@@ -211,7 +224,7 @@ class VolumeReader(StorageReader):
             )
         if self._stage:
             note = plan.storage_data.get(NOTE) if isinstance(plan.storage_data, dict) else None
-            with _scratch.staging_area(self._staging_base) as stage:
+            with scratch.staging_area(self._staging_base) as stage:
                 delivery = Delivery(
                     plan,
                     self.storage_data,

@@ -37,22 +37,23 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint._storage import _save_markers, _scratch
-from nbtools.checkpoint._storage._layout import (
+from nbtools.checkpoint._storage import (
     METADATA_NAME,
-    is_shard,
-    rank_metadata_name,
-    shard_name,
-    shard_prefix,
-)
-from nbtools.checkpoint._storage._shards import (
+    Target,
+    can_open,
     file_writer,
+    is_shard,
     item_writer,
     new_writer_token,
+    open_target,
+    rank_metadata_name,
+    save_markers,
+    scratch,
+    shard_name,
+    shard_prefix,
     verify_items,
     write_shard,
 )
-from nbtools.checkpoint._storage._target import Target, can_open, open_target
 from nbtools.errors import CheckpointError
 
 __all__ = ["VolumeWriter"]
@@ -124,7 +125,7 @@ class VolumeWriter(StorageWriter):
         if thread_count < 1:
             raise ValueError(f"thread_count must be at least 1, got {thread_count}")
         self._open(path)
-        self._staging_base = _scratch.staging_base(staging_dir)
+        self._staging_base = scratch.staging_base(staging_dir)
         self.thread_count = thread_count
         self.sync_files = sync_files
         self.verify = verify
@@ -203,15 +204,15 @@ class VolumeWriter(StorageWriter):
             return plans
         # On the coordinator before any rank writes. The marker goes first, so of two
         # saves starting together at least one sees the other's.
-        _save_markers.begin(self._target, self._tag)
+        save_markers.begin(self._target, self._tag)
         self._marked = True
         try:
-            found = _save_markers.survey(self._target, self._tag)
+            found = save_markers.survey(self._target, self._tag)
             self._refuse_rank_local(found.rank_local)
-            _save_markers.refuse_live(found, self.path)
-            keep = None if found.others_writing else _save_markers.metadata_files(self._target)
+            save_markers.refuse_live(found, self.path)
+            keep = None if found.others_writing else save_markers.metadata_files(self._target)
             if keep is not None:  # what an interrupted save left goes now
-                _save_markers.sweep(self._target, found, keep)
+                save_markers.sweep(self._target, found, keep)
             # PyTorch's own names where no file stays; names of this save's own next to
             # files that do (the checkpoint being replaced, another machine's save) or
             # that a metadata names, even one that cannot be read.
@@ -229,7 +230,7 @@ class VolumeWriter(StorageWriter):
     def _unmark(self) -> None:
         if self._marked:
             self._marked = False
-            _save_markers.end(self._target, self._tag)
+            save_markers.end(self._target, self._tag)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         names = (
@@ -250,10 +251,10 @@ class VolumeWriter(StorageWriter):
     def _write_all(
         self, names: _Prefix, buckets: list[list[Any]], needed: int, planner: Any, token: str
     ) -> list[WriteResult]:
-        _scratch.check_space(self._staging_base, needed, f"saving {self.path}")
-        with _scratch.staging_area(self._staging_base) as stage:
+        scratch.check_space(self._staging_base, needed, f"saving {self.path}")
+        with scratch.staging_area(self._staging_base) as stage:
             move = self._target.same_filesystem(stage)
-            bar = _scratch.progress(needed, "checkpoint upload", self.is_coordinator)
+            bar = scratch.progress(needed, "checkpoint upload", self.is_coordinator)
             try:
                 with ThreadPoolExecutor(
                     len(buckets) or 1, thread_name_prefix="nbtools-ckpt-io"
@@ -296,8 +297,8 @@ class VolumeWriter(StorageWriter):
                     fh, name, items, planner, writeback=move and self.sync_files, token=token
                 )
         except (OSError, RuntimeError) as exc:
-            staged = _scratch.used_bytes(stage)
-            full = _scratch.space_error(
+            staged = scratch.used_bytes(stage)
+            full = scratch.space_error(
                 exc,
                 self._staging_base,
                 max(needed, staged),
@@ -344,7 +345,7 @@ class VolumeWriter(StorageWriter):
             self._target.publish_bytes(rank_metadata_name(self.rank), data)
             _log.info("checkpoint published: %s/%s", self.path, rank_metadata_name(self.rank))
             return
-        replaced = _save_markers.metadata_files(self._target)
+        replaced = save_markers.metadata_files(self._target)
         # The one step that swaps checkpoints: before it the old one is complete, after
         # it the new one (its shards are all uploaded and durable by now).
         self._target.publish_bytes(METADATA_NAME, data)
@@ -358,16 +359,16 @@ class VolumeWriter(StorageWriter):
         removed by the next save into this directory.
         """
         try:
-            found = _save_markers.survey(self._target, self._tag)
+            found = save_markers.survey(self._target, self._tag)
             if found.others_writing:  # only what the replaced checkpoint used
                 for name in sorted((replaced or set()) - published):
                     self._target.remove_file(name)
                 return
-            keep = _save_markers.metadata_files(
+            keep = save_markers.metadata_files(
                 self._target
             )  # another save may have published since
             if keep is not None:
-                removed = _save_markers.sweep(self._target, found, keep)
+                removed = save_markers.sweep(self._target, found, keep)
                 if removed and replaced:
                     _log.info("replaced the checkpoint in %s", self.path)
         except OSError as exc:

@@ -28,7 +28,10 @@ Start reading at ``_tier``. The modules, one line each:
   out in its pages.
 - ``_notes``: what the tier says: one message per condition per job.
 
-It uses the manager half's state builder (``_state``) and collectives, and
+The manager enters only through the names exported here: :class:`MemoryTier`,
+the restore (:func:`memory_restore` with the :class:`VolumeStep` it agrees on,
+and :func:`report`), ``peers`` (how many nodes hold replicas) and
+:func:`end_run`. It uses the manager half's state builder (``_state``) and collectives, and
 ``nbtools._internal.holder`` to tell whether a job's keeper process lives.
 
 A launcher whose launch ended for good (success, failure past its restarts,
@@ -39,9 +42,12 @@ serve no restart any more.
 
 from __future__ import annotations
 
+from nbtools.checkpoint._memory._replicas import peers
+from nbtools.checkpoint._memory._restore import VolumeStep, memory_restore, report
 from nbtools.checkpoint._memory._sweep import drop_jobs
+from nbtools.checkpoint._memory._tier import MemoryTier
 
-__all__ = ["end_run"]
+__all__ = ["MemoryTier", "VolumeStep", "memory_restore", "report", "peers", "end_run"]
 
 
 def end_run(run_id: str, base: str | None = None) -> list[str]:

@@ -22,4 +22,80 @@ It uses only ``nbtools._internal``, ``nbtools.errors``, torch's DCP and fsspec;
 nothing here imports the manager half (state, host buffers, lease, retention),
 which sits above it. Start reading at ``_target`` and ``_shards``, then
 ``_staged_read`` for the restore path.
+
+The rest of the package enters only through the names exported here (the
+modules are this room's own): the two protocols used as a whole are exported
+as namespaces, ``save_markers`` (claiming a directory for a save) and
+``scratch`` (the local scratch disk).
 """
+
+from __future__ import annotations
+
+from nbtools.checkpoint._storage import _save_markers as save_markers
+from nbtools.checkpoint._storage import _scratch as scratch
+from nbtools.checkpoint._storage._coop_read import NOTE
+from nbtools.checkpoint._storage._delivery import Delivery, Slice, dense_destination, saved_data
+from nbtools.checkpoint._storage._layout import (
+    METADATA_NAME,
+    is_shard,
+    parse_step_dir,
+    rank_metadata_name,
+    shard_name,
+    shard_prefix,
+    step_dir_name,
+)
+from nbtools.checkpoint._storage._rank_local import check_rank_local
+from nbtools.checkpoint._storage._roots import check_root, skip_untrusted
+from nbtools.checkpoint._storage._safe_pickle import check_weights_only, read_metadata
+from nbtools.checkpoint._storage._shards import (
+    file_writer,
+    item_checksum,
+    item_writer,
+    new_writer_token,
+    read_item_into,
+    verify_items,
+    write_shard,
+)
+from nbtools.checkpoint._storage._staged_read import StagedFetch, Timings
+from nbtools.checkpoint._storage._target import Target, can_open, open_target
+from nbtools.checkpoint._storage._transforms import StreamTransforms, descriptors_of
+
+__all__ = [
+    # where files live
+    "Target",
+    "open_target",
+    "can_open",
+    "METADATA_NAME",
+    "step_dir_name",
+    "parse_step_dir",
+    "rank_metadata_name",
+    "shard_name",
+    "shard_prefix",
+    "is_shard",
+    "check_root",
+    "skip_untrusted",
+    # how a shard is written and checked
+    "new_writer_token",
+    "file_writer",
+    "item_writer",
+    "write_shard",
+    "item_checksum",
+    "read_item_into",
+    "verify_items",
+    "scratch",
+    # how a save claims its directory
+    "save_markers",
+    "check_rank_local",
+    # how a restore reads
+    "NOTE",
+    "StagedFetch",
+    "Timings",
+    "Delivery",
+    "Slice",
+    "dense_destination",
+    "saved_data",
+    "StreamTransforms",
+    "descriptors_of",
+    "read_metadata",
+    "check_weights_only",
+]
