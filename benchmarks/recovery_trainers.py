@@ -1,0 +1,280 @@
+"""Recovery of HF's and Lightning's Trainer: ``NbtoolsCheckpoint`` vs the Trainer's own checkpoints.
+
+Prints one JSON line per stack. For each stack, two launches of the same training run
+on ``--processes`` CPU ranks (``@distributed(max_restarts=1)``, gloo, DDP), each rank
+holding about ``--state-mb`` of model and Adam state. Rank 1 SIGKILLs itself after step
+``--kill-at``; the launcher restarts the group and the Trainer resumes:
+
+- ``nbtools``: ``callbacks=[NbtoolsCheckpoint(root, every=E, memory_every=M)]`` and a
+  plain ``train()`` / ``fit()`` on every attempt;
+- ``trainer`` (today's path, the baseline): the Trainer's own checkpoints every ``E``
+  steps (HF ``save_steps``; Lightning ``ModelCheckpoint(every_n_train_steps=E,
+  save_last=True)``) and, on the restarted attempt, ``resume_from_checkpoint=`` the
+  last one (HF) / ``ckpt_path=`` its ``last.ckpt`` (Lightning).
+
+Both volumes are local directories (no network cap). Figures, per path:
+
+- ``kill_to_first_step_s``: from the kill to the first step the restarted attempt
+  completes (rank 0);
+- ``kill_to_progress_s``: from the kill to the completion of step ``kill_at + 1``,
+  the first step the killed attempt never made: what the failure cost in time;
+- ``kill_to_function_s``: from the kill to the restarted rank 0 running the training
+  function (detecting the failure, stopping the survivors, starting the ranks: the
+  launcher's part, the same for both paths); ``function_to_progress_s`` the rest,
+  split into ``imports_s`` (the restarted rank importing the Trainer's library: the
+  launcher's forkserver preloads torch, not transformers or lightning) and
+  ``after_imports_to_progress_s`` (building the Trainer, its restore, the steps
+  trained again: the part a checkpointing path decides);
+- ``steps_trained_again``: ``kill_at`` minus the step the restarted attempt resumed after;
+- ``..._x``: nbtools / trainer (goal <= 0.3x for ``kill_to_progress_s``).
+
+    python benchmarks/recovery_trainers.py [--stack hf|lightning|both] [--state-mb 48]
+        [--every 50] [--memory-every 10] [--kill-at 87] [--steps 100] [--processes 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from nbtools import distributed, runtime
+
+HIDDEN = 1024
+
+
+def _layers(state_mb: int) -> int:
+    # Parameters plus Adam's two moments: 12 bytes per parameter.
+    return max(1, round(state_mb * 1e6 / 12 / (HIDDEN * HIDDEN)))
+
+
+def _kill_if_due(step: int, kill_at: int, kill_file: str) -> None:
+    if runtime.get_restart_count() == 0 and runtime.get_rank() == 1 and step == kill_at:
+        with open(kill_file, "w") as fh:
+            fh.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _hf(cfg: dict[str, Any], path: str, work: str) -> dict[str, Any]:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from nbtools.integrations.transformers import NbtoolsCheckpoint
+
+    imported = time.time()
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Sequential(
+                *[torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(_layers(cfg["state_mb"]))]
+            )
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"loss": (self.body(x).mean(-1) - labels).pow(2).mean()}
+
+    times: dict[int, float] = {}
+    resumed: list[int] = []
+
+    class Watch(TrainerCallback):  # type: ignore[misc]
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            resumed.append(int(state.global_step))
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            times.setdefault(int(state.global_step), time.time())
+            _kill_if_due(int(state.global_step), cfg["kill_at"], f"{work}/kill")
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = [
+        {"x": torch.randn(HIDDEN, generator=g), "labels": torch.randn((), generator=g)}
+        for _ in range(cfg["steps"] * cfg["processes"])
+    ]
+    ours = path == "nbtools"
+    args = TrainingArguments(
+        output_dir=f"{work}/hf",
+        max_steps=cfg["steps"],
+        per_device_train_batch_size=1,
+        report_to=[],
+        use_cpu=True,
+        logging_strategy="no",
+        disable_tqdm=True,
+        save_strategy="no" if ours else "steps",
+        save_steps=cfg["every"],
+    )
+    callbacks: list[Any] = [Watch()]
+    ckpt = None
+    if ours:
+        ckpt = NbtoolsCheckpoint(
+            f"{work}/ckpt", every=cfg["every"], memory_every=cfg["memory_every"]
+        )
+        callbacks.insert(0, ckpt)
+    trainer = Trainer(model=Net(), args=args, train_dataset=data, callbacks=callbacks)
+    last = (
+        None if ours or not os.path.isdir(args.output_dir) else get_last_checkpoint(args.output_dir)
+    )
+    trainer.train(resume_from_checkpoint=last)
+    after = ckpt.restored_step if ckpt is not None else resumed[0]
+    return {
+        "times": times,
+        "imported": imported,
+        "resumed_after": after or 0,
+        "tier": ckpt.restored_tier if ckpt else None,
+    }
+
+
+def _lightning(cfg: dict[str, Any], path: str, work: str) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from nbtools.integrations.lightning import NbtoolsCheckpoint
+
+    imported = time.time()
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Sequential(
+                *[torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(_layers(cfg["state_mb"]))]
+            )
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            x, y = batch
+            return (self.body(x).mean(-1) - y).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+    times: dict[int, float] = {}
+
+    class Watch(pl.Callback):  # type: ignore[misc]
+        def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+            times.setdefault(int(trainer.global_step), time.time())
+            _kill_if_due(int(trainer.global_step), cfg["kill_at"], f"{work}/kill")
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    n = cfg["steps"] * cfg["processes"]
+    data = torch.utils.data.TensorDataset(
+        torch.randn(n, HIDDEN, generator=g), torch.randn(n, generator=g)
+    )
+    ours = path == "nbtools"
+    callbacks: list[Any] = [Watch()]
+    ckpt = None
+    if ours:
+        ckpt = NbtoolsCheckpoint(
+            f"{work}/ckpt", every=cfg["every"], memory_every=cfg["memory_every"]
+        )
+        callbacks.insert(0, ckpt)
+    else:
+        callbacks.insert(
+            0,
+            ModelCheckpoint(
+                f"{work}/pl", every_n_train_steps=cfg["every"], save_last=True, save_top_k=-1
+            ),
+        )
+    trainer = pl.Trainer(
+        max_steps=cfg["steps"],
+        accelerator="cpu",
+        devices=cfg["processes"],
+        strategy="ddp",
+        logger=False,
+        enable_checkpointing=not ours,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    last = f"{work}/pl/last.ckpt"
+    resume = None if ours or not os.path.exists(last) else last
+    start = {}
+
+    class Start(pl.Callback):  # type: ignore[misc]
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            start.setdefault("step", int(trainer.global_step))
+
+    trainer.callbacks.append(Start())
+    trainer.fit(Net(), torch.utils.data.DataLoader(data, batch_size=1), ckpt_path=resume)
+    after = ckpt.restored_step if ckpt is not None else start.get("step", 0)
+    return {
+        "times": times,
+        "imported": imported,
+        "resumed_after": after or 0,
+        "tier": ckpt.restored_tier if ckpt else None,
+    }
+
+
+def _run(stack: str, path: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="recovery-trainers-") as work:
+
+        @distributed(
+            processes=cfg["processes"],
+            max_restarts=1,
+            output="none",
+        )
+        def train() -> dict[str, Any]:
+            started = time.time()
+            fn = _hf if stack == "hf" else _lightning
+            out = fn(cfg, path, work)
+            out["started"] = started
+            out["restart"] = runtime.get_restart_count()
+            return out
+
+        got = train.distributed()[0]
+        with open(f"{work}/kill") as fh:
+            killed = float(fh.read())
+    assert got["restart"] == 1, got
+    times = {int(k): v for k, v in got["times"].items()}
+    return {
+        "kill_to_function_s": round(got["started"] - killed, 3),
+        "kill_to_first_step_s": round(min(times.values()) - killed, 3),
+        "kill_to_progress_s": round(times[cfg["kill_at"] + 1] - killed, 3),
+        "function_to_progress_s": round(times[cfg["kill_at"] + 1] - got["started"], 3),
+        "imports_s": round(got["imported"] - got["started"], 3),
+        "after_imports_to_progress_s": round(times[cfg["kill_at"] + 1] - got["imported"], 3),
+        "steps_trained_again": cfg["kill_at"] - int(got["resumed_after"]),
+        "tier": got["tier"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stack", choices=["hf", "lightning", "both"], default="both")
+    parser.add_argument("--state-mb", type=int, default=48)
+    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--memory-every", type=int, default=10)
+    parser.add_argument("--kill-at", type=int, default=87)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--processes", type=int, default=2)
+    cfg = vars(parser.parse_args())
+    stacks = ["hf", "lightning"] if cfg["stack"] == "both" else [cfg["stack"]]
+    for stack in stacks:
+        theirs = _run(stack, "trainer", cfg)  # today's path first
+        ours = _run(stack, "nbtools", cfg)
+        result = {
+            "benchmark": "recovery_trainers",
+            "stack": stack,
+            "processes": cfg["processes"],
+            "state_mb": _layers(cfg["state_mb"]) * HIDDEN * (HIDDEN + 1) * 12 // 10**6,
+            "every": cfg["every"],
+            "memory_every": cfg["memory_every"],
+            "kill_at": cfg["kill_at"],
+            "nbtools": ours,
+            "trainer": theirs,
+            "kill_to_first_step_x": round(
+                ours["kill_to_first_step_s"] / theirs["kill_to_first_step_s"], 3
+            ),
+            "kill_to_progress_x": round(
+                ours["kill_to_progress_s"] / theirs["kill_to_progress_s"], 3
+            ),
+        }
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
