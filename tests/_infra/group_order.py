@@ -23,13 +23,14 @@ __all__ = ["CACHE_KEY", "GroupOrder", "estimate", "group_of"]
 
 #: Where pytest's cache keeps each group's seconds (setup, call and teardown of its tests).
 CACHE_KEY = "nbtools/group-seconds"
-#: Seconds a test is estimated to take by its lane marks (the first that applies), for a group
-#: no run has timed yet: about what such tests take on two busy cores.
+#: Seconds a test is estimated to take by its lane marks (the first that applies), for a test
+#: no run has timed yet: about the mean of such tests over a run of the whole suite on two cores.
+_NOTEBOOK_SECONDS = 50.0
 _MARK_SECONDS = (
     ("cluster", 25.0),
-    ("kernel", 30.0),
-    ("integration", 6.0),
-    ("slow", 8.0),
+    ("kernel", 12.0),
+    ("integration", 10.0),
+    ("slow", 7.0),
 )
 _UNMARKED_SECONDS = 0.3
 
@@ -46,7 +47,10 @@ def group_of(item: pytest.Item) -> str:
 
 
 def estimate(item: pytest.Item) -> float:
-    """Seconds the item is expected to take, from its lane marks."""
+    """Seconds the item is expected to take: a whole notebook (``--nbmake``), else by its lane
+    marks."""
+    if item.nodeid.split("::", 1)[0].endswith(".ipynb"):
+        return _NOTEBOOK_SECONDS
     for mark, seconds in _MARK_SECONDS:
         if item.get_closest_marker(mark) is not None:
             return seconds
