@@ -56,10 +56,18 @@ def __getattr__(name: str) -> Any:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """Entry point of ``%load_ext nbtools``: registers ``%gpu_pane`` and ``%%autoresume``."""
+    """Entry point of ``%load_ext nbtools``: registers the magics and warms up launches.
+
+    Registers ``%gpu_pane``, ``%%autoresume`` and ``%distributed``/``%%distributed``,
+    then starts the forkserver that ranks start from, in the background
+    (:func:`nbtools.launch.warm_up`), so the first ``@distributed`` call of the
+    notebook finds torch already imported there.
+    """
+    from nbtools.launch import warm_up
     from nbtools.magics import load
 
     load(ipython)
+    warm_up()
 
 
 def unload_ipython_extension(ipython: Any) -> None:
