@@ -182,7 +182,7 @@ def end_run_on_node(run_id: str, env: dict[str, str]) -> None:
     variables of the ranks' ``runtime_env`` (``env``) set as the ranks had them."""
     import os
 
-    import nbtools  # noqa: F401 - registers the hooks
+    # Importing this module imported the package first, whose top registered the hooks.
     from nbtools._internal import hooks
 
     saved = {name: os.environ.get(name) for name in env}
