@@ -80,3 +80,47 @@ def test_without_workers_it_resumes_where_it_stopped(volume):
     again.load_state_dict(loader.state_dict())
     seen += [b[:, 0].tolist() for b in again]
     assert seen == whole and sorted(sum(whole, [])) == list(range(12))
+
+
+@pytest.mark.slow
+@pytest.mark.kernel
+def test_on_two_ranks_with_workers_a_cell_fails_with_the_error_instead_of_hanging(tmp_path):
+    from _user_code_nb import NotebookKernel
+    from nbclient.exceptions import CellExecutionError
+
+    src = tmp_path / "vol"
+    src.mkdir()
+    for i in range(12):
+        np.full(4, i, dtype=np.float32).tofile(src / f"{i:03d}.bin")
+    with NotebookKernel(tmp_path) as nb:
+        nb.run(
+            f"import os\nos.environ['NBTOOLS_CACHE_DIR'] = {str(tmp_path / 'cache')!r}\n"
+            "import numpy as np, torch\n"
+            "from nbtools import distributed\n"
+            "from nbtools.data import VolumeDataset\n"
+            "from torchdata.stateful_dataloader import StatefulDataLoader\n"
+        )
+        nb.run(
+            "class Decoded(torch.utils.data.IterableDataset):\n"
+            "    def __init__(self, inner):\n"
+            "        self.inner = inner\n"
+            "    def __iter__(self):\n"
+            "        for p in self.inner:\n"
+            "            yield torch.from_numpy(np.fromfile(p, dtype=np.float32))\n"
+            "    def state_dict(self):\n"
+            "        return self.inner.state_dict()\n"
+            "    def load_state_dict(self, state):\n"
+            "        self.inner.load_state_dict(state)\n"
+        )
+        with pytest.raises(CellExecutionError) as caught:
+            nb.run(
+                "@distributed(processes=2)\n"
+                "def first_batch():\n"
+                f"    loader = StatefulDataLoader(Decoded(VolumeDataset({str(src)!r})),"
+                " batch_size=2, num_workers=2)\n"
+                "    return next(iter(loader)).tolist()\n"
+                "first_batch.distributed()\n"
+            )
+    text = str(caught.value)
+    assert "VolumeDataset.state_dict() was called in loader worker" in text
+    assert "nbtools.data.DataLoader" in text
