@@ -24,9 +24,9 @@ What it does:
 - ``trainer.fit(...)`` with no ``ckpt_path`` restores the newest of them (memory, a
   peer's replica or the volume) once the optimizers exist, before the first batch.
   The loaders Lightning builds (from the ``LightningModule`` or the datamodule, with
-  the ``DistributedSampler`` it adds) skip the batches of the current epoch already
-  trained on, so every sample is seen once per epoch, and the RNG is set back after
-  that skip. A restarted attempt trains again at most ``memory_every`` steps and
+  the ``DistributedSampler`` it adds, or a shuffling ``RandomSampler`` on one device)
+  skip the batches of the current epoch already trained on, in the epoch's order, so
+  every sample is seen once per epoch, and the RNG is set back after that skip. A restarted attempt trains again at most ``memory_every`` steps and
   ends with the weights of an uninterrupted run. A fresh root starts at step 0.
 - An explicit ``ckpt_path`` wins: Lightning loads it, nbtools restores nothing
   (and keeps saving). Lightning's own ``ModelCheckpoint`` may stay on.
@@ -44,6 +44,7 @@ import os
 import warnings
 from typing import Any
 
+import torch
 from lightning.pytorch.callbacks import Callback
 
 from nbtools.checkpoint import CheckpointManager
@@ -59,9 +60,14 @@ class _Loops:
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self.taken: dict[str, Any] = {}
+        #: torch's RNG as the epoch's first batch was fetched: a ``RandomSampler``
+        #: without a generator of its own draws the epoch's order from it.
+        self.epoch_rng: torch.Tensor | None = None
 
     def take(self) -> None:
         self.taken = {"fit_loop": self.trainer.fit_loop.state_dict()}
+        if self.epoch_rng is not None:
+            self.taken["epoch_rng"] = self.epoch_rng
 
     def state_dict(self) -> dict[str, Any]:
         return self.taken
@@ -158,12 +164,25 @@ class NbtoolsCheckpoint(Callback):  # type: ignore[misc]
         if skip <= 0 or not isinstance(total, int) or skip >= total:
             return  # at an epoch's end the next epoch starts afresh
         loop = trainer.fit_loop
-        assert loop._combined_loader is not None
+        epoch = loop.epoch_progress.current.processed
+        assert loop._combined_loader is not None and self._loops is not None
         for loader in loop._combined_loader.flattened:  # as Lightning does before the epoch
-            _set_epoch(loader, loop.epoch_progress.current.processed)
+            _set_epoch(loader, epoch)
+        epoch_rng = self._loops.taken.get("epoch_rng")
+        if isinstance(epoch_rng, torch.Tensor):
+            # The epoch's order comes out as it did: from the RNG it was drawn from, by an
+            # iterator made as the uninterrupted run made it (after the epoch's start, it
+            # draws its own seed first; the first epoch's was made before).
+            torch.set_rng_state(epoch_rng)
+            if epoch > 0:
+                iter(loop._data_fetcher)
         iterator = loop._data_fetcher.iterator
         for _ in range(skip):
             next(iterator)
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._loops is not None:
+            self._loops.epoch_rng = torch.get_rng_state()
 
     # --- every batch ---------------------------------------------------------------
 
