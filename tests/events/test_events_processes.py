@@ -115,6 +115,7 @@ def test_a_fresh_interpreter_delivers_everything_at_a_normal_exit(collector):
     assert collector.bus.dropped() == 0
 
 
+@pytest.mark.slow
 def test_loader_workers_with_a_dataset_defined_in_main_deliver(collector):
     # As in a notebook: the dataset class lives in __main__, torch forks the workers.
     _run_python(

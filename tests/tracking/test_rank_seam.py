@@ -58,6 +58,7 @@ def _as_rank(rank: int, uri: str) -> tuple[dict, str]:
     ), out.stderr
 
 
+@pytest.mark.slow
 def test_a_rank_other_than_zero_records_nothing_and_its_script_still_runs(tmp_path):
     db = tmp_path / "mlflow.db"
     seen, err = _as_rank(1, f"sqlite:///{db}")
