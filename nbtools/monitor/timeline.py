@@ -245,6 +245,52 @@ class RateWindows:
         return [(t0, t1, (s1 - s0) / (t1 - t0))]
 
 
+def _groups(reports: list[Event]) -> dict[int, tuple[float, int]]:
+    """Where each process's measure starts: ``index of its first report -> (time, steps)``.
+
+    The ranks of one launch (or one restart) start together, but each reports first when
+    its own flusher finds a step: one that waits in a collective for another (which is
+    logging, or saving) reports its first steps long after the others. A window that
+    began at each rank's own first report would then cover a stall on one rank and only
+    the burst after it on another, and lockstep ranks would show different rates. So a
+    process's first window starts at its group's first report, at the steps counted there
+    (or fewer, the process's own first count). A group is the processes whose first
+    reports follow one another until a rank already in it reports from a new process.
+    """
+    firsts: list[int] = []
+    seen: dict[int, tuple[int, int]] = {}  # rank -> (pid, steps) of its latest report
+    for index, event in enumerate(reports):
+        rank, steps = event.rank, event.fields["steps"]
+        before = seen.get(rank)  # type: ignore[arg-type]
+        if before is None or before[0] != event.pid or steps < before[1]:
+            firsts.append(index)
+        seen[rank] = (event.pid, steps)  # type: ignore[index]
+    anchors: dict[int, tuple[float, int]] = {}
+    group: set[int] = set()
+    anchor: tuple[float, int] | None = None
+    for index in firsts:
+        event = reports[index]
+        if anchor is None or event.rank in group:
+            group, anchor = set(), (event.time, event.fields["steps"])
+        group.add(event.rank)  # type: ignore[arg-type]
+        if event.time > anchor[0]:
+            anchors[index] = (anchor[0], min(anchor[1], event.fields["steps"]))
+    return anchors
+
+
+def _joined(times: list[float], values: list[float], start: float, end: float, rate: float) -> bool:
+    """Fold a window shorter than ``MIN_WINDOW_S`` into the one drawn just before it."""
+    if end - start >= MIN_WINDOW_S or len(times) < 2 or times[-1] != start:
+        return False
+    if math.isnan(values[-1]) or times[-2] == start:
+        return False
+    before = times[-2]
+    steps = values[-1] * (start - before) + rate * (end - start)
+    times[-1] = end
+    values[-2] = values[-1] = steps / (end - before)
+    return True
+
+
 def step_rates(events: Iterable[Event]) -> dict[int, tuple[list[float], list[float]]]:
     """Each rank's step rate over time from its progress reports: ``rank -> (times, steps/s)``.
 
@@ -254,7 +300,22 @@ def step_rates(events: Iterable[Event]) -> dict[int, tuple[list[float], list[flo
     step spans what it measured. Where a rank's windows do not follow on (a restarted
     rank), a point with a NaN rate breaks the line: no rate is drawn over a restart. A
     rank that stops shows a rate of 0 from its last report to the newest of any rank.
+
+    Ranks of one group are measured alike, so that lockstep ranks show one rate and a
+    rate that differs says something: a process's first window starts at the group's
+    first report (:func:`_groups`), and the short window a process leaves when it ends
+    (restarted, finished) joins the window before it rather than showing a burst of a
+    few steps, the ones before a save or a kill, as hundreds a second.
     """
+    reports = sorted(
+        (
+            e
+            for e in events
+            if e.kind == PROGRESS_KIND and e.rank is not None and type(e.fields.get("steps")) is int
+        ),
+        key=lambda e: e.time,
+    )
+    anchors = _groups(reports)
     windows: dict[int, RateWindows] = {}
     rates: dict[int, tuple[list[float], list[float]]] = {}
     newest = 0.0
@@ -262,23 +323,23 @@ def step_rates(events: Iterable[Event]) -> dict[int, tuple[list[float], list[flo
     def draw(rank: int, closed: list[tuple[float, float, float]]) -> None:
         for start, end, rate in closed:
             times, values = rates.setdefault(rank, ([], []))
+            if _joined(times, values, start, end, rate):
+                continue
             if times and times[-1] != start:  # not the window after the last one
                 times.append(start)
                 values.append(math.nan)
             times += [start, end]
             values += [rate, rate]
 
-    for event in events:
-        if event.kind != PROGRESS_KIND or event.rank is None:
-            continue
-        steps = event.fields.get("steps")
-        if type(steps) is not int:
-            continue
+    for index, event in enumerate(reports):
+        rank, steps = event.rank, event.fields["steps"]
+        assert rank is not None
         newest = max(newest, event.time)
-        draw(
-            event.rank,
-            windows.setdefault(event.rank, RateWindows()).add(event.time, steps, event.pid),
-        )
+        window = windows.setdefault(rank, RateWindows())
+        if index in anchors:  # the process's measure starts with its group's
+            at, counted = anchors[index]
+            draw(rank, window.add(at, counted, event.pid))
+        draw(rank, window.add(event.time, steps, event.pid))
     for rank, window in windows.items():
         draw(rank, window.flush())
     for times, values in rates.values():
