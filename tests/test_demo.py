@@ -9,9 +9,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -235,6 +237,59 @@ def test_the_recovery_figures_labels_cover_nothing_of_each_other(tmp_path):
         for b, *rb in boxes[i + 1 :]:
             apart = ra[2] <= rb[0] or rb[2] <= ra[0] or ra[3] <= rb[1] or rb[3] <= ra[1]
             assert apart, f"{a!r} {ra} covers {b!r} {rb}"
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(
+    not os.access(CHROMIUM, os.X_OK), reason=f"needs Debian's chromium at {CHROMIUM}"
+)
+@pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="needs playwright")
+def test_the_timelines_labels_cover_nothing_no_line_no_band_no_marker(tmp_path):
+    from _demo_run import demo_events
+    from playwright.sync_api import sync_playwright
+
+    from nbtools.monitor.history import History
+    from nbtools.monitor.report import write_html
+    from nbtools.monitor.timeline import drawn, encode, step_rates
+
+    run = demo_events(time.time() - 60)  # the demo's events, as recorded
+    path = write_html(
+        tmp_path / "timeline.html",
+        History(capacity=10),
+        [encode(e) for e in drawn(run)],
+        {},
+        "NVML",
+        rates=step_rates(run),
+    )
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 960, "height": 700})
+            page.goto(pathlib.Path(path).as_uri())
+            page.wait_for_selector(".plotly-graph-div .main-svg", timeout=30_000)
+            found = page.evaluate(
+                "() => ['.annotation', '.legend', '.shapelayer path', '.scatterlayer .point']"
+                ".map((s) => Array.from(document.querySelectorAll(s)).map((a) => {"
+                " const r = a.getBoundingClientRect();"
+                " return [a.textContent, r.left, r.top, r.right, r.bottom]; }))"
+            )
+        finally:
+            browser.close()
+    texts, legend, shapes, markers = found
+    phases = [b for b in texts if b[0].startswith(("warm-up", "run 1", "run 2"))]
+    assert [b[0] for b in phases] == [
+        "warm-up: one epoch, discarded",
+        "run 1: killed and recovered",
+        "run 2: uninterrupted",
+    ]
+    assert len(shapes) > 10 and len(markers) > 20  # the saves' bands, the kill's line, ...
+    boxes = texts + legend
+    for i, (a, *ra) in enumerate(boxes):
+        for b, *rb in boxes[i + 1 :] + (shapes + markers if a in {p[0] for p in phases} else []):
+            apart = ra[2] <= rb[0] or rb[2] <= ra[0] or ra[3] <= rb[1] or rb[3] <= ra[1]
+            assert apart, f"{a!r} {ra} covers {b or 'a line, band or marker'!r} {rb}"
 
 
 @pytest.mark.slow

@@ -80,7 +80,10 @@ def timeline_figure(
     Rows: a lane of events (one legend entry per kind of event), the step rate
     of each rank (when ranks reported progress; flagged ranks drawn bold),
     then utilization, memory and temperature, each only when some GPU has data:
-    a run without GPUs shows no empty GPU charts. Every row has time labels.
+    a run without GPUs shows no empty GPU charts. Every row has time labels. The
+    events' lines and bands cross the rows below the lane (the lane's markers say
+    the same), and each phase's name stands beside its marker in the lane, where
+    nothing runs through it.
 
     Args:
         history: The samples.
@@ -146,40 +149,45 @@ def timeline_figure(
             )
         if field == "utilization":
             fig.update_yaxes(range=[0, 105], row=row_at + offset, col=1)
+    # Lines and bands cross the rows below the events' lane, whose markers say the same: the
+    # lane keeps room for the phases' names, which no line or band runs through.
+    shape_rows = list(range(2, len(titles) + 1)) or [1]
     lanes: dict[str, tuple[list, list]] = {}
     for row in events:
         style = _STYLE.get(row[2], _STYLE["mark"])
         at = _local(row[0])
         if style.get("band") and row[5] is not None:
-            fig.add_vrect(
-                x0=_local(row[5]),
-                x1=at,
-                fillcolor=style["color"],
-                opacity=style["band"],
-                layer="below",
-                line_width=1,
-                line_color=style["color"],
-                row="all",
-                col=1,
-            )
+            for shape_row in shape_rows:
+                fig.add_vrect(
+                    x0=_local(row[5]),
+                    x1=at,
+                    fillcolor=style["color"],
+                    opacity=style["band"],
+                    layer="below",
+                    line_width=1,
+                    line_color=style["color"],
+                    row=shape_row,
+                    col=1,
+                )
         elif style.get("line"):
-            fig.add_vline(
-                x=at,
-                line={"color": style["color"], "width": 1.5, "dash": style["line"]},
-                row="all",
-                col=1,
-            )
-        if row[2] == "phase" and row[6]:  # its name beside its line, in the events' lane
+            for shape_row in shape_rows:
+                fig.add_vline(
+                    x=at,
+                    line={"color": style["color"], "width": 1.5, "dash": style["line"]},
+                    row=shape_row,
+                    col=1,
+                )
+        if row[2] == "phase" and row[6]:  # its name beside its marker, in the phases' lane
             fig.add_annotation(
                 x=at,
                 xref="x",
-                y=1,
-                yref="y domain",
+                y=CATEGORY_LABELS["phase"],
+                yref="y",
                 text=html.escape(row[6]),
                 showarrow=False,
                 xanchor="left",
-                yanchor="top",
-                xshift=4,
+                yanchor="middle",
+                xshift=9,
                 font={"size": 12, "color": style["color"]},
                 bgcolor="rgba(255,255,255,0.8)",
             )

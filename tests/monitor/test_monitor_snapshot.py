@@ -319,24 +319,6 @@ def test_a_step_rate_is_measured_over_a_second_not_between_two_reports_of_one_bu
     assert times[4:] == [105.0, 105.0, 106.0] and math.isnan(values[4]) and values[5:] == [8.0] * 2
 
 
-# The progress reports of a run of ``python -m nbtools demo`` (2 CPU ranks in lockstep DDP):
-# (seconds, rank, pid, last step, steps so far). A warm-up epoch, the run whose rank 1 is
-# SIGKILLed after step 13 (restart at 8.16 s, restored from step 12), the uninterrupted run.
-# Rank 0 logs to MLflow before its first step counts and saves every few steps (each save
-# flushes a report); rank 1 waits for it in the all-reduce and reports once a second.
-DEMO_REPORTS = [
-    (3.535, 1, 8489, 0, 2), (4.508, 0, 8487, 2, 4), (4.52, 0, 8487, 3, 5),
-    (4.538, 0, 8487, 4, 6), (4.613, 0, 8487, 7, 9), (4.614, 1, 8489, 7, 9),
-    (6.931, 1, 8592, 0, 2), (7.914, 0, 8591, 0, 2), (8.001, 0, 8591, 4, 6),
-    (8.038, 0, 8591, 7, 9), (8.12, 0, 8591, 11, 13), (8.149, 1, 8592, 13, 15),
-    (9.573, 0, 8679, 13, 2), (10.336, 0, 8679, 20, 9), (10.371, 1, 8681, 23, 12),
-    (10.371, 0, 8679, 23, 12), (12.651, 0, 8792, 3, 5), (12.706, 0, 8792, 7, 9),
-    (12.718, 1, 8794, 8, 10), (12.75, 1, 8794, 9, 11), (12.756, 1, 8794, 10, 12),
-    (12.795, 0, 8792, 12, 14), (12.83, 0, 8792, 15, 17), (12.882, 0, 8792, 20, 22),
-    (12.925, 0, 8792, 23, 25), (12.925, 1, 8794, 23, 25),
-]  # fmt: skip
-
-
 def _rate_at(series: tuple[list[float], list[float]], at: float) -> float | None:
     """The rate a step line through ``series`` draws at ``at`` (None: nothing drawn there)."""
     times, values = series
@@ -347,13 +329,11 @@ def _rate_at(series: tuple[list[float], list[float]], at: float) -> float | None
 
 
 def test_lockstep_ranks_of_the_demo_show_one_rate_and_none_spans_the_restart():
+    from _demo_run import demo_events
+
     from nbtools.monitor.timeline import step_rates
 
-    reports = [
-        events.Event(1000.0 + t, "node-a", rank, pid, "progress", None, step, {"steps": n})
-        for t, rank, pid, step, n in DEMO_REPORTS
-    ]
-    rates = step_rates(reports)
+    rates = step_rates(demo_events(1000.0))  # the demo's progress reports, as recorded
     both = 0
     for tenth in range(30, 131):
         at = 1000.0 + tenth / 10
