@@ -91,6 +91,8 @@ KEEPER = "keeper"
 #: ``holder`` of :func:`visible`: a slot of any rank, its owner's own or a replica.
 ANY = -1
 _TMP = ".tmp-"
+#: Tries of :func:`job_dir` and :func:`user_dir` before they give up.
+_JOB_DIR_TRIES = 200
 
 
 def snapshot_base() -> str:
@@ -138,7 +140,7 @@ def user_dir(base: str | None = None) -> str:
 
 def _make_private(path: str, what: str) -> None:
     """Make the directory ``path`` (0700) unless it exists, and check it can be trusted."""
-    for _ in range(5):
+    for _ in range(_JOB_DIR_TRIES):
         with contextlib.suppress(FileExistsError):
             os.mkdir(path, 0o700)
         try:
@@ -146,7 +148,10 @@ def _make_private(path: str, what: str) -> None:
             return
         except FileNotFoundError:  # removed as empty by another job meanwhile
             continue
-    _owned_private(path, what)
+    raise CheckpointError(
+        f"{what} {path} could not be made in {_JOB_DIR_TRIES} tries: other processes kept "
+        "removing it meanwhile; set NBTOOLS_SNAPSHOT_DIR to a directory of this job's own"
+    )
 
 
 def private_dir(secret: str | None, base: str | None = None) -> str:
@@ -192,7 +197,9 @@ def job_dir(user: str, key: str, keeper: Holder) -> str:
         CheckpointError: The job's directory exists and cannot be trusted.
     """
     path = job_path(user, key)
-    for _ in range(5):
+    # Other jobs remove the user directory whenever it is left empty, and each removal
+    # costs one more try here: enough tries that only a livelock could use them all.
+    for _ in range(_JOB_DIR_TRIES):
         if os.path.lexists(path):
             _owned_private(path, "the job's snapshot directory")
             return path
@@ -212,8 +219,11 @@ def job_dir(user: str, key: str, keeper: Holder) -> str:
                 raise
             continue
         return path
-    _owned_private(path, "the job's snapshot directory")
-    return path
+    raise CheckpointError(
+        f"the job's snapshot directory {path} could not be made in {_JOB_DIR_TRIES} tries: "
+        f"other processes kept removing {user} or {path} meanwhile; set NBTOOLS_SNAPSHOT_DIR "
+        "to a directory of this job's own"
+    )
 
 
 @dataclass(frozen=True)
