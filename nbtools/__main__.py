@@ -23,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     doctor.add_argument("--no-smoke", action="store_true", help="skip the 2-rank smoke launch")
     doctor.add_argument(
-        "--shm-dir", default=None, help="shared-memory filesystem to check (default /dev/shm)"
+        "--shm-dir",
+        default=None,
+        help="shared-memory filesystem to check (default $NBTOOLS_SNAPSHOT_DIR or /dev/shm)",
     )
     args = parser.parse_args(argv)
     if args.command == "demo":

@@ -90,6 +90,33 @@ def test_the_real_shm_is_measured():
     assert finding.details["total"] > 0 and finding.status in (Status.OK, Status.WARN)
 
 
+def test_the_shared_memory_checked_is_where_the_memory_tier_keeps_its_snapshots(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("NBTOOLS_SNAPSHOT_DIR", str(tmp_path))
+    assert _machine.check_shm().details["path"] == str(tmp_path)
+    monkeypatch.delenv("NBTOOLS_SNAPSHOT_DIR")
+    assert _machine.check_shm().details["path"] == "/dev/shm"
+
+
+def test_the_nbtools_variables_set_are_checked_against_the_settings_table():
+    fine = _machine.check_settings({"NBTOOLS_STAGING_DIR": "/scratch", "HOME": "/root"})
+    assert fine.status is Status.OK and "NBTOOLS_STAGING_DIR" in fine.summary, fine
+    assert _machine.check_settings({}).status is Status.OK
+    # Set by nbtools in its ranks: never the user's to fix.
+    assert _machine.check_settings({"NBTOOLS_NODE_ID": "first"}).status is Status.OK
+    misspelt = _machine.check_settings({"NBTOOLS_SHM_DIR": "/big"})
+    assert misspelt.status is Status.WARN, misspelt
+    assert "NBTOOLS_SHM_DIR is set but nbtools reads no such variable" in misspelt.summary
+    refused = _machine.check_settings(
+        {"NBTOOLS_STRAGGLER_THRESHOLD": "1.5", "NBTOOLS_LOG_LEVEL": "info"}
+    )
+    assert refused.status is Status.FAIL and refused.advice, refused
+    assert refused.summary.startswith("NBTOOLS_STRAGGLER_THRESHOLD='1.5' is not a valid")
+    assert "must be between 0 and 1" in refused.summary
+    assert exit_status([refused]) == 1
+
+
 def test_a_read_only_cache_dir_fails_naming_it(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -216,6 +243,7 @@ def test_this_machine_passes_with_one_json_object_and_nothing_written_here(tmp_p
         "staging dir",
         "mlflow",
         "ray",
+        "settings",
     } <= set(by_name)
     assert by_name["ray"]["status"] == "skip"
     assert "cuda initialised" not in by_name  # always "no" in a fresh process: not a check
@@ -231,13 +259,15 @@ def test_broken_conditions_give_exit_status_1_and_say_what_to_do(tmp_path, docto
     cache = tmp_path / "cache"
     cache.mkdir()
     doctor_env["RAY_ADDRESS"] = f"127.0.0.1:{_closed_port()}"
+    doctor_env["NBTOOLS_STRAGGLER_WINDOW_S"] = "soon"
     with _read_only(cache):
         proc = _doctor(tmp_path, doctor_env, "--no-smoke")
     report = json.loads(proc.stdout)
     assert proc.returncode == 1 and report["exit_status"] == 1 and not report["ok"], proc.stderr
     failed = {c["name"]: c for c in report["checks"] if c["status"] == "fail"}
-    assert set(failed) == {"cache dir", "ray"}, failed
+    assert set(failed) == {"cache dir", "ray", "settings"}, failed
     assert all(c["advice"] for c in failed.values())
+    assert "NBTOOLS_STRAGGLER_WINDOW_S='soon'" in failed["settings"]["summary"]
 
 
 @pytest.mark.slow

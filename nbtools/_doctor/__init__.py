@@ -1,7 +1,9 @@
 """``python -m nbtools doctor``: can training run on this machine, and what to fix if not.
 
-A tour: :mod:`._machine` checks torch, CUDA and NCCL, the GPUs NVML reports, ``/dev/shm``,
-open-file limits and the forkserver; :mod:`._storage` checks the
+A tour: :mod:`._machine` checks torch, CUDA and NCCL, the GPUs NVML reports, the
+shared-memory filesystem of the memory tier (``NBTOOLS_SNAPSHOT_DIR`` or ``/dev/shm``),
+open-file limits, the forkserver and the ``NBTOOLS_*`` variables set (against the table in
+:mod:`nbtools._internal.settings`); :mod:`._storage` checks the
 dataset cache and checkpoint staging directories and the MLflow store; :mod:`._launch`
 checks Ray's head when ``RAY_ADDRESS`` is set and runs a 2-rank smoke launch;
 :mod:`._report` holds each :class:`Finding` and prints them. Start reading at :func:`run`: the
@@ -9,7 +11,8 @@ report starts with the nbtools, Python and torch versions, and each check's line
 soon as it finishes.
 
 Only what stops training fails (exit status 1): the smoke launch, a cache or staging
-directory that cannot be written, a ``RAY_ADDRESS`` that cannot be reached. No GPU, a small
+directory that cannot be written, a ``RAY_ADDRESS`` that cannot be reached, an ``NBTOOLS_*``
+variable whose value nbtools refuses. No GPU, a small
 ``/dev/shm``, low limits, no MLflow or a smoke launch slower than ``SMOKE_SLOW_S`` (10 s,
 with the load average) are warnings. Nothing is written into the working
 directory.
@@ -23,7 +26,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from collections.abc import Callable
 
@@ -32,6 +34,7 @@ from nbtools._doctor._machine import (
     check_forkserver,
     check_gpus,
     check_nofile,
+    check_settings,
     check_shm,
     check_torch,
 )
@@ -46,10 +49,7 @@ from nbtools._doctor._report import (
 )
 from nbtools._doctor._storage import check_cache, check_mlflow, check_staging
 
-__all__ = ["Finding", "SHM_PATH_ENV", "SMOKE_SLOW_S", "Status", "run", "run_checks"]
-
-#: Where the shared-memory filesystem is looked for (``/dev/shm`` unless set).
-SHM_PATH_ENV = "NBTOOLS_SHM_DIR"
+__all__ = ["Finding", "SMOKE_SLOW_S", "Status", "run", "run_checks"]
 
 
 def run_checks(
@@ -63,20 +63,21 @@ def run_checks(
     Args:
         smoke: Run the 2-rank smoke launch (seconds; the rest takes well under a second
             apart from importing torch).
-        shm_path: The shared-memory filesystem (default ``$NBTOOLS_SHM_DIR`` or ``/dev/shm``).
+        shm_path: The shared-memory filesystem (default: where the memory tier keeps its
+            snapshots, ``$NBTOOLS_SNAPSHOT_DIR`` or ``/dev/shm``).
         on_finding: Called with each finding as soon as its check finishes.
     """
-    shm = shm_path or os.environ.get(SHM_PATH_ENV, "").strip() or "/dev/shm"
     checks: list[Callable[[], Finding]] = [
         check_torch,
         check_gpus,
-        lambda: check_shm(shm),
+        lambda: check_shm(shm_path),
         check_nofile,
         check_forkserver,
         check_cache,
         check_staging,
         check_mlflow,
         check_ray,
+        check_settings,
     ]
     if smoke:
         checks.append(check_smoke)

@@ -1,14 +1,18 @@
-"""Checks of the machine itself: torch and its backends, GPUs, shared memory, limits, forkserver."""
+"""Checks of the machine itself: torch and its backends, GPUs, shared memory, limits, forkserver,
+and the ``NBTOOLS_*`` variables of the environment."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import multiprocessing
+import os
 import resource
 import shutil
+from collections.abc import Mapping
 from typing import Any
 
 from nbtools._doctor._report import Finding, Status
+from nbtools._internal import settings
 
 __all__ = [
     "SHM_FLOOR_BYTES",
@@ -16,8 +20,10 @@ __all__ = [
     "check_forkserver",
     "check_gpus",
     "check_nofile",
+    "check_settings",
     "check_shm",
     "check_torch",
+    "shm_location",
 ]
 
 #: Below this, loader workers (batches travel through shared memory) and the in-memory
@@ -117,8 +123,18 @@ def check_gpus() -> Finding:
     return Finding("gpus", Status.OK, summary, "", details)
 
 
-def check_shm(path: str = "/dev/shm") -> Finding:
-    """Size and free space of the shared-memory filesystem against what training needs."""
+def shm_location() -> str:
+    """The shared-memory filesystem of the memory tier: ``NBTOOLS_SNAPSHOT_DIR`` or /dev/shm."""
+    return str(settings.read("NBTOOLS_SNAPSHOT_DIR") or "/dev/shm")
+
+
+def check_shm(path: str | None = None) -> Finding:
+    """Size and free space of the shared-memory filesystem against what training needs.
+
+    Args:
+        path: The filesystem to measure (default :func:`shm_location`).
+    """
+    path = path or shm_location()
     try:
         usage = shutil.disk_usage(path)
     except OSError as exc:
@@ -139,10 +155,36 @@ def check_shm(path: str = "/dev/shm") -> Finding:
             summary + f", below the {_gib(SHM_FLOOR_BYTES)} loader workers "
             "and in-memory checkpoints need",
             "give the container more shared memory (docker run --shm-size=16g or --ipc=host; "
-            "Kubernetes: an emptyDir with medium: Memory at /dev/shm), or use num_workers=0",
+            "Kubernetes: an emptyDir with medium: Memory at /dev/shm), or use num_workers=0; "
+            "NBTOOLS_SNAPSHOT_DIR puts in-memory checkpoints on another tmpfs",
             details,
         )
     return Finding("shm", Status.OK, summary, "", details)
+
+
+def check_settings(environ: Mapping[str, str] | None = None) -> Finding:
+    """The ``NBTOOLS_*`` variables of ``environ`` (default ``os.environ``) against nbtools' table.
+
+    A value nbtools refuses fails (the code that reads it raises); a name nbtools does not
+    read is a warning (a misspelt or retired name changes nothing).
+    """
+    environ = os.environ if environ is None else environ
+    wrong = settings.problems(environ)
+    names = sorted(n for n in environ if n.startswith("NBTOOLS_"))
+    details: dict[str, Any] = {"set": names, "problems": wrong}
+    if not wrong:
+        summary = (
+            f"NBTOOLS_* variables: {', '.join(names)}" if names else "no NBTOOLS_* variable set"
+        )
+        return Finding("settings", Status.OK, summary, "", details)
+    known = {setting.name for setting in settings.SETTINGS}
+    return Finding(
+        "settings",
+        Status.FAIL if set(wrong) & known else Status.WARN,
+        "; ".join(wrong.values()),
+        "fix or unset these variables; the configuration reference lists every one nbtools reads",
+        details,
+    )
 
 
 def check_nofile() -> Finding:

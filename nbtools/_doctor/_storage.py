@@ -13,6 +13,7 @@ import tempfile
 from typing import Any
 
 from nbtools._doctor._report import Finding, Status
+from nbtools._internal import settings
 
 __all__ = [
     "STAGING_FLOOR_BYTES",
@@ -30,7 +31,7 @@ STAGING_FLOOR_BYTES = 1 << 30
 
 def cache_location() -> str:
     """Where :class:`~nbtools.data.VolumeDataset` keeps its copies by default (not created)."""
-    explicit = os.environ.get("NBTOOLS_CACHE_DIR", "").strip()
+    explicit = settings.read("NBTOOLS_CACHE_DIR")
     if explicit:
         return os.path.abspath(os.path.expanduser(explicit))
     xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
@@ -41,7 +42,7 @@ def cache_location() -> str:
 
 def staging_location() -> str:
     """Where checkpoint saves and loads stage their shards (``NBTOOLS_STAGING_DIR`` or temp)."""
-    return os.environ.get("NBTOOLS_STAGING_DIR", "").strip() or tempfile.gettempdir()
+    return str(settings.read("NBTOOLS_STAGING_DIR") or tempfile.gettempdir())
 
 
 def _existing(path: str) -> str:
@@ -103,11 +104,11 @@ def _directory(name: str, path: str, env: str, floor: int, floor_why: str) -> Fi
 def check_cache(path: str | None = None) -> Finding:
     """The dataset cache directory: writable, and room above its free-space floor."""
     path = path or cache_location()
-    floor = 0
-    value = os.environ.get("NBTOOLS_CACHE_MIN_FREE_BYTES", "").strip()
-    if value.isdigit():
-        floor = int(value)
-    else:
+    try:
+        floor = settings.read("NBTOOLS_CACHE_MIN_FREE_BYTES")
+    except ValueError:
+        floor = None  # the settings check reports the value
+    if floor is None:
         try:
             floor = shutil.disk_usage(_existing(path)).total // 10
         except OSError:

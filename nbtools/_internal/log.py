@@ -1,7 +1,9 @@
 """The ``nbtools`` logger: rank-zero by default.
 
 Library code logs through :func:`get_logger` and never prints. Records from
-ranks other than 0 are dropped unless ``NBTOOLS_LOG_ALL_RANKS=1``.
+ranks other than 0 are dropped unless ``NBTOOLS_LOG_ALL_RANKS=1``. Both variables are read
+through :mod:`nbtools._internal.settings`; a value it does not accept never breaks logging: the
+logger keeps its default and says once what is wrong (``nbtools doctor`` shows it too).
 
 A logger's filters see only the records logged on that logger itself, not those
 that propagate up from its children, so the rank filter sits on every logger
@@ -13,11 +15,21 @@ reaches the ``nbtools`` handler nor a handler of the root logger
 from __future__ import annotations
 
 import logging
-import os
+
+from nbtools._internal import settings
 
 __all__ = ["get_logger"]
 
 _ROOT = "nbtools"
+
+
+def _setting(name: str, default: object) -> object:
+    """A logging setting's value, or ``default`` when it is unset or not valid."""
+    try:
+        value = settings.read(name)
+    except ValueError:
+        return default
+    return default if value is None else value
 
 
 class _RankZeroFilter(logging.Filter):
@@ -25,7 +37,7 @@ class _RankZeroFilter(logging.Filter):
     and a record logged with ``extra={"any_rank": True}`` (a condition of its rank alone)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if os.environ.get("NBTOOLS_LOG_ALL_RANKS") == "1" or getattr(record, "any_rank", False):
+        if getattr(record, "any_rank", False) or _setting("NBTOOLS_LOG_ALL_RANKS", False):
             return True
         from nbtools.runtime import get_rank
 
@@ -41,9 +53,14 @@ def _configure_root() -> logging.Logger:
             handler.setFormatter(logging.Formatter("nbtools: %(levelname)s: %(message)s"))
             handler.addFilter(_RankZeroFilter())
             root.addHandler(handler)
-        root.setLevel(os.environ.get("NBTOOLS_LOG_LEVEL", "WARNING").upper())
+        root.setLevel(str(_setting("NBTOOLS_LOG_LEVEL", "WARNING")))
         root.propagate = True
         root._nbtools_configured = True  # type: ignore[attr-defined]
+        for name in ("NBTOOLS_LOG_LEVEL", "NBTOOLS_LOG_ALL_RANKS"):
+            try:
+                settings.read(name)
+            except ValueError as error:
+                root.warning("%s; using the default", error)
     return root
 
 

@@ -4,7 +4,15 @@
 whether a user sets it or nbtools sets it for its ranks. The documentation's configuration
 reference is generated from this table, and a test checks that every ``NBTOOLS_`` name in the
 package's source is listed here. :func:`read` returns a variable's value parsed and checked,
-with an error that names the variable and says what it accepts.
+with an error that names the variable and says what it accepts; :func:`problems` lists what is
+wrong with an environment's ``NBTOOLS_*`` variables (``nbtools doctor`` shows it).
+
+Example:
+    >>> from nbtools._internal import settings
+    >>> settings.read("NBTOOLS_STRAGGLER_WINDOW_S", {"NBTOOLS_STRAGGLER_WINDOW_S": "20"})
+    20.0
+    >>> list(settings.problems({"NBTOOLS_STAGING": "/scratch"}))  # no such variable
+    ['NBTOOLS_STAGING']
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Setting", "SETTINGS", "by_name", "read"]
+__all__ = ["Setting", "SETTINGS", "by_name", "problems", "read"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,22 +49,39 @@ class Setting:
     parse: Callable[[str], Any] = str
 
 
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError("must be a whole number") from None
+
+
 def _bytes(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError("must be a whole number of bytes, e.g. 10000000000") from None
     if value < 0:
         raise ValueError("must not be negative")
     return value
 
 
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError("must be a number") from None
+
+
 def _positive(text: str) -> float:
-    value = float(text)
+    value = _number(text)
     if not value > 0:
         raise ValueError("must be more than 0")
     return value
 
 
 def _fraction(text: str) -> float:
-    value = float(text)
+    value = _number(text)
     if not 0 < value < 1:
         raise ValueError("must be between 0 and 1")
     return value
@@ -91,16 +116,8 @@ SETTINGS: tuple[Setting, ...] = (
         default="`/dev/shm`",
         meaning="Shared-memory filesystem that holds the memory tier's snapshots "
         "(`memory_every=`). Use a larger tmpfs when `/dev/shm` is too small for the "
-        "state of every rank on the node.",
+        "state of every rank on the node. `nbtools doctor` checks its size and free space.",
         area="checkpoint",
-    ),
-    Setting(
-        name="NBTOOLS_SHM_DIR",
-        type="path",
-        default="`/dev/shm`",
-        meaning="The shared-memory filesystem that `nbtools doctor` checks for size and "
-        "free space.",
-        area="doctor",
     ),
     Setting(
         name="NBTOOLS_CACHE_DIR",
@@ -203,7 +220,7 @@ SETTINGS: tuple[Setting, ...] = (
         meaning="Index of a Ray rank's node among the nodes of its launch.",
         area="launch",
         internal=True,
-        parse=int,
+        parse=_whole,
     ),
     Setting(
         name="NBTOOLS_KERNEL_LOGGING",
@@ -254,6 +271,27 @@ def read(name: str, environ: Mapping[str, str] | None = None) -> Any:
         return setting.parse(text)
     except ValueError as error:
         raise ValueError(
-            f"{name}={text!r} is not a valid {setting.type}: {error}; unset it for the default "
-            f"({setting.default})"
+            f"{name}={text!r} is not a valid {setting.type.replace('`', '')}: {error}; unset "
+            f"it for the default ({setting.default.replace('`', '')})"
         ) from None
+
+
+def problems(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What is wrong with the ``NBTOOLS_*`` variables of ``environ`` (default ``os.environ``).
+
+    Maps each variable a user sets whose value its type does not accept, and each ``NBTOOLS_``
+    name that nbtools does not read (a misspelt or retired name), to a message that names it;
+    empty when all is well. The variables nbtools sets in its own ranks are not checked.
+    """
+    environ = os.environ if environ is None else environ
+    found = {}
+    for name in sorted(n for n in environ if n.startswith("NBTOOLS_")):
+        setting = _BY_NAME.get(name)
+        if setting is None:
+            found[name] = f"{name} is set but nbtools reads no such variable (a misspelt name?)"
+        elif not setting.internal:
+            try:
+                read(name, environ)
+            except ValueError as error:
+                found[name] = str(error)
+    return found

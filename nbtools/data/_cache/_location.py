@@ -21,6 +21,7 @@ import os
 import stat
 import tempfile
 
+from nbtools._internal import settings
 from nbtools.errors import CacheError
 
 __all__ = [
@@ -37,23 +38,24 @@ ENV_MIN_FREE = ("NBTOOLS_CACHE_MIN_FREE_BYTES", "SGC_FSLAYER_MIN_FREE_DISK_BYTES
 
 def min_free_from_env() -> int | None:
     """The free-space floor of the cache filesystem from the environment, or None when unset."""
-    for name in ENV_MIN_FREE:
-        value = os.environ.get(name, "").strip()
-        if value:
-            try:
-                parsed = int(value)
-            except ValueError:
-                raise ValueError(
-                    f"{name}={value!r} must be a number of bytes, e.g. 10000000000"
-                ) from None
-            if parsed < 0:
-                raise ValueError(f"{name}={value!r} must not be negative")
-            return parsed
-    return None
+    ours = settings.read(ENV_MIN_FREE[0])
+    if ours is not None:
+        return int(ours)
+    name = ENV_MIN_FREE[1]
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        parsed = int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} must be a number of bytes, e.g. 10000000000") from None
+    if parsed < 0:
+        raise ValueError(f"{name}={value!r} must not be negative")
+    return parsed
 
 
 def _home_cache_dir() -> str | None:
-    explicit = os.environ.get(ENV_DIR, "").strip()
+    explicit = settings.read(ENV_DIR)
     if explicit:
         return os.path.abspath(os.path.expanduser(explicit))
     xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
@@ -77,7 +79,7 @@ def default_cache_dir() -> str:
         try:
             os.makedirs(preferred, mode=0o700, exist_ok=True)
         except OSError:
-            if os.environ.get(ENV_DIR, "").strip():
+            if settings.read(ENV_DIR):
                 raise
         else:
             return preferred
