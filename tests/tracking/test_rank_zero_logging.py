@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from nbtools import distributed
@@ -62,3 +66,21 @@ def test_the_first_other_rank_that_starts_a_run_says_once_what_it_records(client
     assert ids[1:] == ["rank1-not-recorded", "rank2-not-recorded"], ids
     runs = client.search_runs([client.get_run(ids[0]).info.experiment_id])
     assert [r.info.run_name for r in runs].count("fit") == 2  # rank 0's two runs, no others
+
+
+def test_a_level_the_settings_refuse_keeps_the_default_and_says_so_once():
+    code = (
+        "from nbtools._internal.log import get_logger\n"
+        "get_logger('data').info('quiet at WARNING')\n"
+        "get_logger('checkpoint').warning('shown')\n"
+    )
+    env = {**os.environ, "NBTOOLS_LOG_LEVEL": "loud"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [
+        "nbtools: WARNING: NBTOOLS_LOG_LEVEL='loud' is not a valid level name: must be DEBUG, "
+        "INFO, WARNING, ERROR or CRITICAL; unset it for the default (WARNING); using the default",
+        "nbtools: WARNING: shown",
+    ]
