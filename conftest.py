@@ -106,7 +106,7 @@ _LANE_MARKS = (
     ("tests/integration/test_reference_samples.py", "kernel"),
     ("tests/integration/test_user_code_", "kernel"),
     ("tests/monitor/test_monitor_saved.py", "kernel"),
-    ("tests/pool/test_pool_magics.py", "kernel"),
+    ("tests/launch/pool/test_pool_magics.py", "kernel"),
     ("tests/ray/", "cluster"),
     ("tests/browser/", "browser"),
 )

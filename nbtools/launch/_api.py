@@ -8,8 +8,9 @@ from typing import Any, Generic, TypeVar, overload
 
 from nbtools._internal import hooks
 from nbtools.errors import LaunchError
-from nbtools.launch import _env, _inrank, _payload, _runner, _sources
+from nbtools.launch import _env, _payload, _runner, _sources
 from nbtools.launch._config import LaunchConfig
+from nbtools.launch._rank import in_rank
 
 __all__ = ["distributed", "DistributedFunction", "warm_up"]
 
@@ -57,7 +58,7 @@ class DistributedFunction(Generic[R]):
             KeyboardInterrupt: the caller was interrupted; all ranks are stopped.
         """
         __tracebackhide__ = True
-        if _inrank.in_rank():
+        if in_rank():
             # A rank's ranks would share its forkserver state and multiply the world;
             # the caller's launcher stays untouched because nothing starts here.
             raise LaunchError(

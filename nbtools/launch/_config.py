@@ -13,8 +13,8 @@ from typing import Any
 
 from nbtools.launch import _env
 from nbtools.launch._backend import LaunchBackend
-from nbtools.launch._display import RICH_OUTPUT_MODES
 from nbtools.launch._output import OUTPUT_MODES
+from nbtools.launch._rank import RICH_OUTPUT_MODES
 from nbtools.launch._runner import Plan
 
 __all__ = ["LaunchConfig", "check_restarts"]

@@ -40,11 +40,11 @@ START_METHOD = "forkserver"
 #: restarted group then reaches its first step without importing them again. So do
 #: nbtools' own checkpoint and data packages, which a rank's code imports before it
 #: restores (about 0.15 s of CPU per rank, per restart).
-#: ``nbtools.launch._forkserver`` comes first and also loads the installed object-store
+#: ``nbtools.launch._local._forkserver`` comes first and also loads the installed object-store
 #: clients. None starts a thread or touches a device. ``__main__`` is deliberately absent: a
 #: script's top level must not run again.
 PRELOAD = [
-    "nbtools.launch._forkserver",  # first: settles the forkserver (see there)
+    "nbtools.launch._local._forkserver",  # first: settles the forkserver (see there)
     "torch",
     "torch.distributed",
     "torch.distributed.elastic.multiprocessing",
@@ -52,10 +52,10 @@ PRELOAD = [
     "torch.optim",
     "torch.distributed.checkpoint",
     "torch.distributed.checkpoint.state_dict",
-    "nbtools.launch._worker",
+    "nbtools.launch._rank",
     "nbtools.checkpoint",
     "nbtools.data",
-    "nbtools.launch._forkserver_ready",  # last: every preload is in (``_forkserver.ready``)
+    "nbtools.launch._local._forkserver_ready",  # last: every preload is in (``_forkserver.ready``)
 ]
 
 _MAIN_LOCK = threading.RLock()

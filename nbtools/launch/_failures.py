@@ -6,7 +6,7 @@ import signal
 from dataclasses import dataclass
 
 from nbtools._internal.log import get_logger
-from nbtools.launch._records import GROUP_PHASE
+from nbtools.launch._rank import GROUP_PHASE
 
 __all__ = [
     "RankFailure",

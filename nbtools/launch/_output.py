@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from nbtools.launch import _display
+from nbtools.launch._rank import DISPLAY_MARK, show_display
 from nbtools.launch._stack_dumps import StackFolder
 
 __all__ = ["OutputForwarder", "OUTPUT_MODES"]
@@ -147,13 +147,13 @@ class _Tail:
                 if self.updates and body.strip():
                     out.append(self.sink.update(self._prefixed(body)))
                 continue
-            if _display.MARK in body:
+            if DISPLAY_MARK in body:
                 # Rich output (rank 0): shown by the kernel's display, after the text before it.
                 if out:
                     self.sink.dst.write("".join(out))
                     self.sink.dst.flush()
                     out = []
-                fallback = _display.show(body, self.rank)
+                fallback = show_display(body, self.rank)
                 if fallback:
                     out.append(self._finished(self._prefixed(fallback)))
                 self.after_cr = False

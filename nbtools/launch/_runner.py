@@ -32,10 +32,11 @@ from nbtools import events
 from nbtools._internal import hooks
 from nbtools._internal.log import get_logger
 from nbtools.errors import DistributedError
-from nbtools.launch import _display, _kernel_logging, _leftovers, _termination, _watch
+from nbtools.launch import _termination, _watch
 from nbtools.launch._backend import Failed, GroupSpec, LaunchBackend, Outcome
 from nbtools.launch._failures import describe, forms_again
 from nbtools.launch._output import OutputForwarder
+from nbtools.launch._rank import is_library_service, setup_environment
 
 __all__ = ["Plan", "run", "until_formed", "report_leftovers"]
 
@@ -116,8 +117,7 @@ def _run(
             attempt_dir=attempt_dir,
             env={
                 **collector.environment(),
-                **_kernel_logging.environment(),
-                **_display.environment(attempt_dir, plan.rich_output),
+                **setup_environment(attempt_dir, plan.rich_output),
             },
         )
         os.mkdir(spec.attempt_dir)
@@ -250,7 +250,7 @@ def report_leftovers(left: dict[int, list[str]]) -> None:
     did nothing wrong, and only the debug log says so.
     """
     for rank, found in sorted(left.items()):
-        services = [c for c in found if _leftovers.is_library_service(c)]
+        services = [c for c in found if is_library_service(c)]
         if services:
             # A library's own per-process service (wandb-core): it ends at interpreter exit,
             # which a rank reaches only after this; nothing for the user to change.

@@ -4,7 +4,7 @@ A scheduler (Slurm, ``timeout``, a container runtime) or a closed terminal ends
 the launching process with SIGTERM or SIGHUP. By default that ends it at once:
 its ``finally`` blocks never run, and its ranks, the launch's memory snapshots
 and its run directory would be left to the forkserver's own end
-(:mod:`nbtools.launch._forkserver`). During a launch, :func:`ends_launch`
+(:mod:`nbtools.launch._local._forkserver`). During a launch, :func:`ends_launch`
 turns either signal into :class:`Terminated` in the main thread: the launch
 stops its ranks and cleans up on the way out, as on Ctrl+C (without the stack
 dump), and the process then ends by the same signal, as it would have.

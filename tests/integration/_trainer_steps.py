@@ -11,7 +11,7 @@ import tempfile
 import torch
 
 from nbtools.events import _progress
-from nbtools.launch._trainer_hooks import install
+from nbtools.launch._rank._trainer_hooks import install
 
 
 def hf() -> None:

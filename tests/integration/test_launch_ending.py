@@ -14,7 +14,8 @@ from _launch_watch import forkserver_running  # noqa: F401 - the fixture applies
 
 from nbtools import events
 from nbtools.errors import DistributedError
-from nbtools.launch import _leftovers, distributed
+from nbtools.launch import distributed
+from nbtools.launch._rank import _leftovers
 
 _HOLDS_A_GIB = """
 import sys, threading, time

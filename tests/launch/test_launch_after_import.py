@@ -67,7 +67,7 @@ def test_a_failing_function_is_logged_and_never_fails_the_import(package, caplog
 
 
 def test_every_module_patch_of_a_rank_goes_through_the_one_finder(monkeypatch):
-    from nbtools.launch import _display, _inrank, _trainer_hooks
+    from nbtools.launch._rank import _display, _inrank, _trainer_hooks
 
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     for name in ("transformers.trainer", "lightning.pytorch.trainer.trainer"):

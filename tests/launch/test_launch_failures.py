@@ -98,7 +98,7 @@ def test_one_regroup_loop_forms_a_group_again_only_while_no_user_code_ran():
     # The loop a plain call's attempts and a pool's generations both start through.
     from nbtools.launch._backend import Failed, Finished
     from nbtools.launch._failures import REGROUPS
-    from nbtools.launch._records import GROUP_PHASE
+    from nbtools.launch._rank import GROUP_PHASE
     from nbtools.launch._runner import until_formed
 
     unformed = Failed({0: RankFailure(0, "DistStoreError", "timed out", phase=GROUP_PHASE)}, 0)

@@ -22,7 +22,7 @@ _SCRIPT = textwrap.dedent(
 
     import nbtools.launch
     from nbtools import distributed
-    from nbtools.launch import _forkserver
+    from nbtools.launch._local import _forkserver
 
     nbtools.launch.warm_up()  # what %load_ext nbtools does
 

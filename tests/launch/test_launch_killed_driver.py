@@ -20,7 +20,7 @@ import time
 import psutil
 import pytest
 
-from nbtools.launch import _leftovers
+from nbtools.launch._rank import _leftovers
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ _SCRIPT = textwrap.dedent(
         try:
             train.distributed(sys.argv[1], sys.argv[2])
         except KeyboardInterrupt:
-            from nbtools.launch import _leftovers
+            from nbtools.launch._rank import _leftovers
 
             pids = [int(p) for r in "01" for p in open(os.path.join(sys.argv[2], r)).read().split()]
             running = [p for p in pids if not _leftovers.ending(p)]

@@ -7,11 +7,11 @@ imports its ranks may not need). Rendezvous is a ``FileStore`` in the attempt's
 private directory: nothing listens on a port for it, and gloo/nccl are pinned
 to the loopback interface. Ranks publish failure records, "returned" marks and
 the processes they left running as files in the attempt directory
-(:mod:`nbtools.launch._worker`); :meth:`LocalGroup.poll` reads them.
+(:mod:`nbtools.launch._rank._worker`); :meth:`LocalGroup.poll` reads them.
 
 A rank that failed makes the context stop the others at once instead of
 leaving them in a collective; what ranks leave running is ended by them or,
-after a failure or an interrupt, here (:mod:`nbtools.launch._leftovers`).
+after a failure or an interrupt, here (:mod:`nbtools.launch._rank._leftovers`).
 
 A rank that dies without a word (a signal, the OOM killer, ``os._exit``) is
 seen as soon as it runs no more code (``_leftovers.ending``), not once the
@@ -48,13 +48,18 @@ from torch.distributed.elastic.multiprocessing import (
 )
 
 from nbtools import _torch_compat
-from nbtools.launch import _env, _forkserver, _leftovers, _results
+from nbtools.launch import _env, _results
 from nbtools.launch._backend import Failed, Finished, GroupSpec, Outcome, wait_for_stacks
-from nbtools.launch._elastic import POLL_S, STOP_GRACE_S, ElasticQuiet, exit_status, start
 from nbtools.launch._failures import RankFailure, from_early_exit, from_exit, from_record
-from nbtools.launch._worker import (
+from nbtools.launch._local import _forkserver
+from nbtools.launch._local._elastic import POLL_S, STOP_GRACE_S, ElasticQuiet, exit_status, start
+from nbtools.launch._rank import (
     STACK_SIGNAL,
     RankSpec,
+    await_ending,
+    end_groups,
+    ending,
+    exit_code,
     failure_path,
     formed_path,
     leftovers_path,
@@ -276,7 +281,7 @@ class LocalGroup:
     def _exit_codes(self) -> dict[int, int] | None:
         """Every rank's exit code once all have ended (SIGKILL after a grace); None where a
         code cannot be read (torch then reports, as it collects them)."""
-        killed = _leftovers.await_ending(self._procs, STOP_GRACE_S)
+        killed = await_ending(self._procs, STOP_GRACE_S)
         if killed is None:
             return None  # stuck (uninterruptible): torch's own stop deals with it
         self._killed |= killed
@@ -285,7 +290,7 @@ class LocalGroup:
         for rank, proc in self._procs.items():
             code = known.get(rank)
             if code is None and proc is not None:
-                code = _leftovers.exit_code(proc.pid)
+                code = exit_code(proc.pid)
             if code is None:
                 return None
             codes[rank] = code
@@ -426,7 +431,7 @@ class LocalGroup:
                     with open(path) as fh:
                         left[rank] = json.load(fh)
             # Only after a failure or an interrupt is anything left in the ranks' groups.
-            stray = _leftovers.end_groups(self._groups)
+            stray = end_groups(self._groups)
             if stray:
                 left.setdefault(-1, []).extend(stray)
             return left
@@ -492,6 +497,6 @@ def _running(proc: psutil.Process | None) -> bool:
     if proc is None:
         return False
     try:
-        return proc.is_running() and not _leftovers.ending(proc.pid)
+        return proc.is_running() and not ending(proc.pid)
     except psutil.Error:
         return False

@@ -24,7 +24,7 @@ from torch.distributed.elastic.multiprocessing import (
 
 from nbtools.errors import LaunchError
 from nbtools.launch import _env
-from nbtools.launch._worker import run_rank
+from nbtools.launch._rank import run_rank
 
 __all__ = ["POLL_S", "STOP_GRACE_S", "ElasticQuiet", "exit_status", "start"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nbtools.launch._forkserver import mark_ready
+from nbtools.launch._local._forkserver import mark_ready
 
 __all__: list[str] = []
 

@@ -9,7 +9,7 @@ shows as the run's own), nbtools
   formats each object as IPython does (its MIME bundle: HTML, PNG, Markdown,
   with the plain-text fallback), and
 - makes matplotlib's default backend one whose ``show()`` renders each open
-  figure as PNG (:mod:`nbtools.launch._display_mpl`), unless the user chose a
+  figure as PNG (:mod:`nbtools.launch._rank._display_mpl`), unless the user chose a
   backend;
 
 the other ranks' rich output is dropped, as one cell shows one figure, not
@@ -55,7 +55,7 @@ ENV = "NBTOOLS_RICH_OUTPUT"
 #: Starts the stdout line that names a bundle file; the line ends with BEL.
 MARK = "\x1b]nbtools-display;"
 _DISPLAY_MODULE = "IPython.core.display_functions"
-_BACKEND = "module://nbtools.launch._display_mpl"
+_BACKEND = "module://nbtools.launch._rank._display_mpl"
 _state: dict[str, Any] = {}
 _numbers = itertools.count()
 

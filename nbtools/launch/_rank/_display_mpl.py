@@ -1,6 +1,6 @@
 """A matplotlib backend for rank 0: ``plt.show()`` sends each open figure to the cell as PNG.
 
-Selected through ``MPLBACKEND`` by :func:`nbtools.launch._display.install`
+Selected through ``MPLBACKEND`` by :func:`nbtools.launch._rank._display.install`
 (never when the user chose a backend). Drawing is Agg's.
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 from matplotlib._pylab_helpers import Gcf
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from nbtools.launch import _display
+from nbtools.launch._rank import _display
 
 __all__ = ["FigureCanvas", "show"]
 

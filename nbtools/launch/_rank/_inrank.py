@@ -23,6 +23,11 @@ that differs from a notebook kernel in ways that user code notices:
   :func:`separate_async_saves` gives those saves a gloo group of their own, as
   ``gpus=N`` ranks have with ``cpu:gloo,cuda:nccl``.
 
+:func:`enter_rank` runs them all, in order, with the rest of what every rank
+does before the user's function (threads, device, logging, displays, trainer
+hooks): the elastic worker (:mod:`._worker`, which pool ranks start through)
+and the Ray actor call it alike.
+
 These functions run in the rank only, never in the caller.
 """
 
@@ -30,15 +35,20 @@ from __future__ import annotations
 
 import builtins
 import multiprocessing
+import os
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 from nbtools import _torch_compat
 from nbtools._internal import hooks
 from nbtools._internal.log import get_logger
+from nbtools.launch._rank import _display, _kernel_logging, _rank_exit, _trainer_hooks
 
 __all__ = [
+    "enter_rank",
+    "setup_environment",
     "restore_start_method",
     "guard_user_group_calls",
     "mark_in_rank",
@@ -52,6 +62,56 @@ __all__ = [
 
 _log = get_logger("launch")
 _IN_RANK = False
+
+
+def enter_rank(
+    payload: bytes, *, backend: str, device: int | None, exit_handlers: bool = True
+) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    """Make this process a rank, then unpickle the user's call: ``(fn, args, kwargs)``.
+
+    In order: torch's thread count from ``OMP_NUM_THREADS``, the rank's GPU
+    (``device``, before anything in the payload can touch one), the exit
+    handlers the rank's code registers (``exit_handlers``: run at the rank's end
+    by :mod:`._rank_exit`), the in-rank mark, the kernel's logging, displays,
+    trainer hooks, ``fork`` as the start method, the guard on the user's own
+    ``init_process_group`` (``backend`` is the group's), then the payload, whose
+    function becomes ``__main__``'s, and DCP's async saves on a group of their own.
+    The default process group is not formed here: each backend forms it its own way.
+    """
+    import cloudpickle
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    if device is not None:
+        torch.cuda.set_device(device)
+    if exit_handlers:
+        _rank_exit.watch()  # what the rank's code registers for interpreter exit runs at its end
+    mark_in_rank()
+    _kernel_logging.apply()
+    _display.install()
+    _trainer_hooks.install()  # HF and Lightning trainers report their steps
+    restore_start_method()
+    guard_user_group_calls(backend)
+    # Unpickle after the guards are in place: a function that refers to
+    # ``init_process_group`` by name resolves to the guarded version.
+    fn, args, kwargs = cloudpickle.loads(payload)
+    # Cell-defined names resolve by reference here as in the kernel (multiprocessing, torch.save).
+    fn = adopt_main(fn)
+    pickle_main_by_value()
+    separate_async_saves()
+    return fn, args, kwargs
+
+
+def setup_environment(directory: str, rich_output: str) -> dict[str, str]:
+    """In the kernel: the variables that carry its logging and displays to :func:`enter_rank`.
+
+    Args:
+        directory: the launch's private directory, where ranks leave their rich output.
+        rich_output: whose rich output reaches the cell (``RICH_OUTPUT_MODES``).
+    """
+    return {**_kernel_logging.environment(), **_display.environment(directory, rich_output)}
 
 
 def mark_in_rank() -> None:

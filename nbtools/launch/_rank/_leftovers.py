@@ -20,6 +20,7 @@ nothing here waits for.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import time
 
@@ -221,6 +222,21 @@ def end_own_leftovers(grace: float) -> list[str]:
     described = [describe_process(p) for p in alive]
     _stop(alive)
     return described
+
+
+def end_rank_leftovers(grace: float = LEFTOVER_GRACE_S) -> list[str]:
+    """At a rank's end: :func:`end_own_leftovers`, once loaders kept by a cycle are collected."""
+    if has_children():
+        # Loaders that only a reference cycle keeps alive shut their workers down cleanly now.
+        gc.collect()
+    for _ in range(3):
+        try:
+            return end_own_leftovers(grace)
+        except RuntimeError:
+            # torch's DataLoader raises from its SIGCHLD handler when a worker it still
+            # tracks is stopped; the worker is stopped all the same.
+            continue
+    return []
 
 
 def end_groups(pgids: list[int], exclude: set[int] | None = None) -> list[str]:

@@ -18,7 +18,6 @@ import contextlib
 import ctypes
 import errno
 import faulthandler
-import gc
 import json
 import os
 import shutil
@@ -31,17 +30,9 @@ from dataclasses import dataclass, field
 
 from nbtools._internal.fs import free_bytes
 from nbtools.errors import PicklingError, ResultWriteError
-from nbtools.launch import (
-    _display,
-    _inrank,
-    _kernel_logging,
-    _leftovers,
-    _rank_exit,
-    _results,
-    _trainer_hooks,
-)
-from nbtools.launch._leftovers import LEFTOVER_GRACE_S
-from nbtools.launch._records import GROUP_PHASE, failure_record, flush_events
+from nbtools.launch import _results
+from nbtools.launch._rank import _inrank, _leftovers, _rank_exit
+from nbtools.launch._rank._records import GROUP_PHASE, failure_record, flush_events
 
 __all__ = [
     "RankSpec",
@@ -140,29 +131,11 @@ def run_rank(payload: bytes, spec: RankSpec) -> None:
 
 
 def _run(payload: bytes, spec: RankSpec) -> None:
-    import cloudpickle
-    import torch
     import torch.distributed as dist
 
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads and threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))
-    if spec.use_cuda:  # before anything in the payload can touch a device
-        torch.cuda.set_device(spec.rank)
-    _rank_exit.watch()  # what the rank's code registers for interpreter exit runs at its end
-    _inrank.mark_in_rank()
-    _kernel_logging.apply()
-    _display.install()
-    _trainer_hooks.install()  # HF and Lightning trainers report their steps
-    _inrank.restore_start_method()
-    _inrank.guard_user_group_calls(spec.backend)
-    # Unpickle after the guards are in place: a function that refers to
-    # ``init_process_group`` by name resolves to the guarded version.
-    fn, args, kwargs = cloudpickle.loads(payload)
-    # Cell-defined names resolve by reference here as in the kernel (multiprocessing, torch.save).
-    fn = _inrank.adopt_main(fn)
-    _inrank.pickle_main_by_value()
-    _inrank.separate_async_saves()
+    fn, args, kwargs = _inrank.enter_rank(
+        payload, backend=spec.backend, device=spec.rank if spec.use_cuda else None
+    )
     try:
         dist.init_process_group(
             backend=spec.backend,
@@ -223,19 +196,7 @@ def _end_returned(spec: RankSpec) -> None:
         delay = min(delay * 2, _RELEASE_POLL_S[1])
     # What the rank's code registered for interpreter exit (W&B ends its wandb-core there).
     _rank_exit.run()
-    if _leftovers.has_children():
-        # Loaders that only a reference cycle keeps alive shut their workers down cleanly now.
-        gc.collect()
-    for _ in range(3):
-        try:
-            left = _leftovers.end_own_leftovers(LEFTOVER_GRACE_S)
-            break
-        except RuntimeError:
-            # torch's DataLoader raises from its SIGCHLD handler when a worker it still
-            # tracks is stopped; the worker is stopped all the same.
-            continue
-    else:
-        left = []
+    left = _leftovers.end_rank_leftovers()
     if left:
         with open(leftovers_path(spec.run_dir, spec.rank), "w") as fh:
             json.dump(left, fh)

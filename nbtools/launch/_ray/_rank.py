@@ -32,10 +32,14 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from nbtools.launch import _display, _inrank, _kernel_logging, _leftovers, _trainer_hooks
-from nbtools.launch._leftovers import LEFTOVER_GRACE_S
+from nbtools.launch._rank import (
+    GROUP_PHASE,
+    end_rank_leftovers,
+    enter_rank,
+    failure_record,
+    lead_own_group,
+)
 from nbtools.launch._ray import _ray_compat
-from nbtools.launch._records import GROUP_PHASE, failure_record
 
 __all__ = ["RankActor", "OUTPUT_CHUNK"]
 
@@ -50,7 +54,7 @@ class RankActor:
     """One rank on a Ray node (decorated with ``ray.remote`` by the backend)."""
 
     def __init__(self) -> None:
-        _leftovers.lead_own_group()  # what the rank starts can be found and ended
+        lead_own_group()  # what the rank starts can be found and ended
         # Unlinked at once: a killed actor leaves no file behind on its node.
         self._files = [tempfile.TemporaryFile(buffering=0) for _ in range(2)]
         self._offsets = [0, 0]
@@ -143,25 +147,11 @@ class RankActor:
 
     def _call(self, payload: bytes, spec: dict[str, Any], timings: dict[str, float]) -> bytes:
         import cloudpickle
-        import torch
         import torch.distributed as dist
 
-        threads = os.environ.get("OMP_NUM_THREADS")
-        if threads and threads.isdigit() and int(threads) > 0:
-            torch.set_num_threads(int(threads))
-        if spec["device"] is not None:  # before anything in the payload can touch a device
-            torch.cuda.set_device(spec["device"])
-        _inrank.mark_in_rank()
-        _kernel_logging.apply()
-        _display.install()
-        _trainer_hooks.install()  # HF and Lightning trainers report their steps
-        _inrank.restore_start_method()
-        _inrank.guard_user_group_calls(spec["backend"])
-        fn, args, kwargs = cloudpickle.loads(payload)
-        # As in a local rank: cell-defined names resolve by reference, saves get their own group.
-        fn = _inrank.adopt_main(fn)
-        _inrank.pickle_main_by_value()
-        _inrank.separate_async_saves()
+        fn, args, kwargs = enter_rank(
+            payload, backend=spec["backend"], device=spec["device"], exit_handlers=False
+        )
         timings["loaded"] = time.time()
         store = self._store
         if store is None:
@@ -193,14 +183,7 @@ class RankActor:
         return blob
 
     def _end_leftovers(self) -> list[str]:
-        import gc
-
-        if _leftovers.has_children():
-            gc.collect()  # loaders that only a reference cycle keeps alive shut down cleanly now
-        try:
-            return _leftovers.end_own_leftovers(LEFTOVER_GRACE_S)
-        except RuntimeError:
-            return []
+        return end_rank_leftovers()
 
     # --- output and events -------------------------------------------------------
 

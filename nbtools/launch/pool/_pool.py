@@ -31,8 +31,9 @@ from typing import Any
 from nbtools import events
 from nbtools._internal import hooks
 from nbtools.errors import LaunchError
-from nbtools.launch import _inrank, _payload, _sources
+from nbtools.launch import _payload, _sources
 from nbtools.launch._config import LaunchConfig, check_restarts
+from nbtools.launch._rank import in_rank
 from nbtools.launch.pool._errors import failures_of, rank_errors
 from nbtools.launch.pool._ranks import RanksHung, RanksInterrupted, RanksLost, RanksStuck
 from nbtools.launch.pool._registry import CallGuard, owned, register, unregister
@@ -91,7 +92,7 @@ class RankPool:
         rich_output: str = "rank0",
         on_hang: str = "report",
     ) -> None:
-        if _inrank.in_rank():
+        if in_rank():
             raise LaunchError(
                 "RankPool() was called inside a rank; pools do not nest. This code already "
                 "runs on every rank."
@@ -117,7 +118,7 @@ class RankPool:
         The configuration's own ``max_restarts`` (restarts of a plain call's group)
         does not apply: a pool replaces dead ranks up to ``max_restarts`` times.
         """
-        if _inrank.in_rank():
+        if in_rank():
             raise LaunchError(
                 "RankPool() was called inside a rank; pools do not nest. This code already "
                 "runs on every rank."

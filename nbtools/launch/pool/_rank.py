@@ -42,8 +42,15 @@ import types
 from typing import Any
 
 from nbtools.events import _progress
-from nbtools.launch import _display, _inrank, _kernel_logging, _results
-from nbtools.launch._records import failure_record, flush_events
+from nbtools.launch import _results
+from nbtools.launch._rank import (
+    apply_kernel_logging,
+    bind_to,
+    failure_record,
+    figure_bundle,
+    flush_events,
+    pickle_main_by_value,
+)
 from nbtools.launch.pool._channel import ChannelClosed, Link, connect
 from nbtools.launch.pool._frames import can_open_shared
 
@@ -90,7 +97,7 @@ class _Server:
         self.lent: dict[str, Any] = {}  # notebook names a function brought, still unchanged here
         self._saved_main = sys.modules.get("__main__")
         sys.modules["__main__"] = self.main
-        _inrank.pickle_main_by_value()  # spawn and forkserver children get the cells' names
+        pickle_main_by_value()  # spawn and forkserver children get the cells' names
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._running: int | None = None  # seq of the command running user code
@@ -292,7 +299,7 @@ class _Server:
             if name not in self.ns or (lent is not _MISSING and self.ns[name] is lent):
                 self.ns[name] = value
                 self.lent[name] = value
-        return _inrank.bind_to(fn, self.ns)
+        return bind_to(fn, self.ns)
 
     def close(self) -> None:
         if self._in_main and self._saved_handler is not None:
@@ -310,7 +317,7 @@ _MISSING = object()
 def _setup(setup: dict[str, Any]) -> None:
     """What the kernel changed since the last call, applied before the command runs."""
     if "logging" in setup:
-        _kernel_logging.apply(setup["logging"])  # logging configured after the pool started
+        apply_kernel_logging(setup["logging"])  # logging configured after the pool started
 
 
 class _WakeableSleep:
@@ -385,7 +392,7 @@ def _bundle(value: Any) -> dict[str, str] | None:
     """
     if value is None:
         return None
-    figure = _display.figure_bundle(value)
+    figure = figure_bundle(value)
     if figure is not None:
         return figure
     bundle = {"text/plain": repr(value)}

@@ -30,9 +30,9 @@ import cloudpickle
 
 from nbtools import events
 from nbtools._internal.log import get_logger
-from nbtools.launch import _kernel_logging
 from nbtools.launch._backend import Failed, Finished, GroupSpec, LaunchBackend, RankGroup
 from nbtools.launch._output import OutputForwarder
+from nbtools.launch._rank import KERNEL_LOGGING_ENV, describe_kernel_logging
 from nbtools.launch._runner import report_leftovers
 from nbtools.launch.pool._channel import ChannelClosed, Link, Listener, frame, wait_readable
 from nbtools.launch.pool._rank import OK, serve
@@ -147,7 +147,7 @@ class Ranks:
         self._ended = False
         self._wrote = False  # whether a rank wrote output during the current command
         self._next_check = 0.0  # when a long write next looks at the ranks
-        #: The kernel's logging as these ranks have it (``_kernel_logging.describe()``).
+        #: The kernel's logging as these ranks have it (``describe_kernel_logging()``).
         self.logging = ""
 
     @classmethod
@@ -200,7 +200,7 @@ class Ranks:
             stderr or _Follow("stderr"),
         )
         ranks = cls(group, forwarder, listener, spec.world_size, remote)
-        ranks.logging = spec.env.get(_kernel_logging.ENV, "")
+        ranks.logging = spec.env.get(KERNEL_LOGGING_ENV, "")
         try:
             ranks._connect()
         except BaseException:
@@ -270,7 +270,7 @@ class Ranks:
     def call_setup(self) -> dict[str, Any] | None:
         """What the next call must bring the ranks up to date with: the kernel's logging
         when it changed since they last got it (else None: nothing to send)."""
-        described = _kernel_logging.describe()
+        described = describe_kernel_logging()
         if described == self.logging:
             return None
         self.logging = described

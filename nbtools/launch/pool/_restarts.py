@@ -28,9 +28,9 @@ from collections.abc import Callable
 from nbtools import events
 from nbtools._internal.log import get_logger
 from nbtools.errors import DistributedError, LaunchError
-from nbtools.launch import _display, _kernel_logging
 from nbtools.launch._backend import Failed, GroupSpec, LaunchBackend
 from nbtools.launch._failures import RankFailure, describe
+from nbtools.launch._rank import setup_environment
 from nbtools.launch._runner import Plan, until_formed
 from nbtools.launch._watch import hang_failure
 from nbtools.launch.pool._errors import failures_of, first, plural, ranks_text
@@ -118,8 +118,7 @@ class Generations:
             attempt_dir=attempt_dir,
             env={
                 **self.collector.environment(),
-                **_kernel_logging.environment(),
-                **_display.environment(attempt_dir, self.plan.rich_output),
+                **setup_environment(attempt_dir, self.plan.rich_output),
             },
         )
         try:

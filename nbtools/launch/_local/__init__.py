@@ -1,0 +1,19 @@
+"""The local backend: ranks as processes on this machine, from a forkserver, under torch elastic.
+
+- ``_backend``: :class:`LocalBackend` and :class:`LocalGroup`, what the runner
+  and the pool drive (start a group, poll it, stop it, read its failures);
+- ``_elastic``: torch elastic's ``MultiprocessContext`` started quietly, its
+  exit statuses read;
+- ``_forkserver`` (with ``_forkserver_ready``): the forkserver's own side,
+  preloaded first, and what it ends when the caller is gone.
+
+What runs in each rank is in :mod:`nbtools.launch._rank`; the machine's
+environment and the forkserver's preloads in :mod:`nbtools.launch._env`.
+Start reading at ``_backend.LocalBackend.start``.
+"""
+
+from __future__ import annotations
+
+from nbtools.launch._local._backend import LocalBackend, LocalGroup
+
+__all__ = ["LocalBackend", "LocalGroup"]
