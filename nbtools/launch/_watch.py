@@ -3,16 +3,18 @@
 Works on any :class:`~nbtools.launch._backend.RankGroup`; how ranks are
 polled and made to print their stacks is the backend's business. While the
 group runs, a :class:`nbtools.events.Watchdog` judges the ranks' progress
-reports: a hang is one warning in the cell (culprits, then every rank's
-stack, read from outside the processes), and with ``on_hang="restart"`` a
-failure of the group, which the runner restarts. A straggler flag is one line
-in the cell when it starts and one when it ends.
+reports, and :class:`HangPolicy` decides what a hang does: one warning in the
+cell (culprits, then every rank's stack, read from outside the processes), and
+with ``on_hang="restart"`` a failure of the group, which the runner restarts. A
+straggler flag is one line in the cell when it starts and one when it ends. A
+pool's call (:mod:`nbtools.launch.pool`) follows the same policy.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 
 from nbtools import events
 from nbtools._internal.log import get_logger
@@ -20,7 +22,7 @@ from nbtools.launch._backend import Failed, Outcome, RankGroup
 from nbtools.launch._failures import RankFailure
 from nbtools.launch._output import OutputForwarder
 
-__all__ = ["watch", "interrupted_stacks", "hang_failure"]
+__all__ = ["HangPolicy", "watch", "interrupted_stacks", "hang_failure"]
 
 _log = get_logger("launch")
 
@@ -57,28 +59,60 @@ def _watch(
     on_hang: str,
     dog: events.Watchdog,
 ) -> Outcome:
-    stacks_shown = False
+    policy = HangPolicy(on_hang, hang_timeout)
     while True:
         outcome = group.poll()
         if outcome is not None:
             return outcome
-        for report in dog.take_reports():
-            _log.warning("%s", report.text)
-            if on_hang == "restart":
-                return hang_failure(report)
-        for notice in dog.take_notices():  # a straggler flag starts or ends
-            _log.warning("%s", notice)
-        if dog.reporting:
-            continue
         quiet = time.monotonic() - forwarder.last_output
-        if hang_timeout is not None and not stacks_shown and quiet > hang_timeout:
-            stacks_shown = True
+        failed = policy.look(dog, quiet, lambda: group.show_stacks(lambda: forwarder.last_output))
+        if failed is not None:
+            return failed
+
+
+class HangPolicy:
+    """What a call does on a hang: the same for ``@distributed`` and a pool's call.
+
+    Args:
+        on_hang: ``"report"`` warns in the cell and keeps waiting; ``"restart"``
+            also ends the call as the failure of the hang's culprits.
+        hang_timeout: for a run that reports no progress, the seconds without
+            output after which every rank's Python stack is shown (once).
+    """
+
+    def __init__(self, on_hang: str, hang_timeout: float | None) -> None:
+        self.on_hang = on_hang
+        self.hang_timeout = hang_timeout
+        self._stacks_shown = False
+
+    def look(
+        self, dog: events.Watchdog | None, quiet: float, show_stacks: Callable[[], None]
+    ) -> Failed | None:
+        """One look while the call runs; the failure that ends it (``on_hang="restart"``), or None.
+
+        ``dog`` judges the ranks' progress reports (None while it is not started):
+        each hang report is one warning, each straggler flag's start or end one
+        line. Without progress reports, ``quiet`` (seconds since any rank wrote
+        output) past ``hang_timeout`` shows every rank's stack by ``show_stacks``.
+        """
+        if dog is not None:
+            for report in dog.take_reports():
+                _log.warning("%s", report.text)
+                if self.on_hang == "restart":
+                    return hang_failure(report)
+            for notice in dog.take_notices():  # a straggler flag starts or ends
+                _log.warning("%s", notice)
+            if dog.reporting:
+                return None
+        if self.hang_timeout is not None and not self._stacks_shown and quiet > self.hang_timeout:
+            self._stacks_shown = True
             _log.warning(
                 "no rank has written any output for %.0f s (hang_timeout); the Python stack "
                 "of every rank follows. The call keeps running; interrupt the kernel to stop it.",
                 quiet,
             )
-            group.show_stacks(lambda: forwarder.last_output)
+            show_stacks()
+        return None
 
 
 def interrupted_stacks(group: RankGroup, forwarder: OutputForwarder) -> None:

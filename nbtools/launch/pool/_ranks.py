@@ -34,6 +34,7 @@ from nbtools.launch._backend import Failed, Finished, GroupSpec, LaunchBackend, 
 from nbtools.launch._output import OutputForwarder
 from nbtools.launch._rank import KERNEL_LOGGING_ENV, describe_kernel_logging
 from nbtools.launch._runner import report_leftovers
+from nbtools.launch._watch import HangPolicy
 from nbtools.launch.pool._channel import ChannelClosed, Link, Listener, frame, wait_readable
 from nbtools.launch.pool._rank import OK, serve
 
@@ -90,9 +91,9 @@ class RanksStuck(Exception):
 class RanksHung(Exception):
     """A hang was reported during a call whose pool restarts on hangs (``on_hang="restart"``)."""
 
-    def __init__(self, report: events.HangReport, replies: dict[int, tuple[str, Any]]) -> None:
+    def __init__(self, outcome: Failed, replies: dict[int, tuple[str, Any]]) -> None:
         super().__init__("ranks hung")
-        self.report = report
+        self.outcome = outcome  # the hang as the failure of its culprits (``HangPolicy``)
         self.replies = replies
 
 
@@ -340,7 +341,7 @@ class Ranks:
         started = time.monotonic()
         next_poll = started + _GROUP_POLL_S
         failed_at: float | None = None
-        stacks_shown = False
+        policy = HangPolicy(on_hang, hang_timeout)
         lost = False
         while len(replies) < len(self.links):
             pending = [link for rank, link in self.links.items() if rank not in replies]
@@ -373,26 +374,10 @@ class Ranks:
                 return
             if failed_at is not None and now - failed_at > PEER_GRACE_S:
                 raise RanksStuck(replies, sorted(set(self.links) - set(replies)))
-            dog = watch.due(now)
-            if dog is not None:
-                for report in dog.take_reports():
-                    _log.warning("%s", report.text)
-                    if on_hang == "restart":
-                        raise RanksHung(report, replies)
-                for notice in dog.take_notices():  # a straggler flag starts or ends
-                    _log.warning("%s", notice)
-                if dog.reporting:
-                    continue
             quiet = now - max(started, self.forwarder.last_output)
-            if hang_timeout is not None and not stacks_shown and quiet > hang_timeout:
-                stacks_shown = True
-                _log.warning(
-                    "no rank has written any output for %.0f s (hang_timeout); the Python stack "
-                    "of every rank follows. The call keeps running; interrupt the kernel to "
-                    "stop it.",
-                    quiet,
-                )
-                self.group.show_stacks(self._pumped)
+            hung = policy.look(watch.due(now), quiet, lambda: self.group.show_stacks(self._pumped))
+            if hung is not None:
+                raise RanksHung(hung, replies)
 
     def _death(self) -> Failed | None:
         """The backend's account of the rank that closed its channel."""

@@ -32,7 +32,6 @@ from nbtools.launch._backend import Failed, GroupSpec, LaunchBackend
 from nbtools.launch._failures import RankFailure, describe
 from nbtools.launch._rank import setup_environment
 from nbtools.launch._runner import Plan, until_formed
-from nbtools.launch._watch import hang_failure
 from nbtools.launch.pool._errors import failures_of, first, plural, ranks_text
 from nbtools.launch.pool._ranks import (
     INTERRUPT_GRACE_S,
@@ -167,7 +166,7 @@ class Generations:
 
     def after_hang(self, exc: RanksHung) -> DistributedError:
         """A hang with ``on_hang="restart"``: fresh ranks, counted as a death; the error."""
-        outcome = hang_failure(exc.report)
+        outcome = exc.outcome
         headline = describe(outcome.failures, outcome.first)
         return self._after_death(outcome.failures, headline, "ranks hung")
 
