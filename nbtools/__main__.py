@@ -10,7 +10,7 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     """Run the nbtools command line."""
-    from nbtools._doctor._report import header
+    from nbtools._doctor import header
 
     parser = argparse.ArgumentParser(prog="nbtools")
     parser.add_argument("--version", action="version", version=header())

@@ -49,7 +49,7 @@ from nbtools._doctor._report import (
 )
 from nbtools._doctor._storage import check_cache, check_mlflow, check_staging
 
-__all__ = ["Finding", "SMOKE_SLOW_S", "Status", "run", "run_checks"]
+__all__ = ["Finding", "SMOKE_SLOW_S", "Status", "header", "run", "run_checks"]
 
 
 def run_checks(

@@ -82,8 +82,8 @@ index kept in the root and its lease), ``_cache`` (where copies live: the
 node's file cache, eviction gate, pins, guard, sweep, cache location) and
 ``_stream`` (how a stream serves them: stream, spec, freshness check, items,
 tags), each importing only the ones before it. Around them sit
-``dataset.py`` and ``loader.py``, the positions of an epoch (``_positions``),
-the plan of one iteration (``_plan``), input stalls (``_stalls``) and the
+``dataset.py`` and ``loader.py`` (which also spots input stalls), the positions
+of an epoch (``_positions``), the plan of one iteration (``_plan``) and the
 loader's declared link to a dataset (``_dataset_link``). Start reading at
 ``VolumeDataset.__iter__`` in ``dataset.py``.
 """

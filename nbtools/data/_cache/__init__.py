@@ -4,8 +4,8 @@ What it holds: :mod:`._file_cache` (``FileCache``: complete copies under their
 final name only, room made by evicting the oldest download, space held by
 other files told apart); :mod:`._location` (where the cache lives, how much it
 keeps free, the checks that keep it private); :mod:`._gate` (one shared lock
-that stands in for per-file pins while nothing evicts); :mod:`._pins` and
-:mod:`._guard` (what keeps a file in use from eviction); :mod:`._sweep`
+that stands in for per-file pins while nothing evicts); :mod:`._pins` (what
+keeps a file in use from eviction: pins, and a stream's guards); :mod:`._sweep`
 (walking the cache: eviction candidates and leftover temporaries).
 
 What it uses: the standard library and ``nbtools._internal``; nothing else of

@@ -24,6 +24,12 @@ Invariants:
   process remembers which files it saw complete until the count moves, and
   serves those without a ``stat`` (so a file deleted by hand from a cache in
   use is an error in the reader, not a new copy, until the next eviction).
+
+A volume is shared storage: a file can be replaced or grow while a node copies it. A copy
+counts only when it holds exactly the listed bytes of a source that did not change while it
+was read (its size and modification time are checked before and after it is read); anything
+else is :class:`SourceChanged`, which the cache answers by copying again (a few times) and
+then by an error naming the file.
 """
 
 from __future__ import annotations
@@ -51,7 +57,6 @@ from nbtools.data._cache._location import (
     min_free_from_env,
 )
 from nbtools.data._cache._pins import Cancelled, Pin, pin_path
-from nbtools.data._cache._source_check import SourceChanged, check_copy, source_stat
 from nbtools.data._cache._sweep import cached_bytes, evict_one, scan, sweep_due, sweep_temporaries
 from nbtools.errors import CacheError, DataError
 
@@ -69,6 +74,52 @@ _CHUNK = 1 << 20
 _SPACE_WAIT_S = 120.0
 #: Copies of one file tried before a source that keeps changing is an error.
 _COPY_TRIES = 3
+
+
+class SourceChanged(Exception):
+    """A copy does not hold the source as listed: it changed before or while it was read."""
+
+    def __init__(self, source: str, message: str) -> None:
+        super().__init__(message)
+        self.source = source
+
+
+def source_stat(src: IO[bytes]) -> tuple[int, int] | None:
+    """``(size, mtime_ns)`` of an open source, or None where it has no descriptor."""
+    try:
+        st = os.fstat(src.fileno())
+    except (AttributeError, OSError, ValueError):
+        return None  # e.g. an fsspec file: only the byte count is checked
+    return st.st_size, st.st_mtime_ns
+
+
+def check_copy(
+    src: IO[bytes],
+    key: str,
+    size: int,
+    mtime_ns: int,
+    copied: int,
+    before: tuple[int, int] | None,
+    after: tuple[int, int] | None,
+) -> None:
+    """Raise :class:`SourceChanged` unless ``copied`` bytes are the whole, unchanged source."""
+    name = getattr(src, "name", None) or getattr(src, "path", None)
+    source = name if isinstance(name, str) else key
+    if copied > size:
+        raise SourceChanged(source, f"listed {size} bytes, it holds more now")
+    if copied != size:
+        raise SourceChanged(source, f"listed {size} bytes, read {copied}")
+    if after is None:
+        return
+    if before != after:
+        was = before[0] if before else "?"
+        raise SourceChanged(source, f"{was} bytes when opened, {after[0]} after the copy")
+    if after[0] != size or (mtime_ns and after[1] != mtime_ns):
+        raise SourceChanged(
+            source,
+            f"listed {size} bytes, mtime {mtime_ns} ns; now {after[0]} bytes, mtime {after[1]} ns",
+        )
+
 
 # Bytes promised to copies in progress in this process, per cache directory, so
 # that parallel copy threads do not all see the same free space and overshoot.

@@ -32,8 +32,7 @@ from functools import partial
 
 from nbtools._internal.log import get_logger
 from nbtools.data._cache._gate import unwatch, watch
-from nbtools.data._cache._guard import Guard, drop, settled, to_pin
-from nbtools.data._cache._pins import Pin
+from nbtools.data._cache._pins import Guard, Pin, drop, settled, to_pin
 from nbtools.data._stream import _tags
 from nbtools.data._stream._freshness import Ahead
 from nbtools.data._stream._items import Item

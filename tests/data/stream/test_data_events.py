@@ -15,8 +15,8 @@ from torch.utils.data import IterableDataset
 
 from nbtools import events
 from nbtools.data import DataLoader, VolumeDataset
-from nbtools.data._stalls import MIN_STALL_S, StallWatch
 from nbtools.data._stream import _spec as _window
+from nbtools.data.loader import MIN_STALL_S, StallWatch
 
 pytestmark = pytest.mark.usefixtures("clean_bus")
 
