@@ -1,16 +1,8 @@
-"""Fixtures of the pool tests: the forkserver, IPython's own shell."""
+"""Fixtures of the pool tests: IPython's own shell (the forkserver: ``tests/launch/conftest.py``)."""
 
 from __future__ import annotations
 
 import pytest
-
-from nbtools.launch import _env
-
-
-@pytest.fixture(scope="session", autouse=True)
-def forkserver_running():
-    """Start the interpreter-owned forkserver before the per-test leak checks begin."""
-    _env.warm_up()
 
 
 @pytest.fixture
