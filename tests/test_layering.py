@@ -314,9 +314,6 @@ _NOT_YET_FRONT_DOOR = {
     "nbtools._internal",
     "nbtools._magics",
     "nbtools.data",
-    "nbtools.data._cache",
-    "nbtools.data._listing",
-    "nbtools.data._stream",
     "nbtools.events",
     "nbtools.launch._local",
     "nbtools.launch.pool",
@@ -625,9 +622,10 @@ def _arrows() -> dict[str, int]:
 #: code as the structure checks replaced the line ceiling. A room may go under its budget;
 #: lower the number when it does. A new room gets a budget when it is made.
 _ARROW_BUDGET = {
-    "nbtools": 56,
+    "nbtools": 59,
     "nbtools._demo": 6,
     "nbtools._doctor": 3,
+    "nbtools._hangs": 4,
     "nbtools._internal": 2,
     "nbtools._magics": 0,
     "nbtools.checkpoint": 49,
@@ -639,7 +637,7 @@ _ARROW_BUDGET = {
     "nbtools.data._cache": 5,
     "nbtools.data._listing": 4,
     "nbtools.data._stream": 7,
-    "nbtools.events": 28,
+    "nbtools.events": 20,
     "nbtools.integrations": 2,
     "nbtools.launch": 50,
     "nbtools.launch._local": 3,

@@ -14,7 +14,7 @@ import itertools
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from nbtools.data._cache._file_cache import FileCache
+    from nbtools.data._cache import FileCache
     from nbtools.data._plan import IterationPlan
     from nbtools.data.dataset import VolumeDataset
 

@@ -11,18 +11,20 @@ from torch.utils.data import IterableDataset, get_worker_info
 from nbtools import runtime
 from nbtools._internal.location import is_url
 from nbtools._internal.log import get_logger
-from nbtools.data._cache._file_cache import FileCache
-from nbtools.data._cache._location import default_cache_dir
-from nbtools.data._listing._catalog import job_token, load_index, namespace
-from nbtools.data._listing._index import Index, open_index
-from nbtools.data._listing._volume import Opener
+from nbtools.data._cache import FileCache, default_cache_dir
+from nbtools.data._listing import Index, Opener, job_token, load_index, namespace, open_index
 from nbtools.data._plan import IterationPlan, check_same_workers, dist_info, gather
 from nbtools.data._positions import Consumed, Order, advance, slot_length
-from nbtools.data._stream import _tags
-from nbtools.data._stream._freshness import SourceCheck
-from nbtools.data._stream._items import Item, check_mode, slot_items
-from nbtools.data._stream._spec import StreamSpec, check_window
-from nbtools.data._stream._stream import serve
+from nbtools.data._stream import (
+    Item,
+    SourceCheck,
+    StreamSpec,
+    check_mode,
+    check_window,
+    serve,
+    slot_items,
+    track,
+)
 from nbtools.errors import DataError
 
 __all__ = ["VolumeDataset"]
@@ -487,7 +489,7 @@ class VolumeDataset(IterableDataset):
         budget, largest = self._stream_share(info.num_workers if info is not None else 1)
         check_window(self._open_cache(), budget, largest, self.prefetch)
         self_counting = not plan.tracked and get_worker_info() is None
-        count = _tags.track(self._uid, plan.plan_id, slot)
+        count = track(self._uid, plan.plan_id, slot)
 
         def on_yield() -> None:
             self._record(plan.plan_id, slot, count.n)

@@ -22,7 +22,7 @@ import torch.utils.data
 
 from nbtools import _torch_compat, events, runtime
 from nbtools.data._dataset_link import DatasetLink, find_volume_datasets
-from nbtools.data._stream import _tags
+from nbtools.data._stream import Tagged, TaggingCollate
 from nbtools.data.dataset import VolumeDataset
 from nbtools.errors import CacheError, DataError
 
@@ -171,7 +171,7 @@ class DataLoader(torch.utils.data.DataLoader):
             sampler,
             batch_sampler,
             num_workers,
-            _tags.TaggingCollate(collate_fn),
+            TaggingCollate(collate_fn),
             pin_memory,
             drop_last,
             timeout,
@@ -289,7 +289,7 @@ class DataLoader(torch.utils.data.DataLoader):
             events.step(None)  # a batch boundary: the kernel sees this rank progress
             self.wait_times.append(self.last_wait)
             self._stalls.observe(self.last_wait, first=len(self.wait_times) == 1)
-            if not isinstance(item, _tags.Tagged):
+            if not isinstance(item, Tagged):
                 yield item
                 continue
             for uid, (plan_id, slot, count) in item.tags.items():

@@ -11,10 +11,31 @@ keeps a file in use from eviction: pins, and a stream's guards); :mod:`._sweep`
 What it uses: the standard library and ``nbtools._internal``; nothing else of
 ``nbtools.data``, which builds on it.
 
+The rest of ``nbtools.data`` enters through this ``__init__`` only: the cache and its
+location for the dataset, the privacy check for the listing's index, the gate's watch and
+the guards for a stream.
+
 Where to start reading: :class:`._file_cache.FileCache`, then the gate's
 protocol in :mod:`._gate`.
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from nbtools.data._cache._file_cache import FileCache
+from nbtools.data._cache._gate import unwatch, watch
+from nbtools.data._cache._location import ENV_DIR, default_cache_dir, ensure_private_dir
+from nbtools.data._cache._pins import Guard, Pin, drop, settled, to_pin
+
+__all__ = [
+    "ENV_DIR",
+    "FileCache",
+    "Guard",
+    "Pin",
+    "default_cache_dir",
+    "drop",
+    "ensure_private_dir",
+    "settled",
+    "to_pin",
+    "unwatch",
+    "watch",
+]

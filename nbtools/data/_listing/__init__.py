@@ -9,8 +9,9 @@ re-checks the directories written just before a listing; :mod:`._shared_index`
 keeps a copy of the index in the root for other nodes and later jobs, and
 :mod:`._lease` makes one node list while the others wait for its index.
 
-What it uses: the cache's location and privacy checks
-(:mod:`nbtools.data._cache._location`), and nothing else of ``nbtools.data``.
+What it uses: the cache's location and privacy checks (through the front door of
+:mod:`nbtools.data._cache`), and nothing else of ``nbtools.data``, which enters through this
+``__init__`` only.
 
 Where to start reading: :func:`._catalog.load_index`, the one entry point the
 dataset calls.
@@ -18,4 +19,8 @@ dataset calls.
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from nbtools.data._listing._catalog import job_token, load_index, namespace
+from nbtools.data._listing._index import Index, open_index
+from nbtools.data._listing._volume import Opener
+
+__all__ = ["Index", "Opener", "job_token", "load_index", "namespace", "open_index"]

@@ -53,7 +53,7 @@ import warnings
 
 from nbtools._internal.fs import TMP_PREFIX
 from nbtools._internal.log import get_logger
-from nbtools.data._cache._location import ENV_DIR, ensure_private_dir
+from nbtools.data._cache import ENV_DIR, ensure_private_dir
 from nbtools.data._listing._index import Index, IndexRefused, IndexWriter, open_index
 from nbtools.data._listing._lease import lead_or_wait
 from nbtools.data._listing._shared_index import (

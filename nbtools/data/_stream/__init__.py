@@ -10,11 +10,29 @@ a batch was made).
 
 What it uses: the cache (:mod:`nbtools.data._cache`), the mapped index
 (:mod:`nbtools.data._listing`) and the positions of an epoch
-(:mod:`nbtools.data._positions`).
+(:mod:`nbtools.data._positions`), the first two through their front doors. The dataset and
+the loader enter this room through this ``__init__`` only.
 
 Where to start reading: :func:`._stream.serve`, then ``_Stream.run``.
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from nbtools.data._stream._freshness import SourceCheck
+from nbtools.data._stream._items import Item, check_mode, slot_items
+from nbtools.data._stream._spec import StreamSpec, check_window
+from nbtools.data._stream._stream import serve
+from nbtools.data._stream._tags import Tagged, TaggingCollate, track
+
+__all__ = [
+    "Item",
+    "SourceCheck",
+    "StreamSpec",
+    "TaggingCollate",
+    "Tagged",
+    "check_mode",
+    "check_window",
+    "serve",
+    "slot_items",
+    "track",
+]

@@ -8,8 +8,7 @@ from functools import partial
 from itertools import islice
 from typing import NamedTuple
 
-from nbtools.data._listing._catalog import namespace
-from nbtools.data._listing._index import Index
+from nbtools.data._listing import Index, namespace
 from nbtools.data._positions import Consumed, Order, slot_chunks
 
 __all__ = ["Item", "check_mode", "slot_items"]

@@ -14,7 +14,7 @@ from typing import IO, TYPE_CHECKING
 
 from nbtools import events
 from nbtools._internal.log import get_logger
-from nbtools.data._cache._file_cache import FileCache
+from nbtools.data._cache import FileCache
 
 if TYPE_CHECKING:
     from nbtools.data._stream._freshness import SourceCheck

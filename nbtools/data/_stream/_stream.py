@@ -31,8 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 from nbtools._internal.log import get_logger
-from nbtools.data._cache._gate import unwatch, watch
-from nbtools.data._cache._pins import Guard, Pin, drop, settled, to_pin
+from nbtools.data._cache import Guard, Pin, drop, settled, to_pin, unwatch, watch
 from nbtools.data._stream import _tags
 from nbtools.data._stream._freshness import Ahead
 from nbtools.data._stream._items import Item
