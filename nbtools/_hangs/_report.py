@@ -3,11 +3,36 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from nbtools.events import _procstate
+from nbtools._hangs import _process
 
-__all__ = ["HangReport", "hang_report", "clock_text"]
+__all__ = ["HangReport", "Culprit", "RankView", "hang_report", "clock_text"]
+
+_KEEPS_RUNNING = (
+    "The call keeps running (on_hang='restart' restarts the group instead); "
+    "every rank's Python stack follows."
+)
+
+
+class Culprit(NamedTuple):
+    """One flagged rank."""
+
+    rank: int
+    node: str
+    since: float  # when it last made progress (epoch seconds, by the kernel's clock)
+    why: str = ""  # e.g. "made no progress for 50 s (since 12:04:05, after step 9; ...)"
+
+
+class RankView(NamedTuple):
+    """One rank as the report shows it."""
+
+    host: str = ""
+    pid: int = 0
+    step: int | None = None
+    sampled: tuple[str, str] | None = None  # (state, detail) from /proc
+    stack: str | None = None  # None: the rank runs on another node
 
 
 @dataclass(frozen=True)
@@ -15,14 +40,26 @@ class HangReport:
     """One hang, as the cell shows it.
 
     Attributes:
-        ranks: The culprits: ranks that made no progress while others waited.
-        since: When the earliest of them last made progress (epoch seconds).
-        text: The warning: culprits, where, for how long, then every rank's stack.
+        culprits: The flagged ranks, with what was seen of each.
+        headline: One paragraph: the culprits, who waits for them, where, for how long.
+        stacks: ``rank -> Python stack text`` (or why there is none), every rank.
+        text: The warning for the cell: the headline, then every rank's stack.
     """
 
-    ranks: tuple[int, ...]
-    since: float
-    text: str
+    culprits: tuple[Culprit, ...]
+    headline: str
+    stacks: dict[int, str] = field(default_factory=dict)
+    text: str = ""
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The culprits' ranks, lowest first."""
+        return tuple(c.rank for c in self.culprits)
+
+    @property
+    def since(self) -> float:
+        """When the earliest culprit last made progress (epoch seconds)."""
+        return min((c.since for c in self.culprits), default=0.0)
 
 
 def clock_text(epoch: float) -> str:
@@ -31,63 +68,49 @@ def clock_text(epoch: float) -> str:
 
 
 def hang_report(
-    flags: list[tuple[int, str, float]],
-    ranks: dict[int, tuple[str, int, int | None, tuple[str, str] | None, str | None]],
+    culprits: list[Culprit],
+    ranks: dict[int, RankView],
     world_size: int,
-    now: float,
     collectives: list[str] | None = None,
 ) -> HangReport:
     """Build the cell's text.
 
     Args:
-        flags: ``(rank, node, since)`` of each culprit.
-        ranks: ``rank -> (host, pid, last step, sampled (state, detail), stack text)``;
-            the stack is None for a rank on another node.
+        culprits: The flagged ranks, each with its reason.
+        ranks: What was seen of each rank; its stack is None on another node.
         world_size: Ranks in the group.
-        now: Epoch seconds now.
         collectives: Lines naming the collective in flight and the ranks that
             never entered it (from torch's Flight Recorder), when the ranks said.
     """
-    culprits = sorted(rank for rank, _, _ in flags)
-    since = min(s for _, _, s in flags)
-    lines = []
-    for rank, node, at in sorted(flags):
-        host, _, step, sampled, _ = ranks.get(rank, ("", 0, None, None, None))
-        where = node or host or "an unknown node"
-        what = f"; {_procstate.describe_state(*sampled)}" if sampled else ""
-        after = f", after step {step}" if step is not None else ", before its first step"
-        lines.append(
-            f"rank {rank} on {where} made no progress for {now - at:.0f} s "
-            f"(since {clock_text(at)}{after}{what})"
-        )
-    others = [r for r in range(world_size) if r not in culprits]
-    head = "hang: " + "; ".join(lines) + "."
+    culprits = sorted(culprits)
+    flagged = [c.rank for c in culprits]
+    lines = [f"rank {c.rank} on {c.node or 'an unknown node'} {c.why}" for c in culprits]
+    others = [r for r in range(world_size) if r not in flagged]
+    headline = "hang: " + "; ".join(lines) + "."
     if others:
-        head += f" Ranks {_ranks_text(others)} wait for {'it' if len(culprits) == 1 else 'them'}."
+        pronoun = "it" if len(flagged) == 1 else "them"
+        headline += f" Ranks {', '.join(str(r) for r in others)} wait for {pronoun}."
     for line in collectives or []:
-        head += f" In torch's record of collectives: {line}."
-    head += (
-        " The call keeps running (on_hang='restart' restarts the group instead); "
-        "every rank's Python stack follows."
-    )
-    parts = [head]
+        headline += f" In torch's record of collectives: {line}."
+    parts = [headline + " " + _KEEPS_RUNNING]
+    stacks = {}
     for rank in range(world_size):
-        host, pid, step, sampled, stack = ranks.get(rank, ("", 0, None, None, None))
-        state = _procstate.describe_state(*sampled) if sampled else "state unknown"
+        view = ranks.get(rank, RankView())
+        state = _process.describe_state(*view.sampled) if view.sampled else "state unknown"
         title = (
-            f"--- rank {rank}" + (f" on {host}" if host else "") + (f", pid {pid}" if pid else "")
+            f"--- rank {rank}"
+            + (f" on {view.host}" if view.host else "")
+            + (f", pid {view.pid}" if view.pid else "")
         )
-        title += f", step {step}" if step is not None else ""
-        title += f": {state}" + (" (flagged)" if rank in culprits else "") + " ---"
+        title += f", step {view.step}" if view.step is not None else ""
+        title += f": {state}" + (" (flagged)" if rank in flagged else "") + " ---"
+        stack = view.stack
         if stack is None:
             stack = (
                 "(no stack: the rank never reported progress)"
-                if not pid
+                if not view.pid
                 else "(no stack: the rank runs on another node)"
             )
+        stacks[rank] = stack
         parts.append(title + "\n" + stack)
-    return HangReport(tuple(culprits), since, "\n".join(parts))
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
+    return HangReport(tuple(culprits), headline, stacks, "\n".join(parts))

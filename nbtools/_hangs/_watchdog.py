@@ -2,8 +2,10 @@
 
 A :class:`Watchdog` reads the ranks' ``progress`` reports from the bus
 (:mod:`nbtools.events._progress`) and, on a thread of its own, samples each
-local rank's main thread from outside (:mod:`nbtools.events._procstate`). It
-never runs on a rank and costs the training thread nothing.
+local rank's main thread from outside (:mod:`nbtools._hangs._process`). It
+never runs on a rank and costs the training thread nothing. Every time it
+judges by is the kernel's own (monotonic, from when each report arrived):
+never a rank's clock, which may be off by any amount.
 
 Hangs. A rank is hung when it made no progress for longer than the bound
 (``hang_timeout`` when given; else ten median step times, at least 45 s)
@@ -34,29 +36,23 @@ was measured.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+from nbtools import events
+from nbtools._hangs import _collectives, _process
+from nbtools._hangs._report import Culprit, HangReport, RankView, clock_text, hang_report
+from nbtools._internal import settings
 from nbtools._internal.log import get_logger
-from nbtools.events import _collectives, _procstate
-from nbtools.events._bus import Bus
-from nbtools.events._emit import BUS, emit, machine_of
-from nbtools.events._progress import PROGRESS_KIND
-from nbtools.events._rankstate import Flag as _Flag
-from nbtools.events._rankstate import RankState as _Rank
-from nbtools.events._rankstate import last_sign as _last_sign
-from nbtools.events._rankstate import lower_median as _lower_median
-from nbtools.events._rankstate import now_state as _now_state
-from nbtools.events._rankstate import setting as _setting
-from nbtools.events._rankstate import stuck_outside as _stuck_outside
-from nbtools.events._record import Event
-from nbtools.events._report import HangReport, clock_text, hang_report
 
-__all__ = ["Watchdog", "HangReport", "MIN_HANG_S", "HANG_STEPS", "THRESHOLD"]
+__all__ = ["Watchdog", "RankState", "Flag", "MIN_HANG_S", "HANG_STEPS", "THRESHOLD"]
 
 _log = get_logger("events")
 
@@ -71,6 +67,100 @@ THRESHOLD = 0.75
 _PAUSES = ("checkpoint_saved", "checkpoint_restored", "checkpoint_skipped", "restart")
 _PAUSE_S = 5.0
 _REPORT_GRACE_S = 2.5  # more than the time between two progress reports of a rank
+
+
+RECENT_SAMPLES = 20  # the state of a rank "now": the majority of its latest samples
+
+
+@dataclass
+class RankState:
+    """One rank as the watchdog knows it: its progress, samples and score."""
+
+    rank: int
+    host: str = ""
+    pid: int = 0
+    local: bool = False
+    step: int | None = None
+    steps: int = 0
+    # Kernel times (monotonic) of when reports arrived: never the rank's clock.
+    progressed_at: float = 0.0  # a report with new steps
+    alive_at: float = 0.0  # a report with a new mark that counted no step
+    arrived_at: float = 0.0  # the latest report that showed progress of either kind
+    streak_from: float = 0.0  # since when such reports came without a gap
+    # The rank's own clock, only to measure its step times (a difference on one clock).
+    stepped_at: float = 0.0  # its time of its latest step
+    marked_at: float = 0.0  # its time of its latest mark that counted no step
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    bins: deque[tuple[float, int, int]] = field(default_factory=deque)
+    working: int = 0
+    waiting: int = 0
+    recent: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
+    score: float | None = None
+    low_since: float | None = None
+    high_since: float | None = None
+
+
+@dataclass
+class Flag:
+    """An open hang or straggler flag."""
+
+    kind: str
+    rank: int
+    node: str
+    since: float  # kernel time (monotonic) of the rank's last progress, or of the low score
+    score: float | None = None
+
+
+def last_sign(state: RankState) -> float:
+    """When the rank last showed progress: a step, or a mark (a batch) that counted none."""
+    return max(state.progressed_at, state.alive_at)
+
+
+def now_state(state: RankState) -> str | None:
+    """The majority of a local rank's latest samples; None when it cannot be sampled."""
+    if not state.local or not state.recent:
+        return None
+    counts: dict[str, int] = {}
+    for kind, _ in state.recent:
+        counts[kind] = counts.get(kind, 0) + 1
+    return max(counts, key=counts.__getitem__)
+
+
+def stuck_outside(ranks: list[RankState]) -> list[RankState]:
+    """Of ranks that all stopped: those stuck outside a collective, not those waiting."""
+    now_states = {s.rank: now_state(s) for s in ranks}
+    waiting = [s for s in ranks if now_states[s.rank] == _process.WAITING]
+    outside = [s for s in ranks if now_states[s.rank] in (_process.WORKING, _process.STOPPED)]
+    stopped = [s for s in ranks if now_states[s.rank] == _process.STOPPED]
+    unknown = [s for s in ranks if now_states[s.rank] is None]
+    most = max(s.steps for s in ranks)
+    lagging = [s for s in ranks if s.steps < most]
+    if waiting and outside:
+        return outside
+    if stopped:
+        return stopped
+    if unknown and lagging:
+        return lagging  # ranks elsewhere: the one behind is the likely culprit
+    if unknown and not outside:
+        return ranks  # nothing tells them apart: every rank stalled
+    if waiting and not outside:
+        return ranks  # every rank waits: the collective itself is stuck
+    return []  # every rank is computing (an evaluation, a compile): not a hang
+
+
+def setting(value: float | None, name: str, default: float) -> float:
+    """``value``, else environment variable ``name`` (checked by the settings table), else
+    ``default``."""
+    if value is not None:
+        return float(value)
+    read = settings.read(name)
+    return default if read is None else float(read)
+
+
+def lower_median(values: list[float]) -> float:
+    """The lower of the two middle values (the middle one of an odd count)."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 class Watchdog:
@@ -89,6 +179,7 @@ class Watchdog:
         sample_s: Period of the /proc samples of local ranks.
         on_hang: Called with each :class:`HangReport`, on the watchdog's thread.
         bus: Where the reports come from and the flags go (this process's bus).
+        clock: The kernel's monotonic clock (``time.monotonic``).
 
     Example:
         >>> dog = Watchdog(world_size=4).start()
@@ -106,11 +197,12 @@ class Watchdog:
         confirm_s: float | None = None,
         sample_s: float = 0.1,
         on_hang: Callable[[HangReport], Any] | None = None,
-        bus: Bus | None = None,
+        bus: events.Bus | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        threshold = _setting(threshold, "NBTOOLS_STRAGGLER_THRESHOLD", THRESHOLD)
-        window_s = _setting(window_s, "NBTOOLS_STRAGGLER_WINDOW_S", 30.0)
-        confirm_s = _setting(confirm_s, "NBTOOLS_STRAGGLER_CONFIRM_S", 10.0)
+        threshold = setting(threshold, "NBTOOLS_STRAGGLER_THRESHOLD", THRESHOLD)
+        window_s = setting(window_s, "NBTOOLS_STRAGGLER_WINDOW_S", 30.0)
+        confirm_s = setting(confirm_s, "NBTOOLS_STRAGGLER_CONFIRM_S", 10.0)
         if not 0 < threshold < 1:
             raise ValueError(f"the straggler threshold must be between 0 and 1, got {threshold!r}")
         self.world_size = world_size
@@ -120,9 +212,10 @@ class Watchdog:
         self.confirm_s = confirm_s
         self.sample_s = sample_s
         self._on_hang = on_hang
-        self._bus = bus if bus is not None else BUS
-        self._ranks: dict[int, _Rank] = {}
-        self._flags: dict[tuple[str, int], _Flag] = {}
+        self._clock = clock
+        self._bus = bus if bus is not None else events.bus()
+        self._ranks: dict[int, RankState] = {}
+        self._flags: dict[tuple[str, int], Flag] = {}
         self._reports: list[HangReport] = []
         self._notices: list[str] = []  # straggler flags' starts and ends, for the cell
         self._outbox: list[tuple[str, str, dict[str, Any]]] = []
@@ -133,7 +226,6 @@ class Watchdog:
         self._paused_from = 0.0
         self._paused_until = 0.0
         self._host = socket.gethostname()
-        self._answers = _collectives.Answers()  # the ranks' answers about their collectives
 
     # --- life ------------------------------------------------------------------------
 
@@ -159,7 +251,7 @@ class Watchdog:
         with self._lock:
             open_flags = list(self._flags.values())
             self._flags.clear()
-        now = time.time()
+        now = self._clock()
         with self._lock:
             for flag in open_flags:
                 self._emit_end(flag, now, "the group ended")
@@ -190,10 +282,10 @@ class Watchdog:
         """True once any rank reported a step: hangs are judged by progress, not output."""
         return bool(self._ranks)
 
-    def flags(self) -> list[tuple[str, int, str, float, float | None]]:
-        """Open flags: ``(kind, rank, node, since, score)``."""
+    def flags(self) -> list[Flag]:
+        """The open flags (copies)."""
         with self._lock:
-            return [(f.kind, f.rank, f.node, f.since, f.score) for f in self._flags.values()]
+            return [dataclasses.replace(f) for f in self._flags.values()]
 
     def bound(self) -> float:
         """Seconds without progress that make a hang now."""
@@ -204,26 +296,25 @@ class Watchdog:
 
     # --- input -----------------------------------------------------------------------
 
-    def _on_events(self, events: list[Event]) -> None:
+    def _on_events(self, batch: list[events.Event]) -> None:
         with self._lock:
-            for event in events:
-                if event.kind == PROGRESS_KIND and event.rank is not None:
+            for event in batch:
+                if event.kind == events.PROGRESS_KIND and event.rank is not None:
                     self._progress(event)
-                elif event.kind == _collectives.KIND and event.rank is not None:
-                    self._answer(event)
                 elif event.kind in _PAUSES:
-                    now = time.time()
-                    start = event.time - _PAUSE_S
+                    now = self._clock()
+                    start = now - _PAUSE_S
                     if now > self._paused_until:  # a new pause, not more of the last one
                         self._paused_from = start
                     self._paused_from = min(self._paused_from, start)
                     self._paused_until = max(self._paused_until, now + 2.0)
 
-    def _progress(self, event: Event) -> None:
+    def _progress(self, event: events.Event) -> None:
         state = self._ranks.get(event.rank)  # type: ignore[arg-type]
         if state is None or state.pid != event.pid:
-            local = machine_of(event.host) == self._host  # its process can be read here
-            state = _Rank(event.rank, event.host, event.pid, local)  # type: ignore[arg-type]
+            # Its process can be read here when it runs on this machine.
+            local = event.host.split(events.NODE_SEPARATOR, 1)[0] == self._host
+            state = RankState(event.rank, event.host, event.pid, local)  # type: ignore[arg-type]
             self._ranks[event.rank] = state  # type: ignore[index]
         steps = event.fields.get("steps")
         if type(steps) is not int:
@@ -232,31 +323,29 @@ class Watchdog:
         # reports numbered steps): the rank is alive, its step times are unchanged.
         alive = event.fields.get("alive")
         marked = False
-        if isinstance(alive, (int, float)) and alive > state.alive_at:
-            state.alive_at, marked = float(alive), True
+        if isinstance(alive, (int, float)) and alive > state.marked_at:
+            state.marked_at, marked = float(alive), True
         if steps <= state.steps:
             if marked:
-                self._arrived(state)
+                state.alive_at = self._arrived(state)
             return
-        self._arrived(state)
-        if state.steps and event.time > state.progressed_at:
-            state.step_times.append((event.time - state.progressed_at) / (steps - state.steps))
-        state.steps, state.step, state.progressed_at = steps, event.step, event.time
+        state.progressed_at = self._arrived(state)
+        if marked:
+            state.alive_at = state.progressed_at
+        if state.steps and event.time > state.stepped_at:
+            state.step_times.append((event.time - state.stepped_at) / (steps - state.steps))
+        state.steps, state.step, state.stepped_at = steps, event.step, event.time
 
-    def _arrived(self, state: _Rank) -> None:
-        """A report that shows progress arrived now."""
-        arrived = time.time()
+    def _arrived(self, state: RankState) -> float:
+        """A report that shows progress arrived now; returns now."""
+        arrived = self._clock()
         self._first_progress = self._first_progress or arrived
         if not state.arrived_at or arrived - state.arrived_at > _REPORT_GRACE_S:
             state.streak_from = arrived  # reports resume after a gap: a new streak
         state.arrived_at = arrived
+        return arrived
 
-    def _answer(self, event: Event) -> None:
-        state = self._ranks.get(event.rank)  # type: ignore[arg-type]
-        if state is not None and state.pid == event.pid:  # not another group's rank
-            self._answers.add(event)
-
-    def _ask_collectives(self) -> dict[int, list[dict[str, Any]]]:
+    def _ask_collectives(self) -> dict[int, list[_collectives.Position]]:
         """Ask the ranks which collective they are in: ``rank -> positions``.
 
         The wait is for every rank that may answer: those on other machines too
@@ -266,20 +355,21 @@ class Watchdog:
             expected = {
                 r
                 for r, s in self._ranks.items()
-                if not s.local or _now_state(s) not in (_procstate.STOPPED, _procstate.GONE)
+                if not s.local or now_state(s) not in (_process.STOPPED, _process.GONE)
             }
-        return self._answers.ask(expected, self._stop)
+            pids = {r: s.pid for r, s in self._ranks.items()}
+        return _collectives.ask(expected, pids, self._stop)
 
     # --- the thread --------------------------------------------------------------------
 
     def _loop(self) -> None:
-        next_eval = time.monotonic() + 1.0
+        next_eval = self._clock() + 1.0
         while not self._stop.wait(self.sample_s):
             self._sample()
-            if time.monotonic() >= next_eval:
-                next_eval = time.monotonic() + 1.0
+            if self._clock() >= next_eval:
+                next_eval = self._clock() + 1.0
                 try:
-                    self._evaluate(time.time())
+                    self._evaluate(self._clock())
                 except Exception:  # noqa: BLE001 - the watch must outlive a bad tick
                     _log.exception("judging the ranks' progress failed; trying again")
 
@@ -287,11 +377,11 @@ class Watchdog:
         with self._lock:
             local = [(s, s.pid) for s in self._ranks.values() if s.local]
         for state, pid in local:
-            kind, detail = _procstate.sample(pid)
+            kind, detail = _process.sample(pid)
             state.recent.append((kind, detail))
-            if kind == _procstate.WAITING:
+            if kind == _process.WAITING:
                 state.waiting += 1
-            elif kind != _procstate.GONE:
+            elif kind != _process.GONE:
                 state.working += 1
 
     def _evaluate(self, now: float) -> None:
@@ -309,24 +399,24 @@ class Watchdog:
         medians = [statistics.median(s.step_times) for s in self._ranks.values() if s.step_times]
         return statistics.median(medians) if medians else None
 
-    def _judge_hangs(self, now: float) -> list[_Flag]:
+    def _judge_hangs(self, now: float) -> list[Flag]:
         if not self._ranks:
             return []
         bound = self.bound()
         for state in self._ranks.values():  # progress again: the flag ends
             flag = self._flags.get(("hang", state.rank))
-            sign = _last_sign(state)
+            sign = last_sign(state)
             # A report that left before the stall and arrived late (its sender was
             # stopped too) is no progress: the rank must be back within the bound.
             if flag is not None and sign > flag.since and now - sign <= bound:
                 del self._flags[("hang", state.rank)]
                 self._emit_end(flag, now, f"made progress again (step {state.step})")
-        ranks = {r: self._ranks.get(r) or _Rank(r) for r in range(self.world_size)}
+        ranks = {r: self._ranks.get(r) or RankState(r) for r in range(self.world_size)}
         ranks.update(self._ranks)
         # A rank yet to report is judged from when the first rank did: starting up
         # (imports, a restore) is not a hang.
         begun = self._first_progress
-        stalled = [s for s in ranks.values() if now - (_last_sign(s) or begun) > bound]
+        stalled = [s for s in ranks.values() if now - (last_sign(s) or begun) > bound]
         if not stalled:
             return []
         if len(stalled) < len(ranks):
@@ -337,17 +427,21 @@ class Watchdog:
             steady = any(s.streak_from and now - s.streak_from > _REPORT_GRACE_S for s in moving)
             culprits = stalled if steady else []
         else:
-            culprits = _stuck_outside(list(ranks.values()))
+            culprits = stuck_outside(list(ranks.values()))
         new = []
         for state in culprits:
             if ("hang", state.rank) in self._flags:
                 continue
-            flag = _Flag("hang", state.rank, state.host, _last_sign(state) or begun)
+            flag = Flag("hang", state.rank, state.host, last_sign(state) or begun)
             self._flags[("hang", state.rank)] = flag
             new.append(flag)
         return new
 
-    def _report(self, flags: list[_Flag], now: float) -> None:
+    def _epoch(self, at: float) -> float:
+        """The epoch time of a kernel time ``at`` (monotonic), for events and the cell."""
+        return time.time() - (self._clock() - at)
+
+    def _report(self, flags: list[Flag], now: float) -> None:
         with self._lock:
             ranks = dict(self._ranks)
             bound = self.bound()
@@ -355,35 +449,42 @@ class Watchdog:
         answers = self._ask_collectives()
         where = _collectives.describe(answers, [f.rank for f in flags], self.world_size)
         flying = _collectives.in_flight(answers)
+        culprits = []
         for flag in flags:
             state = ranks.get(flag.rank)
             sampled = states.get(flag.rank)
-            what = _procstate.describe_state(*sampled) if sampled else ""
+            what = _process.describe_state(*sampled) if sampled else ""
             stalled = now - flag.since
-            message = (
-                f"rank {flag.rank} on {flag.node or 'an unknown node'} made no progress for "
-                f"{stalled:.0f} s (since {clock_text(flag.since)}"
-                + (
-                    f", after step {state.step}"
-                    if state is not None and state.step is not None
-                    else ""
-                )
+            since = self._epoch(flag.since)
+            after = (
+                f", after step {state.step}"
+                if state is not None and state.step is not None
+                else ", before its first step"
+            )
+            why = (
+                f"made no progress for {stalled:.0f} s (since {clock_text(since)}{after}"
                 + (f"; {what}" if what else "")
                 + ")"
-                + "".join(f"; {line}" for line in where)
             )
+            culprits.append(Culprit(flag.rank, flag.node, since, why))
             # The collective in flight, and whether this rank is in it (None: unknown).
             collective, entered = None, None
-            for op, seq, inside, behind in flying:
-                collective = f"{op} #{seq}"
-                entered = True if flag.rank in inside else False if flag.rank in behind else None
-                break
-            emit(
+            for flight in flying[:1]:
+                collective = f"{flight.op} #{flight.seq}"
+                entered = (
+                    True
+                    if flag.rank in flight.inside
+                    else False
+                    if flag.rank in flight.behind
+                    else None
+                )
+            events.emit(
                 "hang",
-                message,
+                f"rank {flag.rank} on {flag.node or 'an unknown node'} {why}"
+                + "".join(f"; {line}" for line in where),
                 rank=flag.rank,
                 node=flag.node,
-                since=round(flag.since, 3),
+                since=round(since, 3),
                 stalled_s=round(stalled, 1),
                 step=state.step if state is not None else None,
                 rank_pid=state.pid if state is not None else None,
@@ -392,16 +493,17 @@ class Watchdog:
                 entered=entered,
             )
         local = {r: s.pid for r, s in ranks.items() if s.local and s.pid}
-        stacks = _procstate.python_stacks(local.values())
+        stacks = _process.python_stacks(local.values())
         report = hang_report(
-            flags=[(f.rank, f.node, f.since) for f in flags],
-            ranks={
-                r: (s.host, s.pid, s.step, states.get(r), stacks.get(s.pid) if s.local else None)
+            culprits,
+            {
+                r: RankView(
+                    s.host, s.pid, s.step, states.get(r), stacks.get(s.pid) if s.local else None
+                )
                 for r, s in ranks.items()
             },
-            world_size=self.world_size,
-            now=now,
-            collectives=where,
+            self.world_size,
+            where,
         )
         with self._lock:
             self._reports.append(report)
@@ -437,7 +539,7 @@ class Watchdog:
         scores: dict[int, float] = {}
         measured: dict[int, str] = {}
         if len(shares) >= 2:
-            reference = _lower_median(list(shares.values()))
+            reference = lower_median(list(shares.values()))
             for rank, share in shares.items():
                 scores[rank] = reference / share if share > 0 else 1.0
                 measured[rank] = (
@@ -450,7 +552,7 @@ class Watchdog:
             if not s.local and len(s.step_times) >= 5 and statistics.median(s.step_times) > 0
         }
         if len(rates) >= 2:
-            reference = _lower_median(list(rates.values()))
+            reference = lower_median(list(rates.values()))
             for rank, rate in rates.items():
                 scores[rank] = rate / reference
                 measured[rank] = (
@@ -459,7 +561,7 @@ class Watchdog:
         for rank, score in scores.items():
             self._score(self._ranks[rank], min(score, 9.99), now, measured[rank])
 
-    def _score(self, state: _Rank, score: float, now: float, measured: str) -> None:
+    def _score(self, state: RankState, score: float, now: float, measured: str) -> None:
         """Open or end ``state``'s straggler flag by its ``score``; ``measured`` says what the
         score compares (time outside collectives, or step rates for a rank on another node)."""
         state.score = score
@@ -469,11 +571,11 @@ class Watchdog:
             state.high_since = None
             state.low_since = state.low_since or now
             if flag is None and now - state.low_since >= self.confirm_s:
-                flag = _Flag("straggler", state.rank, state.host, state.low_since, score)
+                flag = Flag("straggler", state.rank, state.host, state.low_since, score)
                 self._flags[key] = flag
                 message = (
                     f"rank {state.rank} on {state.host} is a straggler since "
-                    f"{clock_text(flag.since)}: {measured} (score {score:.2f}, flagged under "
+                    f"{clock_text(self._epoch(flag.since))}: {measured} (score {score:.2f}, flagged under "
                     f"{self.threshold:.2f})"
                 )
                 self._notices.append(message)
@@ -482,7 +584,7 @@ class Watchdog:
                     message,
                     rank=state.rank,
                     node=state.host,
-                    since=round(flag.since, 3),
+                    since=round(self._epoch(flag.since), 3),
                     score=round(score, 3),
                     step=state.step,
                 )
@@ -504,9 +606,9 @@ class Watchdog:
         with self._lock:
             posted, self._outbox = self._outbox, []
         for kind, message, fields in posted:
-            emit(kind, message, **fields)
+            events.emit(kind, message, **fields)
 
-    def _emit_end(self, flag: _Flag, now: float, how: str) -> None:
+    def _emit_end(self, flag: Flag, now: float, how: str) -> None:
         lasted = max(0.0, now - flag.since)
         what = "hang" if flag.kind == "hang" else "straggler flag"
         fields: dict[str, Any] = {"score": round(flag.score, 3)} if flag.score is not None else {}
@@ -518,7 +620,7 @@ class Watchdog:
             message,
             rank=flag.rank,
             node=flag.node,
-            since=round(flag.since, 3),
+            since=round(self._epoch(flag.since), 3),
             ended=True,
             lasted_s=round(lasted, 1),
             **fields,

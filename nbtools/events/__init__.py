@@ -18,29 +18,32 @@ Kernel side, for a launcher::
     ...                                             # ranks call events.flush() at their end
     collector.stop()                                # after they exit: all delivered
 
-A launcher whose ranks live where no ask file of the kernel reaches (Ray
-actors) adds a way to ask them which collective they are in, for hang
-reports (``events.add_collectives_asker(ask)``), and names each rank's node
-through ``NODE_ENV`` in its environment.
+The kernel can ask the ranks which collective they are in
+(``events.ask_collectives()``; the hang reports do): their answers come back
+as the reply to that ask. A launcher whose ranks live where no ask file of
+the kernel reaches (Ray actors) adds a way to ask them
+(``events.add_collectives_asker(ask)``), and names each rank's node through
+``NODE_ENV`` in its environment.
 
-This package is stdlib-only and imports no other nbtools package but the base.
+The kernel's watch over these reports (hangs, stragglers) is a room of its
+own above this one (``nbtools._hangs``). This package is stdlib-only and
+imports no other nbtools package but the base.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from nbtools.events._ask import add_asker as add_collectives_asker
+from nbtools.events._ask import ask as ask_collectives
+from nbtools.events._ask import remove_asker as remove_collectives_asker
 from nbtools.events._bus import Bus, Subscriber
-from nbtools.events._collectives import add_asker as add_collectives_asker
-from nbtools.events._collectives import remove_asker as remove_collectives_asker
 from nbtools.events._collector import Collector
 from nbtools.events._emit import BUS as _BUS
 from nbtools.events._emit import NODE_ENV, NODE_SEPARATOR, emit, flush
-from nbtools.events._progress import step
+from nbtools.events._progress import PROGRESS_KIND, step
 from nbtools.events._record import Event
-from nbtools.events._report import HangReport
 from nbtools.events._sinks import CHANNEL_ENV
-from nbtools.events._watchdog import Watchdog
 
 __all__ = [
     "CHANNEL_ENV",
@@ -49,9 +52,9 @@ __all__ = [
     "Bus",
     "Collector",
     "Event",
-    "HangReport",
-    "Watchdog",
+    "PROGRESS_KIND",
     "add_collectives_asker",
+    "ask_collectives",
     "bus",
     "dropped",
     "emit",

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from nbtools._internal.log import get_logger
+from nbtools.events import _ask
 from nbtools.events._record import Event
 
 __all__ = ["Bus", "Subscriber"]
@@ -69,7 +70,12 @@ class Bus:
         dropped: int = 0,
         source: tuple[str, int | None, int] | None = None,
     ) -> None:
-        """Record ``events`` and the number of events ``source`` dropped before them."""
+        """Record ``events`` and the number of events ``source`` dropped before them.
+
+        The ranks' answers to an ask (``collectives`` events) go to the ask that
+        waits for them, not into the log.
+        """
+        events = _ask.divert(events)
         with self._lock:
             self._events.extend(events)
             if dropped:

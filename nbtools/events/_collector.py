@@ -25,7 +25,7 @@ import uuid
 from types import TracebackType
 
 from nbtools._internal.log import get_logger
-from nbtools.events import _collectives
+from nbtools.events import _ask
 from nbtools.events._bus import Bus
 from nbtools.events._emit import BUS
 from nbtools.events._sinks import CHANNEL_ENV
@@ -97,9 +97,7 @@ class Collector:
             except (AttributeError, OSError):
                 pass  # the default 64 KiB still works; bursts drop sooner
             self._stopping = False
-            _collectives.register(
-                _collectives.ask_path(f"fifo:{path}") or ""
-            )  # the watchdog asks the ranks through it
+            _ask.register(_ask.ask_path(f"fifo:{path}") or "")  # the kernel asks through it
             self._thread = threading.Thread(target=self._loop, name=_THREAD_NAME, daemon=True)
             self._thread.start()
         except BaseException:
@@ -116,8 +114,8 @@ class Collector:
         """
         self.start()
         env = {CHANNEL_ENV: f"fifo:{self.path}"}
-        if _collectives.BUFFER_ENV not in os.environ:
-            env[_collectives.BUFFER_ENV] = _collectives.BUFFER_SIZE
+        if _ask.BUFFER_ENV not in os.environ:
+            env[_ask.BUFFER_ENV] = _ask.BUFFER_SIZE
         return env
 
     def ask(self) -> bool:
@@ -129,7 +127,7 @@ class Collector:
         """
         if self.path is None or self._thread is None:
             return False
-        return _collectives.touch(_collectives.ask_path(f"fifo:{self.path}") or "")
+        return _ask.touch(_ask.ask_path(f"fifo:{self.path}") or "")
 
     def drain(self) -> int:
         """Publish everything written to the pipe before this call; return the events published."""
@@ -241,7 +239,7 @@ class Collector:
         self._thread = None
         self._partial = b""
         if self.path is not None:
-            _collectives.unregister(_collectives.ask_path(f"fifo:{self.path}") or "")
+            _ask.unregister(_ask.ask_path(f"fifo:{self.path}") or "")
             try:
                 os.unlink(self.path)
             except FileNotFoundError:

@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from nbtools._internal.log import get_logger
-from nbtools.events import _collectives
+from nbtools.events import _ask
 from nbtools.events._bus import Bus
 from nbtools.events._emitter import Emitter
 from nbtools.events._record import Event, check_event
@@ -137,9 +137,9 @@ def _setup() -> Any:
         else:
             _emitter = Emitter(sink, host, pid, rank)
             put = _emitter.put
-            ask = _collectives.ask_path(channel or "")
+            ask = _ask.ask_path(channel or "")
             if ask is not None:  # answer the watchdog's "which collective are you in?"
-                _emitter.add_source(_collectives.Answerer(ask, rank))
+                _emitter.add_source(_ask.Answerer(ask, rank))
             _flush_when_process_ends(pid)
         _rank = rank
         _put = put

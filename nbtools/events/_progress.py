@@ -9,7 +9,7 @@ speed costs the channel at most one event a second per rank, and a full
 channel drops (and counts) progress like any other event, never blocking.
 
 The kernel turns these reports into step rates, hang and straggler flags
-(:mod:`nbtools.events._watchdog`).
+(``nbtools._hangs``).
 
 Explicit step numbers win. A loop that uses nbtools' ``DataLoader`` (a
 mark per batch, ``step(None)``) and ``CheckpointManager.maybe_save`` (a

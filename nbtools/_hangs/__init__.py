@@ -1,0 +1,29 @@
+"""Hangs and stragglers: the kernel's watch over a running group of ranks.
+
+The launcher opens a :class:`Watchdog` for each group it runs. It reads the
+ranks' progress reports from the events bus, samples each local rank's
+process from outside, and flags a rank that stopped (a hang, with a
+:class:`HangReport` for the cell) or that runs behind the others (a
+straggler, as ``straggler`` events and one line each for the cell). What
+happens next is the launcher's policy, not this room's.
+
+The room, module by module:
+
+- ``_watchdog``: the :class:`Watchdog` with its per-rank state and flags: when a
+  rank is hung, when it is a straggler.
+- ``_process``: what a rank's process is doing, read from outside it (/proc,
+  py-spy).
+- ``_collectives``: which collective each rank is in (torch's Flight Recorder,
+  asked through the events channel), in words.
+- ``_report``: the :class:`HangReport`: its culprits, headline and stacks.
+
+It sits at the base layer, beside :mod:`nbtools.events`: it imports only the
+standard library, ``nbtools._internal`` and ``nbtools.events``.
+"""
+
+from __future__ import annotations
+
+from nbtools._hangs._report import Culprit, HangReport
+from nbtools._hangs._watchdog import Flag, Watchdog
+
+__all__ = ["Culprit", "Flag", "HangReport", "Watchdog"]

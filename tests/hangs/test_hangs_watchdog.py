@@ -1,0 +1,239 @@
+"""The kernel's watchdog over progress reports: hangs and stragglers.
+
+The watchdog's input is the bus; its view of a rank's process is /proc and
+py-spy. These tests feed it progress events for real processes (waiting on a
+lock, sleeping, stopped by SIGSTOP) and read the flags it emits. Where a test
+moves time on, it gives the watchdog a clock of its own: the watchdog judges by
+when reports reach the kernel, never by the ranks' clocks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from nbtools import events
+from nbtools._hangs import Watchdog
+from nbtools._hangs import _process as _procstate
+from nbtools.events import Event
+
+
+class _Clock:
+    """The kernel's monotonic clock, moved on by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _process(code: str, state: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)])
+    assert _wait_until(lambda: _procstate.sample(proc.pid)[1] == state), state
+    return proc
+
+
+def _progress(rank: int, pid: int, steps: int, at: float, host: str | None = None) -> Event:
+    return Event(
+        at,
+        host or socket.gethostname(),
+        rank,
+        pid,
+        "progress",
+        None,
+        steps,
+        {"steps": steps, "cpu": 0.0},
+    )
+
+
+@pytest.fixture
+def flags():
+    seen: list[Event] = []
+    got = threading.Event()
+
+    def keep(batch):
+        for event in batch:
+            if event.kind in ("hang", "straggler"):
+                seen.append(event)
+                got.set()
+
+    events.subscribe(keep)
+    yield seen, got
+    events.unsubscribe(keep)
+
+
+def _wait_until(predicate, timeout=30.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_rank_whose_batches_go_on_is_alive_and_keeps_its_step_times():
+    clock = _Clock()
+    dog = Watchdog(2, hang_timeout=5.0, clock=clock)
+    now = time.time()
+    dog._on_events(
+        [
+            _progress(r, 100 + r, s, now - 20 + s, host="node-x")
+            for r in (0, 1)
+            for s in (1, 2, 3, 4)
+        ]
+    )
+    before = list(dog._ranks[1].step_times)
+    assert before == [1.0, 1.0, 1.0]  # from the rank's own clock: differences only
+    clock.now += 4.0
+    report = _progress(1, 101, 4, now - 16, host="node-x")
+    report.fields["alive"] = now - 0.2  # evaluation batches: no step, but alive
+    dog._on_events([report])
+    assert list(dog._ranks[1].step_times) == before
+    # Judged 3 s on: rank 1's marks kept coming, rank 0 shows nothing for 7 s.
+    clock.now += 3.0
+    new = dog._judge_hangs(clock.now)
+    assert [f.rank for f in new] == [0]
+
+
+def test_a_rank_whose_clock_is_a_minute_behind_is_judged_by_when_its_reports_arrive():
+    clock = _Clock()
+    dog = Watchdog(2, hang_timeout=5.0, clock=clock)
+    now = time.time()
+    for step in range(1, 30):  # both ranks step every second; rank 1's clock is 60 s behind
+        dog._on_events(
+            [_progress(0, 100, step, now + step), _progress(1, 101, step, now + step - 60)]
+        )
+        clock.now += 1.0
+        assert dog._judge_hangs(clock.now) == []
+    assert dog.bound() == 5.0 and list(dog._ranks[1].step_times)[-1] == pytest.approx(1.0)
+
+
+def test_a_local_rank_is_sampled_and_a_rank_on_another_node_is_not():
+    dog = Watchdog(3)
+    node = f"{socket.gethostname()}{events.NODE_SEPARATOR}1a2b3c4d"
+    dog._on_events(
+        [
+            _progress(2, os.getpid(), 5, time.time(), host=node),
+            _progress(1, 101, 5, time.time(), host="gpu-b · 1a2b3c4d"),
+        ]
+    )
+    assert dog._ranks[2].local and not dog._ranks[1].local  # its process can be read here
+
+
+@pytest.mark.slow
+def test_only_the_stopped_rank_is_named_not_those_waiting_for_it(flags):
+    seen, _ = flags
+    waiting = "import threading; threading.Event().wait(60)"
+    sleeping = "import time; time.sleep(60)"
+    procs = [
+        _process(waiting, "futex"),
+        _process(waiting, "futex"),
+        _process(sleeping, "clock_nanosleep"),
+    ]
+    os.kill(procs[2].pid, signal.SIGSTOP)
+    reports = []
+    dog = Watchdog(3, hang_timeout=1.0, on_hang=reports.append).start()
+    try:
+        now = time.time()
+        events.bus().publish([_progress(r, p.pid, 10, now) for r, p in enumerate(procs)])
+        assert _wait_until(lambda: reports)
+        assert [e.rank for e in seen if e.kind == "hang"] == [2]
+        assert reports[0].ranks == (2,)
+        text = reports[0].text
+        assert "rank 2 on" in text and "stopped by a signal" in text
+        assert "Ranks 0, 1 wait for it" in text
+        assert text.count("Thread ") >= 3 or "py-spy" in text  # a stack per rank, or why not
+        os.kill(procs[2].pid, signal.SIGCONT)
+        steps = iter(range(11, 10_000))
+
+        def resumed() -> bool:  # the rank reports its steps again, as a running rank does
+            events.bus().publish([_progress(2, procs[2].pid, next(steps), time.time())])
+            return any(e.fields.get("ended") for e in seen)
+
+        assert _wait_until(resumed)
+        ended = [e for e in seen if e.fields.get("ended")]
+        assert [e.rank for e in ended] == [2] and ended[0].fields["lasted_s"] >= 0
+    finally:
+        dog.stop()
+        for proc in procs:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_ranks_that_all_compute_past_the_bound_are_not_a_hang(flags):
+    seen, _ = flags
+    busy = "import time\nwhile True: time.sleep(0.01)"
+    procs = [_process(busy, "clock_nanosleep"), _process(busy, "clock_nanosleep")]
+    dog = Watchdog(2, hang_timeout=1.0).start()
+    try:
+        now = time.time()
+        events.bus().publish([_progress(r, p.pid, 5, now) for r, p in enumerate(procs)])
+        time.sleep(3.5)  # three bounds: an evaluation every rank runs, nobody waits
+        assert dog.flags() == [] and seen == []
+    finally:
+        dog.stop()
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_rank_on_another_node_behind_the_others_is_a_straggler_named_by_node(flags):
+    seen, got = flags
+    clock = _Clock()
+    dog = Watchdog(3, threshold=0.75, window_s=30, confirm_s=0.5, clock=clock)
+    start = time.time() - 30
+    batch = []
+    for i in range(1, 31):  # ranks 0 and 1 step every 0.25 s, rank 2 every 0.5 s
+        for rank, period in ((0, 0.25), (1, 0.25), (2, 0.5)):
+            steps = int(i / period)
+            batch.append(_progress(rank, 100 + rank, steps, start + i, host=f"node-{rank}"))
+    dog._on_events(batch)
+    dog._evaluate(clock.now)
+    clock.now += 1.0
+    dog._evaluate(clock.now)
+    dog._send_posted()
+    assert got.is_set()
+    opened = [e for e in seen if e.kind == "straggler"]
+    assert [(e.rank, e.fields["node"]) for e in opened] == [(2, "node-2")]
+    assert opened[0].fields["score"] == pytest.approx(0.5, abs=0.05)
+    assert opened[0].message.startswith("rank 2 on node-2 is a straggler since ")
+    assert "2 steps/s against the median rank's 4 steps/s (score 0.50" in opened[0].message
+    assert dog.take_notices() == [opened[0].message]  # one line for the cell
+    assert dog.take_notices() == []
+
+
+def test_bad_settings_are_refused_with_the_name(monkeypatch):
+    monkeypatch.setenv("NBTOOLS_STRAGGLER_WINDOW_S", "soon")
+    with pytest.raises(ValueError, match="NBTOOLS_STRAGGLER_WINDOW_S='soon' is not a valid"):
+        Watchdog(2)
+    with pytest.raises(ValueError, match="threshold"):
+        Watchdog(2, threshold=1.5, window_s=1)
+
+
+def test_an_interrupt_while_the_watch_starts_leaves_no_thread_or_subscriber(monkeypatch):
+    # Ctrl+C can land while Thread.start waits for the new thread; "with" then never
+    # reaches __exit__, so the watch must undo its own start.
+    started = threading.Thread.start
+
+    def start_then_interrupted(thread: threading.Thread) -> None:
+        started(thread)
+        raise KeyboardInterrupt
+
+    before = events.bus()._subscribers
+    monkeypatch.setattr(threading.Thread, "start", start_then_interrupted)
+    with pytest.raises(KeyboardInterrupt), Watchdog(2):
+        pytest.fail("the body must not run")
+    monkeypatch.undo()
+    assert events.bus()._subscribers == before
+    assert not [t for t in threading.enumerate() if t.name == "nbtools-watchdog"]
