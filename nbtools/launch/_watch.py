@@ -2,7 +2,7 @@
 
 Works on any :class:`~nbtools.launch._backend.RankGroup`; how ranks are
 polled and made to print their stacks is the backend's business. While the
-group runs, a :class:`nbtools.events.Watchdog` judges the ranks' progress
+group runs, a :class:`nbtools._hangs.Watchdog` judges the ranks' progress
 reports, and :class:`HangPolicy` decides what a hang does: one warning in the
 cell (culprits, then every rank's stack, read from outside the processes), and
 with ``on_hang="restart"`` a failure of the group, which the runner restarts. A
@@ -16,7 +16,7 @@ import contextlib
 import time
 from collections.abc import Callable
 
-from nbtools import events
+from nbtools import _hangs
 from nbtools._internal.log import get_logger
 from nbtools.launch._backend import Failed, Outcome, RankGroup
 from nbtools.launch._failures import RankFailure
@@ -36,7 +36,7 @@ def watch(
     """Poll ``group`` until every rank returned or one failed, watching for hangs.
 
     Once ranks report progress, a hang is judged by it (see
-    :class:`nbtools.events.Watchdog`; ``hang_timeout`` replaces the adaptive
+    :class:`nbtools._hangs.Watchdog`; ``hang_timeout`` replaces the adaptive
     bound) and shown once per culprit; with ``on_hang="restart"`` it ends the
     watch as a failure of the culprits. A run that reports no progress keeps
     the plain rule: once no rank has written anything for ``hang_timeout``,
@@ -45,7 +45,7 @@ def watch(
     Raises:
         KeyboardInterrupt: the caller was interrupted (ranks still running).
     """
-    with events.Watchdog(len(group.stdouts), hang_timeout=hang_timeout) as dog:
+    with _hangs.Watchdog(len(group.stdouts), hang_timeout=hang_timeout) as dog:
         outcome = _watch(group, forwarder, hang_timeout, on_hang, dog)
     for notice in dog.take_notices():  # flags still open ended with the group
         _log.warning("%s", notice)
@@ -57,7 +57,7 @@ def _watch(
     forwarder: OutputForwarder,
     hang_timeout: float | None,
     on_hang: str,
-    dog: events.Watchdog,
+    dog: _hangs.Watchdog,
 ) -> Outcome:
     policy = HangPolicy(on_hang, hang_timeout)
     while True:
@@ -86,7 +86,7 @@ class HangPolicy:
         self._stacks_shown = False
 
     def look(
-        self, dog: events.Watchdog | None, quiet: float, show_stacks: Callable[[], None]
+        self, dog: _hangs.Watchdog | None, quiet: float, show_stacks: Callable[[], None]
     ) -> Failed | None:
         """One look while the call runs; the failure that ends it (``on_hang="restart"``), or None.
 
@@ -122,9 +122,9 @@ def interrupted_stacks(group: RankGroup, forwarder: OutputForwarder) -> None:
         group.show_stacks(lambda: forwarder.last_output)
 
 
-def hang_failure(report: events.HangReport) -> Failed:
+def hang_failure(report: _hangs.HangReport) -> Failed:
     """A hang as the failure of its culprits, for the runner to restart the group."""
-    headline = report.text.split(" The call keeps running", 1)[0]
+    headline = report.headline
     failures = {
         rank: RankFailure(rank, "Hang", headline, time=report.since) for rank in report.ranks
     }
