@@ -28,7 +28,7 @@ from typing import Any, TextIO
 
 import cloudpickle
 
-from nbtools import events
+from nbtools import _hangs
 from nbtools._internal.log import get_logger
 from nbtools.launch._backend import Failed, Finished, GroupSpec, LaunchBackend, RankGroup
 from nbtools.launch._output import OutputForwarder
@@ -459,7 +459,7 @@ def _driver_address() -> str:
 
 
 class _Watch:
-    """A call's :class:`nbtools.events.Watchdog`, started once the call is past
+    """A call's :class:`nbtools._hangs.Watchdog`, started once the call is past
     :data:`_WATCH_AFTER_S` (never when not ``active``: a stop's or interrupt's wait)."""
 
     def __init__(self, world_size: int, hang_timeout: float | None, active: bool) -> None:
@@ -467,12 +467,12 @@ class _Watch:
         self._hang_timeout = hang_timeout
         self._active = active
         self._from = time.monotonic() + _WATCH_AFTER_S
-        self._dog: events.Watchdog | None = None
+        self._dog: _hangs.Watchdog | None = None
 
-    def due(self, now: float) -> events.Watchdog | None:
+    def due(self, now: float) -> _hangs.Watchdog | None:
         """The watchdog, started now if the call has run long enough; None before."""
         if self._dog is None and self._active and now >= self._from:
-            self._dog = events.Watchdog(self._world_size, hang_timeout=self._hang_timeout)
+            self._dog = _hangs.Watchdog(self._world_size, hang_timeout=self._hang_timeout)
             self._dog.start()
         return self._dog
 
