@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from nbtools import events
+from nbtools._hangs import Watchdog
 from nbtools.data import DataLoader, VolumeDataset
 from nbtools.data._stream import _spec as _window
 from nbtools.data.loader import MIN_STALL_S, StallWatch
@@ -85,7 +86,7 @@ def test_a_loop_over_the_loader_alone_is_seen_progressing_by_the_kernel(tree):
         assert seen == 40, seen
     """
     bus = events.Bus()
-    dog = events.Watchdog(world_size=1, bus=bus).start()
+    dog = Watchdog(world_size=1, bus=bus).start()
     try:
         with events.Collector(bus=bus) as collector:
             env = dict(os.environ, **collector.environment(), RANK="2")
