@@ -313,7 +313,6 @@ def _rooms() -> list[str]:
 _NOT_YET_FRONT_DOOR = {
     "nbtools._internal",
     "nbtools._magics",
-    "nbtools.data",
     "nbtools.events",
     "nbtools.launch._local",
     "nbtools.launch.pool",

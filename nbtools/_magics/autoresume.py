@@ -115,15 +115,10 @@ def _no_position(value: Any) -> str | None:
     while; checked before anything runs instead. Other objects: None.
     """
     from nbtools.data import DataLoader
-    from nbtools.data._dataset_link import find_volume_datasets
 
-    if not isinstance(value, DataLoader):
+    if not isinstance(value, DataLoader) or value.saves_position:
         return None
-
-    dataset = value.dataset
-    if find_volume_datasets(dataset) or callable(getattr(dataset, "state_dict", None)):
-        return None
-    return type(dataset).__name__
+    return type(value.dataset).__name__
 
 
 def _writable_root(root: str) -> str:

@@ -302,6 +302,12 @@ class DataLoader(torch.utils.data.DataLoader):
 
     # --- state ----------------------------------------------------------------------
 
+    @property
+    def saves_position(self) -> bool:
+        """Whether :meth:`state_dict` can save this loader's position: its dataset is or holds a
+        ``VolumeDataset``, or has a ``state_dict`` of its own."""
+        return bool(self._volumes) or callable(getattr(self.dataset, "state_dict", None))
+
     def state_dict(self) -> dict[str, Any]:
         """The position in the epoch: plain Python, the same on every rank.
 
