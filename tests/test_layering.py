@@ -316,7 +316,6 @@ _NOT_YET_FRONT_DOOR = {
     "nbtools.events",
     "nbtools.launch._local",
     "nbtools.launch.pool",
-    "nbtools.tracking",
 }
 
 

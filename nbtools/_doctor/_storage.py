@@ -154,8 +154,7 @@ def check_mlflow() -> Finding:
             "MLflow is not installed: runs are not tracked",
             'pip install "nbtools-train[mlflow]"',
         )
-    from nbtools.tracking._local_store import sqlite_path
-    from nbtools.tracking._store import is_http, probe
+    from nbtools.tracking import is_http, probe, sqlite_path
 
     uri = _tracking_uri()
     details: dict[str, Any] = {"uri": uri}
