@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["effective", "per_epoch"]
+__all__ = ["check_same_batches", "effective", "per_epoch"]
 
 
 def effective(log_dir: Path, rank: int, restored: int | None) -> list[list[int]]:
@@ -25,3 +25,17 @@ def per_epoch(steps: list[list[int]], steps_per_epoch: int) -> list[list[int]]:
         sorted(i for s in steps[e : e + steps_per_epoch] for i in s)
         for e in range(0, len(steps), steps_per_epoch)
     ]
+
+
+def check_same_batches(tmp_path: Path, world: int, start: int, steps_per_epoch: int, epochs: int):
+    """The recovered run (``tmp_path/recovered``, resumed at ``start``) trained on the
+    batches of the reference run (``tmp_path/reference``) on every rank, and on every
+    sample once per epoch."""
+    logs = [effective(tmp_path / "recovered" / "log", rank, start) for rank in range(world)]
+    for rank, mine in enumerate(logs):
+        assert mine == effective(tmp_path / "reference" / "log", rank, None)
+        assert len(mine) == steps_per_epoch * epochs
+    epochs_seen = zip(*(per_epoch(mine, steps_per_epoch) for mine in logs), strict=True)
+    seen = [sorted(i for ids in ranks for i in ids) for ranks in epochs_seen]
+    samples = steps_per_epoch * world * len(logs[0][0])
+    assert seen == [list(range(samples))] * epochs

@@ -17,7 +17,7 @@ import json
 import textwrap
 
 import pytest
-from _history import effective, per_epoch
+from _history import check_same_batches
 from _user_code_nb import NotebookKernel, requires
 
 pytestmark = [pytest.mark.slow, pytest.mark.kernel, requires("lightning", "torchdata")]
@@ -128,19 +128,7 @@ def test_a_killed_rank_resumes_from_memory_and_ends_like_an_uninterrupted_run(tm
     assert f"starting at step {start}, restored from memory" in output, output
 
     # Every sample once per epoch, in the batches of the uninterrupted run.
-    for rank in range(WORLD):
-        mine = effective(tmp_path / "recovered" / "log", rank, start)
-        assert mine == effective(tmp_path / "reference" / "log", rank, None)
-        assert len(mine) == steps
-    both = [
-        a + b
-        for a, b in zip(
-            per_epoch(effective(tmp_path / "recovered" / "log", 0, start), PER_EPOCH),
-            per_epoch(effective(tmp_path / "recovered" / "log", 1, start), PER_EPOCH),
-            strict=True,
-        )
-    ]
-    assert [sorted(ids) for ids in both] == [list(range(SAMPLES))] * EPOCHS
+    check_same_batches(tmp_path, WORLD, start, PER_EPOCH, EPOCHS)
 
     # Bit-identical final weights on both ranks.
     for ours, theirs in zip(recovered, reference, strict=True):
