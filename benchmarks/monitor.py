@@ -393,7 +393,7 @@ def measure_saved_notebook() -> dict:
 def measure_snapshot() -> dict:
     """The still picture of 8 GPUs with 2 h of history and a busy run's events."""
     from nbtools.events import Event
-    from nbtools.monitor.snapshot import render_png
+    from nbtools.monitor.snapshot import PaneState, render_png
     from nbtools.monitor.timeline import encode
 
     backend, history = SimulatedBackend(GPUS), History(int(HISTORY / INTERVAL) + 1)
@@ -429,7 +429,7 @@ def measure_snapshot() -> dict:
     walls, cpus = [], []
     for _ in range(5):
         wall, cpu = time.perf_counter(), time.process_time()
-        png = render_png(history, rows, latest, "simulated", status="polling every 10 s")
+        png = render_png(PaneState(history, rows, latest, "simulated", status="polling every 10 s"))
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
     return {

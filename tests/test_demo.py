@@ -250,16 +250,15 @@ def test_the_timelines_labels_cover_nothing_no_line_no_band_no_marker(tmp_path):
 
     from nbtools.monitor.history import History
     from nbtools.monitor.report import write_html
+    from nbtools.monitor.snapshot import PaneState
     from nbtools.monitor.timeline import drawn, encode, step_rates
 
     run = demo_events(time.time() - 60)  # the demo's events, as recorded
     path = write_html(
         tmp_path / "timeline.html",
-        History(capacity=10),
-        [encode(e) for e in drawn(run)],
-        {},
-        "NVML",
-        rates=step_rates(run),
+        PaneState(
+            History(capacity=10), [encode(e) for e in drawn(run)], {}, "NVML", rates=step_rates(run)
+        ),
     )
     with sync_playwright() as pw:
         browser = pw.chromium.launch(

@@ -29,7 +29,7 @@ from nbtools.monitor._widget import GPUChart
 from nbtools.monitor.backends import Backend, NVMLBackend
 from nbtools.monitor.readings import Sample, local_host
 from nbtools.monitor.sampler import Sampler, acquire, release
-from nbtools.monitor.snapshot import Snapshot, render_png, summary
+from nbtools.monitor.snapshot import PaneState, Snapshot, render_png, summary
 from nbtools.monitor.timeline import (
     EVENT_COLUMNS,
     MAX_DRAWN,
@@ -309,15 +309,7 @@ class GPUPane:
         """
         from nbtools.monitor.report import write_html
 
-        return write_html(
-            path,
-            self.sampler.samples,
-            self._event_rows(),
-            self._chart.glance(),
-            self.sampler.backend.source,
-            status=self._status_text(),
-            rates=self._step_rates(),
-        )
+        return write_html(path, self._state())
 
     def close(self) -> None:
         """Stop showing and, when no other pane uses it, stop the sampler thread (idempotent).
@@ -422,18 +414,25 @@ class GPUPane:
             return "closed"
         return self.sampler.message or status
 
+    def _state(self) -> PaneState:
+        return PaneState(
+            self.sampler.samples,
+            self._event_rows(),
+            self._chart.glance(),
+            self.sampler.backend.source,
+            status=self._status_text(),
+            rates=self._step_rates(),
+        )
+
     def _draw(self) -> Snapshot:
-        rows = self._event_rows()
-        latest = self._chart.glance()
-        history, source = self.sampler.samples, self.sampler.backend.source
-        status = self._status_text()
-        png = render_png(history, rows, latest, source, status=status, rates=self._step_rates())
+        state = self._state()
+        png = render_png(state)
         text = summary(
-            history,
-            latest,
-            source,
-            events=len(rows),
-            status="" if self.status == "polling" else status,
+            state.history,
+            state.latest,
+            state.source,
+            events=len(state.events),
+            status="" if self.status == "polling" else state.status,
         )
         return Snapshot(png=png, text=text, time=time.time())
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from nbtools.monitor.history import History
 from nbtools.monitor.snapshot import COLORS as _COLORS
-from nbtools.monitor.snapshot import readings_table, summary
+from nbtools.monitor.snapshot import PaneState, readings_table, summary
 from nbtools.monitor.timeline import CATEGORY_LABELS
 
 __all__ = ["timeline_figure", "write_html"]
@@ -247,21 +247,13 @@ def _table(gpus: Sequence[tuple[str, int, str]], latest: dict) -> str:
     )
 
 
-def write_html(
-    path: str | os.PathLike[str],
-    history: History,
-    events: Sequence[Sequence[Any]],
-    latest: dict,
-    source: str,
-    *,
-    status: str = "",
-    rates: dict[int, tuple[list[float], list[float]]] | None = None,
-) -> str:
+def write_html(path: str | os.PathLike[str], state: PaneState) -> str:
     """Write the pane's curves, events and readings to ``path`` (atomically); returns the path.
 
     Raises:
         FileNotFoundError: The directory of ``path`` does not exist.
     """
+    history, events, latest, source = state.history, state.events, state.latest, state.source
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
@@ -269,7 +261,7 @@ def write_html(
             f"cannot write {path}: the directory {folder} does not exist; "
             "create it first or pick another path"
         )
-    figure = timeline_figure(history, events, source, rates).to_html(
+    figure = timeline_figure(history, events, source, state.rates).to_html(
         include_plotlyjs=True, full_html=False, config={"displaylogo": False}
     )
     listed = "".join(
@@ -277,7 +269,7 @@ def write_html(
         f"<td>{html.escape(_detail(r))}</td></tr>"
         for r in reversed(list(events))
     )
-    text = summary(history, latest, source, events=len(events), status=status)
+    text = summary(history, latest, source, events=len(events), status=state.status)
     table = _table(history.gpus(), latest) if history.gpus() else ""  # no empty table on CPU
     page = (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>GPU pane</title><style>"

@@ -5,7 +5,9 @@ utilization, memory and temperature curves of every GPU, the run's events on
 the same time axis) as one PNG at reduced resolution (at most
 ``MAX_POINTS`` points per line), drawn with Pillow: no browser, no display,
 no JavaScript to show it. :func:`summary` is the same state as plain text,
-one line per host.
+one line per host. A :class:`PaneState` is what the pane shows at one moment; the
+picture here and the HTML report (:func:`nbtools.monitor.report.write_html`) both
+draw one.
 
 Why Pillow: plotly's static export (kaleido) drives a headless browser, which
 a training image seldom has; matplotlib takes about a second for this figure
@@ -26,7 +28,16 @@ import numpy as np
 
 from nbtools.monitor.history import History
 
-__all__ = ["Snapshot", "readings_table", "render_png", "summary", "COLORS", "MAX_POINTS", "STYLE"]
+__all__ = [
+    "COLORS",
+    "MAX_POINTS",
+    "PaneState",
+    "STYLE",
+    "Snapshot",
+    "readings_table",
+    "render_png",
+    "summary",
+]
 
 #: Most points drawn per line (bucket means of the history).
 MAX_POINTS = 360
@@ -65,6 +76,29 @@ STYLE: dict[str, dict[str, Any]] = {
     "mark": {"color": "#7c3aed", "marker": "v"},
 }
 _LISTED = 6
+
+
+@dataclass(frozen=True)
+class PaneState:
+    """What the pane shows at one moment, as the still picture and the HTML report draw it.
+
+    Attributes:
+        history: The samples to draw.
+        events: Event rows as the chart gets them (``[ms, kind, category, rank,
+            step, start ms, text]``, see :func:`nbtools.monitor.timeline.encode`).
+        latest: ``(host, index) -> GPUReading``: the values of the table.
+        source: ``"NVML"`` or ``"simulated"`` (said in the title).
+        status: The pane's status in words (under the title).
+        rates: ``rank -> (times, steps per second)``: a panel of step rates,
+            above the GPU panels (which are left out when there are no GPUs).
+    """
+
+    history: History
+    events: Sequence[Sequence[Any]]
+    latest: dict
+    source: str
+    status: str = ""
+    rates: dict[int, tuple[list[float], list[float]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -137,32 +171,17 @@ def readings_table(gpus: Sequence[tuple[str, int, str]], latest: dict) -> list[t
     return rows
 
 
-def render_png(
-    history: History,
-    events: Sequence[Sequence[Any]],
-    latest: dict,
-    source: str,
-    *,
-    status: str = "",
-    rates: dict[int, tuple[list[float], list[float]]] | None = None,
-) -> bytes:
+def render_png(state: PaneState) -> bytes:
     """The pane as a PNG: readings table, three panels of curves, the events, the newest listed.
-
-    Args:
-        history: The samples to draw.
-        events: Event rows as the chart gets them (``[ms, kind, category, rank,
-            step, start ms, text]``, see :func:`nbtools.monitor.timeline.encode`).
-        latest: ``(host, index) -> GPUReading``: the values of the table.
-        source: ``"NVML"`` or ``"simulated"`` (said in the title).
-        status: The pane's status in words (under the title).
-        rates: ``rank -> (times, steps per second)``: a panel of step rates,
-            above the GPU panels (which are left out when there are no GPUs).
 
     Returns:
         The PNG's bytes: 1000 pixels wide, a palette of at most 64 colours
         (tens of KB).
     """
     from nbtools.monitor._still import Canvas
+
+    history, events, latest, source = state.history, state.events, state.latest, state.source
+    status, rates = state.status, state.rates
 
     gpus = history.gpus()
     hosts = history.hosts()

@@ -364,6 +364,7 @@ def test_a_process_that_ends_on_a_burst_shows_it_in_its_last_window():
 def test_to_html_without_gpus_shows_step_rates_the_flags_and_a_legend(comms, tmp_path):
     from nbtools.monitor.history import History
     from nbtools.monitor.report import write_html
+    from nbtools.monitor.snapshot import PaneState
     from nbtools.monitor.timeline import encode, step_rates
 
     now = time.time()
@@ -384,11 +385,7 @@ def test_to_html_without_gpus_shows_step_rates_the_flags_and_a_legend(comms, tmp
     )
     path = write_html(
         tmp_path / "run.html",
-        History(capacity=10),
-        [encode(flag)],
-        {},
-        "NVML",
-        rates=step_rates(reports),
+        PaneState(History(capacity=10), [encode(flag)], {}, "NVML", rates=step_rates(reports)),
     )
     text = open(path).read()
     assert "Steps per second, by rank" in text and "rank 3 (straggler)" in text
