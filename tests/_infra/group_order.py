@@ -8,18 +8,25 @@ the short groups fill in around the long ones.
 
 How long a group takes is the sum of its tests' seconds in the last run that ran each (under
 xdist, with the ids ``loadgroup`` gives them), kept in pytest's cache (``.pytest_cache``,
-ignored by git); a test no run has timed yet is estimated from its lane marks (a test in a Ray cluster, a Jupyter kernel, a multi-process run or marked slow costs
-more than a unit test). The order only decides which worker runs what, and when: tests must not
-depend on it, and nothing else changes with it.
+ignored by git). A fresh clone (CI) has no cache: there a test takes its share of its group's
+seconds in ``group_seconds.json`` beside this file (committed; a group is named by its file's
+basename, unique across ``tests/``, so that moving a file keeps its figure; refresh it with
+``python tests/_infra/group_order.py`` after a run of the whole suite). A test of a group neither
+knows is estimated from its lane marks (a test in a Ray cluster, a Jupyter kernel, a
+multi-process run or marked slow costs more than a unit test). The order only decides which
+worker runs what, and when: tests must not depend on it, and nothing else changes with it.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from collections import defaultdict
 
 import pytest
 
-__all__ = ["CACHE_KEY", "GroupOrder", "estimate", "group_of"]
+__all__ = ["CACHE_KEY", "GroupOrder", "TABLE", "estimate", "group_of", "group_seconds", "table_key"]
 
 #: Where pytest's cache keeps each group's seconds (setup, call and teardown of its tests).
 CACHE_KEY = "nbtools/group-seconds"
@@ -33,6 +40,23 @@ _MARK_SECONDS = (
     ("slow", 7.0),
 )
 _UNMARKED_SECONDS = 0.3
+#: Each group's seconds in a run of the whole suite (``python tests/_infra/group_order.py``).
+TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "group_seconds.json")
+
+
+def table_key(group: str) -> str:
+    """A group's name in :data:`TABLE`: its file's basename (``ray`` stays ``ray``)."""
+    return os.path.basename(group)
+
+
+def group_seconds(path: str = TABLE) -> dict[str, float]:
+    """The committed seconds of each group by :func:`table_key`; empty where there is no table."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            table = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return {str(k): float(v) for k, v in table.items()} if isinstance(table, dict) else {}
 
 
 def group_of(item: pytest.Item) -> str:
@@ -92,10 +116,19 @@ class GroupOrder:
         if not getattr(config.option, "loadgroup", False):
             return
         known = self._known()
+        table = group_seconds()
         cost: dict[str, float] = defaultdict(float)
         groups = [group_of(item) for item in items]
+        sizes: dict[str, int] = defaultdict(int)
+        for group in groups:
+            sizes[group] += 1
         for item, group in zip(items, groups, strict=True):
-            cost[group] += float(known.get(item.nodeid, estimate(item)))
+            if item.nodeid in known:
+                cost[group] += float(known[item.nodeid])
+            elif table_key(group) in table:
+                cost[group] += table[table_key(group)] / sizes[group]
+            else:
+                cost[group] += estimate(item)
         first = {g: i for i, g in reversed(list(enumerate(groups)))}
         order = sorted(range(len(items)), key=lambda i: (-cost[groups[i]], first[groups[i]], i))
         items[:] = [items[i] for i in order]
@@ -116,3 +149,25 @@ class GroupOrder:
         known = self._cached()
         known.update({test: round(s, 2) for test, s in self.timed.items()})
         cache.set(CACHE_KEY, known)
+
+
+def _write_table(cache_file: str, path: str = TABLE) -> dict[str, float]:
+    """Sum the cached seconds (``nodeid@group``) per group into :data:`TABLE`."""
+    with open(cache_file, encoding="utf-8") as fh:
+        cached = json.load(fh)
+    table: dict[str, float] = defaultdict(float)
+    for test, seconds in cached.items():
+        nodeid, _, group = test.rpartition("@")
+        table[table_key(group or nodeid.split("::", 1)[0])] += float(seconds)
+    out = {k: round(v, 1) for k, v in sorted(table.items())}
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(out, fh, indent=0, sort_keys=True)
+        fh.write("\n")
+    return out
+
+
+if __name__ == "__main__":
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cache = os.path.join(root, ".pytest_cache", "v", *CACHE_KEY.split("/"))
+    written = _write_table(sys.argv[1] if len(sys.argv) > 1 else cache)
+    print(f"{len(written)} groups, {sum(written.values()):.0f} s in all, in {TABLE}")

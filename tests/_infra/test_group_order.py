@@ -81,3 +81,11 @@ def test_groups_run_longest_first_by_marks_then_by_the_last_run(project):
     # That run timed every test: now the group that took longest goes first, with
     # --dist loadgroup named too (as a user may), not xdist's order by number of tests.
     assert _order(project, "--dist", "loadgroup")[0] == "l"
+
+
+def test_a_fresh_clone_orders_its_groups_by_the_committed_seconds(project):
+    # No cache yet, as in CI's fresh clone: the committed table says the unit tests' group
+    # took longest in the last whole run, and it goes first; a group it does not name is
+    # estimated by its marks, as before.
+    (project / "tests" / "_infra" / "group_seconds.json").write_text('{"quick": 30, "long": 20}')
+    assert _order(project, "-p", "no:cacheprovider") == ["q1", "q2", "l", "m"]
