@@ -21,7 +21,9 @@ How the package is laid out, in two halves:
   ``_saver`` (the volume saves the manager owns, start to publish), ``_state``
   (what a checkpoint holds: objects, per-rank blob, RNG streams),
   ``_host_buffers`` (the reused copy an async save stages from), ``_restore``
-  (the newest checkpoint that verifies), ``_lease`` (one writer per root),
+  (one restore policy over the tiers: the newest step, from the fastest tier
+  holding it), ``_volume_tier`` (the checkpoints under the root as a tier: the
+  newest one that verifies), ``_lease`` (one writer per root),
   ``_retention`` (keeping ``keep``), ``_checks``, ``_collective``, ``_forks``,
   ``_report`` and ``_dcp`` (how nbtools calls DCP: its errors, its
   single-process warning); and ``_memory/``, the memory tier

@@ -1,4 +1,8 @@
-"""Choosing the checkpoint ``restore`` loads: the newest one whose data verifies.
+"""The volume tier: the checkpoints under the root, the newest one whose data verifies.
+
+:class:`VolumeTier` is the last of the tiers a restore asks (see ``_restore``):
+it always answers. Its saves are the manager's :class:`~nbtools.checkpoint._saver.Saver`
+(lease, publishing, retention), which it hands a snapshot to.
 
 Rank 0 walks the complete checkpoints newest first; every rank tries to load
 the one rank 0 names. When the data of any rank does not match its recorded
@@ -9,17 +13,18 @@ while it is read (the retention of a run saving into the root, with a small
 ``keep``) is no fault either: the ranks look again and load the newest one,
 which is newer. Any other failure (objects that do not match the checkpoint, a
 saved value of a type ``weights_only`` refuses) is raised: it would fail on the
-older ones too. :func:`restore_newest` puts the chosen one back into the objects.
+older ones too. :meth:`VolumeTier.load` puts the chosen one back into the objects.
 """
 
 from __future__ import annotations
 
 import os
-import time
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from nbtools import events, runtime
@@ -27,12 +32,14 @@ from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import agree, gather
 from nbtools.checkpoint._dcp import quiet_single_process_warning, unwrap
+from nbtools.checkpoint._restore import Newest, Offer, Restored
+from nbtools.checkpoint._saver import Saver
 from nbtools.checkpoint._storage import METADATA_NAME, Target, step_dir_name
-from nbtools.checkpoint.discovery import candidates
+from nbtools.checkpoint.discovery import RootCheck, candidates, list_steps
 from nbtools.checkpoint.reader import VolumeReader
 from nbtools.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["Restored", "newest_verified", "restore_newest"]
+__all__ = ["Found", "VolumeStep", "VolumeTier", "newest_verified", "volume_newest"]
 
 _log = get_logger("checkpoint")
 
@@ -43,8 +50,8 @@ Loaded = tuple[dict[str, Any], dict[str, Any]]
 
 
 @dataclass
-class Restored:
-    """What a restore loaded.
+class Found:
+    """The checkpoint :func:`newest_verified` loaded.
 
     Attributes:
         directory: The checkpoint loaded; None when the root holds none.
@@ -92,7 +99,7 @@ def newest_verified(
     target: Target,
     load: Callable[[Target, Any], Loaded],
     pg: Any,
-) -> Restored:
+) -> Found:
     """Load the newest checkpoint under ``target`` that verifies on every rank.
 
     Rank 0 chooses; the ranks agree on the step only and each opens that step's
@@ -105,7 +112,7 @@ def newest_verified(
         pg: The process group of the ranks (None: one process).
 
     Returns:
-        The checkpoint loaded, and those passed over (see :class:`Restored`).
+        The checkpoint loaded, and those passed over (see :class:`Found`).
 
     Raises:
         CorruptCheckpointError: Checkpoints exist but none verifies.
@@ -134,7 +141,7 @@ def newest_verified(
                     "restore may hold values loaded in part: recreate them before starting "
                     "afresh, or move the damaged checkpoints away"
                 )
-            return Restored(skipped=skipped)
+            return Found(skipped=skipped)
         step = choice.step
         directory = target.child(step_dir_name(step))
         url = directory.url
@@ -149,7 +156,7 @@ def newest_verified(
             error = unwrap(exc, f"restoring {url}")
         outcomes = gather(pg, (_kind(error), str(error) if error is not None else ""))
         if all(kind == "ok" for kind, _ in outcomes):
-            return Restored(directory, step, state, blob, skipped)
+            return Found(directory, step, state, blob, skipped)
         if agree(pg, _lost(directory) if runtime.get_rank() == 0 else None):
             lost += 1
             if lost > MAX_LOST:
@@ -198,44 +205,142 @@ def _load(
     return state, blob
 
 
-def restore_newest(
-    target: Target,
-    objs: dict[str, Any],
-    pg: Any,
-    staging_dir: str | os.PathLike[str] | None,
-    planner: Any = None,
-) -> Restored:
-    """``CheckpointManager.restore``: load the newest verified checkpoint into ``objs``.
+def volume_newest(target: Target) -> int | None:
+    """The newest complete checkpoint's step under ``target`` (rank 0 only reads it)."""
+    return next((step for step, complete in list_steps(target) if complete), None)
 
-    Reads through :class:`VolumeReader` (staging in ``staging_dir``; model and
-    optimizer state through ``planner``, DCP's default when None), puts
-    everything back into ``objs`` and reports the restore (log and
-    ``checkpoint_restored`` event).
 
-    Returns:
-        What was restored (:class:`Restored`; its ``step`` is None when the root
-        holds no checkpoint).
+class VolumeStep:
+    """The volume's newest complete step, looked up by rank 0 in the background
+    (``target()`` gives the volume's target): the volume tier's :class:`~nbtools.checkpoint._restore.Newest`.
+
+    Listing a bucket takes round trips (and, in a fresh process, the client's
+    start): :meth:`start` begins it, to overlap with reading the memory snapshot.
+    Calling the object is a collective that gives every rank rank 0's answer
+    (starting the lookup if needed); rank 0's error is raised on every rank. Use
+    it as a context manager: leaving joins a lookup in progress.
     """
-    started = time.perf_counter()
-    kinds = _state.classify(objs)
-    if pg is None:
-        quiet_single_process_warning()
-    restored = newest_verified(
-        target,
-        lambda directory, metadata: _load(kinds, directory, metadata, pg, staging_dir, planner),
-        pg,
-    )
-    directory, step = restored.directory, restored.step
-    if directory is None or step is None:
-        return restored
-    _state.apply_state(kinds, restored.state, restored.blob)
-    _log.info("restored %s; resuming at step %d", directory.url, step + 1)
-    if runtime.get_rank() == 0:
-        events.emit(
-            "checkpoint_restored",
-            message=f"restored {directory.url}",
-            step=step,
-            seconds=round(time.perf_counter() - started, 4),
-            tier="volume",
+
+    def __init__(self, pg: dist.ProcessGroup | None, target: Callable[[], Target]) -> None:
+        self._pg = pg
+        self._target = target
+        self._value: int | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Begin the lookup on rank 0 (once)."""
+        if self._thread is None and runtime.get_rank() == 0:
+            self._thread = threading.Thread(
+                target=self._look, args=(self._target,), name="nbtools-volume-step", daemon=True
+            )
+            self._thread.start()
+
+    def _look(self, target: Callable[[], Target]) -> None:
+        try:
+            self._value = volume_newest(target())
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank by __call__
+            self._error = exc
+
+    def __enter__(self) -> VolumeStep:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def __call__(self) -> int | None:
+        self.start()
+        if self._thread is not None:
+            self._thread.join()
+        error = f"{type(self._error).__name__}: {self._error}" if self._error else ""
+        value, error = agree(self._pg, (self._value, error))
+        if self._error is not None:
+            raise self._error
+        if error:
+            raise CheckpointError(f"rank 0 could not list the checkpoints on the volume: {error}")
+        return value
+
+
+class VolumeTier:
+    """The checkpoints under the root, as a :class:`~nbtools.checkpoint._restore.Tier`.
+
+    Args:
+        root: The root's check (its ``result()`` is the target, once an object
+            store's root is checked).
+        saver: The manager's volume saves.
+        staging_dir: Where reads stage (see :class:`VolumeReader`).
+        before: Called before the volume is read (the manager reads its writer lease).
+    """
+
+    name = "volume"
+
+    def __init__(
+        self,
+        root: RootCheck,
+        saver: Saver,
+        staging_dir: str | os.PathLike[str] | None,
+        before: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._root = root
+        self._saver = saver
+        self._staging_dir = staging_dir
+        self._before = before
+
+    def offers(self, pg: dist.ProcessGroup | None, below: Newest) -> Offer | None:
+        """The newest checkpoint that verifies, found as it loads (the last tier: always)."""
+        self._before()
+        self._root.result()
+        return Offer(self.name, None)
+
+    def load(
+        self,
+        pg: dist.ProcessGroup | None,
+        offer: Offer,
+        kinds: _state.Objects,
+        planner: Any,
+    ) -> Restored:
+        """Load the newest verified checkpoint into the objects (read through
+        :class:`VolumeReader`, staging in ``staging_dir``; model and optimizer state
+        through ``planner``, DCP's default when None). Its ``step`` is None when the
+        root holds none."""
+        if pg is None:
+            quiet_single_process_warning()
+        target, staging_dir = self._root.result(), self._staging_dir
+
+        def load(directory: Target, metadata: Any) -> Loaded:
+            return _load(kinds, directory, metadata, pg, staging_dir, planner)
+
+        found = newest_verified(target, load, pg)
+        directory, step = found.directory, found.step
+        if directory is None or step is None:
+            return Restored(skipped=found.skipped)
+        _state.apply_state(kinds, found.state, found.blob)
+        _log.info("restored %s; resuming at step %d", directory.url, step + 1)
+        return Restored(
+            step,
+            self.name,
+            found.blob,
+            found.skipped,
+            found.blob.get("mlflow_run_id"),
+            saved_step=step,
+            where=directory.url,
         )
-    return restored
+
+    def newest(self, pg: dist.ProcessGroup | None) -> VolumeStep:
+        """The newest complete step on the volume, listed by rank 0 (see :class:`VolumeStep`)."""
+        return VolumeStep(pg, self._root.result)
+
+    def note_volume(self, step: int | None) -> None:
+        """Nothing to note: the volume is the record."""
+
+    def snapshot(
+        self, step: int, objs: dict[str, Any], extra: dict[str, Any] | None, run_id: str | None
+    ) -> bool:
+        """Save ``objs`` as the checkpoint of ``step`` through the manager's :class:`Saver`
+        (which records the MLflow run itself)."""
+        return self._saver.save(step, extra, objs)
+
+    def close(self, keep: bool) -> None:
+        """Finish with the saves (the checkpoints stay: they are the volume's)."""
+        self._saver.close()

@@ -18,7 +18,6 @@ the rank mixed in if they must differ).
 from __future__ import annotations
 
 import os
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -39,11 +38,12 @@ from nbtools.checkpoint._checks import (
 )
 from nbtools.checkpoint._collective import release_groups
 from nbtools.checkpoint._lease import AFTER_RECOVERY_S, WriterLease
-from nbtools.checkpoint._memory import MemoryTier, VolumeStep, memory_restore, peers, report
+from nbtools.checkpoint._memory import MemoryTier, peers
 from nbtools.checkpoint._meta import find_meta, rank_device
-from nbtools.checkpoint._restore import restore_newest
+from nbtools.checkpoint._restore import Restorer, Tier
 from nbtools.checkpoint._saver import Saver
 from nbtools.checkpoint._storage import Target, check_root, scratch
+from nbtools.checkpoint._volume_tier import VolumeTier
 from nbtools.checkpoint.discovery import RootCheck
 from nbtools.errors import CheckpointError
 
@@ -172,9 +172,12 @@ class CheckpointManager:
             staging_dir=staging_dir,
             sync_files=sync_files,
         )
+        # The tiers a restore asks, fastest first (see ``_restore``); the volume answers last.
+        self._volume = VolumeTier(self._root, self._saver, staging_dir, before=self._probe)
+        self._tiers: list[Tier] = [self._memory] if self._memory is not None else []
+        self._tiers.append(self._volume)
         self._failed = False  # closed on an error: snapshots stay for the restart
         self._closed = False
-        self._checked = False  # the objects of the first save call passed check_objects
 
     @property
     def last_saved_step(self) -> int | None:
@@ -261,35 +264,17 @@ class CheckpointManager:
     def _restore(self, planner: Any, objs: dict[str, Any]) -> int:
         self.wait()
         scratch.sweep(scratch.staging_base(self._staging_dir))  # a killed writer's leftovers
-        if self._memory is not None:
-            started = time.perf_counter()
-            with VolumeStep(self._pg, self._root.result) as volume_step:
-                got = memory_restore(self._memory, _state.classify(objs), self._pg, volume_step)
-            if got is not None:
-                held, snapshot, tier, any_replica, volume = got
-                if self._lease is not None:  # the first steps of the recovery run first
-                    self._lease.defer_probe(AFTER_RECOVERY_S)
-                self._memory.note_volume(volume)
-                report(held, time.perf_counter() - started, "replica" if any_replica else "memory")
-                self.restored_step, self.restored_tier, self.skipped = held, tier, []
-                self.last_saved_step = volume
-                self.extra = dict(snapshot.get("extra") or {})
-                self.mlflow_run_id = snapshot.get("mlflow_run_id")
-                return held + 1
-        self._probe()
-        self._root.result()
-        restored = restore_newest(self._target, objs, self._pg, self._staging_dir, planner)
-        step, blob, self.skipped = restored.step, restored.blob, restored.skipped
-        self.restored_step = step
-        if self._memory is not None:
-            self._memory.note_volume(step)  # nothing newer verifies there (see _memory)
-        if step is None:
+        restored = Restorer(self._tiers, self._pg).restore(_state.classify(objs), planner)
+        if restored.tier in ("memory", "replica") and self._lease is not None:
+            self._lease.defer_probe(AFTER_RECOVERY_S)  # the first steps of the recovery run first
+        self.restored_step, self.restored_tier = restored.step, restored.tier
+        self.skipped = restored.skipped
+        if restored.step is None:
             return 0
-        self.restored_tier = "volume"
-        self.last_saved_step = step
-        self.extra = dict(blob.get("extra") or {})
-        self.mlflow_run_id = blob.get("mlflow_run_id")
-        return step + 1
+        self.last_saved_step = restored.saved_step
+        self.extra = dict(restored.blob.get("extra") or {})
+        self.mlflow_run_id = restored.mlflow_run_id
+        return restored.step + 1
 
     # --- save ------------------------------------------------------------------
 
@@ -304,16 +289,15 @@ class CheckpointManager:
         check_step(step)
         events.step(step)  # a loop that saves through the manager is seen progressing
         check_extra(extra)
-        self._check_objects(objs)
         self._saver.raise_failed()
         self._probe()
         self._saver.remember(step, objs, extra)
         if self._memory is not None and self._memory.due(step):
             run_id = active_mlflow_run_id() or self.mlflow_run_id
-            self._memory.snapshot_objects(step, _state.classify(objs), extra or {}, run_id)
+            self._memory.snapshot(step, objs, extra, run_id)
         if not self._saver.deferred and (self.every is None or step % self.every != 0):
             return False
-        return self._saver.save(step, extra, objs)
+        return self._volume.snapshot(step, objs, extra, None)
 
     def save(self, step: int, *, extra: dict[str, Any] | None = None, **objs: Any) -> bool:
         """Checkpoint ``objs`` as ``step`` (asynchronously unless ``async_save=False``).
@@ -334,15 +318,7 @@ class CheckpointManager:
         self._check_open()
         check_step(step)
         events.step(step)
-        self._check_objects(objs)
-        return self._saver.save(step, extra, objs)
-
-    def _check_objects(self, objs: dict[str, Any]) -> None:
-        """Refuse at the first save call what no restore could put back (a wrapper not
-        understood), instead of after the first crash."""
-        if not self._checked:
-            _state.check_objects(objs)
-            self._checked = True
+        return self._volume.snapshot(step, objs, extra, None)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is published and the memory snapshot being
@@ -369,10 +345,9 @@ class CheckpointManager:
                 self._saver.save_last_seen()
             finished = not self._failed
         finally:
-            if self._memory is not None:
-                self._memory.close(keep=not finished)
             self._closed = True
-            self._saver.close()
+            for tier in self._tiers:  # the volume last: its saves are finished
+                tier.close(keep=not finished)
             self._release()
             self._release_groups(finished)
 

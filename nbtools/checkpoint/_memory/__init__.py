@@ -20,17 +20,17 @@ Start reading at ``_tier``. The modules, one line each:
 - ``_volume``: what a job's ranks know of the volume, kept beside their snapshots.
 - ``_replicas``: each rank's snapshot also held by peers, sent over the job's
   process group.
-- ``_restore``: restoring from memory: the newest step every rank can get, from
-  its own slot or a peer's.
+- ``_restore``: the memory tier's offer and load: the newest step every rank can
+  get, from its own slot or a peer's.
 - ``_slot_sources``: getting the slots a restore chose: read where they are, else
   sent by a rank that has them.
 - ``_in_place``: a rank's own slot restored in place: the optimizer state starts
   out in its pages.
 - ``_notes``: what the tier says: one message per condition per job.
 
-The manager enters only through the names exported here: :class:`MemoryTier`,
-the restore (:func:`memory_restore` with the :class:`VolumeStep` it agrees on,
-and :func:`report`), ``peers`` (how many nodes hold replicas) and
+The manager enters only through the names exported here: :class:`MemoryTier`
+(a :class:`~nbtools.checkpoint._restore.Tier`: the restore policy asks it for
+its offer and loads it), ``peers`` (how many nodes hold replicas) and
 :func:`end_run`. It uses the manager half's state builder (``_state``) and collectives, and
 ``nbtools._internal.holder`` to tell whether a job's keeper process lives.
 
@@ -43,11 +43,10 @@ serve no restart any more.
 from __future__ import annotations
 
 from nbtools.checkpoint._memory._replicas import peers
-from nbtools.checkpoint._memory._restore import VolumeStep, memory_restore, report
 from nbtools.checkpoint._memory._sweep import drop_jobs
 from nbtools.checkpoint._memory._tier import MemoryTier
 
-__all__ = ["MemoryTier", "VolumeStep", "memory_restore", "report", "peers", "end_run"]
+__all__ = ["MemoryTier", "peers", "end_run"]
 
 
 def end_run(run_id: str, base: str | None = None) -> list[str]:

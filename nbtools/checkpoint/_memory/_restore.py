@@ -17,25 +17,23 @@ an older step or to the volume.
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections import defaultdict
-from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from nbtools import events, runtime
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
-from nbtools.checkpoint._collective import agree, gather
+from nbtools.checkpoint._collective import gather
 from nbtools.checkpoint._memory import _format, _shares, _volume
 from nbtools.checkpoint._memory._in_place import Consumed, private, within
-from nbtools.checkpoint._memory._slot_sources import Source, fetch
-from nbtools.checkpoint._memory._tier import MemoryTier
+from nbtools.checkpoint._memory._slot_sources import Fetched, Holdings, Source, fetch
+from nbtools.checkpoint._restore import Newest, Offer, Restored
 from nbtools.errors import CheckpointError
 
-__all__ = ["memory_restore", "VolumeStep", "volume_newest", "report"]
+__all__ = ["SlotOffer", "load", "offer"]
 
 _log = get_logger("checkpoint")
 #: Rounds of choosing a step before the volume is used (each drops a failed source).
@@ -51,11 +49,32 @@ def _check_fits(kinds: _state.Objects, state: dict[str, Any], where: str) -> Non
             raise CheckpointError(f"{where} holds no optimizer {name!r}")
 
 
-Offer = tuple[int, int, int, int]  # (owner, step, share base, share count)
+class Restoring(Holdings, Protocol):
+    """What a restore asks of the memory tier (:class:`~_tier.MemoryTier`) besides its
+    slots: its round in flight finished, its records of the volume, and the slot whose
+    pages restored state lives in."""
+
+    name: str
+
+    def wait(self) -> None: ...
+
+    def volume_bound(self) -> tuple[bool, int | None]: ...
+
+    def hand_over(self, consumed: Consumed) -> None: ...
+
+
+class SlotOffer(NamedTuple):
+    """A slot a rank's node holds: ``owner``'s snapshot of ``step``, whose replicated
+    tensors ranks ``base`` to ``base + width - 1`` share (see ``_shares``)."""
+
+    owner: int
+    step: int
+    base: int
+    width: int
 
 
 def _choose(
-    offers: list[list[Offer]], bad: set[Source], remote: bool
+    offers: list[list[SlotOffer]], bad: set[Source], remote: bool
 ) -> tuple[int, list[int], list[range]] | None:
     """The newest step every rank can get whole, the rank each owner's slot is read from,
     and the owners whose slots each rank needs (its own and those it shares tensors with,
@@ -87,7 +106,7 @@ def _choose(
 
 
 def _say_fallback(
-    offers: tuple[list[Offer], ...], failed: tuple[int, list[int]] | None, step: int | None
+    offers: tuple[list[SlotOffer], ...], failed: tuple[int, list[int]] | None, step: int | None
 ) -> None:
     """One line when the restore goes to an older step or tier than it could have, and why."""
     if failed is not None:
@@ -99,7 +118,7 @@ def _say_fallback(
             failed[1],
         )
     elif step is None and any(offers):
-        newest = [max((s for _, s, *_ in got), default=None) for got in offers]
+        newest = [max((o.step for o in got), default=None) for got in offers]
         _log.warning(
             "restoring from the volume: no memory snapshot of a step every rank can get "
             "(the newest each rank's node holds: %s)",
@@ -107,29 +126,24 @@ def _say_fallback(
         )
 
 
-def memory_restore(
-    tier: MemoryTier, kinds: _state.Objects, pg: Any, volume_step: VolumeStep
-) -> tuple[int, dict[str, Any], str, bool, int | None] | None:
-    """Restore from memory (own slots, or peers' replicas) when every rank can get a step
-    at least as new as the volume's.
+def offer(tier: Restoring, pg: dist.ProcessGroup | None, below: Newest) -> Offer | None:
+    """The newest step every rank can get from memory (own slots, or peers' replicas),
+    fetched and checked, when it is at least as new as the volume's (a collective).
 
     The volume is not listed when the ranks' records (``_volume``) show that it
-    holds nothing newer than the chosen snapshot. Otherwise ``volume_step`` lists
-    it (rank 0, in the background, while the snapshot is read and checked) and
-    gives every rank the newest complete step (a collective, see :class:`VolumeStep`).
-
-    Returns ``(step, blob, tier, any_replica, volume_step)`` once the objects hold
-    the snapshot, ``tier`` being where this rank's came from (``"memory"`` or
-    ``"replica"``) and ``any_replica`` whether some rank's came from a replica; or
-    None (nothing changed) when the volume must be used.
+    holds nothing newer than the chosen snapshot. Otherwise ``below`` lists it
+    (rank 0, in the background, while the snapshot is read and checked) and
+    gives every rank the newest complete step. None (after one line saying why)
+    when the volume must be used.
     """
     tier.wait()
     # Without the group (a single rank) a rank can read and serve only itself.
     owners = range(tier.world) if tier.group is not None else [tier.rank]
-    offer = sorted({(o, s.step, *(s.share or (o, 1))) for o in owners for s in tier.visible(o)})
-    offers, views = zip(*gather(pg, (offer, tier.volume_bound())), strict=True)
+    mine = {SlotOffer(o, s.step, *(s.share or (o, 1))) for o in owners for s in tier.visible(o)}
+    offers, views = zip(*gather(pg, (sorted(mine), tier.volume_bound())), strict=True)
+    offers = tuple([SlotOffer(*o) for o in got] for got in offers)
     known, bound = _volume.combine(list(views))
-    here = {(r, o, s) for r, got in enumerate(offers) for o, s, *_ in got}
+    here = {Source(r, o.owner, o.step) for r, got in enumerate(offers) for o in got}
 
     def must_list(step: int) -> bool:
         return not known or (bound is not None and bound > step)
@@ -143,23 +157,33 @@ def memory_restore(
             return None
         step, plan, needs = chosen
         if must_list(step):
-            volume_step.start()  # rank 0 lists the volume while the snapshot is read
+            below.start()  # rank 0 lists the volume while the snapshot is read
         got = fetch(tier, step, plan, needs, here - bad)
         reports = gather(pg, (got.failed, sorted(got.verified)))
-        failures = [tuple(f) for fs, _ in reports for f in fs]
+        failures = [Source(*f) for fs, _ in reports for f in fs]
         late = got.check(tier.rank, {tuple(v) for _, vs in reports for v in vs})
-        failures += [tuple(f) for fs in gather(pg, late) for f in fs]
+        failures += [Source(*f) for fs in gather(pg, late) for f in fs]
         if not failures:
             break
-        bad.update(failures)  # type: ignore[arg-type]
-        failed = step, sorted({owner for _, owner, _ in failures})
+        bad.update(failures)
+        failed = step, sorted({f.owner for f in failures})
     else:
         _log.warning("restoring from the volume: the memory snapshots failed %d times", _ROUNDS)
         return None
-    newest_volume = volume_step() if must_list(step) else bound
+    newest_volume = below() if must_list(step) else bound
     if newest_volume is not None and step < newest_volume:
         _log.info("the volume's step %d is newer than memory's %d", newest_volume, step)
         return None
+    return Offer(tier.name, step, newest_volume, got)
+
+
+def load(
+    tier: Restoring, pg: dist.ProcessGroup | None, offer: Offer, kinds: _state.Objects
+) -> Restored | None:
+    """Put the slots ``offer`` holds into the objects on every rank (a collective); None
+    (the objects unchanged, after one line saying why) when some rank cannot."""
+    step, got = offer.step, offer.held
+    assert step is not None and isinstance(got, Fetched)
     where = f"the memory snapshot of step {step} of rank {tier.rank}"
     state: dict[str, Any] = {}
     blob: dict[str, Any] = {}
@@ -197,76 +221,14 @@ def memory_restore(
         f"memory (ranks {from_peers} from replicas)" if from_peers else "memory",
         step + 1,
     )
-    return step, blob, mine, bool(from_peers), newest_volume
-
-
-def volume_newest(target: Any) -> int | None:
-    """The newest complete checkpoint's step under ``target`` (rank 0 only reads it)."""
-    from nbtools.checkpoint.discovery import list_steps
-
-    return next((step for step, complete in list_steps(target) if complete), None)
-
-
-class VolumeStep:
-    """The volume's newest complete step, looked up by rank 0 in the background
-    (``target()`` gives the volume's target).
-
-    Listing a bucket takes round trips (and, in a fresh process, the client's
-    start): :meth:`start` begins it, to overlap with reading the memory snapshot.
-    Calling the object is a collective that gives every rank rank 0's answer
-    (starting the lookup if needed); rank 0's error is raised on every rank. Use
-    it as a context manager: leaving joins a lookup in progress.
-    """
-
-    def __init__(self, pg: Any, target: Callable[[], Any]) -> None:
-        self._pg = pg
-        self._target = target
-        self._value: int | None = None
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        """Begin the lookup on rank 0 (once)."""
-        if self._thread is None and runtime.get_rank() == 0:
-            self._thread = threading.Thread(
-                target=self._look, args=(self._target,), name="nbtools-volume-step", daemon=True
-            )
-            self._thread.start()
-
-    def _look(self, target: Any) -> None:
-        try:
-            self._value = volume_newest(target())
-        except BaseException as exc:  # noqa: BLE001 - raised on every rank by __call__
-            self._error = exc
-
-    def __enter__(self) -> VolumeStep:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._thread is not None:
-            self._thread.join()
-
-    def __call__(self) -> int | None:
-        self.start()
-        if self._thread is not None:
-            self._thread.join()
-        error = f"{type(self._error).__name__}: {self._error}" if self._error else ""
-        value, error = agree(self._pg, (self._value, error))
-        if self._error is not None:
-            raise self._error
-        if error:
-            raise CheckpointError(f"rank 0 could not list the checkpoints on the volume: {error}")
-        return value
-
-
-def report(step: int, seconds: float, tier: str) -> None:
-    """The ``checkpoint_restored`` event of a restore from memory (rank 0): ``tier`` is
-    ``"replica"`` when some rank's state came from a peer's replica, else ``"memory"``."""
-    if runtime.get_rank() == 0:
-        events.emit(
-            "checkpoint_restored",
-            message=f"restored step {step} from {tier}",
-            step=step,
-            seconds=round(seconds, 4),
-            tier=tier,
-        )
+    source = "replica" if from_peers else "memory"
+    return Restored(
+        step,
+        mine,
+        blob,
+        [],
+        blob.get("mlflow_run_id"),
+        saved_step=offer.volume,
+        where=f"step {step} from {source}",
+        from_replicas=bool(from_peers),
+    )

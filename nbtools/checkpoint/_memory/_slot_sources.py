@@ -18,25 +18,46 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Any
+from typing import Any, NamedTuple, Protocol
+
+import torch.distributed as dist
 
 from nbtools._internal.holder import machine_id
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint._memory import _format, _notes, _replicas, _slots
 from nbtools.checkpoint._memory._slot_maps import tensor_of
-from nbtools.checkpoint._memory._tier import MemoryTier
 from nbtools.errors import CheckpointError
 
-__all__ = ["Fetched", "Source", "fetch", "read_any"]
+__all__ = ["Fetched", "Holdings", "Source", "fetch", "read_any"]
 
 _log = get_logger("checkpoint")
 
-Source = tuple[int, int, int]  # (rank holding it, owner, step)
+
+class Holdings(Protocol):
+    """What a restore reads of the memory tier: this rank, the world, the tier's group, and
+    the trusted slots of an owner its node holds (:meth:`~_tier.MemoryTier.visible`)."""
+
+    rank: int
+    world: int
+    group: dist.ProcessGroup | None
+
+    def visible(self, owner: int) -> list[_slots.Slot]: ...
+
+
+class Source(NamedTuple):
+    """Where a restore gets a slot: the rank ``holder``, whose node holds ``owner``'s
+    snapshot of ``step``."""
+
+    holder: int
+    owner: int
+    step: int
+
+
 FileId = tuple[str, int, int]  # (machine, device, inode)
 
 
 def read_any(
-    tier: MemoryTier, owner: int, step: int, in_place: bool = False
+    tier: Holdings, owner: int, step: int, in_place: bool = False
 ) -> tuple[Any, _slots.Slot, mmap.mmap | None]:
     """The first slot of ``owner``'s ``step`` on this node that reads back whole: its
     payload, the slot, and with ``in_place`` the mapping of a rank's own slot (its
@@ -75,7 +96,7 @@ def _check_step(body: Any, slot: _slots.Slot) -> None:
         )
 
 
-def _map_any(tier: MemoryTier, owner: int, step: int) -> tuple[_slots.Slot, mmap.mmap, FileId]:
+def _map_any(tier: Holdings, owner: int, step: int) -> tuple[_slots.Slot, mmap.mmap, FileId]:
     """The first slot of ``owner``'s ``step`` on this node that maps, read-only, unchecked."""
     why = f"rank {tier.rank}'s node holds no slot of it any more"
     for slot in (s for s in tier.visible(owner) if s.step == step):
@@ -126,13 +147,13 @@ class Fetched:
                 _slots.verify(mm, slot)
             except CheckpointError as exc:
                 _notes.once(f"skip|{slot.path}", "not using %s: %s", slot.path, exc)
-                failed.append((me, owner, self.step))
+                failed.append(Source(me, owner, self.step))
                 del self.bodies[owner], self.peers[owner]
         return failed
 
 
 def fetch(
-    tier: MemoryTier, step: int, plan: list[int], needs: list[range], local: set[Source]
+    tier: Holdings, step: int, plan: list[int], needs: list[range], local: set[Source]
 ) -> Fetched:
     """The bodies of ``step`` this rank needs, read here or received as ``plan`` says,
     serving the ranks that need a body this rank is the source of and cannot read it
@@ -151,7 +172,7 @@ def fetch(
             data, slot, _ = read_any(tier, owner, step)
         except CheckpointError as exc:  # the ranks must hear, then try elsewhere
             _log.info("rank %d cannot serve rank %d's step %d: %s", me, owner, step, exc)
-            out.failed.append((me, owner, step))
+            out.failed.append(Source(me, owner, step))
             for r in to:
                 works += _replicas.send_body(group, r, None, 0, 0, owner)
             continue
@@ -170,7 +191,7 @@ def fetch(
                     mm = None
             except CheckpointError as exc:
                 _log.info("rank %d cannot read rank %d's step %d: %s", me, owner, step, exc)
-                out.failed.append((me, owner, step))
+                out.failed.append(Source(me, owner, step))
                 continue
             out.bodies[owner] = (body, slot.data_len)
             out.replica = out.replica or slot.holder is not None
@@ -191,7 +212,7 @@ def fetch(
                 out.bodies[owner] = (received, data_len)
             else:
                 _log.warning("rank %d's snapshot of step %d arrived damaged", owner, step)
-                out.failed.append((plan[owner], owner, step))
+                out.failed.append(Source(plan[owner], owner, step))
     for work in works:
         work.wait()
     return out

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from nbtools import runtime
 from nbtools._internal.holder import Holder, machine_id, process_started
@@ -48,6 +49,7 @@ from nbtools.checkpoint._memory import (
     _format,
     _notes,
     _replicas,
+    _restore,
     _shares,
     _slots,
     _sweep,
@@ -69,6 +71,7 @@ from nbtools.checkpoint._memory._slot_maps import (
     tensor_of,
 )
 from nbtools.checkpoint._memory._space import shortage
+from nbtools.checkpoint._restore import Known, Newest, Offer, Restored
 from nbtools.errors import CheckpointError
 
 __all__ = ["MemoryTier"]
@@ -95,13 +98,16 @@ def _lower_priority() -> None:
 
 
 class MemoryTier:
-    """The snapshots of one manager's rank, and the replicas it holds for its peers.
+    """The snapshots of one manager's rank, and the replicas it holds for its peers: the
+    fastest :class:`~nbtools.checkpoint._restore.Tier`.
 
     Args:
         every: Snapshot when ``step % every == 0``.
         root: The checkpoint root's URL (snapshots of another root are another job's).
         replicas: Peers that hold each rank's snapshot (see ``_replicas``); 0 for none.
     """
+
+    name = "memory"
 
     def __init__(self, every: int, root: str, replicas: int = 0) -> None:
         self.every = every
@@ -250,14 +256,15 @@ class MemoryTier:
         """``(base, count)`` of the ranks ``rank``'s snapshots share tensors with."""
         return self._groups.get(rank, (rank, 1))
 
-    def snapshot_objects(
-        self, step: int, kinds: _state.Objects, extra: dict[str, Any], run_id: str | None
-    ) -> bool:
-        """:meth:`snapshot` of the state a checkpoint of ``step`` holds (see ``_state``)."""
-        state = _state.build_state(step, kinds, self.rank, self.world, extra, run_id)
-        return self.snapshot(step, state, [optim for optim, _ in kinds.optimizers.values()])
-
     def snapshot(
+        self, step: int, objs: dict[str, Any], extra: dict[str, Any] | None, run_id: str | None
+    ) -> bool:
+        """:meth:`snapshot_state` of the state a checkpoint of ``step`` holds (see ``_state``)."""
+        kinds = _state.classify(objs)
+        state = _state.build_state(step, kinds, self.rank, self.world, extra or {}, run_id)
+        return self.snapshot_state(step, state, [optim for optim, _ in kinds.optimizers.values()])
+
+    def snapshot_state(
         self, step: int, state: dict[str, Any], optimizers: Sequence[torch.optim.Optimizer] = ()
     ) -> bool:
         """Copy ``state`` into this rank's next slot, then finish it (and exchange replicas)
@@ -511,6 +518,28 @@ class MemoryTier:
         if self._error is not None:
             error, self._error = self._error, None
             self._off(error)
+
+    # --- restoring (see ``_restore``) ---------------------------------------------
+
+    def offers(self, pg: dist.ProcessGroup | None, below: Newest) -> Offer | None:
+        """The newest step every rank can get from memory, fetched and checked, unless
+        the volume (``below``) holds a newer one (see ``_restore``)."""
+        return _restore.offer(self, pg, below)
+
+    def load(
+        self, pg: dist.ProcessGroup | None, offer: Offer, kinds: _state.Objects, planner: Any
+    ) -> Restored | None:
+        """Put the offered step into the objects (``planner`` is the volume's: unused)."""
+        return _restore.load(self, pg, offer, kinds)
+
+    def newest(self, pg: dist.ProcessGroup | None) -> Known:
+        """The newest step every rank holds a snapshot of (for a tier above this one)."""
+
+        def look() -> int | None:
+            held = [set(steps) for steps in gather(pg, self.steps())]
+            return max(set.intersection(*held), default=None)
+
+        return Known(look)
 
     # --- what the job knows of the volume (see ``_volume``) -------------------------
 
