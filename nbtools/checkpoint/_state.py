@@ -385,23 +385,26 @@ def _check_model(name: str, given: Any, model: nn.Module) -> None:
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
         return  # FSDP1's flat parameters are named by FSDP itself, which DCP reads
     kind = type(given).__name__
+    attr = _wrapped_attribute(model)
+    instead = (
+        f"Pass {name}=<your {kind}>.{attr} instead" if attr else "Pass the module it wraps instead"
+    )
+    understood = (
+        "(DDP, FSDP, torch.compile, Lightning Fabric and accelerate are understood as they are)"
+    )
     try:
         saved = set(get_model_state_dict(model))
     except Exception as exc:  # noqa: BLE001 - a wrapper DCP cannot read
         raise CheckpointError(
-            f"{name}={kind} cannot be checkpointed: reading its state failed ({exc}); pass the "
-            "module it wraps"
+            f"{name}={kind} is a wrapper nbtools does not understand: reading its state "
+            f"failed ({type(exc).__name__}: {exc}). {instead} {understood}"
         ) from exc
     missing = [n for n in _dcp_names(model) if n not in saved]
     if missing:
-        attr = _wrapped_attribute(model)
-        instead = f"{name}=<your {kind}>.{attr}" if attr else "the module it wraps"
         raise CheckpointError(
             f"{name}={kind} is a wrapper nbtools does not understand: its state_dict() names "
             f"its parameters otherwise than its modules do ({missing[0]!r} is not in it), so a "
-            f"checkpoint of it would save but never restore. Pass {instead} instead "
-            "(DDP, FSDP, torch.compile, Lightning Fabric and accelerate are understood as "
-            "they are)"
+            f"checkpoint of it would save but never restore. {instead} {understood}"
         )
 
 
