@@ -1,6 +1,12 @@
-"""Fixtures of the data tests: small file trees and a small tmpfs."""
+"""Fixtures of the data tests: small file trees, a small tmpfs, and room in memory for a large
+tree."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 from _data_helpers import make_tree
@@ -18,3 +24,19 @@ def tree(tmp_path):
 def small_tmpfs(mount_tmpfs):
     """A 30MB tmpfs mounted for the test (root only), unmounted afterwards."""
     return mount_tmpfs("30m")
+
+
+@pytest.fixture
+def memory_volume(tmp_path) -> Path:
+    """An empty directory on the machine's memory filesystem (``/dev/shm``), removed after the
+    test, for trees of a million entries: creating and removing them there takes a few seconds,
+    where a journalling disk shared with the other tests takes a minute. ``tmp_path`` where
+    there is no ``/dev/shm``."""
+    if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
+        yield tmp_path / "volume"
+        return
+    path = tempfile.mkdtemp(prefix="nbtools-tests-volume-", dir="/dev/shm")
+    try:
+        yield Path(path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -377,9 +377,9 @@ def _make_million(root, racy: int) -> list:
 
 @pytest.mark.slow
 def test_the_second_launch_of_a_million_files_written_just_before_the_first_is_warm(
-    tmp_path, caplog, monkeypatch
+    tmp_path, memory_volume, caplog, monkeypatch
 ):
-    src, cache = tmp_path / "src", tmp_path / "cache"
+    src, cache = memory_volume / "src", tmp_path / "cache"
     racy = _make_million(src, racy=3)
     now = time.time_ns()
     for path in (*racy, src):
