@@ -624,7 +624,7 @@ _ARROW_BUDGET = {
     "nbtools._demo": 6,
     "nbtools._doctor": 3,
     "nbtools._hangs": 4,
-    "nbtools._internal": 2,
+    "nbtools._internal": 3,
     "nbtools._magics": 0,
     "nbtools.checkpoint": 49,
     "nbtools.checkpoint._memory": 34,

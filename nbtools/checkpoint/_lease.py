@@ -16,6 +16,8 @@ What makes a lease live (anything else is taken over at once):
   the two machines' clocks agreeing; only a lease older than :data:`MAX_AGE_S`
   by its own timestamp is abandoned without watching.
 
+The verdict on another writer's lease is :class:`nbtools._internal.lease.LeaseWatch`'s, with
+the timings above; the listing lease of a dataset root judges its holders by the same watch.
 Watching takes :data:`WATCH_S` and never runs on the training thread: the
 manager starts it in the background ahead of the first save (a local root's
 lease is read when the manager is created; an object store's from a restore
@@ -33,13 +35,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 import uuid
 from typing import Any
 
-from nbtools._internal.holder import Holder, Liveness, machine_id
+from nbtools._internal.holder import machine_id
+from nbtools._internal.lease import Heartbeat, LeaseWatch, Verdict, lease_record
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint._storage import Target
 from nbtools.errors import CheckpointError
@@ -83,19 +85,6 @@ def _describe(record: dict[str, Any]) -> str:
     return f"pid {record.get('pid')} on host {record.get('host')} (writing since {when})"
 
 
-def _local_verdict(record: dict[str, Any]) -> bool:
-    """Whether a lease written on this machine is held by a live writer."""
-    holder = Holder.from_record(record)
-    if holder is None or holder.pid == os.getpid():
-        return False  # no holder, or an earlier manager of this process: superseded
-    renewed = _number(record.get("time"))
-    if renewed is None or time.time() - renewed > EXPIRE_S:
-        return False  # no heartbeat, or not renewed: its writer stopped
-    if holder.started is None:
-        return False  # a lease without a start time is no evidence of anything
-    return holder.alive() is Liveness.ALIVE
-
-
 class WriterLease:
     """The lease of one manager on one root (used on the saving rank only).
 
@@ -110,8 +99,8 @@ class WriterLease:
         self._takeover = takeover
         self._token = uuid.uuid4().hex
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()  # ends the watch
+        self._heartbeat: Heartbeat | None = None
         self._watcher: threading.Thread | None = None
         self._probed = False
         self._not_before = 0.0  # see defer_probe
@@ -120,11 +109,11 @@ class WriterLease:
         self.held = False
         self.lost_to: dict[str, Any] | None = None
         self._pid = os.getpid()
-        # The other machine's lease being watched: its content, when (monotonic) it was
-        # first seen, and when it was last seen to change (None: not yet).
-        self._watched: dict[str, Any] | None = None
-        self._seen_at = 0.0
-        self._changed_at: float | None = None
+        # Another writer's lease: a holder of this machine is judged at once (an earlier
+        # manager of this process is superseded); another machine's lease is watched.
+        self._judge = LeaseWatch(
+            quiet_s=WATCH_S, max_age_s=MAX_AGE_S, fresh_local_s=EXPIRE_S, mine_is_gone=True
+        )
 
     @property
     def path(self) -> str:
@@ -146,17 +135,9 @@ class WriterLease:
 
     def _write(self) -> None:
         self._beat += 1
-        me = Holder.me()
-        record = {
-            "token": self._token,
-            "pid": me.pid,
-            "started": me.started,
-            "host": socket.gethostname(),
-            "machine": me.machine,
-            "since": self._since,
-            "time": time.time(),
-            "beat": self._beat,
-        }
+        record = lease_record(
+            token=self._token, since=self._since, time=time.time(), beat=self._beat
+        )
         self._target.publish_bytes(LEASE_NAME, json.dumps(record).encode())
 
     # --- judging another writer's lease ----------------------------------------------
@@ -176,32 +157,16 @@ class WriterLease:
             f"CheckpointManager(..., takeover=True) or delete {self.path}"
         )
 
-    def _observe(self, record: dict[str, Any]) -> None:
-        now = time.monotonic()
-        if self._watched is None or self._watched.get("token") != record.get("token"):
-            self._watched, self._seen_at, self._changed_at = record, now, None
-        elif record != self._watched:
-            self._watched, self._changed_at = record, now
-
-    def _verdict(self, record: dict[str, Any]) -> str:
-        """``"gone"``, ``"live"`` or ``"pending"`` for a lease that is not ours."""
+    def _verdict(self, record: dict[str, Any]) -> Verdict:
+        """The verdict on a lease that is not ours."""
         if self._takeover:
-            return "gone"
-        if record.get("machine") == machine_id():
-            return "live" if _local_verdict(record) else "gone"
-        renewed = _number(record.get("time"))
-        if renewed is None or time.time() - renewed > MAX_AGE_S:
-            return "gone"  # no heartbeat, or one stopped long ago whatever the clocks say
-        self._observe(record)
-        now = time.monotonic()
-        if self._changed_at is not None and now - self._changed_at < WATCH_S:
-            return "live"
-        if now - max(self._seen_at, self._changed_at or 0.0) >= WATCH_S:
-            return "gone"  # unchanged for several heartbeats
-        return "pending"
+            return Verdict.GONE
+        return self._judge.judge(
+            record, key=record.get("token"), mark=record, written_at=_number(record.get("time"))
+        )
 
     def _pending(self, record: dict[str, Any]) -> LeasePending:
-        left = max(0.0, WATCH_S - (time.monotonic() - self._seen_at))
+        left = max(0.0, WATCH_S - (time.monotonic() - self._judge.quiet_since))
         return LeasePending(
             f"{self._target.url} holds the writer lease of {_describe(record)}, on another "
             f"machine; watching it for {left:.0f} s more to learn whether that run is alive, "
@@ -219,7 +184,7 @@ class WriterLease:
                 except OSError as exc:  # a storage hiccup: the next poll tries again
                     _log.warning("could not read %s: %s", self.path, exc)
                     continue
-                if record is None or self._verdict(record) != "pending":
+                if record is None or self._verdict(record) is not Verdict.PENDING:
                     self._watcher = None
                     return
 
@@ -261,7 +226,7 @@ class WriterLease:
                 record = self._read()
             except OSError:
                 return
-            if record is not None and not self.held and self._verdict(record) == "pending":
+            if record is not None and not self.held and self._verdict(record) is Verdict.PENDING:
                 self._start_watch()
 
     def settle(self) -> None:
@@ -282,8 +247,8 @@ class WriterLease:
         with self._lock:
             if self.lost_to is not None:
                 raise self._refuse(self.lost_to)
-            if self._watcher is not None and self._watched is not None:
-                raise self._pending(self._watched)  # the watch reads the file meanwhile
+            if self._watcher is not None and self._judge.watched is not None:
+                raise self._pending(self._judge.watched)  # the watch reads the file meanwhile
             record = self._read()
             if self.held:
                 if record is not None and record.get("token") != self._token:
@@ -294,9 +259,9 @@ class WriterLease:
                 return
             if record is not None and record.get("token") != self._token:
                 verdict = self._verdict(record)
-                if verdict == "live":
+                if verdict is Verdict.LIVE:
                     raise self._refuse(record)
-                if verdict == "pending":
+                if verdict is Verdict.PENDING:
                     self._start_watch()
                     raise self._pending(record)
                 if self._takeover:
@@ -312,35 +277,35 @@ class WriterLease:
             if mine is None or mine.get("token") != self._token:  # lost a race to another writer
                 raise self._refuse(mine or {})
             self.held = True
-            self._watched = None
-            self._thread = threading.Thread(
-                target=self._heartbeat, name="nbtools-ckpt-lease", daemon=True
-            )
-            self._thread.start()
+            self._judge.forget()
+            self._heartbeat = Heartbeat(self._renew, HEARTBEAT_S, "nbtools-ckpt-lease").start()
 
     def _lose(self, record: dict[str, Any]) -> None:
         self.held = False
         self.lost_to = record
         self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.stop(wait=False)
 
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            with self._lock:
-                if not self.held:
-                    return
-                try:
-                    record = self._read()
-                    if record is not None and record.get("token") != self._token:
-                        _log.warning(
-                            "%s was taken over by %s; this manager saves no more",
-                            self.path,
-                            _describe(record),
-                        )
-                        self._lose(record)
-                        return
-                    self._write()
-                except OSError as exc:  # a storage hiccup: the next beat tries again
-                    _log.warning("could not renew %s: %s", self.path, exc)
+    def _renew(self) -> bool:
+        """One heartbeat: rewrite the lease; False once it is lost."""
+        with self._lock:
+            if not self.held:
+                return False
+            try:
+                record = self._read()
+                if record is not None and record.get("token") != self._token:
+                    _log.warning(
+                        "%s was taken over by %s; this manager saves no more",
+                        self.path,
+                        _describe(record),
+                    )
+                    self._lose(record)
+                    return False
+                self._write()
+            except OSError as exc:  # a storage hiccup: the next beat tries again
+                _log.warning("could not renew %s: %s", self.path, exc)
+            return True
 
     # --- giving it back -------------------------------------------------------------
 
@@ -353,11 +318,12 @@ class WriterLease:
         if os.getpid() != self._pid:
             return
         self._stop.set()
-        for name in ("_thread", "_watcher"):
-            thread = getattr(self, name)
-            setattr(self, name, None)
-            if thread is not None and thread is not threading.current_thread():
-                thread.join()
+        heartbeat, self._heartbeat = self._heartbeat, None
+        if heartbeat is not None:
+            heartbeat.stop()
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join()
         with self._lock:
             if not self.held:
                 return

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from typing import Any
 
 from nbtools._internal.fs import TMP_PREFIX
 from nbtools._internal.holder import Holder, Liveness, machine_id
+from nbtools._internal.lease import lease_record
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint._storage._layout import (
     METADATA_NAME,
@@ -69,14 +69,7 @@ _warned: set[str] = set()
 
 def begin(target: Target, tag: str) -> None:
     """Publish the marker of the save ``tag`` (before it writes anything) and note it here."""
-    me = Holder.me()
-    record = {
-        "pid": me.pid,
-        "started": me.started,
-        "machine": me.machine,
-        "host": socket.gethostname(),
-        "time": time.time(),
-    }
+    record = lease_record(time=time.time())
     with _in_flight_lock:
         _in_flight[tag] = threading.get_ident()
     target.publish_bytes(save_mark_name(tag), json.dumps(record).encode())

@@ -18,7 +18,9 @@ the clocks' own reckoning, belongs to a node that died: it is taken over,
 with a log line. The lease only saves listings; nothing is ever read from
 it but who holds it, and a lease that is not a plain file of this user's
 (planted by someone else, a link, writable by others) is not waited on: the
-node lists without one, with a warning. Where it cannot work (a mount
+node lists without one, with a warning. The verdict on a lease is
+:class:`nbtools._internal.lease.LeaseWatch`'s, as for the checkpoint writer's lease, with the
+timings here and the lease file's mtime as what changes. Where it cannot work (a mount
 without ``O_EXCL``, two nodes taking over one stale lease at the same
 moment) two nodes both list,
 and each publishes a complete index, as without it.
@@ -29,16 +31,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import stat
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from nbtools import runtime
 from nbtools._internal.fs import TMP_PREFIX
-from nbtools._internal.holder import Holder, Liveness, machine_id
+from nbtools._internal.holder import Liveness
+from nbtools._internal.lease import Heartbeat, LeaseWatch, Verdict, lease_holder, lease_record
 from nbtools._internal.log import get_logger
 
 __all__ = ["ABANDONED_S", "HEARTBEAT_S", "STALE_S", "ListingLease", "lead_or_wait"]
@@ -68,15 +69,9 @@ class ListingLease:
         self.path = shared + ".listing"
         # host/pid/job/since are what every version reads; machine and started (the
         # holder's pid namespace and start time) tell a reused pid apart.
-        self.record = {
-            "host": socket.gethostname(),
-            **Holder.me().record(),
-            "job": job,
-            "since": time.time(),
-        }
+        self.record = lease_record(job=job, since=time.time())
         self._progress = progress
-        self._stop = threading.Event()
-        self._beat: threading.Thread | None = None
+        self._beat: Heartbeat | None = None
         #: Whether a dead node's lease was removed: it may have left temporaries behind.
         self.took_over = False
 
@@ -103,10 +98,7 @@ class ListingLease:
             os.write(fd, json.dumps(self.record).encode())
         finally:
             os.close(fd)
-        self._beat = threading.Thread(
-            target=self._heartbeat, name="nbtools-index-lease", daemon=True
-        )
-        self._beat.start()
+        self._beat = Heartbeat(self._renew, HEARTBEAT_S, "nbtools-index-lease").start()
         return True
 
     def _foreign(self) -> str | None:
@@ -131,35 +123,35 @@ class ListingLease:
         """Whether this node holds a real lease (False where none could be made)."""
         return self._beat is not None
 
-    def _heartbeat(self) -> None:
-        directory = os.path.dirname(self.path)
-        while not self._stop.wait(HEARTBEAT_S):
-            current = self.holder_id()
-            if current is None:
-                continue  # being taken over (moved aside): not to be made again
-            if current != _identity(self.record):
-                return  # taken over: it is another node's now
-            state = dict(self.record)
-            if self._progress is not None:
-                state.update(files=self._progress.files, dirs=self._progress.dirs)
-            tmp = f"{directory}/{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
-            try:
-                with open(tmp, "w", encoding="utf-8") as fh:
-                    json.dump(state, fh)
-                os.replace(tmp, self.path)  # readers see the old state or the new one
-            except OSError:
-                with contextlib.suppress(OSError):
-                    os.utime(self.path)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
+    def _renew(self) -> bool:
+        """One heartbeat: rewrite the lease with the listing's progress; False once it is
+        another node's."""
+        current = self.holder_id()
+        if current is None:
+            return True  # being taken over (moved aside): not to be made again
+        if current != _identity(self.record):
+            return False  # taken over: it is another node's now
+        state = dict(self.record)
+        if self._progress is not None:
+            state.update(files=self._progress.files, dirs=self._progress.dirs)
+        tmp = f"{os.path.dirname(self.path)}/{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(state, fh)
+            os.replace(tmp, self.path)  # readers see the old state or the new one
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        return True
 
     def release(self) -> None:
         """Stop refreshing the lease and remove it if it is still this one."""
-        self._stop.set()
         if self._beat is None:
             return
-        self._beat.join()
+        self._beat.stop()
         self._beat = None
         if self.holder_id() == _identity(self.record):
             with contextlib.suppress(FileNotFoundError):
@@ -215,15 +207,9 @@ def _identity(record: dict[str, Any]) -> tuple[Any, ...]:
 
 def _dead(record: dict[str, Any] | None) -> bool:
     """Whether the lease names a process of this machine that is gone (a reused pid is gone)."""
-    if not record:
+    holder = lease_holder(record)
+    if holder is None or not holder.here:
         return False
-    holder = Holder.from_record(record)
-    if holder is None:
-        # A lease of an older version names host and pid only.
-        pid = record.get("pid")
-        if record.get("host") != socket.gethostname() or not isinstance(pid, int):
-            return False
-        holder = Holder(machine_id(), pid, None)
     return holder.pid != os.getpid() and holder.alive() is Liveness.DEAD
 
 
@@ -244,8 +230,7 @@ def lead_or_wait(
     another node listed.
     """
     lease = ListingLease(shared, job, progress)
-    seen: int | None = None
-    unchanged_since = time.monotonic()
+    watch = LeaseWatch(quiet_s=STALE_S, max_age_s=ABANDONED_S)
     said = time.monotonic()
     while True:
         if lease.take():
@@ -261,17 +246,17 @@ def lead_or_wait(
         if mtime is None:
             continue  # released: take it, or find the index it left
         now = time.monotonic()
-        if mtime != seen:
-            seen, unchanged_since = mtime, now
         record = lease.holder()
         who = f"{record.get('host')} (pid {record.get('pid')})" if record else "another node"
         age = time.time() - mtime / 1e9
-        if _dead(record):
-            lease.break_stale(f"{who} listed {root} and died")
-        elif now - unchanged_since > STALE_S:
-            lease.break_stale(f"{who} stopped refreshing its lease {STALE_S:.0f} s ago")
-        elif age > ABANDONED_S:
-            lease.break_stale(f"{who} left its lease {age:.0f} s ago")
+        if watch.judge(record, key=None, mark=mtime, written_at=mtime / 1e9) is Verdict.GONE:
+            if _dead(record):
+                lease.break_stale(f"{who} listed {root} and died")
+            elif age > ABANDONED_S:
+                lease.break_stale(f"{who} left its lease {age:.0f} s ago")
+            else:
+                lease.break_stale(f"{who} stopped refreshing its lease {STALE_S:.0f} s ago")
+            watch.forget()
         elif now - said >= _SAY_EVERY_S:
             said = now
             if _loud():

@@ -220,7 +220,7 @@ def test_a_lease_whose_pid_now_belongs_to_another_process_is_dead():
     # The holder's pid was reused: it runs, but started long after the lease was written.
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        ours = _rootlease.Holder.me().record()
+        ours = _rootlease.lease_record()
         reused = {
             "host": socket.gethostname(),
             **ours,
