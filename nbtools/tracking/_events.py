@@ -26,6 +26,7 @@ from typing import Any
 from mlflow.exceptions import MlflowException
 
 from nbtools import events as _events
+from nbtools._internal import settings
 from nbtools._internal.log import get_logger
 from nbtools.errors import TrackingError
 from nbtools.tracking._store import bounded_requests
@@ -54,7 +55,7 @@ class EventsRecorder:
         self._seen = 0
         self._lock = threading.Lock()
         self._dropped_before = _events.dropped()
-        if os.environ.get(_events.CHANNEL_ENV):
+        if settings.read("NBTOOLS_EVENTS_CHANNEL"):
             _log.warning(
                 "events_to_mlflow: this process is a rank, whose events go to the kernel; "
                 "create the MlflowLogger with events_to_mlflow=True in the notebook to keep them"
