@@ -155,10 +155,17 @@ def _write_table(cache_file: str, path: str = TABLE) -> dict[str, float]:
     """Sum the cached seconds (``nodeid@group``) per group into :data:`TABLE`."""
     with open(cache_file, encoding="utf-8") as fh:
         cached = json.load(fh)
-    table: dict[str, float] = defaultdict(float)
+    # A file that moved is in the cache under both paths: each test counts once, by its
+    # file's basename and its name.
+    tests: dict[tuple[str, str], float] = {}
     for test, seconds in cached.items():
         nodeid, _, group = test.rpartition("@")
-        table[table_key(group or nodeid.split("::", 1)[0])] += float(seconds)
+        path, _, name = nodeid.partition("::")
+        key = (table_key(group or path), f"{os.path.basename(path)}::{name}")
+        tests[key] = max(tests.get(key, 0.0), float(seconds))
+    table: dict[str, float] = defaultdict(float)
+    for (group, _), seconds in tests.items():
+        table[group] += seconds
     out = {k: round(v, 1) for k, v in sorted(table.items())}
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(out, fh, indent=0, sort_keys=True)
