@@ -34,6 +34,11 @@ _NODE_ARGS = {"num_cpus": CPUS_PER_NODE, "node_ip_address": "127.0.0.1"}
 #: turned into an error (Ray's own calls give up about 30 s after the GCS is gone).
 _TRY_DEADLINE_S = 90.0
 _TRIES = 3
+#: How the head finds a node gone: a health check every half second, and a node that fails
+#: six in a row (each may take Ray's 10 s to time out) is dead. Ray's defaults, every 3 s and
+#: five failures, make each test that loses a node wait some 15 s for Ray to say so; a live
+#: node of a busy machine still answers within the timeout.
+_HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 6}
 
 
 class RayCluster:
@@ -48,6 +53,7 @@ class RayCluster:
                 "num_cpus": 0,
                 "node_ip_address": "127.0.0.1",
                 "include_dashboard": False,
+                "_system_config": dict(_HEALTH_CHECKS),  # Ray adds its own keys to it
             },
         )
         # The nodes start side by side; then every one of them is waited for.
