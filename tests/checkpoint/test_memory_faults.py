@@ -15,7 +15,7 @@ import pytest
 import torch
 from ckpt_training import two_rank_reference
 
-from nbtools.checkpoint._memory import _slots
+from nbtools.checkpoint._memory import _directories, _slots
 
 # A run defined in __main__ (as in a notebook cell) whose every step draws from the global
 # RNG: a resume that lost a step or the RNG streams shows in the weights.
@@ -242,28 +242,28 @@ _CREATE_AND_SWEEP = textwrap.dedent(
     """
     import os, sys, time
     from nbtools._internal.holder import Holder
-    from nbtools.checkpoint._memory import _slots, _sweep
+    from nbtools.checkpoint._memory import _directories, _slots
 
     base, name, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
     me = Holder.me()
     made, lost = 0, []
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        user = _slots.user_dir(base)
+        user = _directories.user_dir(base)
         key = f"run:{name}-{made}|root|world=1"
-        own = _slots.job_path(user, key)
-        _sweep.sweep_all(base, own=own)
-        job = _slots.job_dir(user, key, me)
+        own = _directories.job_path(user, key)
+        _directories.sweep_all(base, own=own)
+        job = _directories.job_dir(user, key, me)
         slot = os.path.join(job, "r0-x.slot")
         try:
             with open(slot, "w") as fh:
                 fh.write("snapshot")
-            if not os.path.exists(os.path.join(job, _slots.KEEPER)):
+            if not os.path.exists(os.path.join(job, _directories.KEEPER)):
                 lost.append(job)
         except FileNotFoundError:
             lost.append(job)
         _slots.remove([slot])
-        _slots.drop_job_if_empty(job)
+        _directories.drop_job_if_empty(job)
         made += 1
     print(made, len(lost))
     """
@@ -293,19 +293,18 @@ def test_the_sweep_never_touches_a_job_being_created(tmp_path, shm):
 
 @pytest.mark.slow
 def test_a_sweep_removes_everything_a_dead_job_left(tmp_path, shm):
-    from nbtools.checkpoint._memory import _sweep
 
     # A run started by hand is its own keeper: killed, its snapshots serve nobody.
     _run(tmp_path, tmp_path / "root", kill_at=9, run_id="")
     (user,) = shm.iterdir()
     (job,) = user.iterdir()
     (job / ".tmp-r0-r0-half").write_bytes(b"half-written")  # a write the kill cut short
-    stale = user / f"{_slots.NEW}killed"  # a job directory whose maker died making it
+    stale = user / f"{_directories.NEW}killed"  # a job directory whose maker died making it
     stale.mkdir()
     os.utime(stale, (0, 0))
     (user / "stray").write_text("not a job directory")
     assert len(list(job.glob("*.slot"))) == 2
-    removed = _sweep.sweep_all(str(shm))
+    removed = _directories.sweep_all(str(shm))
     assert sorted(removed) == sorted([job.name, stale.name, "stray"])
     assert list(shm.iterdir()) == []  # the user's directory, left empty, goes too
 
@@ -314,10 +313,10 @@ def test_a_launch_that_ended_drops_its_snapshots_wherever_they_went(tmp_path, sh
     from nbtools._internal.holder import Holder
     from nbtools.checkpoint._memory import end_run
 
-    usual = _slots.user_dir(str(shm))
-    private = _slots.private_dir("run:ended", str(shm))  # where a planted base sent it
+    usual = _directories.user_dir(str(shm))
+    private = _directories.private_dir("run:ended", str(shm))  # where a planted base sent it
     for user, run in [(usual, "ended"), (private, "ended"), (usual, "other")]:
-        job = _slots.job_dir(user, f"run:{run}|root|world=1", Holder.me())
+        job = _directories.job_dir(user, f"run:{run}|root|world=1", Holder.me())
         (pathlib.Path(job) / "r0-x.slot").write_bytes(b"snapshot")
     assert len(end_run("ended", base=str(shm))) == 2
     assert [p.name for p in shm.iterdir()] == [os.path.basename(usual)]  # the other run's

@@ -14,7 +14,7 @@ from ckpt_training import two_rank_reference
 
 from nbtools import events
 from nbtools.checkpoint import CheckpointManager
-from nbtools.checkpoint._memory import _format, _replicas
+from nbtools.checkpoint._memory import _layout, _replicas
 
 
 def test_holders_are_on_other_nodes_and_the_next_ranks_on_one_node():
@@ -59,13 +59,13 @@ def test_a_snapshot_body_gives_back_every_tensor_bit_for_bit():
         "opt": {"param_groups": [{"betas": (0.9, 0.999), "params": ["w"]}], "state": {}},
         "nbtools": {"rank_0": b"\x00blob"},
     }
-    layout = _format.plan(state)
-    assert all(offset % _format.ALIGN == 0 for _, _, offset in layout.table)
+    layout = _layout.plan(state)
+    assert all(offset % _layout.ALIGN == 0 for _, _, offset in layout.table)
     body = bytearray(layout.data_len)
-    for dest, tensor in zip(_format.destinations(body, layout), layout.tensors, strict=True):
+    for dest, tensor in zip(_layout.destinations(body, layout), layout.tensors, strict=True):
         dest.copy_(tensor)
-    body += _format.skeleton_bytes(layout)
-    back = _format.decode(body, layout.data_len)
+    body += _layout.skeleton_bytes(layout)
+    back = _layout.decode(body, layout.data_len)
     assert back["step"] == 3 and back["nbtools"] == {"rank_0": b"\x00blob"}
     assert back["opt"]["param_groups"][0]["betas"] == (0.9, 0.999)
     for name, value in state["model"].items():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nbtools.checkpoint import _state
-from nbtools.checkpoint._memory import _format, _shares
+from nbtools.checkpoint._memory import _layout
 from nbtools.errors import CheckpointError
 
 
@@ -24,13 +24,13 @@ def _state_of(seed: int = 0, width: int = 64) -> dict:
 
 def _through_a_slot(state: dict) -> tuple[dict, int]:
     """``state`` written as a snapshot body and read back; and its tensor region's size."""
-    layout = _format.plan(state)
-    tail = _format.skeleton_bytes(layout)
+    layout = _layout.plan(state)
+    tail = _layout.skeleton_bytes(layout)
     body = bytearray(layout.data_len + len(tail))
-    for dest, tensor in zip(_format.destinations(body, layout), layout.tensors, strict=True):
+    for dest, tensor in zip(_layout.destinations(body, layout), layout.tensors, strict=True):
         dest.copy_(tensor)
     body[layout.data_len :] = tail
-    return _format.decode(body, layout.data_len), layout.data_len
+    return _layout.decode(body, layout.data_len), layout.data_len
 
 
 def _tensors(obj) -> list[torch.Tensor]:
@@ -46,15 +46,15 @@ def _tensors(obj) -> list[torch.Tensor]:
 def test_three_shares_hold_the_state_once_and_give_it_back_whole():
     state = _state_of()
     whole, full = _through_a_slot(state)
-    shares = [_shares.Share(base=4, count=3, index=i) for i in range(3)]
-    read = {4 + s.index: _through_a_slot(_shares.mark(state, s)) for s in shares}
+    shares = [_layout.Share(base=4, count=3, index=i) for i in range(3)]
+    read = {4 + s.index: _through_a_slot(_layout.mark(state, s)) for s in shares}
     sizes = [n for _, n in read.values()]
     # Each slot holds about a third of the tensors; together, each tensor once.
     assert max(sizes) < 0.5 * full and abs(sum(sizes) - full) <= 3 * 64 * 20
     for rank, (mine, _) in read.items():
-        assert _shares.owners(mine) == {4, 5, 6} - {rank}
+        assert _layout.owners(mine) == {4, 5, 6} - {rank}
         peers = {r: read[r][0] for r in read if r != rank}
-        back = _shares.fill(mine, peers, f"rank {rank}'s snapshot")
+        back = _layout.fill(mine, peers, f"rank {rank}'s snapshot")
         assert set(back) == set(whole)
         assert back[_state.NS] == whole[_state.NS]  # the per-rank part is each rank's own
         got, want = _tensors(back), _tensors(whole)
@@ -64,25 +64,25 @@ def test_three_shares_hold_the_state_once_and_give_it_back_whole():
 
 def test_a_share_of_another_layout_or_a_missing_one_is_refused_naming_the_rank():
     state, other = _state_of(width=64), _state_of(width=32)
-    mine, _ = _through_a_slot(_shares.mark(state, _shares.Share(0, 2, 0)))
-    theirs, _ = _through_a_slot(_shares.mark(other, _shares.Share(0, 2, 1)))
+    mine, _ = _through_a_slot(_layout.mark(state, _layout.Share(0, 2, 0)))
+    theirs, _ = _through_a_slot(_layout.mark(other, _layout.Share(0, 2, 1)))
     with pytest.raises(CheckpointError, match="rank 1 it shares tensors with hold different"):
-        _shares.fill(mine, {1: theirs}, "rank 0's snapshot")
+        _layout.fill(mine, {1: theirs}, "rank 0's snapshot")
     with pytest.raises(CheckpointError, match="needs the snapshot of rank 1; none was read"):
-        _shares.fill(mine, {}, "rank 0's snapshot")
+        _layout.fill(mine, {}, "rank 0's snapshot")
 
 
 def test_the_ranks_of_a_node_share_only_when_they_all_hold_the_same_tensors():
     node_a, node_b = "machine-a", "machine-b"
     reports = [(0, 2, "d", node_a), (0, 2, "d", node_a), (2, 2, "d", node_b), (2, 2, "e", node_b)]
-    assert _shares.decide(0, reports) == _shares.Share(0, 2, 0)
-    assert _shares.decide(1, reports) == _shares.Share(0, 2, 1)
-    assert _shares.decide(2, reports) is None  # rank 3 holds other tensors: no sharing there
-    assert _shares.decide(3, reports) is None
+    assert _layout.decide(0, reports) == _layout.Share(0, 2, 0)
+    assert _layout.decide(1, reports) == _layout.Share(0, 2, 1)
+    assert _layout.decide(2, reports) is None  # rank 3 holds other tensors: no sharing there
+    assert _layout.decide(3, reports) is None
     alone = [(0, 1, "d", node_a), (1, 1, "d", node_b)]
-    assert _shares.decide(0, alone) is None and _shares.decide(1, alone) is None
+    assert _layout.decide(0, alone) is None and _layout.decide(1, alone) is None
     # A node whose ranks are not where the count says (another machine) keeps whole copies.
-    assert _shares.decide(0, [(0, 2, "d", node_a), (0, 2, "d", node_b)]) is None
+    assert _layout.decide(0, [(0, 2, "d", node_a), (0, 2, "d", node_b)]) is None
 
 
 @pytest.mark.slow

@@ -278,10 +278,10 @@ def test_a_snapshot_killed_halfway_leaves_the_previous_one_whole(tmp_path, shm):
     writer = textwrap.dedent(
         """
         import os, sys, time
-        from nbtools.checkpoint._memory import _slots
-        user = _slots.user_dir()
+        from nbtools.checkpoint._memory import _directories, _slots
+        user = _directories.user_dir()
         from nbtools._internal.holder import Holder
-        job = _slots.job_dir(user, sys.argv[1], Holder.me())
+        job = _directories.job_dir(user, sys.argv[1], Holder.me())
         _slots.write_slot(job, sys.argv[1], 0, 1, 5, lambda fh: fh.write(b"x" * 1000))
         def half(fh):
             fh.write(b"y" * 500)
@@ -299,23 +299,23 @@ def test_a_snapshot_killed_halfway_leaves_the_previous_one_whole(tmp_path, shm):
         proc.kill()
         proc.wait()
         proc.stdout.close()
-    from nbtools.checkpoint._memory import _slots, _sweep
+    from nbtools.checkpoint._memory import _directories, _slots
 
-    user = _slots.user_dir()
-    job = _slots.job_path(user, "key")
+    user = _directories.user_dir()
+    job = _directories.job_path(user, "key")
     assert [s.step for s in _slots.slots(job, "key", 0, 1)] == [5]
     assert bytes(_slots.read_slot(next(_slots.slots(job, "key", 0, 1)))) == b"x" * 1000
-    _sweep.sweep(user)  # its keeper is dead: the job goes, the half-written file with it
+    _directories.sweep(user)  # its keeper is dead: the job goes, the half-written file with it
     assert _files(shm) == [f"nbtools-snapshots-{os.geteuid()}"]
     os.rmdir(user)
 
 
 def test_a_reused_slot_file_holds_only_the_new_snapshot(tmp_path, shm):
     from nbtools._internal.holder import Holder
-    from nbtools.checkpoint._memory import _slots
+    from nbtools.checkpoint._memory import _directories, _slots
 
-    user = _slots.user_dir()
-    job = _slots.job_dir(user, "key", Holder.me())
+    user = _directories.user_dir()
+    job = _directories.job_dir(user, "key", Holder.me())
     old = _slots.write_slot(job, "key", 0, 1, 5, lambda fh: fh.write(b"x" * 100_000))
     keep = _slots.write_slot(job, "key", 0, 1, 6, lambda fh: fh.write(b"k" * 10))
     new = _slots.write_slot(job, "key", 0, 1, 7, lambda fh: fh.write(b"y" * 10), reuse=old)
@@ -332,7 +332,7 @@ def test_a_reused_slot_file_holds_only_the_new_snapshot(tmp_path, shm):
     assert [s.step for s in _slots.slots(job, "key", 0, 1)] == [7]  # no half-written slot
     assert sorted(os.listdir(job)) == ["keeper", os.path.basename(new.path)]
     _slots.remove([new.path])
-    _slots.drop_job_if_empty(job)
+    _directories.drop_job_if_empty(job)
     assert _files(shm) == []
 
 

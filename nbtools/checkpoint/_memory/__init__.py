@@ -2,30 +2,23 @@
 
 Start reading at ``_tier``. The modules, one line each:
 
-- ``_tier``: :class:`MemoryTier`, which the manager asks to snapshot every
-  ``memory_every`` steps, and which runs the snapshot's rounds in the background.
+- ``_tier``: :class:`MemoryTier`, the fastest tier: what the manager asks to
+  snapshot every ``memory_every`` steps and to restore; it runs the rounds.
+- ``_layout``: a snapshot's bytes (tensors as raw buffers, the rest as a small
+  skeleton) and the shares the ranks of a node split replicated tensors into.
 - ``_copy_behind``: the copy of parameters and optimizer state that runs behind
   training until the next optimizer step, fused with the slot's checksum.
-- ``_format``: the bytes of a snapshot: tensors as raw buffers, the rest as a
-  small skeleton.
-- ``_shares``: replicated state snapshotted once per node, each rank of the node
-  copying a share of it.
-- ``_slots``: the snapshot files: a 0700 directory per user and job under
-  ``/dev/shm``, 0600 slots with random names and a checksummed header.
-- ``_slot_maps``: the slots' memory maps, kept from one snapshot to the next.
-- ``_space``: whether a node has room for its ranks' snapshots, checked before the
-  first one.
-- ``_sweep``: ending jobs' snapshots: a dead job's, swept by the next one; a
-  finished launch's (:func:`end_run`).
-- ``_volume``: what a job's ranks know of the volume, kept beside their snapshots.
+- ``_slots``: the slot files (names, checksummed headers, memory maps kept from
+  one snapshot to the next) and the sink that receives peers' replicas.
+- ``_directories``: where a job's slots live (a 0700 directory per user and job,
+  who may trust it), the room they need, the ranks' records of the volume, and
+  the sweep of ended jobs (:func:`end_run`).
 - ``_replicas``: each rank's snapshot also held by peers, sent over the job's
-  process group.
-- ``_restore``: the memory tier's offer and load: the newest step every rank can
-  get, from its own slot or a peer's.
-- ``_slot_sources``: getting the slots a restore chose: read where they are, else
-  sent by a rank that has them.
-- ``_in_place``: a rank's own slot restored in place: the optimizer state starts
-  out in its pages.
+  process group into their sinks.
+- ``_choice``: the step a restore takes, the newest every rank can get, and
+  getting its slots (read where they are, else sent by a rank that has them).
+- ``_in_place``: the chosen slots put into the objects, a rank's own restored in
+  place (the optimizer state starts out in its pages).
 - ``_notes``: what the tier says: one message per condition per job.
 
 The manager enters only through the names exported here: :class:`MemoryTier`
@@ -42,8 +35,8 @@ serve no restart any more.
 
 from __future__ import annotations
 
+from nbtools.checkpoint._memory._directories import drop_jobs
 from nbtools.checkpoint._memory._replicas import peers
-from nbtools.checkpoint._memory._sweep import drop_jobs
 from nbtools.checkpoint._memory._tier import MemoryTier
 
 __all__ = ["MemoryTier", "peers", "end_run"]

@@ -1,71 +1,252 @@
-"""Restoring from memory: the newest step every rank can get, from its own slot or a peer's.
+"""The choice of step a restore from memory makes, and getting its slots.
 
 A collective. Every rank tells the others which slots its node holds: of any
 rank, its own or a replica (a restarted rank may sit on another node than its
 predecessor; whoever sits on the node holding a slot serves it). The newest
 step that every rank can get (from its own node, else from a rank on a node
 holding it) is chosen, if it is at least as new as the volume's newest
-checkpoint; where the ranks of a node split their replicated tensors (see
-``_shares``), a rank needs that step's slots of all of them. Each rank then
-reads the slots it needs, or receives them from a rank that holds them over
-the tier's group; every byte is checked against the slot's checksum. A source that fails (a
-damaged slot, a replica that arrives damaged) is dropped and the choice is
-made again, so a rank whose own slot is corrupt takes the step from its
-replica, and only when no source of a step is left do the ranks fall back to
-an older step or to the volume.
+checkpoint (the ranks' records, see ``_directories``, else a listing); where
+the ranks of a node split their replicated tensors (see ``_layout``), a rank
+needs that step's slots of all of them.
+
+Each rank then gets the slots it needs (:func:`fetch`). Those its node holds it
+reads there: its own slot mapped in place and checked (see ``_in_place``), a
+peer's slot mapped read-only and checked once, by whichever rank of the node
+maps it as its own (:meth:`Fetched.check`); the others it receives from the
+rank the plan names, which reads them (checked) and sends them over the tier's
+group, checked again on arrival. A source that fails (a damaged slot, a replica
+that arrives damaged) is dropped and the choice is made again, so a rank whose
+own slot is corrupt takes the step from its replica, and only when no source of
+a step is left do the ranks fall back to an older step or to the volume.
+
+A body mapped from a peer's slot is only read from (the tensors it holds are
+copied into the model, or cloned for the optimizer, before the restore ends):
+that rank's own restore keeps its optimizer state in those pages and changes
+them at its first step.
 """
 
 from __future__ import annotations
 
-import warnings
+import mmap
+import os
 from collections import defaultdict
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from nbtools._internal.holder import machine_id
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import gather
-from nbtools.checkpoint._memory import _format, _shares, _volume
-from nbtools.checkpoint._memory._in_place import Consumed, private, within
-from nbtools.checkpoint._memory._slot_sources import Fetched, Holdings, Source, fetch
-from nbtools.checkpoint._restore import Newest, Offer, Restored
+from nbtools.checkpoint._memory import _directories, _layout, _notes, _replicas, _slots
+from nbtools.checkpoint._restore import Newest, Offer
 from nbtools.errors import CheckpointError
 
-__all__ = ["SlotOffer", "load", "offer"]
+__all__ = ["Fetched", "Place", "SlotOffer", "Source", "fetch", "offer", "read_any"]
 
 _log = get_logger("checkpoint")
 #: Rounds of choosing a step before the volume is used (each drops a failed source).
 _ROUNDS = 8
 
 
-def _check_fits(kinds: _state.Objects, state: dict[str, Any], where: str) -> None:
-    for name, model in kinds.models.items():
-        if set(state.get(name) or {}) != set(get_model_state_dict(model)):
-            raise CheckpointError(f"{where} holds other parameters for {name!r}")
-    for name in kinds.optimizers:
-        if name not in state:
-            raise CheckpointError(f"{where} holds no optimizer {name!r}")
+class Place(NamedTuple):
+    """Where this rank's node keeps the job's slots (``directory`` is "" when it cannot be
+    trusted), and the tier's group for the transfers."""
+
+    directory: str
+    key: str
+    rank: int
+    world: int
+    group: dist.ProcessGroup | None
+
+    def visible(self, owner: int) -> list[_slots.Slot]:
+        """Every trusted slot of ``owner`` on this node: its own first, then replicas."""
+        if not self.directory:
+            return []
+        return list(_slots.visible(self.directory, self.key, owner, self.world))
 
 
-class Restoring(Holdings, Protocol):
-    """What a restore asks of the memory tier (:class:`~_tier.MemoryTier`) besides its
-    slots: its round in flight finished, its records of the volume, and the slot whose
-    pages restored state lives in."""
+class Source(NamedTuple):
+    """Where a restore gets a slot: the rank ``holder``, whose node holds ``owner``'s
+    snapshot of ``step``."""
 
-    name: str
+    holder: int
+    owner: int
+    step: int
 
-    def wait(self) -> None: ...
 
-    def volume_bound(self) -> tuple[bool, int | None]: ...
+FileId = tuple[str, int, int]  # (machine, device, inode)
 
-    def hand_over(self, consumed: Consumed) -> None: ...
+
+def read_any(
+    tier: Place, owner: int, step: int, in_place: bool = False
+) -> tuple[Any, _slots.Slot, mmap.mmap | None]:
+    """The first slot of ``owner``'s ``step`` on this node that reads back whole: its
+    payload, the slot, and with ``in_place`` the mapping of a rank's own slot (its
+    payload is then a view of that mapping, see ``_in_place``)."""
+    why = f"rank {tier.rank}'s node holds no slot of it any more"
+    for slot in (s for s in tier.visible(owner) if s.step == step):
+        mm = None
+        try:
+            if in_place and slot.holder is None:
+                mm = _slots.map_slot(slot)
+                body: Any = memoryview(mm)[_slots.HEADER_BYTES :]
+            else:
+                body = _slots.read_slot(slot)
+            _check_step(body, slot)
+            return body, slot, mm
+        except (OSError, CheckpointError) as exc:
+            _notes.once(f"skip|{slot.path}", "not using %s: %s", slot.path, exc)
+            why = str(exc)
+    raise CheckpointError(why)
+
+
+def _check_step(body: Any, slot: _slots.Slot) -> None:
+    """Raise unless the snapshot in ``body`` holds the step ``slot``'s header claims.
+
+    Raises:
+        CheckpointError: It holds another step, or its skeleton cannot be read.
+    """
+    try:
+        held = _layout.step_of(body, slot.data_len)
+    except ValueError as exc:
+        raise CheckpointError(f"snapshot {slot.path} of step {slot.step}: {exc}") from None
+    if held != slot.step:
+        raise CheckpointError(
+            f"snapshot {slot.path} holds step {held} where its header says {slot.step}; "
+            "it is not used"
+        )
+
+
+def _map_any(tier: Place, owner: int, step: int) -> tuple[_slots.Slot, mmap.mmap, FileId]:
+    """The first slot of ``owner``'s ``step`` on this node that maps, read-only, unchecked."""
+    why = f"rank {tier.rank}'s node holds no slot of it any more"
+    for slot in (s for s in tier.visible(owner) if s.step == step):
+        try:
+            mm, (device, inode) = _slots.map_peer(slot)
+            try:
+                with memoryview(mm) as whole, whole[_slots.HEADER_BYTES :] as body:
+                    _check_step(body, slot)
+            except CheckpointError:
+                mm.close()
+                raise
+            return slot, mm, (machine_id(), device, inode)
+        except (OSError, CheckpointError) as exc:
+            _notes.once(f"skip|{slot.path}", "not using %s: %s", slot.path, exc)
+            why = str(exc)
+    raise CheckpointError(why)
+
+
+class Fetched:
+    """What :func:`fetch` got for one rank.
+
+    Attributes:
+        bodies: Each needed owner's payload and tensor region bytes.
+        failed: The sources that failed, ``(rank, owner, step)``.
+        replica: Whether any body was a replica (a holder's copy, here or sent).
+        mapped: The path and mapping of this rank's own slot when restored in place.
+        verified: The files this rank checked whole (its own slot, mapped in place).
+        peers: The mappings of other ranks' slots, and their files, not checked yet.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.bodies: dict[int, tuple[Any, int]] = {}
+        self.failed: list[Source] = []
+        self.replica = False
+        self.mapped: tuple[str, mmap.mmap] | None = None
+        self.verified: set[FileId] = set()
+        self.peers: dict[int, tuple[_slots.Slot, mmap.mmap, FileId]] = {}
+
+    def check(self, me: int, verified: set[FileId]) -> list[Source]:
+        """Check each peer's slot mapped here that no rank checked (``verified``: the
+        files every rank checked whole); the sources that fail, their bodies dropped."""
+        failed: list[Source] = []
+        for owner, (slot, mm, file) in list(self.peers.items()):
+            if file in verified:
+                continue
+            try:
+                _slots.verify(mm, slot)
+            except CheckpointError as exc:
+                _notes.once(f"skip|{slot.path}", "not using %s: %s", slot.path, exc)
+                failed.append(Source(me, owner, self.step))
+                del self.bodies[owner], self.peers[owner]
+        return failed
+
+
+def fetch(
+    tier: Place, step: int, plan: list[int], needs: list[range], local: set[Source]
+) -> Fetched:
+    """The bodies of ``step`` this rank needs, read here or received as ``plan`` says,
+    serving the ranks that need a body this rank is the source of and cannot read it
+    where they are (``local``: ``(rank, owner, step)`` a rank can read on its node)."""
+    me, group = tier.rank, tier.group
+    out = Fetched(step)
+    works: list[Any] = []
+    keep_alive = []
+    for owner, source in enumerate(plan):
+        if source != me:
+            continue
+        to = [r for r, need in enumerate(needs) if owner in need and (r, owner, step) not in local]
+        if not to:
+            continue
+        try:
+            data, slot, _ = read_any(tier, owner, step)
+        except CheckpointError as exc:  # the ranks must hear, then try elsewhere
+            _log.info("rank %d cannot serve rank %d's step %d: %s", me, owner, step, exc)
+            out.failed.append(Source(me, owner, step))
+            for r in to:
+                works += _replicas.send_body(group, r, None, 0, 0, owner)
+            continue
+        keep_alive.append(data)
+        for r in to:
+            works += _replicas.send_body(
+                group, r, _slots.tensor_of(data), slot.data_len, slot.crc, owner
+            )
+    for owner in needs[me]:
+        if (me, owner, step) in local:
+            try:
+                if owner == me:
+                    body, slot, mm = read_any(tier, owner, step, in_place=True)
+                else:
+                    slot, mm, file = _map_any(tier, owner, step)
+                    body = memoryview(mm)[_slots.HEADER_BYTES :]
+                    out.peers[owner] = (slot, mm, file)
+                    mm = None
+            except CheckpointError as exc:
+                _log.info("rank %d cannot read rank %d's step %d: %s", me, owner, step, exc)
+                out.failed.append(Source(me, owner, step))
+                continue
+            out.bodies[owner] = (body, slot.data_len)
+            out.replica = out.replica or slot.holder is not None
+            if mm is not None:
+                out.mapped = (slot.path, mm)
+                info = os.stat(slot.path)
+                out.verified.add((machine_id(), info.st_dev, info.st_ino))
+            continue
+        got = _replicas.receive_body(group, plan[owner], owner)
+        out.replica = True
+        if got is not None:
+            received, data_len, crc = got
+            try:
+                held = _layout.step_of(received, data_len)
+            except ValueError:
+                held = None
+            if _layout.checksum(received) == crc and held == step:
+                out.bodies[owner] = (received, data_len)
+            else:
+                _log.warning("rank %d's snapshot of step %d arrived damaged", owner, step)
+                out.failed.append(Source(plan[owner], owner, step))
+    for work in works:
+        work.wait()
+    return out
+
+
+# --- the choice ------------------------------------------------------------------
 
 
 class SlotOffer(NamedTuple):
     """A slot a rank's node holds: ``owner``'s snapshot of ``step``, whose replicated
-    tensors ranks ``base`` to ``base + width - 1`` share (see ``_shares``)."""
+    tensors ranks ``base`` to ``base + width - 1`` share (see ``_layout``)."""
 
     owner: int
     step: int
@@ -78,7 +259,7 @@ def _choose(
 ) -> tuple[int, list[int], list[range]] | None:
     """The newest step every rank can get whole, the rank each owner's slot is read from,
     and the owners whose slots each rank needs (its own and those it shares tensors with,
-    see ``_shares``). Without ``remote`` a rank can only read what its node holds."""
+    see ``_layout``). Without ``remote`` a rank can only read what its node holds."""
     world = len(offers)
     avail: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(world)]
     shares: dict[tuple[int, int], range] = {}
@@ -126,23 +307,24 @@ def _say_fallback(
         )
 
 
-def offer(tier: Restoring, pg: dist.ProcessGroup | None, below: Newest) -> Offer | None:
+def offer(
+    tier: Place, pg: dist.ProcessGroup | None, below: Newest, records: tuple[bool, int | None]
+) -> Offer | None:
     """The newest step every rank can get from memory (own slots, or peers' replicas),
     fetched and checked, when it is at least as new as the volume's (a collective).
 
-    The volume is not listed when the ranks' records (``_volume``) show that it
+    The volume is not listed when the ranks' records (``_directories``) show that it
     holds nothing newer than the chosen snapshot. Otherwise ``below`` lists it
     (rank 0, in the background, while the snapshot is read and checked) and
     gives every rank the newest complete step. None (after one line saying why)
     when the volume must be used.
     """
-    tier.wait()
     # Without the group (a single rank) a rank can read and serve only itself.
     owners = range(tier.world) if tier.group is not None else [tier.rank]
     mine = {SlotOffer(o, s.step, *(s.share or (o, 1))) for o in owners for s in tier.visible(o)}
-    offers, views = zip(*gather(pg, (sorted(mine), tier.volume_bound())), strict=True)
+    offers, views = zip(*gather(pg, (sorted(mine), records)), strict=True)
     offers = tuple([SlotOffer(*o) for o in got] for got in offers)
-    known, bound = _volume.combine(list(views))
+    known, bound = _directories.combine_records(list(views))
     here = {Source(r, o.owner, o.step) for r, got in enumerate(offers) for o in got}
 
     def must_list(step: int) -> bool:
@@ -174,61 +356,4 @@ def offer(tier: Restoring, pg: dist.ProcessGroup | None, below: Newest) -> Offer
     if newest_volume is not None and step < newest_volume:
         _log.info("the volume's step %d is newer than memory's %d", newest_volume, step)
         return None
-    return Offer(tier.name, step, newest_volume, got)
-
-
-def load(
-    tier: Restoring, pg: dist.ProcessGroup | None, offer: Offer, kinds: _state.Objects
-) -> Restored | None:
-    """Put the slots ``offer`` holds into the objects on every rank (a collective); None
-    (the objects unchanged, after one line saying why) when some rank cannot."""
-    step, got = offer.step, offer.held
-    assert step is not None and isinstance(got, Fetched)
-    where = f"the memory snapshot of step {step} of rank {tier.rank}"
-    state: dict[str, Any] = {}
-    blob: dict[str, Any] = {}
-    error = ""
-    try:
-        with warnings.catch_warnings():  # peers' slots are mapped read-only: only read
-            warnings.filterwarnings("ignore", "The given buffer is not writable")
-            peers = {o: _format.decode(*b) for o, b in got.bodies.items() if o != tier.rank}
-        state = _shares.fill(_format.decode(*got.bodies[tier.rank]), peers, where)
-        _check_fits(kinds, state, where)
-        mapped = [mm for _, mm, _ in got.peers.values()]
-        for name in kinds.optimizers:  # the optimizer keeps what it loads: its own copy
-            state[name] = private(state[name], mapped)
-        blob = _state.decode_blob({_state.NS: state[_state.NS]}, kinds, where)
-    except Exception as exc:  # noqa: BLE001 - every rank must learn it, then use the volume
-        error = f"{type(exc).__name__}: {exc}"
-    errors = gather(pg, error)
-    if any(errors):
-        first = next(e for e in errors if e)
-        _log.warning("not restoring step %d from memory (%s); using the volume", step, first)
-        return None
-    _state.apply_state(kinds, state, blob)
-    optimizers = [o for o, _ in kinds.optimizers.values()]
-    if got.mapped is not None:
-        path, mm = got.mapped
-        live = [t for m in kinds.models.values() for t in [*m.parameters(), *m.buffers()]]
-        inside = within(mm, [[o.state for o in optimizers], live])
-        if inside:
-            tier.hand_over(Consumed(path, mm, inside, optimizers))
-    mine = "replica" if got.replica else "memory"
-    from_peers = [r for r, t in enumerate(gather(pg, mine)) if t == "replica"]
-    _log.info(
-        "restored step %d from %s; resuming at step %d",
-        step,
-        f"memory (ranks {from_peers} from replicas)" if from_peers else "memory",
-        step + 1,
-    )
-    source = "replica" if from_peers else "memory"
-    return Restored(
-        step,
-        mine,
-        blob,
-        [],
-        blob.get("mlflow_run_id"),
-        saved_step=offer.volume,
-        where=f"step {step} from {source}",
-        from_replicas=bool(from_peers),
-    )
+    return Offer("memory", step, newest_volume, got)

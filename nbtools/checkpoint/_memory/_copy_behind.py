@@ -30,9 +30,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from nbtools.checkpoint._memory import _format
-from nbtools.checkpoint._memory._slot_maps import Mapped
-from nbtools.checkpoint._memory._slots import HEADER_BYTES
+from nbtools.checkpoint._memory import _layout
+from nbtools.checkpoint._memory._slots import HEADER_BYTES, Mapped
 
 __all__ = ["Behind", "late_tensors", "copy_and_checksum", "StepGate"]
 
@@ -88,7 +87,7 @@ class Behind:
         ]
 
 
-def copy_and_checksum(mapped: Mapped, layout: _format.Layout, behind: Behind) -> int:
+def copy_and_checksum(mapped: Mapped, layout: _layout.Layout, behind: Behind) -> int:
     """Copy ``behind``'s late tensors into ``mapped``'s tensor region, chunk by chunk, and
     return the CRC-32C of the whole region (the tensors copied earlier are only read)."""
     body = mapped.body.data_ptr() if mapped.data_len else 0
@@ -99,7 +98,7 @@ def copy_and_checksum(mapped: Mapped, layout: _format.Layout, behind: Behind) ->
             nonlocal crc
             for at in range(start, end, CHUNK):
                 with view[HEADER_BYTES + at : HEADER_BYTES + min(end, at + CHUNK)] as part:
-                    crc = _format.checksum(part, crc)
+                    crc = _layout.checksum(part, crc)
 
         for tensor, late, (_, _, offset) in zip(
             layout.tensors, behind.late, layout.table, strict=True

@@ -20,12 +20,25 @@ from __future__ import annotations
 
 import mmap
 import threading
+import warnings
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-__all__ = ["Consumed", "holds", "private", "within"]
+from nbtools._internal.log import get_logger
+from nbtools.checkpoint import _state
+from nbtools.checkpoint._collective import gather
+from nbtools.checkpoint._memory import _layout
+from nbtools.checkpoint._memory._choice import Fetched
+from nbtools.checkpoint._restore import Offer, Restored
+from nbtools.errors import CheckpointError
+
+__all__ = ["Consumed", "Loaded", "holds", "load", "private", "within"]
+
+_log = get_logger("checkpoint")
 
 
 def _tensors(obj: Any) -> Iterable[torch.Tensor]:
@@ -151,3 +164,83 @@ def private(obj: Any, mms: Iterable[mmap.mmap]) -> Any:
         return value
 
     return walk(obj) if spans else obj
+
+
+# --- the restore ----------------------------------------------------------------
+
+
+class Loaded(NamedTuple):
+    """What :func:`load` put into the objects, and this rank's own slot whose pages the
+    restored optimizer state lives in (None: none), for the tier to keep."""
+
+    restored: Restored
+    consumed: Consumed | None
+
+
+def _check_fits(kinds: _state.Objects, state: dict[str, Any], where: str) -> None:
+    for name, model in kinds.models.items():
+        if set(state.get(name) or {}) != set(get_model_state_dict(model)):
+            raise CheckpointError(f"{where} holds other parameters for {name!r}")
+    for name in kinds.optimizers:
+        if name not in state:
+            raise CheckpointError(f"{where} holds no optimizer {name!r}")
+
+
+def load(
+    rank: int, pg: dist.ProcessGroup | None, offer: Offer, kinds: _state.Objects
+) -> Loaded | None:
+    """Put the slots ``offer`` holds (see ``_choice``) into the objects on every rank (a
+    collective); None (the objects unchanged, after one line saying why) when some rank
+    cannot. This rank's own slot, restored in place, is the answer's ``consumed``."""
+    step, got = offer.step, offer.held
+    assert step is not None and isinstance(got, Fetched)
+    where = f"the memory snapshot of step {step} of rank {rank}"
+    state: dict[str, Any] = {}
+    blob: dict[str, Any] = {}
+    error = ""
+    try:
+        with warnings.catch_warnings():  # peers' slots are mapped read-only: only read
+            warnings.filterwarnings("ignore", "The given buffer is not writable")
+            peers = {o: _layout.decode(*b) for o, b in got.bodies.items() if o != rank}
+        state = _layout.fill(_layout.decode(*got.bodies[rank]), peers, where)
+        _check_fits(kinds, state, where)
+        mapped = [mm for _, mm, _ in got.peers.values()]
+        for name in kinds.optimizers:  # the optimizer keeps what it loads: its own copy
+            state[name] = private(state[name], mapped)
+        blob = _state.decode_blob({_state.NS: state[_state.NS]}, kinds, where)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn it, then use the volume
+        error = f"{type(exc).__name__}: {exc}"
+    errors = gather(pg, error)
+    if any(errors):
+        first = next(e for e in errors if e)
+        _log.warning("not restoring step %d from memory (%s); using the volume", step, first)
+        return None
+    _state.apply_state(kinds, state, blob)
+    optimizers = [o for o, _ in kinds.optimizers.values()]
+    consumed = None
+    if got.mapped is not None:
+        path, mm = got.mapped
+        live = [t for m in kinds.models.values() for t in [*m.parameters(), *m.buffers()]]
+        inside = within(mm, [[o.state for o in optimizers], live])
+        if inside:
+            consumed = Consumed(path, mm, inside, optimizers)
+    mine = "replica" if got.replica else "memory"
+    from_peers = [r for r, t in enumerate(gather(pg, mine)) if t == "replica"]
+    _log.info(
+        "restored step %d from %s; resuming at step %d",
+        step,
+        f"memory (ranks {from_peers} from replicas)" if from_peers else "memory",
+        step + 1,
+    )
+    source = "replica" if from_peers else "memory"
+    restored = Restored(
+        step,
+        mine,
+        blob,
+        [],
+        blob.get("mlflow_run_id"),
+        saved_step=offer.volume,
+        where=f"step {step} from {source}",
+        from_replicas=bool(from_peers),
+    )
+    return Loaded(restored, consumed)

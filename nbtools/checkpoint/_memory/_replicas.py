@@ -19,7 +19,6 @@ and sends nothing), so no peer ever waits for a message that will not come.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +33,6 @@ __all__ = [
     "sources",
     "new_group",
     "Outgoing",
-    "Incoming",
     "exchange",
     "send_body",
     "receive_body",
@@ -84,16 +82,6 @@ class Outgoing:
     crc: int
 
 
-@dataclass
-class Incoming:
-    """Where a holder receives a peer's snapshot: ``body`` (filled by the transfer) and
-    ``done(tail, crc)``, called once it arrived, or ``drop()`` when it did not."""
-
-    body: torch.Tensor
-    done: Callable[[bytes, int], None]
-    drop: Callable[[], None]
-
-
 def _head(ok: bool, step: int, body: int, tail: int, crc: int) -> torch.Tensor:
     return torch.tensor([int(ok), step, body, tail, crc], dtype=torch.int64)
 
@@ -104,10 +92,11 @@ def exchange(
     out: Outgoing | None,
     send_to: list[int],
     receive_from: list[int],
-    begin: Callable[[int, int, int], Incoming],
+    sink: _slots.ReplicaSink,
 ) -> list[tuple[int, str]]:
     """One round: send ``out`` (None: nothing this time) to ``send_to``, receive from
-    ``receive_from`` into what ``begin(owner, step, body bytes)`` gives. What went wrong
+    ``receive_from`` into ``sink``'s replica files (``sink.receive(owner, step, body
+    bytes)``). What went wrong
     with received snapshots, ``(owner, why)`` (their senders' are theirs to tell); a
     broken transfer raises."""
     head = _head(
@@ -131,7 +120,7 @@ def exchange(
         ok, their_step, body, tail_len, crc = (int(v) for v in heads[s].tolist())
         if not ok:
             continue
-        into = begin(s, their_step, body)
+        into = sink.receive(s, their_step, body)
         tail = torch.empty(tail_len, dtype=torch.uint8)
         if body:
             works.append(dist.irecv(into.body, src=s, group=group, tag=_BODY))

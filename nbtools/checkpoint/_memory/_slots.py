@@ -1,23 +1,13 @@
-"""Snapshot files in node-local shared memory: where they live, who may trust them.
+"""Snapshot files in a job's directory: their names, headers, maps, and who may trust them.
 
-Layout: ``<base>/nbtools-snapshots-<uid>/`` (mode 0700, owned by the user; base
-is ``NBTOOLS_SNAPSHOT_DIR`` or ``/dev/shm``) holds one directory per job, named
-from the job's key. In it, ``keeper`` records the process whose life bounds the
-job's snapshots (the launching process of the ranks), and each rank keeps at
-most two complete snapshots, ``r<rank>-<random>.slot`` (mode 0600): its newest
-and the one before, so a rank killed while it writes a snapshot (the third
-file, under a temporary name) leaves the previous ones whole, and every rank
-still holds the step before. A rank that holds a peer's replicas keeps at most
-two of each, ``x<owner>-h<holder>-<random>.slot``. Files being written are
-``.tmp-r<writer>-...``: a restarted rank removes what it left half-written. A
-job directory is made whole: under a temporary name (``.new-...``) with its
-keeper record, then renamed into place.
-
-The predictable name of the user's directory is one another local user can take
-first (a directory of theirs, a link). Such a directory is never trusted, and
-never stops training either: the job's snapshots then go to a private directory,
-``nbtools-snapshots-<uid>-<digest>``, whose name is a digest of the launch's run
-id, which only the job's processes know (:func:`private_dir`).
+In a job's directory (see ``_directories``) each rank keeps at most two complete
+snapshots, ``r<rank>-<random>.slot`` (mode 0600): its newest and the one
+before, so a rank killed while it writes a snapshot (the third file, under a
+temporary name) leaves the previous ones whole, and every rank still holds the
+step before. A rank that holds a peer's replicas keeps at most two of each,
+``x<owner>-h<holder>-<random>.slot``, received through its
+:class:`ReplicaSink`. Files being written are ``.tmp-r<writer>-...``: a
+restarted rank removes what it left half-written.
 
 A slot opens with a fixed-size header (JSON: job, rank, world size, step,
 payload size and CRC-32C, the size of its tensor region, for a replica the rank
@@ -27,26 +17,33 @@ of this user that nobody else can write, and its header (checksum included),
 size and payload checksum agree; a restore also checks that the snapshot holds
 the step its header claims. Anything else is skipped with one warning, like a
 corrupt checkpoint.
+
+**Maps.** A snapshot is copied straight into its slot file: the tensors go into
+a shared mapping of the file (one copy, no staging buffer, no write system call
+per byte), so the copy that blocks training is the only copy. The slot files
+of a rank rotate (the oldest becomes the next one); their mappings are kept,
+keyed by the file (:class:`MappedFiles`), so a snapshot pays no page faults and
+no new mapping. Space is reserved with ``posix_fallocate`` before a file is
+mapped: a full filesystem is an ``OSError`` there, never a SIGBUS in the middle
+of a copy.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import mmap
 import os
 import secrets
-import shutil
 import stat
-import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 
-from nbtools._internal.holder import Holder
+import torch
+
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint._memory import _format, _notes, _volume
+from nbtools.checkpoint._memory import _layout, _notes
 from nbtools.errors import CheckpointError
 
 #: Bytes read and checksummed at a time when a slot is read back (stays in the cache).
@@ -54,14 +51,6 @@ _READ_CHUNK = 4 << 20
 
 __all__ = [
     "Slot",
-    "snapshot_base",
-    "trusted",
-    "user_prefix",
-    "user_dir",
-    "private_dir",
-    "NEW",
-    "job_path",
-    "job_dir",
     "write_slot",
     "own_prefix",
     "replica_prefix",
@@ -77,9 +66,16 @@ __all__ = [
     "visible",
     "remove",
     "remove_rank",
-    "drop_job_if_empty",
-    "KEEPER",
     "sweep_temporaries",
+    "Mapped",
+    "MappedFiles",
+    "Spare",
+    "crc_of",
+    "file_key",
+    "tensor_of",
+    "Incoming",
+    "ReplicaSink",
+    "publish_mapped",
 ]
 
 _log = get_logger("checkpoint")
@@ -87,143 +83,9 @@ _log = get_logger("checkpoint")
 _MAGIC = b"NBTSNAP3"  # 2: CRC-32C checksums; 3: the header checksummed too
 #: Bytes before the payload: the magic, then the JSON header padded with spaces.
 HEADER_BYTES = 4096
-KEEPER = "keeper"
 #: ``holder`` of :func:`visible`: a slot of any rank, its owner's own or a replica.
 ANY = -1
 _TMP = ".tmp-"
-#: Tries of :func:`job_dir` and :func:`user_dir` before they give up.
-_JOB_DIR_TRIES = 200
-
-
-def snapshot_base() -> str:
-    """Where the per-user snapshot directory is made: ``NBTOOLS_SNAPSHOT_DIR`` or /dev/shm."""
-    return os.environ.get("NBTOOLS_SNAPSHOT_DIR") or "/dev/shm"
-
-
-def _owned_private(path: str, what: str) -> None:
-    """Raise unless ``path`` is a real directory of this user that nobody else can use."""
-    info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode):
-        raise CheckpointError(f"{what} {path} is not a directory (a link or a file); remove it")
-    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
-        raise CheckpointError(
-            f"{what} {path} belongs to uid {info.st_uid} with mode {info.st_mode & 0o777:o}, "
-            "not to this user with mode 700: snapshots there cannot be trusted; remove it"
-        )
-
-
-def trusted(path: str) -> bool:
-    """Whether ``path`` is a real directory of this user that nobody else can use."""
-    try:
-        _owned_private(path, "")
-    except (OSError, CheckpointError):
-        return False
-    return True
-
-
-def user_prefix() -> str:
-    """The name of this user's snapshot directory; its private fallbacks add a suffix."""
-    return f"nbtools-snapshots-{os.geteuid()}"
-
-
-def user_dir(base: str | None = None) -> str:
-    """This user's snapshot directory under ``base``, made (0700) if absent and checked.
-
-    Raises:
-        CheckpointError: It exists but cannot be trusted (another user's, a link, open
-            to others): see :func:`private_dir`.
-    """
-    path = os.path.join(base or snapshot_base(), user_prefix())
-    _make_private(path, "the snapshot directory")
-    return path
-
-
-def _make_private(path: str, what: str) -> None:
-    """Make the directory ``path`` (0700) unless it exists, and check it can be trusted."""
-    for _ in range(_JOB_DIR_TRIES):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)
-        try:
-            _owned_private(path, what)
-            return
-        except FileNotFoundError:  # removed as empty by another job meanwhile
-            continue
-    raise CheckpointError(
-        f"{what} {path} could not be made in {_JOB_DIR_TRIES} tries: other processes kept "
-        "removing it meanwhile; set NBTOOLS_SNAPSHOT_DIR to a directory of this job's own"
-    )
-
-
-def private_dir(secret: str | None, base: str | None = None) -> str:
-    """A directory of this user's under ``base`` whose name nobody else can predict, for
-    when :func:`user_dir` cannot be trusted (another local user can plant that name).
-
-    The name is a digest of ``secret``, which only the job's processes know (its
-    launch's run id, in their environment), so that the ranks of a node and their
-    restarts find the same directory; None: a random name (a process started by hand,
-    which no restart looks for). It is made with ``mkdir`` (0700, failing if the name
-    exists); one that already exists is used only if it can be trusted.
-
-    Raises:
-        CheckpointError: The name exists and cannot be trusted.
-    """
-    token = (
-        hashlib.sha256(f"{os.geteuid()}|{secret}".encode()).hexdigest()[:32]
-        if secret is not None
-        else secrets.token_hex(16)
-    )
-    path = os.path.join(base or snapshot_base(), f"{user_prefix()}-{token}")
-    _make_private(path, "the private snapshot directory")
-    return path
-
-
-def job_path(user: str, key: str) -> str:
-    """Where the directory of the job ``key`` is under ``user``."""
-    return os.path.join(user, f"job-{hashlib.sha256(key.encode()).hexdigest()[:32]}")
-
-
-#: Prefix of a job directory being made (see :func:`job_dir`): the sweep leaves it alone.
-NEW = ".new-"
-
-
-def job_dir(user: str, key: str, keeper: Holder) -> str:
-    """The directory of the job ``key``, made (0700, with its keeper record) if absent.
-
-    A new directory appears whole: it is made under a temporary name, its keeper
-    recorded, then renamed into place, so the sweep of another job never sees a job
-    directory without its keeper (see ``_sweep``).
-
-    Raises:
-        CheckpointError: The job's directory exists and cannot be trusted.
-    """
-    path = job_path(user, key)
-    # Other jobs remove the user directory whenever it is left empty, and each removal
-    # costs one more try here: enough tries that only a livelock could use them all.
-    for _ in range(_JOB_DIR_TRIES):
-        if os.path.lexists(path):
-            _owned_private(path, "the job's snapshot directory")
-            return path
-        try:
-            tmp = tempfile.mkdtemp(prefix=NEW, dir=user)
-        except FileNotFoundError:  # the user directory was just removed as empty
-            _make_private(user, "the snapshot directory")
-            continue
-        try:
-            fd = os.open(os.path.join(tmp, KEEPER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                json.dump({**keeper.record(), "key": key}, fh)
-            os.rename(tmp, path)  # fails when another rank made it first (not empty)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not os.path.lexists(path):
-                raise
-            continue
-        return path
-    raise CheckpointError(
-        f"the job's snapshot directory {path} could not be made in {_JOB_DIR_TRIES} tries: "
-        f"other processes kept removing {user} or {path} meanwhile; set NBTOOLS_SNAPSHOT_DIR "
-        "to a directory of this job's own"
-    )
 
 
 @dataclass(frozen=True)
@@ -236,12 +98,12 @@ class Slot:
     step: int
     size: int
     crc: int
-    #: Bytes of the tensor region at the payload's start (see ``_format``).
+    #: Bytes of the tensor region at the payload's start (see ``_layout``).
     data_len: int = 0
     #: The rank holding this slot for its owner ``rank``; None for the owner's own.
     holder: int | None = None
     #: ``(base, count)``: the ranks whose slots of this step hold the replicated tensors
-    #: this slot lacks (see ``_shares``); ``(rank, 1)`` for a slot that holds them all.
+    #: this slot lacks (see ``_layout``); ``(rank, 1)`` for a slot that holds them all.
     share: tuple[int, int] | None = None
 
 
@@ -253,7 +115,7 @@ class _Crc:
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self.crc = _format.checksum(view, self.crc)
+        self.crc = _layout.checksum(view, self.crc)
         self.size += len(view)
         return self.fh.write(view)
 
@@ -347,7 +209,7 @@ def publish(fd: int, tmp: str, directory: str, prefix: str, head: dict[str, Any]
 
 def _head_crc(head: dict[str, Any]) -> int:
     fields = {k: v for k, v in head.items() if k != "head_crc"}
-    return _format.checksum(json.dumps(fields, sort_keys=True).encode())
+    return _layout.checksum(json.dumps(fields, sort_keys=True).encode())
 
 
 def _sealed(head: dict[str, Any]) -> bytes:
@@ -481,7 +343,7 @@ def read_slot(slot: Slot) -> Any:
             n = fh.readinto(view[got : got + _READ_CHUNK]) or 0
             if not n:
                 break
-            crc = _format.checksum(view[got : got + n], crc)
+            crc = _layout.checksum(view[got : got + n], crc)
             got += n
         extra = fh.read(1)
     if got != slot.size or extra or crc != slot.crc:
@@ -547,7 +409,7 @@ def verify(mm: mmap.mmap, slot: Slot) -> None:
     with memoryview(mm) as view:
         for start in range(HEADER_BYTES, len(mm), _READ_CHUNK):
             with view[start : min(len(mm), start + _READ_CHUNK)] as chunk:
-                crc = _format.checksum(chunk, crc)
+                crc = _layout.checksum(chunk, crc)
     if crc != slot.crc:
         raise CheckpointError(
             f"snapshot {slot.path} of step {slot.step} does not match its checksum; it is not used"
@@ -569,22 +431,6 @@ def remove(paths: list[str]) -> None:
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-
-
-def drop_job_if_empty(directory: str) -> None:
-    """Remove a job directory that holds no snapshot (its keeper and volume records go
-    with it)."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return
-    if all(n == KEEPER or _volume.is_record(n) for n in names):
-        for name in names:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, name))
-        with contextlib.suppress(OSError):
-            os.rmdir(directory)
-            os.rmdir(os.path.dirname(directory))  # the user's, when no other job is left
 
 
 def remove_rank(directory: str, rank: int) -> None:
@@ -611,3 +457,297 @@ def sweep_temporaries(directory: str, rank: int) -> None:
             if name.startswith(f"{_TMP}r{rank}-"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(directory, name))
+
+
+# --- maps kept from one snapshot to the next --------------------------------------
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+@dataclass
+class Mapped:
+    """One slot file mapped from its start through its tensor region.
+
+    Attributes:
+        fd: The file, open for reading and writing.
+        ino: Its ``(device, inode)``, the key of the cache.
+        mm: The shared mapping of ``HEADER_BYTES + data_len`` bytes.
+        data_len: Bytes of the tensor region.
+        body: The tensor region as a ``uint8`` tensor (what is sent to a peer).
+    """
+
+    fd: int
+    ino: tuple[int, int]
+    mm: mmap.mmap
+    data_len: int
+    body: torch.Tensor
+    signature: tuple | None = None
+    dests: list[torch.Tensor] = field(default_factory=list)
+
+    def destinations(self, layout: _layout.Layout) -> list[torch.Tensor]:
+        """The tensors over this mapping that ``layout``'s tensors are copied into."""
+        if self.signature != layout.signature:
+            self.dests = _layout.destinations(self.mm, layout, HEADER_BYTES)
+            self.signature = layout.signature
+        return self.dests
+
+    def close(self) -> None:
+        """Unmap and close the file."""
+        self.dests = []
+        self.body = torch.empty(0, dtype=torch.uint8)
+        with contextlib.suppress(BufferError, ValueError):
+            self.mm.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def crc_of(mapped: Mapped, tail: bytes) -> int:
+    """Checksum of a body: the mapped tensor region, then ``tail`` (the skeleton)."""
+    with memoryview(mapped.mm) as view:
+        region = view[HEADER_BYTES : HEADER_BYTES + mapped.data_len]
+        try:
+            crc = _layout.checksum(region)
+        finally:
+            region.release()
+    return _layout.checksum(tail, crc)
+
+
+class MappedFiles:
+    """The mappings of one writer's slot files, at most ``limit`` of them."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self._maps: dict[tuple[int, int], Mapped] = {}
+
+    def open(self, fd: int, data_len: int) -> Mapped:
+        """The mapping of the file open as ``fd`` (which it takes over), sized for a tensor
+        region of ``data_len`` bytes: the cached one when the file and size are the same."""
+        try:
+            info = os.fstat(fd)
+            key = (info.st_dev, info.st_ino)
+            length = HEADER_BYTES + data_len
+            cached = self._maps.pop(key, None)
+            if cached is not None and cached.data_len == data_len:
+                with contextlib.suppress(OSError):
+                    os.close(cached.fd)
+                cached.fd = fd
+                self._maps[key] = cached
+                return cached
+            if cached is not None:
+                cached.close()
+            os.ftruncate(fd, length)
+            os.posix_fallocate(fd, 0, length)
+            mm = mmap.mmap(
+                fd, length, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
+        except BaseException:
+            os.close(fd)
+            raise
+        body = (
+            torch.frombuffer(mm, dtype=torch.uint8, count=data_len, offset=HEADER_BYTES)
+            if data_len
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        mapped = Mapped(fd, key, mm, data_len, body)
+        self._maps[key] = mapped
+        while len(self._maps) > self.limit:
+            oldest = next(iter(self._maps))
+            self._maps.pop(oldest).close()
+        return mapped
+
+    def prune(self, live: set[tuple[int, int]]) -> None:
+        """Unmap the files that are not in ``live`` (removed ones hold no memory then)."""
+        for key in [k for k in self._maps if k not in live]:
+            self._maps.pop(key).close()
+
+    def forget(self, mapped: Mapped) -> None:
+        """Unmap a file whose write failed."""
+        if self._maps.get(mapped.ino) is mapped:
+            del self._maps[mapped.ino]
+        mapped.close()
+
+    def close(self) -> None:
+        """Unmap every file."""
+        for mapped in self._maps.values():
+            mapped.close()
+        self._maps.clear()
+
+
+def file_key(path: str) -> tuple[int, int] | None:
+    """The cache key of the file at ``path`` (None when it is gone)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+def tensor_of(data: Any) -> torch.Tensor:
+    """A ``uint8`` tensor over a writable buffer (empty for an empty one)."""
+    return (
+        torch.frombuffer(data, dtype=torch.uint8)
+        if len(data)
+        else torch.empty(0, dtype=torch.uint8)
+    )
+
+
+class Spare:
+    """A rank's next slot file, made and mapped ahead by the background thread while the
+    rank holds fewer than two slots (its first snapshots), so that no snapshot waits for a
+    new file's pages to be reserved and mapped. It keeps a temporary name until a snapshot
+    is written into it (a restarted rank removes it like any half-written file)."""
+
+    def __init__(self, files: MappedFiles, directory: str, rank: int) -> None:
+        self.files, self.directory, self.rank = files, directory, rank
+        self.path: str | None = None
+
+    def make(self, data_len: int) -> None:
+        """Make the file (for a tensor region of ``data_len`` bytes) unless there is one."""
+        if self.path is not None:
+            return
+        try:
+            tmp, fd = claim(self.directory, self.rank, own_prefix(self.rank), None)
+        except OSError:
+            return
+        try:
+            self.files.open(fd, data_len)
+        except OSError:
+            remove([tmp])
+            return
+        self.path = tmp
+
+    def take(self) -> tuple[str, int] | None:
+        """The file's path and a new descriptor, for the next snapshot; None if there is none."""
+        path, self.path = self.path, None
+        if path is None:
+            return None
+        try:
+            return path, os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            remove([path])
+            return None
+
+    def discard(self) -> None:
+        """Remove the file, if any."""
+        taken = self.take()
+        if taken is not None:
+            os.close(taken[1])
+            remove([taken[0]])
+
+
+# --- replicas received from peers ------------------------------------------------
+
+
+def publish_mapped(
+    mapped: Mapped, tmp: str, directory: str, prefix: str, tail: bytes, head: dict[str, Any]
+) -> str:
+    """Write ``tail`` (the skeleton) after the mapped tensor region of the temporary slot
+    ``tmp``, then :func:`publish` it with ``head`` (which names the job and world)."""
+    end = HEADER_BYTES + mapped.data_len
+    os.pwrite(mapped.fd, tail, end)
+    os.ftruncate(mapped.fd, end + len(tail))
+    head.update(size=mapped.data_len + len(tail), data_len=mapped.data_len)
+    return publish(mapped.fd, tmp, directory, prefix, head)
+
+
+class Incoming:
+    """Where a holder receives a peer's snapshot: ``body`` (filled by the transfer);
+    :meth:`done` once it arrived, or :meth:`drop` when it did not.
+
+    Made by :meth:`ReplicaSink.receive`; one whose slot file could not be made or
+    mapped receives into a buffer of its own and refuses at :meth:`done`.
+    """
+
+    def __init__(
+        self,
+        body: torch.Tensor,
+        publish: Any = None,
+        drop: Any = None,
+        error: str | None = None,
+    ) -> None:
+        self.body = body
+        self._publish = publish
+        self._drop = drop
+        self._error = error
+
+    def done(self, tail: bytes, crc: int) -> None:
+        """Keep the replica whose skeleton is ``tail`` and whose checksum is ``crc``."""
+        if self._error is not None or self._publish is None:
+            raise OSError(self._error)
+        self._publish(tail, crc)
+
+    def drop(self) -> None:
+        """Forget a replica that did not arrive whole."""
+        if self._drop is not None:
+            self._drop()
+
+
+@dataclass
+class ReplicaSink:
+    """The replicas a rank holds for its peers, received into its next replica files.
+
+    Args:
+        directory: The job's snapshot directory ("" when it cannot be trusted).
+        key: The job's key, recorded in each slot.
+        rank: The holder (this rank).
+        world: The job's world size.
+        files: The holder's mapped replica files.
+        shares: ``owner -> (base, count)`` of the ranks whose tensors the owner's
+            snapshots share (see ``_layout``).
+    """
+
+    directory: str
+    key: str
+    rank: int
+    world: int
+    files: MappedFiles
+    shares: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def held(self, owners: list[int] | None = None) -> list[Slot]:
+        """The trusted replicas this rank holds (of ``owners``; None: any), oldest first."""
+        if not self.directory:
+            return []
+        found = replicas(self.directory, self.key, self.rank, self.world, owners)
+        return sorted(found, key=lambda s: s.step)
+
+    def receive(self, owner: int, step: int, data_len: int) -> Incoming:
+        """Where the replica of ``owner``'s ``step`` is received: its next replica file
+        (the newest complete one of ``owner`` stays while it is written)."""
+        held = self.held([owner])
+        older = [s for s in held if s.step != step][-1:]
+        drop = [s for s in held if s not in older]
+        reuse = drop.pop(0) if drop else None
+        remove([s.path for s in drop])
+        prefix = replica_prefix(owner, self.rank)
+        try:
+            tmp, fd = claim(self.directory, self.rank, prefix, reuse)
+        except OSError as exc:
+            return Incoming(torch.empty(data_len, dtype=torch.uint8), error=str(exc))
+        try:
+            mapped = self.files.open(fd, data_len)
+        except OSError as exc:
+            remove([tmp])
+            return Incoming(torch.empty(data_len, dtype=torch.uint8), error=str(exc))
+
+        def drop_it() -> None:
+            self.files.forget(mapped)
+            remove([tmp])
+
+        def keep(tail: bytes, crc: int) -> None:
+            try:
+                if crc_of(mapped, tail) != crc:
+                    raise ValueError("it arrived damaged (checksum)")
+                head: dict[str, Any] = {"rank": owner, "step": step, "crc": crc}
+                head["holder"] = self.rank
+                head["share"] = list(self.shares.get(owner, (owner, 1)))
+                head.update(job=self.key, world=self.world)
+                publish_mapped(mapped, tmp, self.directory, prefix, tail, head)
+            except BaseException:
+                drop_it()
+                raise
+
+        return Incoming(mapped.body, keep, drop_it)
+
+    def prune(self) -> None:
+        """Unmap the replica files no longer held."""
+        self.files.prune({k for s in self.held() if (k := file_key(s.path))})

@@ -3,13 +3,13 @@
 Every ``memory_every`` steps the manager hands the tier the same state a volume
 checkpoint holds (:func:`nbtools.checkpoint._state.build_state`). The tier
 copies that state's tensors once (the ranks of a node each a share of the
-replicated ones, see ``_shares``), straight into this rank's next slot file in
-shared memory (mapped, see ``_slot_maps``; raw bytes, see ``_format``): what a
+replicated ones, see ``_layout``), straight into this rank's next slot file in
+shared memory (mapped, see ``_slots``; raw bytes, see ``_layout``): what a
 forward pass may change at once, the parameters and optimizer state on a
 background thread that the next optimizer step waits for (see ``_copy_behind``),
 checksumming each chunk as it is copied. That thread then, at a lower priority,
 publishes the slot and, with ``replicas``, sends it to the ranks that hold it
-and stores the replicas this rank holds (see ``_replicas``). One round is in
+and stores the replicas this rank holds through its slots' sink (see ``_replicas``). One round is in
 flight at a time: the next snapshot, a restore and ``close`` wait for it first.
 
 Before the first snapshot the tier checks that two slots per rank of this node
@@ -23,10 +23,10 @@ The snapshots of a job outlive its ranks (a restarted rank finds them) and
 end with it: a manager closed without an error removes its rank's slots and
 the replicas it holds; directories whose keeper process (the ranks' launching
 process) is gone are swept when a manager starts. A snapshot directory that
-cannot be trusted never stops training (see ``_slots``): the tier falls back to
-a private directory, or is off for the job, with one warning. Restoring is
-``_restore``; the slot a rank restores stays valid until a newer snapshot
-replaces it (see ``_in_place``).
+cannot be trusted never stops training (see ``_directories``): the tier falls back
+to a private directory, or is off for the job, with one warning. Restoring is the
+tier's offer (the choice of step, ``_choice``) and load (``_in_place``); the slot a
+rank restores stays valid until a newer snapshot replaces it.
 """
 
 from __future__ import annotations
@@ -46,14 +46,13 @@ from nbtools._internal.holder import Holder, machine_id, process_started
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import gather
 from nbtools.checkpoint._memory import (
-    _format,
+    _choice,
+    _directories,
+    _in_place,
+    _layout,
     _notes,
     _replicas,
-    _restore,
-    _shares,
     _slots,
-    _sweep,
-    _volume,
 )
 from nbtools.checkpoint._memory._copy_behind import (
     Behind,
@@ -62,15 +61,7 @@ from nbtools.checkpoint._memory._copy_behind import (
     late_tensors,
 )
 from nbtools.checkpoint._memory._in_place import Consumed
-from nbtools.checkpoint._memory._slot_maps import (
-    Mapped,
-    MappedFiles,
-    Spare,
-    crc_of,
-    file_key,
-    tensor_of,
-)
-from nbtools.checkpoint._memory._space import shortage
+from nbtools.checkpoint._memory._slots import Mapped, MappedFiles, Spare, file_key, tensor_of
 from nbtools.checkpoint._restore import Known, Newest, Offer, Restored
 from nbtools.errors import CheckpointError
 
@@ -127,11 +118,11 @@ class MemoryTier:
         self._notice: str | None = None  # why copies behind training stopped
         self.send_to = _replicas.holders(self.rank, self.world, local, replicas)
         self.receive_from = _replicas.sources(self.rank, self.world, local, replicas)
-        # Every rank makes the group (a collective): for replicas, for sharing (``_shares``)
+        # Every rank makes the group (a collective): for replicas, for sharing (``_layout``)
         # and for a restore's transfers to ranks that cannot read a slot where they are.
         distributed = runtime.is_distributed() and self.world > 1
         self.group = _replicas.new_group() if distributed else None
-        self.share: _shares.Share | None = None  # decided at the first snapshot
+        self.share: _layout.Share | None = None  # decided at the first snapshot
         self._groups: dict[int, tuple[int, int]] = {}  # rank -> (base, count) of its share
         self.exchanging = self.group is not None and bool(self.send_to or self.receive_from)
         if replicas and not self.send_to and self.world > 1:
@@ -160,11 +151,11 @@ class MemoryTier:
         restores and checkpoints use the volume.
         """
         try:
-            user = _slots.user_dir()
+            user = _directories.user_dir()
         except (CheckpointError, OSError) as exc:
             secret = run if run.startswith("run:") else None
             try:
-                user = _slots.private_dir(secret)
+                user = _directories.private_dir(secret)
             except (CheckpointError, OSError) as again:
                 self._off(f"{exc}; and {again}")
                 return "", ""
@@ -174,10 +165,10 @@ class MemoryTier:
                 exc,
                 user,
             )
-        own = _slots.job_path(user, self.key)
-        _sweep.sweep_all(os.path.dirname(user), own=own)
+        own = _directories.job_path(user, self.key)
+        _directories.sweep_all(os.path.dirname(user), own=own)
         try:
-            directory = _slots.job_dir(user, self.key, self._keeper)
+            directory = _directories.job_dir(user, self.key, self._keeper)
         except (CheckpointError, OSError) as exc:
             self._off(f"no memory snapshots for this job: {exc}; restoring from the volume")
             return user, own
@@ -206,18 +197,16 @@ class MemoryTier:
         found = _slots.slots(self.directory, self.key, self.rank, self.world)
         return sorted(found, key=lambda s: s.step)
 
+    def _sink(self) -> _slots.ReplicaSink:
+        """Where the replicas this rank holds are received (see ``_slots``)."""
+        directory = self.directory if self.trusted else ""
+        return _slots.ReplicaSink(
+            directory, self.key, self.rank, self.world, self._held_files, self._groups
+        )
+
     def held(self, owners: list[int] | None = None) -> list[_slots.Slot]:
         """The trusted replicas this rank holds (of ``owners``; None: any), oldest first."""
-        if not self.trusted:
-            return []
-        found = _slots.replicas(self.directory, self.key, self.rank, self.world, owners)
-        return sorted(found, key=lambda s: s.step)
-
-    def visible(self, owner: int) -> list[_slots.Slot]:
-        """Every trusted slot of ``owner`` on this node: its own first, then replicas."""
-        if not self.trusted:
-            return []
-        return list(_slots.visible(self.directory, self.key, owner, self.world))
+        return self._sink().held(owners)
 
     def steps(self) -> list[int]:
         """Steps this rank holds a snapshot of, newest first."""
@@ -229,12 +218,12 @@ class MemoryTier:
     def _fits(self, size: int) -> bool:
         peers = len(self.receive_from) if self.exchanging else 0
         held = sum(_slots.HEADER_BYTES + s.size for s in self.own() + self.held())
-        why = shortage(self.directory, self.user, size, peers, held)
+        why = _directories.shortage(self.directory, self.user, size, peers, held)
         if why is not None:
             self._off(why)
         return why is None
 
-    def _first(self, layout: _format.Layout | None, tail: bytes) -> None:
+    def _first(self, layout: _layout.Layout | None, tail: bytes) -> None:
         """Before the first snapshot: check the slots fit; exchanging ranks agree on it."""
         self._checked = True
         fits = layout is not None and self.enabled
@@ -248,9 +237,9 @@ class MemoryTier:
 
     def _agree_shares(self, state: dict[str, Any]) -> None:
         """Before the first snapshot (a collective): whether the ranks of this node split
-        their replicated tensors between them (see ``_shares``)."""
+        their replicated tensors between them (see ``_layout``)."""
         directory = self.directory if self.enabled else None  # off: no share to split
-        self.share, self._groups = _shares.agree(self.group, self.rank, directory, state)
+        self.share, self._groups = _layout.agree(self.group, self.rank, directory, state)
 
     def share_of(self, rank: int) -> tuple[int, int]:
         """``(base, count)`` of the ranks ``rank``'s snapshots share tensors with."""
@@ -278,19 +267,19 @@ class MemoryTier:
         self._release()
         if not self._groups:
             self._agree_shares(state)
-        layout: _format.Layout | None = None
+        layout: _layout.Layout | None = None
         tail = b""
         if self.enabled:
             try:
                 if self.share is not None:
-                    state = _shares.mark(state, self.share)
-                layout = _format.plan(state)
-                tail = _format.skeleton_bytes(layout)
+                    state = _layout.mark(state, self.share)
+                layout = _layout.plan(state)
+                tail = _layout.skeleton_bytes(layout)
             except Exception as exc:  # noqa: BLE001 - a snapshot that fails never stops training
                 self._off(f"the state of step {step} cannot be snapshotted ({exc})")
         if self.enabled and not os.path.isdir(self.directory):
             try:  # another manager of this job in this process closed and removed it
-                self.directory = _slots.job_dir(self.user, self.key, self._keeper)
+                self.directory = _directories.job_dir(self.user, self.key, self._keeper)
             except Exception as exc:  # noqa: BLE001 - a snapshot that fails never stops training
                 self._off(f"the snapshot directory {self.directory} cannot be made ({exc})")
         if not self._checked:
@@ -329,7 +318,7 @@ class MemoryTier:
         return True
 
     def _copy(
-        self, step: int, layout: _format.Layout, late: list[bool]
+        self, step: int, layout: _layout.Layout, late: list[bool]
     ) -> tuple[Mapped, str, Behind]:
         """Copy the tensors not ``late`` into this rank's next slot file (a temporary one
         until published); the late ones are copied by the round (see ``_copy_behind``).
@@ -362,19 +351,11 @@ class MemoryTier:
             raise
         return mapped, tmp, Behind(layout.tensors, late)
 
-    def _publish(self, mapped: Mapped, tmp: str, prefix: str, tail: bytes, head: dict) -> str:
-        end = _slots.HEADER_BYTES + mapped.data_len
-        os.pwrite(mapped.fd, tail, end)
-        os.ftruncate(mapped.fd, end + len(tail))
-        head.update(job=self.key, world=self.world, size=mapped.data_len + len(tail))
-        head.update(data_len=mapped.data_len)
-        return _slots.publish(mapped.fd, tmp, self.directory, prefix, head)
-
     def _round(
         self,
         step: int,
         copied: tuple[Mapped, str, Behind] | None,
-        layout: _format.Layout | None,
+        layout: _layout.Layout | None,
         tail: bytes,
     ) -> None:
         """Background: copy the late tensors and checksum the slot, then (at a lower
@@ -403,7 +384,7 @@ class MemoryTier:
                     )
                     copied = None
                 else:
-                    crc = _format.checksum(tail, crc)
+                    crc = _layout.checksum(tail, crc)
             except Exception as exc:  # noqa: BLE001 - reported by wait(), on the training thread
                 self._files.forget(mapped)
                 _slots.remove([tmp])
@@ -418,7 +399,9 @@ class MemoryTier:
             try:
                 head: dict[str, Any] = {"rank": self.rank, "step": step, "crc": crc}
                 head["share"] = list(self.share_of(self.rank))
-                self._publish(mapped, tmp, _slots.own_prefix(self.rank), tail, head)
+                head.update(job=self.key, world=self.world)
+                prefix = _slots.own_prefix(self.rank)
+                _slots.publish_mapped(mapped, tmp, self.directory, prefix, tail, head)
                 own = self.own()
                 self._files.prune({k for s in own if (k := file_key(s.path))})
                 if len(own) < 2:  # the next snapshot needs a new file: make it now
@@ -434,7 +417,7 @@ class MemoryTier:
             return
         try:
             lost = _replicas.exchange(
-                self.group, step, out, self.send_to, self.receive_from, self._begin
+                self.group, step, out, self.send_to, self.receive_from, self._sink()
             )
         except Exception as exc:  # noqa: BLE001
             self.exchanging = False
@@ -442,57 +425,7 @@ class MemoryTier:
             return
         for owner, why in lost:  # a condition of this holder's: said once per job
             _notes.once(f"replica|{self.key}|{self.rank}|{owner}", "%s", why, mine=True)
-        self._held_files.prune({k for s in self.held() if (k := file_key(s.path))})
-
-    def _begin(self, owner: int, step: int, data_len: int) -> _replicas.Incoming:
-        """Where the replica of ``owner``'s ``step`` is received: its next replica file."""
-        held = self.held([owner])
-        older = [s for s in held if s.step != step][-1:]
-        drop = [s for s in held if s not in older]
-        reuse = drop.pop(0) if drop else None
-        _slots.remove([s.path for s in drop])
-        prefix = _slots.replica_prefix(owner, self.rank)
-        try:
-            tmp, fd = _slots.claim(self.directory, self.rank, prefix, reuse)
-        except OSError as exc:
-            error = str(exc)
-
-            def refuse(tail: bytes, crc: int) -> None:
-                raise OSError(error)
-
-            return _replicas.Incoming(
-                torch.empty(data_len, dtype=torch.uint8), refuse, lambda: None
-            )
-        try:
-            mapped = self._held_files.open(fd, data_len)
-        except OSError as exc:
-            _slots.remove([tmp])
-            error = str(exc)
-
-            def refuse_open(tail: bytes, crc: int) -> None:
-                raise OSError(error)
-
-            return _replicas.Incoming(
-                torch.empty(data_len, dtype=torch.uint8), refuse_open, lambda: None
-            )
-
-        def drop_it() -> None:
-            self._held_files.forget(mapped)
-            _slots.remove([tmp])
-
-        def done(tail: bytes, crc: int) -> None:
-            try:
-                if crc_of(mapped, tail) != crc:
-                    raise ValueError("it arrived damaged (checksum)")
-                head: dict[str, Any] = {"rank": owner, "step": step, "crc": crc}
-                head["holder"] = self.rank
-                head["share"] = list(self.share_of(owner))
-                self._publish(mapped, tmp, prefix, tail, head)
-            except BaseException:
-                drop_it()
-                raise
-
-        return _replicas.Incoming(mapped.body, done, drop_it)
+        self._sink().prune()
 
     def hand_over(self, consumed: Consumed) -> None:
         """A restore left restored state in the pages of an own slot (see ``_in_place``)."""
@@ -519,18 +452,27 @@ class MemoryTier:
             error, self._error = self._error, None
             self._off(error)
 
-    # --- restoring (see ``_restore``) ---------------------------------------------
+    # --- restoring (see ``_choice`` and ``_in_place``) ------------------------------
 
     def offers(self, pg: dist.ProcessGroup | None, below: Newest) -> Offer | None:
         """The newest step every rank can get from memory, fetched and checked, unless
-        the volume (``below``) holds a newer one (see ``_restore``)."""
-        return _restore.offer(self, pg, below)
+        the volume (``below``) holds a newer one (see ``_choice``)."""
+        self.wait()
+        directory = self.directory if self.trusted else ""
+        place = _choice.Place(directory, self.key, self.rank, self.world, self.group)
+        return _choice.offer(place, pg, below, self.volume_bound())
 
     def load(
         self, pg: dist.ProcessGroup | None, offer: Offer, kinds: _state.Objects, planner: Any
     ) -> Restored | None:
-        """Put the offered step into the objects (``planner`` is the volume's: unused)."""
-        return _restore.load(self, pg, offer, kinds)
+        """Put the offered step into the objects (``planner`` is the volume's: unused); the
+        state restored in place stays in this rank's slot (see ``_in_place``)."""
+        loaded = _in_place.load(self.rank, pg, offer, kinds)
+        if loaded is None:
+            return None
+        if loaded.consumed is not None:
+            self.hand_over(loaded.consumed)
+        return loaded.restored
 
     def newest(self, pg: dist.ProcessGroup | None) -> Known:
         """The newest step every rank holds a snapshot of (for a tier above this one)."""
@@ -541,13 +483,13 @@ class MemoryTier:
 
         return Known(look)
 
-    # --- what the job knows of the volume (see ``_volume``) -------------------------
+    # --- what the job knows of the volume (see ``_directories``) ------------------
 
     def volume_bound(self) -> tuple[bool, int | None]:
         """``(known, bound)``: what the records on this node say of the volume."""
         if not self.trusted:
             return False, None
-        return _volume.read(self.directory, self.key)
+        return _directories.read_records(self.directory, self.key)
 
     def note_volume(self, bound: int | None) -> None:
         """Record that no checkpoint of this job on the volume is newer than ``bound``
@@ -558,11 +500,11 @@ class MemoryTier:
             self._volume = (False, None)
             return
         try:
-            _volume.write(self.directory, self.key, self.rank, bound)
+            _directories.write_record(self.directory, self.key, self.rank, bound)
         except OSError:
             self._volume = (False, None)
             with contextlib.suppress(OSError):
-                _volume.remove(self.directory, self.rank)
+                _directories.remove_record(self.directory, self.rank)
 
     def note_volume_save(self, step: int) -> None:
         """A volume save of ``step`` is about to start: the bound moves up to it first."""
@@ -583,7 +525,7 @@ class MemoryTier:
         self._release()
         if keep or not self.trusted:
             return
-        _volume.remove(self.directory, self.rank)
+        _directories.remove_record(self.directory, self.rank)
         _slots.remove_rank(self.directory, self.rank)
         _slots.sweep_temporaries(self.directory, self.rank)
-        _slots.drop_job_if_empty(self.directory)
+        _directories.drop_job_if_empty(self.directory)

@@ -71,6 +71,9 @@ __all__ = ["LocalBackend", "LocalGroup"]
 
 # How long ended ranks may take to be collected in the background (their memory released).
 _COLLECT_S = 30
+# How long a first call waits for a forkserver started a moment ago to settle, so that it
+# can be stopped while the ranks start fresh (it settles in a fraction of a second).
+_SETTLE_WAIT_S = 2.0
 # Under this much free space, a rank that left no failure record is taken to have had no room.
 _FULL_DISK_BYTES = 1024 * 1024
 
@@ -451,7 +454,7 @@ def _start_method(world_size: int) -> tuple[str, int | None]:
     """
     if _forkserver.ready():
         return _env.START_METHOD, None
-    paused = _forkserver.pause()
+    paused = _forkserver.pause(wait=_SETTLE_WAIT_S)
     if paused is not None or _cores() >= world_size + 2:
         return "spawn", paused
     return _env.START_METHOD, None

@@ -140,24 +140,40 @@ def ready() -> bool:
         return True
 
 
-def pause() -> int | None:
+def pause(wait: float = 0.0) -> int | None:
     """In the caller: stop the forkserver's preloading (SIGSTOP) while ranks started
     fresh import what they need on the same cores; its pid, for :func:`resume`.
 
-    None (nothing stopped) unless it has settled: from then on it is continued
-    (PR_SET_PDEATHSIG) and ends as usual should the caller die meanwhile.
+    None (nothing stopped) unless it has settled, which it does first of all, in
+    a fraction of a second (``wait``: the most seconds to wait for that): from
+    then on it is continued (PR_SET_PDEATHSIG) and ends as usual should the
+    caller die meanwhile.
     """
     server = multiprocessing.forkserver._forkserver
     pid = getattr(server, "_forkserver_pid", None)
-    if pid is None or not os.path.exists(
-        os.path.join(multiprocessing.util.get_temp_dir(), _SETTLED)
-    ):
+    if pid is None:
         return None
+    settled = os.path.join(multiprocessing.util.get_temp_dir(), _SETTLED)
+    deadline = time.monotonic() + wait
+    while not os.path.exists(settled):
+        if time.monotonic() >= deadline or not _running(pid):
+            return None
+        time.sleep(0.005)
     try:
         os.kill(pid, signal.SIGSTOP)
     except OSError:
         return None
     return pid
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def resume(pid: int | None) -> None:

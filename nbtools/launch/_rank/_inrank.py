@@ -41,7 +41,6 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from nbtools import _torch_compat
 from nbtools._internal import hooks
 from nbtools._internal.log import get_logger
 from nbtools.launch._rank import _display, _kernel_logging, _rank_exit, _trainer_hooks
@@ -145,6 +144,8 @@ def restore_start_method() -> None:
     See :func:`nbtools._torch_compat.restore_fork_start_method` (it reads a
     private name of ``multiprocessing``, so it lives in the boundary module).
     """
+    from nbtools import _torch_compat  # torch: the rank's, not the kernel's import
+
     _torch_compat.restore_fork_start_method()
 
 
@@ -157,6 +158,8 @@ def guard_user_group_calls(active_backend: str) -> None:
     shim replaces torch attributes, so it lives in the boundary module
     (:func:`nbtools._torch_compat.guard_init_process_group`).
     """
+    from nbtools import _torch_compat
+
     _torch_compat.guard_init_process_group(active_backend, _skipped)
 
 

@@ -34,9 +34,10 @@ _SCRIPT = textwrap.dedent(
         dist.barrier()
         return os.getppid(), "torch._dynamo" in sys.modules
 
-    # The forkserver has settled and is still importing torch and the rest.
+    # The forkserver settles first, then imports torch and the rest: the call comes at
+    # once, or once it has settled (WAIT_SETTLED).
     settled = os.path.join(multiprocessing.util.get_temp_dir(), "nbtools-forkserver-settled")
-    while not os.path.exists(settled):
+    while WAIT_SETTLED and not os.path.exists(settled):
         time.sleep(0.005)
     server = multiprocessing.forkserver._forkserver._forkserver_pid
     early_ready = _forkserver.ready()
@@ -51,9 +52,14 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def test_a_call_before_the_preloads_are_in_starts_fresh_ranks_and_later_calls_fork(tmp_path):
+@pytest.mark.parametrize("wait_settled", [True, False], ids=["settled", "at-once"])
+def test_a_call_before_the_preloads_are_in_starts_fresh_ranks_and_later_calls_fork(
+    tmp_path, wait_settled
+):
+    # Even a call made the moment the forkserver starts (a script's first line) does not
+    # wait for its preloads: the forkserver settles in a fraction of a second, before torch.
     script = tmp_path / "first.py"
-    script.write_text(_SCRIPT)
+    script.write_text(f"WAIT_SETTLED = {wait_settled}\n" + _SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
     out = subprocess.run(
         [sys.executable, str(script)],
