@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from nbtools._internal.log import get_logger
 from nbtools.errors import CheckpointError
 
 __all__ = [
@@ -57,6 +58,8 @@ __all__ = [
     "capture_rng",
     "restore_rng",
 ]
+
+_log = get_logger("checkpoint")
 
 NS = "nbtools"
 RESERVED = frozenset({"step", "extra", NS})
@@ -262,6 +265,7 @@ class LoaderPosition:
         self.start: dict[str, Any] | None = None
         self._resume: dict[str, Any] | None = None
         self._after: dict[str, Any] | None = None
+        self._warned = False
         self._skip = loader.skip_batches
         self._set_epoch: Callable[[int], None] = loader.set_epoch
         self._update: Callable[[], None] = loader._update_state_dict
@@ -275,6 +279,10 @@ class LoaderPosition:
         if not isinstance(held, LoaderPosition):
             held = vars(loader)["_nbtools_position"] = cls(loader)
         return held
+
+    def _in_pass(self) -> bool:
+        refs = getattr(getattr(self.loader, "gradient_state", None), "dataloader_references", [])
+        return any(ref is self.loader for ref in refs or [])
 
     def _generators(self) -> list[torch.Generator]:
         found: list[torch.Generator] = []
@@ -319,6 +327,13 @@ class LoaderPosition:
     def state_dict(self) -> dict[str, Any]:
         """The pass under way, the batches it fetched, and the generators (plain data)."""
         now = self._capture()
+        if self.epoch is None and not self._warned and self._in_pass():
+            self._warned = True
+            _log.warning(
+                "accelerate's prepared loader was already in a pass when it was first given to "
+                "the checkpoint manager: a restore starts that pass again from its first batch. "
+                "Give the loader to restore() (or save) before iterating it"
+            )
         if self.epoch is None or self.loader.iteration != self.epoch:  # between passes
             return {
                 "iteration": self.loader.iteration,

@@ -163,3 +163,22 @@ def test_a_model_wrapper_not_understood_fails_the_first_maybe_save_in_a_notebook
     assert "'inner.0.weight' is not in it" in output
     assert "Pass model=<your Wrapped>.inner instead" in output
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_2"]
+
+
+@requires("accelerate")
+def test_accelerate_loader_first_given_in_the_middle_of_a_pass_says_the_pass_restarts(
+    tmp_path, caplog
+):
+    import logging
+
+    from accelerate import Accelerator
+
+    loader = Accelerator(cpu=True).prepare(torch.utils.data.DataLoader(_data(), batch_size=2))
+    batches = iter(loader)
+    next(batches)
+    with caplog.at_level(logging.WARNING, logger="nbtools"):
+        with CheckpointManager(tmp_path / "ckpt", every=1, async_save=False) as ckpt:
+            ckpt.maybe_save(0, data=loader)
+    del batches
+    assert "already in a pass when it was first given to the checkpoint manager" in caplog.text
+    assert "Give the loader to restore() (or save) before iterating it" in caplog.text
