@@ -445,7 +445,6 @@ _SMALL_MODULE_LINES = 80
 _SMALL_MODULES_NOT_YET_FOLDED = {
     "nbtools.checkpoint._forks",
     "nbtools.checkpoint._host_buffers",
-    "nbtools.checkpoint._memory._space",
     "nbtools.checkpoint._report",
     "nbtools.checkpoint._storage._mounts",
     "nbtools.launch._termination",
@@ -627,7 +626,7 @@ _ARROW_BUDGET = {
     "nbtools._internal": 3,
     "nbtools._magics": 0,
     "nbtools.checkpoint": 49,
-    "nbtools.checkpoint._memory": 34,
+    "nbtools.checkpoint._memory": 20,
     "nbtools.checkpoint._storage": 19,
     "nbtools.compat": 0,
     "nbtools.compat.serverless_gpu": 0,
