@@ -20,6 +20,8 @@ from collections.abc import Iterator
 __all__ = [
     "START_METHOD",
     "PRELOAD",
+    "LIBRARIES",
+    "preloads",
     "visible_gpu_count",
     "loopback_interface",
     "free_port",
@@ -57,6 +59,18 @@ PRELOAD = [
     "nbtools.data",
     "nbtools.launch._local._forkserver_ready",  # last: every preload is in (``_forkserver.ready``)
 ]
+
+#: Libraries a rank takes seconds to import again after a restart (HF's Trainer, Lightning,
+#: MLflow): the forkserver also preloads those that the caller has imported by the time it
+#: starts it (:func:`preloads`), so a restarted rank finds them loaded. None starts a thread.
+LIBRARIES = (
+    "transformers",
+    "transformers.trainer",
+    "lightning",
+    "lightning.pytorch",
+    "pytorch_lightning",
+    "mlflow",
+)
 
 _MAIN_LOCK = threading.RLock()
 
@@ -160,9 +174,16 @@ def may_start_processes() -> bool:
 
 def warm_up() -> None:
     """Start the forkserver (torch preloaded) if it is not running yet; returns at once."""
-    multiprocessing.set_forkserver_preload(PRELOAD)
+    multiprocessing.set_forkserver_preload(preloads())
     with main_module_hidden():
         multiprocessing.forkserver.ensure_running()
+
+
+def preloads() -> list[str]:
+    """What a forkserver started now preloads: :data:`PRELOAD`, with the :data:`LIBRARIES`
+    this process has imported before its last entry (which says that all are in)."""
+    found = [name for name in LIBRARIES if name in sys.modules]
+    return [*PRELOAD[:-1], *found, PRELOAD[-1]]
 
 
 @contextlib.contextmanager

@@ -130,7 +130,7 @@ def ready() -> bool:
     # Started by other code with other preloads, or long ago: nothing to wait for.
     from nbtools.launch import _env
 
-    if getattr(server, "_preload_modules", None) != _env.PRELOAD:
+    if _env.PRELOAD[-1] not in (getattr(server, "_preload_modules", None) or ()):
         return True
     try:
         import psutil

@@ -78,3 +78,45 @@ def test_a_call_before_the_preloads_are_in_starts_fresh_ranks_and_later_calls_fo
     assert seen["server_state"] != "stopped"
     # and the next call's ranks are forked from it, with everything preloaded.
     assert seen["second"] == [[seen["server"], True], [seen["server"], True]]
+
+
+_LIBRARY_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+
+    import mlflow  # the caller has imported a library its ranks take seconds to import
+
+    import nbtools.launch
+    from nbtools import distributed
+    from nbtools.launch._local import _forkserver
+
+    nbtools.launch.warm_up()
+
+    @distributed(processes=2, output="none")
+    def loaded():
+        import sys
+
+        return "mlflow" in sys.modules  # before the function imports anything
+
+    while not _forkserver.ready():
+        time.sleep(0.05)
+    print(json.dumps(loaded.distributed()))
+    """
+)
+
+
+def test_the_forkserver_preloads_the_heavy_libraries_the_caller_imported(tmp_path):
+    script = tmp_path / "library.py"
+    script.write_text(_LIBRARY_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    env["MLFLOW_TRACKING_URI"] = (tmp_path / "mlruns").as_uri()
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    # A rank forked from it finds the library loaded: a restarted rank does not import it again.
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, True]
