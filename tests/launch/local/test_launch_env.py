@@ -65,9 +65,14 @@ def test_ranks_start_with_what_optimizers_dcp_and_object_stores_import():
     # A restarted group reaches its first step without importing them again: the
     # forkserver loaded them once (s3fs only where it is installed).
     import importlib.util
+    import time
 
     from nbtools import distributed
+    from nbtools.launch._local import _forkserver
 
+    # A call made before the preloads are in starts fresh ranks instead (test_launch_first_call).
+    while not _forkserver.ready():
+        time.sleep(0.05)
     loaded = distributed(processes=2, output="none")(_loaded_before_user_code).distributed()
     assert loaded[0]["torch._dynamo"] and loaded[1]["torch.distributed.checkpoint.state_dict"]
     assert loaded[0]["s3fs"] == (importlib.util.find_spec("s3fs") is not None)
