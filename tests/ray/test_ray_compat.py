@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import ray
 
 import nbtools
-from nbtools.launch._ray import _ray_compat
 
 ROOT = Path(nbtools.__file__).parent
 
@@ -28,9 +29,19 @@ def test_session_dir_names_this_node_s_session_directory(ray_cluster):
 
 def test_session_dir_without_ray_running_is_none():
     # In a process that is no Ray worker Ray has no node to ask: the fallback, not an error.
-    if ray.is_initialized():
-        return
-    assert _ray_compat.session_dir() is None
+    # A process of its own: this one is the test cluster's driver once a Ray test ran here.
+    code = (
+        "import ray\n"
+        "from nbtools.launch._ray import _ray_compat\n"
+        "assert not ray.is_initialized()\n"
+        "print(repr(_ray_compat.session_dir()))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "None"
 
 
 def test_private_ray_names_only_in_the_boundary_module():
