@@ -5,7 +5,7 @@ coroutine ``AsyncFileSystem._cat_file`` run on the filesystem's own loop by
 ``fsspec.asyn.sync``, because only that call takes a ``timeout`` that cancels
 the request itself; the public ``cat_file`` waits for as long as the store
 does. Each private name used here has a test in
-``tests/checkpoint/test_fsspec_compat.py`` that fails when fsspec drops it.
+``tests/checkpoint/storage/test_fsspec_compat.py`` that fails when fsspec drops it.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from nbtools.checkpoint._storage._target import FsspecTarget, LocalTarget
 s3fs = pytest.importorskip("s3fs")
 from test_s3 import BUCKET, s3  # noqa: E402, F401 - the loopback S3 fixture
 
-ROOT = Path(__file__).resolve().parents[2] / "nbtools"
+ROOT = Path(__file__).resolve().parents[3] / "nbtools"
 DATA = bytes(range(256)) * 64
 
 

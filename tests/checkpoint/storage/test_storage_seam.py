@@ -26,7 +26,7 @@ from nbtools.checkpoint import (
 from nbtools.checkpoint._storage import _mounts
 from nbtools.checkpoint._storage._target import FsspecTarget, LocalTarget, Target, open_target
 
-PACKAGE = Path(__file__).resolve().parents[2] / "nbtools"
+PACKAGE = Path(__file__).resolve().parents[3] / "nbtools"
 
 
 @pytest.mark.parametrize(
