@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from typing import IO
+from typing import IO, Any
 
 __all__ = ["atomic_write", "free_bytes", "fsync_dir", "pid_alive", "TMP_PREFIX"]
 
@@ -37,7 +37,7 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 @contextlib.contextmanager
 def atomic_write(
     path: str | os.PathLike[str], mode: str = "wb", fsync: bool = True
-) -> Iterator[IO]:
+) -> Iterator[IO[Any]]:
     """Open a temporary file next to ``path``; on success move it onto ``path``.
 
     On any exception the temporary file is removed and ``path`` is untouched.

@@ -53,7 +53,7 @@ def _refuse_in_worker(method: str) -> None:
     )
 
 
-class VolumeDataset(IterableDataset):
+class VolumeDataset(IterableDataset[Any]):
     """The files under ``root``, yielded as paths of complete local copies.
 
     The first access to a file copies it from the (slow) volume to a local

@@ -82,7 +82,7 @@ def _default_num_workers() -> int:
     return 0 if per_rank <= 2 else min(4, per_rank - 1)
 
 
-class DataLoader(torch.utils.data.DataLoader):
+class DataLoader(torch.utils.data.DataLoader[Any]):
     """A drop-in ``torch.utils.data.DataLoader`` that resumes mid-epoch exactly.
 
     Differences from PyTorch's loader:

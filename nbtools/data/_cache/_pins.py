@@ -114,7 +114,7 @@ class Guard:
 
 
 #: A file ahead of the consumer: its copy in flight, its guard, or None (not protected).
-State = Optional[Future | Guard]
+State = Optional[Future[Pin | None] | Guard]
 
 
 def drop(guard: Guard | str | None) -> None:

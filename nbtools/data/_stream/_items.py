@@ -36,7 +36,7 @@ def check_mode(value: object) -> str:
     if isinstance(value, bool):
         return "epoch" if value else "never"
     if value in ("launch", "epoch"):
-        return value  # type: ignore[return-value]
+        return value
     raise ValueError(
         "check_sources must be 'launch' (each source once per launch), 'epoch' (every epoch; "
         f"also True) or False (never), got {value!r}"

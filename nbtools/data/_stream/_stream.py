@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
+from typing import Any
 
 from nbtools._internal.log import get_logger
 from nbtools.data._cache import Guard, Pin, drop, settled, to_pin, unwatch, watch
@@ -69,7 +70,7 @@ class _Stream:
         self.lock = threading.Lock()
         self.cancel = threading.Event()
         #: [item, state] of files ahead of the consumer, in order.
-        self.pending: deque[list] = deque()
+        self.pending: deque[list[Any]] = deque()
         #: Copies in flight among ``pending``.
         self.copies = 0
         #: (batch index, guard, size) of files handed out and still protected; the
