@@ -67,7 +67,7 @@ class DistributedFunction(Generic[R]):
                 f"rank: call {self.__qualname__}(...) directly instead."
             )
         if self.config.keep_alive:
-            from nbtools.launch.pool._kept import call_kept
+            from nbtools.launch.pool import call_kept
 
             return call_kept(self._fn, self.config, args, kwargs)
         backend = self.config.backend()
@@ -234,7 +234,7 @@ def _shutdown() -> None:
 
     Also runs when the kernel exits. Leaves no rank process behind.
     """
-    from nbtools.launch.pool._registry import shutdown
+    from nbtools.launch.pool import shutdown
 
     shutdown()
 

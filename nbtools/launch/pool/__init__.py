@@ -22,6 +22,8 @@ Example:
 
 from __future__ import annotations
 
+from nbtools.launch.pool._kept import call_kept
 from nbtools.launch.pool._pool import RankPool
+from nbtools.launch.pool._registry import shutdown
 
-__all__ = ["RankPool"]
+__all__ = ["RankPool", "call_kept", "shutdown"]
