@@ -315,7 +315,6 @@ _NOT_YET_FRONT_DOOR = {
     "nbtools._magics",
     "nbtools.events",
     "nbtools.launch._local",
-    "nbtools.launch.pool",
 }
 
 
