@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from typing import Any
 
 from nbtools.events import Event
 from nbtools.monitor.timeline import PROGRESS_KIND, RateWindows
@@ -40,9 +41,9 @@ class RateRow:
         """Ranks with at least one point, in order."""
         return sorted(self.series)
 
-    def add(self, events: Iterable[Event]) -> list[list]:
+    def add(self, events: Iterable[Event]) -> list[list[Any]]:
         """Take progress reports; returns the new points ``[rank, epoch ms, steps/s]``."""
-        points: list[list] = []
+        points: list[list[Any]] = []
         for event in events:
             if event.kind != PROGRESS_KIND or event.rank is None:
                 continue
@@ -68,7 +69,7 @@ class RateRow:
                 self._zero_at[rank] = self._newest
         return points
 
-    def _draw(self, rank: int, closed: list[tuple[float, float, float]]) -> list[list]:
+    def _draw(self, rank: int, closed: list[tuple[float, float, float]]) -> list[list[Any]]:
         """Points of the windows just closed: each over its span, a break before a restart."""
         points = []
         for start, end, rate in closed:
@@ -79,7 +80,7 @@ class RateRow:
             points.append(self._point(rank, end, rate))
         return points
 
-    def _point(self, rank: int, at: float, rate: float | None) -> list:
+    def _point(self, rank: int, at: float, rate: float | None) -> list[Any]:
         times, values = self.series.setdefault(
             rank, (deque(maxlen=self._capacity), deque(maxlen=self._capacity))
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -132,14 +133,14 @@ class History:
                 raise KeyError(f"host {host!r} has no GPU {index}")
             return ring.times[order].copy(), values[order, column].copy()
 
-    def columns(self) -> dict[str, list]:
+    def columns(self) -> dict[str, list[Any]]:
         """The whole history in long form: one row per GPU and sample.
 
         Returns:
             ``{"time", "host", "gpu", "name", *FIELDS}`` to lists of equal length;
             a field that was not available is ``None``.
         """
-        out: dict[str, list] = {name: [] for name in _COLUMNS}
+        out: dict[str, list[Any]] = {name: [] for name in _COLUMNS}
         with self._lock:
             for host, ring in self._hosts.items():
                 order = ring.order()

@@ -374,7 +374,7 @@ class GPUPane:
         else:
             self.pause()
 
-    def _widget_closed(self, change: dict) -> None:
+    def _widget_closed(self, change: dict[Any, Any]) -> None:
         if change.get("new") is None:
             self.close()
 
@@ -398,7 +398,7 @@ class GPUPane:
 
     # --- the still picture -----------------------------------------------------------
 
-    def _event_rows(self) -> list[list]:
+    def _event_rows(self) -> list[list[Any]]:
         kept = drawn(self._feed.bus.log(since=time.time() - self.sampler.history_seconds))
         return [encode(e, self._feed.local_host) for e in kept[-MAX_DRAWN:]]
 

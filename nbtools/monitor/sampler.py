@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from nbtools._internal.log import get_logger
 from nbtools.errors import MonitorError
@@ -349,7 +350,7 @@ class Sampler:
 
 # --- sharing: one sampler per set of GPUs ------------------------------------
 
-_shared: dict[str, list] = {}  # backend key -> [sampler, number of users]
+_shared: dict[str, list[Any]] = {}  # backend key -> [sampler, number of users]
 _shared_lock = threading.Lock()
 
 

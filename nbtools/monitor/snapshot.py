@@ -95,7 +95,7 @@ class PaneState:
 
     history: History
     events: Sequence[Sequence[Any]]
-    latest: dict
+    latest: dict[Any, Any]
     source: str
     status: str = ""
     rates: dict[int, tuple[list[float], list[float]]] | None = None
@@ -143,7 +143,9 @@ def _fmt(value: float | None, digits: int = 0) -> str:
     return f"{value:.{digits}f}"
 
 
-def readings_table(gpus: Sequence[tuple[str, int, str]], latest: dict) -> list[tuple[str, ...]]:
+def readings_table(
+    gpus: Sequence[tuple[str, int, str]], latest: dict[Any, Any]
+) -> list[tuple[str, ...]]:
     """The latest readings as text cells: a header row, then one row per GPU that has a reading.
 
     Args:
@@ -297,7 +299,7 @@ def _range(columns: list[np.ndarray]) -> tuple[float, float]:
 
 def summary(
     history: History,
-    latest: dict,
+    latest: dict[Any, Any],
     source: str,
     *,
     events: int = 0,

@@ -178,7 +178,7 @@ def _text(event: Event, local_host: str | None) -> str:
     return text if len(text) <= TEXT_CHARS else text[: TEXT_CHARS - 1] + "\u2026"
 
 
-def encode(event: Event, local_host: str | None = None) -> list:
+def encode(event: Event, local_host: str | None = None) -> list[Any]:
     """One event as the chart's row: ``[ms, kind, category, rank, step, start ms, text]``.
 
     A flag (``hang``, ``straggler``) has an eighth column: 1 when it ends the flag.
@@ -434,7 +434,7 @@ class EventFeed:
         """Events the ranks dropped before they reached the kernel."""
         return self.bus.dropped()
 
-    def take(self, budget: int) -> list[list]:
+    def take(self, budget: int) -> list[list[Any]]:
         """Rows of the oldest queued events that fit in ``budget`` bytes of JSON.
 
         The events nbtools emits go first, then user events; what does not fit
@@ -442,7 +442,7 @@ class EventFeed:
         oldest events from the drawing (counted in :attr:`not_drawn`; the bus
         and ``pane.events()`` still have them).
         """
-        rows: list[list] = []
+        rows: list[list[Any]] = []
         used = 2
         with self._lock:
             for queue in (self._notable, self._other):
@@ -463,7 +463,7 @@ class EventFeed:
             self._progress.clear()
         return reports
 
-    def snapshot(self) -> list[list]:
+    def snapshot(self) -> list[list[Any]]:
         """Rows of the newest events kept for drawing (at most ``MAX_DRAWN``), oldest first.
 
         Empties the queue: whatever it held is in the snapshot (a row sent twice

@@ -109,7 +109,7 @@ class MetricBatcher:
 
     # -- caller side ----------------------------------------------------------
 
-    def put(self, item: tuple) -> None:
+    def put(self, item: tuple[Any, ...]) -> None:
         """Enqueue ``(key, value, timestamp_ms, step)``; waits only past the high-water mark."""
         queue = self._queue
         if len(queue) >= self._high and not self._make_room():

@@ -110,19 +110,19 @@ class PendingRun(mlflow.ActiveRun):
         self.handle = handle
 
     @property
-    def info(self) -> Any:  # type: ignore[override]
+    def info(self) -> Any:
         return self.handle.wait().info
 
     @property
-    def data(self) -> Any:  # type: ignore[override]
+    def data(self) -> Any:
         return self.handle.wait().data
 
     @property
-    def inputs(self) -> Any:  # type: ignore[override]
+    def inputs(self) -> Any:
         return self.handle.wait().inputs
 
     @property
-    def outputs(self) -> Any:  # type: ignore[override]
+    def outputs(self) -> Any:
         return self.handle.wait().outputs
 
     def __repr__(self) -> str:
@@ -137,7 +137,7 @@ def open_run(
     experiment: str | None,
     run_name: str | None,
     run_id: str | None,
-    tags: dict,
+    tags: dict[Any, Any],
 ) -> RunHandle:
     """Make the logger's run MLflow's active run in this thread.
 
@@ -227,7 +227,7 @@ def _start(
     experiment: str | None,
     run_name: str | None,
     run_id: str | None,
-    tags: dict,
+    tags: dict[Any, Any],
     *,
     background: bool,
 ) -> None:

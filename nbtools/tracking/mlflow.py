@@ -299,7 +299,7 @@ class MlflowLogger:
     ) -> None:
         self.close(_status_for(exc_type))
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[Any, Any]:
         raise TypeError(
             "an MlflowLogger cannot be sent to another process; create one inside the "
             "function, passing run_id=logger.run_id to log into the same run"
