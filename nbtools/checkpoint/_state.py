@@ -418,8 +418,9 @@ def _check_model(name: str, given: Any, model: nn.Module) -> None:
     if missing:
         raise CheckpointError(
             f"{name}={kind} is a wrapper nbtools does not understand: its state_dict() names "
-            f"its parameters otherwise than its modules do ({missing[0]!r} is not in it), so a "
-            f"checkpoint of it would save but never restore. {instead} {understood}"
+            f"its parameters otherwise than its modules do ({missing[0]!r} is not in it), so its "
+            "checkpoints would hold names a restore may not find (failing with 'Missing key "
+            f"{missing[0]}'). {instead} {understood}"
         )
 
 
@@ -428,8 +429,8 @@ def check_objects(objs: dict[str, Any]) -> None:
 
     Raises:
         CheckpointError: A wrapper not understood: a model whose ``state_dict()`` names
-            its parameters otherwise than its module tree (DCP would save it and fail to
-            load it), an optimizer wrapping another one without sharing its state, or an
+            its parameters otherwise than its module tree (DCP saves its weights and its
+            optimizer's state under different names, and a restore may fail), an optimizer wrapping another one without sharing its state, or an
             accelerate loader that dispatches batches. The message names the wrapper's
             type and what to pass instead.
     """
