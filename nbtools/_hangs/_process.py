@@ -8,6 +8,13 @@ reads files or waits for its loader is anywhere else. That split is the
 "time outside collectives" the straggler score is built on, measured with no
 code in the rank and nothing on its training thread.
 
+Busy or stuck. A rank outside collectives may be working (an evaluation, a
+compile whose workers are its child processes, a save whose threads write) or
+stuck (a deadlock, a lost wake-up). :func:`usage` reads the CPU time and the
+bytes read and written of the rank's whole process tree (its threads and
+descendants) from ``/proc``; while they advance the rank is busy. Reading
+them costs a few ``/proc`` reads per rank and tick, in the kernel.
+
 Stacks come from ``py-spy dump --nonblocking`` (PyPI ``py-spy``), which reads
 the process's memory and so works on a stopped or wedged process that could
 never answer a signal. Without py-spy, the kernel-side state is reported and
@@ -28,6 +35,7 @@ __all__ = [
     "STOPPED",
     "GONE",
     "sample",
+    "usage",
     "describe_state",
     "python_stacks",
 ]
@@ -92,6 +100,65 @@ def sample(pid: int) -> tuple[str, str]:
     if call == "running":
         return WORKING, "running"
     return WORKING, _SYSCALL_NAMES.get(call, f"syscall {call}")
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_MAX_TREE = 256  # processes read per rank's tree, at most
+
+
+def usage(pid: int) -> tuple[float, int] | None:
+    """``(CPU seconds, bytes read and written)`` of ``pid`` and its descendants so far.
+
+    None when ``pid`` is gone or cannot be read. Threads count with their process;
+    children that exited and were waited for count in their parent's CPU time.
+    """
+    cpu, io = 0.0, 0
+    seen: set[int] = set()
+    todo = [pid]
+    while todo and len(seen) < _MAX_TREE:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        try:
+            with open(f"/proc/{current}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            if current == pid:
+                return None
+            continue
+        # After the name: state is field 3, utime..cstime are fields 14-17.
+        cpu += sum(int(v) for v in fields[11:15]) / _TICKS
+        io += _io_bytes(current)
+        todo.extend(_children(current))
+    return cpu, io
+
+
+def _io_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/io", "rb") as f:
+            values = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+    except (OSError, ValueError):
+        return 0
+    try:
+        return int(values.get(b"rchar", 0)) + int(values.get(b"wchar", 0))
+    except ValueError:
+        return 0
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                found.extend(int(c) for c in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def _wchan(pid: int) -> str | None:

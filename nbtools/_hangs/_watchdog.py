@@ -7,12 +7,26 @@ never runs on a rank and costs the training thread nothing. Every time it
 judges by is the kernel's own (monotonic, from when each report arrived):
 never a rank's clock, which may be off by any amount.
 
-Hangs. A rank is hung when it made no progress for longer than the bound
-(``hang_timeout`` when given; else ten median step times, at least 45 s)
+Hangs. A rank is hung when it made no progress for longer than its bound
 while others made progress, or while every rank stopped and the others wait
-in a collective for it. Only those culprits are flagged: a rank blocked in a
-collective waits for somebody else. When every rank computes (an evaluation,
-a long first compile) nobody is flagged.
+in a collective for it. The bound is ``hang_timeout`` when given, else ten
+median step times and at least 45 s; before a rank's first step it is the
+start-up bound (``startup_timeout``, 3 minutes by default, counted from the
+rank's start: imports, a restore, a cold compile), and in a phase the rank
+named (``events.phase``) it is the long bound. Only culprits are flagged,
+never a rank that only waits: torch's Flight Recorder says which ranks are
+inside the collective in flight (:mod:`._collectives`), and a rank behind it,
+or in a different collective at the same number (a mismatch), is the
+culprit. Without an answer, /proc decides: a stopped rank, or one outside any
+collective while others wait in one.
+
+Busy is not stuck. A culprit whose process tree still uses the CPU or reads
+and writes (an evaluation on one rank, a save waiting for its own threads, a
+compile waiting for its workers) is in a long phase: one line for the cell,
+"rank 0 on node-a is in a long phase outside collectives (busy 70 s)", and a
+``long_phase`` event. It is named as hung only once it stops using the CPU,
+or past the long bound (``phase_timeout``: 15 minutes, or ten hang bounds).
+When every rank computes nobody is flagged.
 
 Stragglers. In synchronous data parallelism every rank's step takes as long
 as the slowest's, so step times say nothing about who is slow. What differs
@@ -63,6 +77,15 @@ MIN_HANG_S = 45.0
 HANG_STEPS = 10.0
 #: Scores under this flag a straggler.
 THRESHOLD = 0.75
+#: Before its first step a rank has this long (from its start) when not told otherwise.
+STARTUP_S = 180.0
+#: A rank busy outside collectives, or in a phase it named, is hung only past this.
+LONG_PHASE_S = 900.0
+_BUSY_WINDOW_S = 10.0  # a rank is busy when, over this window, its process tree used...
+_BUSY_CPU = 0.1  # ...this share of a core
+_BUSY_IO = 1 << 20  # ...or read and wrote this many bytes
+_MIN_BUSY_SPAN_S = 2.0  # measured since the rank stalled for at least this long
+_ANSWERS_FRESH_S = 10.0  # the ranks' answers about their collectives count this long
 # Kinds whose time, around it, is left out of straggler scores.
 _PAUSES = ("checkpoint_saved", "checkpoint_restored", "checkpoint_skipped", "restart")
 _PAUSE_S = 5.0
@@ -95,6 +118,10 @@ class RankState:
     working: int = 0
     waiting: int = 0
     recent: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
+    started_at: float = 0.0  # kernel time of its first report (its start, or its first step)
+    phase: str | None = None  # the phase it named (events.phase), as its latest report said
+    usage: deque[tuple[float, float, int]] = field(default_factory=lambda: deque(maxlen=64))
+    long_since: float | None = None  # the start of the long phase the cell was told of
     score: float | None = None
     low_since: float | None = None
     high_since: float | None = None
@@ -126,9 +153,14 @@ def now_state(state: RankState) -> str | None:
     return max(counts, key=counts.__getitem__)
 
 
-def stuck_outside(ranks: list[RankState]) -> list[RankState]:
-    """Of ranks that all stopped: those stuck outside a collective, not those waiting."""
+def stuck_outside(ranks: list[RankState], busy: set[int] | None = None) -> list[RankState]:
+    """Of ranks that all stopped: those stuck outside a collective, not those waiting.
+
+    ``busy`` ranks count as outside whatever their main thread waits on (their
+    own threads, their child processes).
+    """
     now_states = {s.rank: now_state(s) for s in ranks}
+    now_states.update({r: _process.WORKING for r in busy or () if r in now_states})
     waiting = [s for s in ranks if now_states[s.rank] == _process.WAITING]
     outside = [s for s in ranks if now_states[s.rank] in (_process.WORKING, _process.STOPPED)]
     stopped = [s for s in ranks if now_states[s.rank] == _process.STOPPED]
@@ -146,6 +178,15 @@ def stuck_outside(ranks: list[RankState]) -> list[RankState]:
     if waiting and not outside:
         return ranks  # every rank waits: the collective itself is stuck
     return []  # every rank is computing (an evaluation, a compile): not a hang
+
+
+def _stood_still(
+    earlier: dict[int, list[_collectives.Position]], later: dict[int, list[_collectives.Position]]
+) -> bool:
+    """Two answers show every rank at the same place in its collectives."""
+    return bool(later) and {r: sorted(p) for r, p in earlier.items()} == {
+        r: sorted(p) for r, p in later.items()
+    }
 
 
 def setting(value: float | None, name: str, default: float) -> float:
@@ -177,6 +218,11 @@ class Watchdog:
         confirm_s: How long a score must stay under (or back over) the threshold
             (default 10, or ``NBTOOLS_STRAGGLER_CONFIRM_S``).
         sample_s: Period of the /proc samples of local ranks.
+        startup_timeout: Seconds a rank has, from its start, to report its first
+            step (default :data:`STARTUP_S`, 3 minutes; at least ``hang_timeout``).
+        phase_timeout: Seconds a rank busy outside collectives, or in a phase it
+            named, has before it is hung (default :data:`LONG_PHASE_S`, 15 minutes,
+            or ten hang bounds when that is longer).
         on_hang: Called with each :class:`HangReport`, on the watchdog's thread.
         bus: Where the reports come from and the flags go (this process's bus).
         clock: The kernel's monotonic clock (``time.monotonic``).
@@ -196,6 +242,8 @@ class Watchdog:
         window_s: float | None = None,
         confirm_s: float | None = None,
         sample_s: float = 0.1,
+        startup_timeout: float | None = None,
+        phase_timeout: float | None = None,
         on_hang: Callable[[HangReport], Any] | None = None,
         bus: events.Bus | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -211,6 +259,8 @@ class Watchdog:
         self.window_s = window_s
         self.confirm_s = confirm_s
         self.sample_s = sample_s
+        self.startup_timeout = STARTUP_S if startup_timeout is None else float(startup_timeout)
+        self.phase_timeout = phase_timeout
         self._on_hang = on_hang
         self._clock = clock
         self._bus = bus if bus is not None else events.bus()
@@ -222,7 +272,10 @@ class Watchdog:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._first_progress = 0.0  # when the first rank reported its first steps
+        self._started_at = clock()  # the launch: ranks never heard of count from here
+        self._answers: dict[int, list[_collectives.Position]] = {}
+        self._answered_at = -1e9
+        self._earlier: dict[int, list[_collectives.Position]] = {}  # the answers before
         self._paused_from = 0.0
         self._paused_until = 0.0
         self._host = socket.gethostname()
@@ -280,7 +333,7 @@ class Watchdog:
     @property
     def reporting(self) -> bool:
         """True once any rank reported a step: hangs are judged by progress, not output."""
-        return bool(self._ranks)
+        return any(s.steps for s in self._ranks.values())
 
     def flags(self) -> list[Flag]:
         """The open flags (copies)."""
@@ -293,6 +346,23 @@ class Watchdog:
             return float(self.hang_timeout)
         median = self._median_step()
         return MIN_HANG_S if median is None else max(MIN_HANG_S, HANG_STEPS * median)
+
+    def long_bound(self) -> float:
+        """Seconds a rank busy outside collectives, or in a phase it named, has now."""
+        if self.phase_timeout is not None:
+            return float(self.phase_timeout)
+        return max(LONG_PHASE_S, 10 * self.bound())
+
+    def _bound_of(self, state: RankState) -> float:
+        if state.phase is not None:
+            return self.long_bound()
+        if not state.steps:
+            return max(self.startup_timeout, self.hang_timeout or 0.0)
+        return self.bound()
+
+    def _since(self, state: RankState) -> float:
+        """Kernel time of the rank's last sign of progress, else of its start."""
+        return last_sign(state) or state.started_at or self._started_at
 
     # --- input -----------------------------------------------------------------------
 
@@ -315,14 +385,19 @@ class Watchdog:
             # Its process can be read here when it runs on this machine.
             local = event.host.split(events.NODE_SEPARATOR, 1)[0] == self._host
             state = RankState(event.rank, event.host, event.pid, local)  # type: ignore[arg-type]
+            state.started_at = self._clock()
             self._ranks[event.rank] = state  # type: ignore[index]
         steps = event.fields.get("steps")
         if type(steps) is not int:
             return
         # A mark that counted no step (a batch of an evaluation loop, once the rank
-        # reports numbered steps): the rank is alive, its step times are unchanged.
+        # reports numbered steps), or a phase that opened or closed: the rank is alive,
+        # its step times are unchanged.
         alive = event.fields.get("alive")
-        marked = False
+        phase = event.fields.get("phase")
+        phase = phase if isinstance(phase, str) else None
+        marked = phase != state.phase
+        state.phase = phase
         if isinstance(alive, (int, float)) and alive > state.marked_at:
             state.marked_at, marked = float(alive), True
         if steps <= state.steps:
@@ -339,7 +414,6 @@ class Watchdog:
     def _arrived(self, state: RankState) -> float:
         """A report that shows progress arrived now; returns now."""
         arrived = self._clock()
-        self._first_progress = self._first_progress or arrived
         if not state.arrived_at or arrived - state.arrived_at > _REPORT_GRACE_S:
             state.streak_from = arrived  # reports resume after a gap: a new streak
         state.arrived_at = arrived
@@ -385,13 +459,49 @@ class Watchdog:
                 state.working += 1
 
     def _evaluate(self, now: float) -> None:
+        self._measure(now)
         with self._lock:
             self._bin(now)
+            asking = self._needs_answers(now)
+        if asking:
+            answers = self._ask_collectives()
+            with self._lock:
+                self._earlier = self._answers
+                self._answers, self._answered_at = answers, self._clock()
+        with self._lock:
             new_hangs = self._judge_hangs(now)
             self._judge_stragglers(now)
         self._send_posted()
         if new_hangs:
             self._report(new_hangs, now)
+
+    def _measure(self, now: float) -> None:
+        """Read each local rank's process tree's CPU time and I/O (once a tick)."""
+        with self._lock:
+            local = [(s, s.pid) for s in self._ranks.values() if s.local and s.pid]
+        read = [(state, _process.usage(pid)) for state, pid in local]
+        with self._lock:
+            for state, used in read:
+                if used is not None:
+                    state.usage.append((now, *used))
+
+    def _busy(self, state: RankState) -> bool:
+        """Since the rank's last progress, and over the last few seconds of it, its process
+        tree used the CPU or read and wrote; never a stopped rank."""
+        if not state.usage or now_state(state) == _process.STOPPED:
+            return False
+        since = self._since(state) + 0.5  # a report arrives up to a second after its step
+        end, cpu, io = state.usage[-1]
+        first = None
+        for sample in reversed(state.usage):
+            if sample[0] < since or end - sample[0] > _BUSY_WINDOW_S:
+                break
+            first = sample
+        if first is None or end - first[0] < _MIN_BUSY_SPAN_S:
+            return False  # not measured for long enough since it stalled
+        at, cpu0, io0 = first
+        span = end - at
+        return cpu - cpu0 >= _BUSY_CPU * span or io - io0 >= _BUSY_IO * span / _BUSY_WINDOW_S
 
     # --- hangs -----------------------------------------------------------------------
 
@@ -399,43 +509,113 @@ class Watchdog:
         medians = [statistics.median(s.step_times) for s in self._ranks.values() if s.step_times]
         return statistics.median(medians) if medians else None
 
+    def _world(self) -> dict[int, RankState]:
+        """Every rank of the group: those never heard of as a placeholder."""
+        ranks = {r: self._ranks.get(r) or RankState(r) for r in range(self.world_size)}
+        ranks.update(self._ranks)
+        return ranks
+
+    def _stalled(self, now: float) -> list[RankState]:
+        return [s for s in self._world().values() if now - self._since(s) > self._bound_of(s)]
+
+    def _needs_answers(self, now: float) -> bool:
+        """Every rank stalled and one not yet flagged: ask the ranks where they are."""
+        if not self._ranks or now - self._answered_at < _ANSWERS_FRESH_S:
+            return False
+        stalled = self._stalled(now)
+        if len(stalled) < len(self._world()):
+            return False
+        return any(("hang", s.rank) not in self._flags for s in stalled)
+
     def _judge_hangs(self, now: float) -> list[Flag]:
         if not self._ranks:
             return []
-        bound = self.bound()
         for state in self._ranks.values():  # progress again: the flag ends
             flag = self._flags.get(("hang", state.rank))
             sign = last_sign(state)
             # A report that left before the stall and arrived late (its sender was
             # stopped too) is no progress: the rank must be back within the bound.
-            if flag is not None and sign > flag.since and now - sign <= bound:
+            if flag is not None and sign > flag.since and now - sign <= self._bound_of(state):
                 del self._flags[("hang", state.rank)]
                 self._emit_end(flag, now, f"made progress again (step {state.step})")
-        ranks = {r: self._ranks.get(r) or RankState(r) for r in range(self.world_size)}
-        ranks.update(self._ranks)
-        # A rank yet to report is judged from when the first rank did: starting up
-        # (imports, a restore) is not a hang.
-        begun = self._first_progress
-        stalled = [s for s in ranks.values() if now - (last_sign(s) or begun) > bound]
+            if state.long_since is not None and self._since(state) > state.long_since:
+                state.long_since = None  # the long phase is over
+        ranks = self._world()
+        stalled = self._stalled(now)
         if not stalled:
             return []
         if len(stalled) < len(ranks):
             # Others moved. Reports leave each rank about once a second, so ranks that
             # resumed together arrive up to that much apart: a rank is behind only once
             # the others have kept reporting for longer than that.
-            moving = [s for s in ranks.values() if s not in stalled]
+            # Only ranks that step count: one in a phase it named, or yet to step, is no
+            # sign that the stalled ones are behind (they may wait for it).
+            grace = max(_REPORT_GRACE_S, 2 * (self._median_step() or 0.0))
+            moving = [
+                s
+                for s in ranks.values()
+                if s not in stalled and s.phase is None and s.steps and now - s.arrived_at <= grace
+            ]
             steady = any(s.streak_from and now - s.streak_from > _REPORT_GRACE_S for s in moving)
             culprits = stalled if steady else []
         else:
-            culprits = stuck_outside(list(ranks.values()))
+            culprits = self._outside(ranks, now)
         new = []
         for state in culprits:
             if ("hang", state.rank) in self._flags:
                 continue
-            flag = Flag("hang", state.rank, state.host, last_sign(state) or begun)
+            since = self._since(state)
+            if self._busy(state) and now - since <= self.long_bound():
+                self._long_phase(state, since, now)
+                continue
+            flag = Flag("hang", state.rank, state.host, since)
             self._flags[("hang", state.rank)] = flag
             new.append(flag)
         return new
+
+    def _outside(self, ranks: dict[int, RankState], now: float) -> list[RankState]:
+        """Of ranks that all stalled: the culprits, never a rank that only waits.
+
+        Before any rank's first step, silence says nothing (a loop may report no
+        steps at all): a rank is named only when stopped by a signal, or when the
+        ranks' positions in their collectives stood still between two asks.
+        """
+        fresh = now - self._answered_at <= _ANSWERS_FRESH_S
+        if not self.reporting:
+            stopped = [s for s in ranks.values() if now_state(s) == _process.STOPPED]
+            if stopped or not fresh or not _stood_still(self._earlier, self._answers):
+                return stopped
+        if fresh:
+            named = _collectives.culprits_of(self._answers)
+            if named is not None:
+                return [ranks[r] for r in named if r in ranks]
+        if not self.reporting:
+            return []
+        busy = {r for r, s in ranks.items() if self._busy(s)}
+        return stuck_outside(list(ranks.values()), busy)
+
+    def _long_phase(self, state: RankState, since: float, now: float) -> None:
+        """Tell the cell once that ``state`` is busy outside collectives while others wait."""
+        if state.long_since == since:
+            return
+        state.long_since = since
+        busy = now - since
+        named = f" ({state.phase})" if state.phase else ""
+        message = (
+            f"rank {state.rank} on {state.host or 'an unknown node'} is in a long phase{named} "
+            f"outside collectives (busy {busy:.0f} s); it is named as hung if it stops using "
+            f"the CPU or is still there after {self.long_bound():.0f} s"
+        )
+        self._notices.append(message)
+        self._post(
+            "long_phase",
+            message,
+            rank=state.rank,
+            node=state.host,
+            since=round(self._epoch(since), 3),
+            busy_s=round(busy, 1),
+            step=state.step,
+        )
 
     def _epoch(self, at: float) -> float:
         """The epoch time of a kernel time ``at`` (monotonic), for events and the cell."""
@@ -445,8 +625,11 @@ class Watchdog:
         with self._lock:
             ranks = dict(self._ranks)
             bound = self.bound()
+            fresh = self._clock() - self._answered_at <= _ANSWERS_FRESH_S
+            answers = self._answers if fresh else None
         states = {r: (s.recent[-1] if s.recent else None) for r, s in ranks.items()}
-        answers = self._ask_collectives()
+        if answers is None:
+            answers = self._ask_collectives()
         where = _collectives.describe(answers, [f.rank for f in flags], self.world_size)
         flying = _collectives.in_flight(answers)
         culprits = []

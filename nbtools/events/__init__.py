@@ -10,6 +10,8 @@ Example:
     >>> [e.kind for e in events.log(kinds=["eval"])][-1:]
     ['eval']
     >>> events.step(1200)   # a step boundary: about a microsecond, never blocks
+    >>> with events.phase("evaluate"):   # a long phase that is not a hang
+    ...     pass
 
 Kernel side, for a launcher::
 
@@ -41,7 +43,7 @@ from nbtools.events._bus import Bus, Subscriber
 from nbtools.events._collector import Collector
 from nbtools.events._emit import BUS as _BUS
 from nbtools.events._emit import NODE_ENV, NODE_SEPARATOR, emit, flush
-from nbtools.events._progress import PROGRESS_KIND, step
+from nbtools.events._progress import PROGRESS_KIND, phase, step
 from nbtools.events._record import Event
 from nbtools.events._sinks import CHANNEL_ENV
 
@@ -60,6 +62,7 @@ __all__ = [
     "emit",
     "flush",
     "log",
+    "phase",
     "remove_collectives_asker",
     "step",
     "subscribe",

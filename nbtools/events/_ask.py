@@ -259,8 +259,9 @@ def read_positions() -> list[dict[str, Any]] | None:
     Keys: ``pg`` (the group's id), ``enqueued`` and ``completed`` (sequence
     numbers of the last collective issued and the last finished), ``op`` and
     ``op_seq`` (name and number of the last recorded collective), ``bytes``
-    (the size of its input, when recorded). None when torch.distributed is not
-    loaded or records nothing.
+    (the size of its input, when recorded). A rank that entered no collective
+    yet is at number 0 of the default group. None when torch.distributed is not
+    loaded or its recorder cannot be read.
     """
     c10d = sys.modules.get("torch._C._distributed_c10d")
     dump = getattr(c10d, "_dump_fr_trace_json", None)
@@ -284,18 +285,24 @@ def read_positions() -> list[dict[str, Any]] | None:
     for pg, values in list(status.items())[:_MAX_GROUPS]:
         enqueued = _int(values.get("last_enqueued_collective"))
         completed = _int(values.get("last_completed_collective"))
-        if enqueued is None or enqueued < 0:
+        if enqueued is None:
             continue
         seq, name, size = last.get(str(pg), (None, None, None))
         positions.append(
             {
                 "pg": str(pg),
-                "enqueued": enqueued,
-                "completed": completed if completed is not None else -1,
+                "enqueued": max(enqueued, 0),  # -1: none entered yet
+                "completed": max(completed if completed is not None else -1, 0),
                 "op": _op_name(name) if name else None,
                 "op_seq": seq,
                 "bytes": size,
             }
+        )
+    if not positions and not status:
+        # The recorder works but this rank entered no collective yet: it is at the start
+        # of the default group ("0"), behind any peer that entered one.
+        positions.append(
+            {"pg": "0", "enqueued": 0, "completed": 0, "op": None, "op_seq": None, "bytes": None}
         )
     return positions or None
 

@@ -19,21 +19,30 @@ has reported a numbered step, its unnumbered marks no longer count as steps:
 they only say that the rank is alive (an evaluation loop over a loader), and
 the report carries the time of the latest one as ``alive``.
 
+A long phase that is not a hang (an evaluation, a save) can be named with
+:class:`phase`: the reports carry the innermost open phase's name, sent as
+soon as it opens or closes, and the kernel gives a rank in a named phase a
+much longer bound (see ``nbtools._hangs``). A rank also reports once as it
+starts (:func:`started`, run by the launcher's rank set-up), so the kernel
+knows its process before its first step.
+
 A process without a channel (the kernel, a plain script) keeps the count
 only; nothing is sent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 from typing import Any
 
+from nbtools._internal import hooks
 from nbtools.events import _emit
 from nbtools.events._wire import Record
 
-__all__ = ["step", "PROGRESS_KIND", "progress_so_far", "new_call"]
+__all__ = ["step", "phase", "started", "PROGRESS_KIND", "progress_so_far", "new_call"]
 
 #: The kind of the coalesced reports.
 PROGRESS_KIND = "progress"
@@ -43,7 +52,8 @@ PROGRESS_KIND = "progress"
 # the training thread; the flusher reads it. A torn read (count from one call, time
 # from the next) is harmless: the next report carries both.
 _latest: list[Any] = [None, 0, 0.0, 0.0, False]
-_shipped: list[Any] = [0, 0.0]  # the count and the last mark in the last report sent
+_shipped: list[Any] = [0, 0.0, None]  # the count, the last mark and the phase last sent
+_phases: list[str] = []  # the open phases of this process, innermost last
 _hooked = [False]  # reset in a forked child, which hooks its own flusher
 _hook_lock = threading.Lock()
 _time = time.time
@@ -89,6 +99,55 @@ def step(step: int | None = None) -> None:
         _hook()
 
 
+class phase(contextlib.ContextDecorator):
+    """Name a long phase of this rank that is not a hang: ``with events.phase("evaluate"):``.
+
+    Also a decorator (``@events.phase("evaluate")``). While the phase is open, the
+    kernel gives this rank a much longer bound before it calls it hung (a
+    quarter of an hour or more, see ``nbtools._hangs``), and the ranks that wait
+    for it are never named. Phases nest; the innermost one is reported. Opening
+    and closing cost about a microsecond each and never block.
+
+    Args:
+        name: What the rank does, e.g. ``"evaluate"``; at most 100 characters.
+
+    Raises:
+        TypeError: ``name`` is not a string.
+        ValueError: ``name`` is empty or longer than 100 characters.
+
+    Example:
+        >>> from nbtools import events
+        >>> with events.phase("evaluate"):
+        ...     pass  # rank 0 evaluates while the others wait in a barrier
+    """
+
+    def __init__(self, name: str) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"events.phase takes a name (str), got {type(name).__name__}")
+        if not name.strip() or len(name) > 100:
+            raise ValueError(f"a phase's name has 1 to 100 characters, got {name!r:.120}")
+        self.name = name
+
+    def __enter__(self) -> phase:
+        _phases.append(self.name)
+        if not _hooked[0]:
+            _hook()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if _phases and _phases[-1] == self.name:
+            _phases.pop()
+        elif self.name in _phases:
+            _phases.remove(self.name)
+
+
+def started() -> None:
+    """In a rank, at its start: send one report with no steps, so the kernel knows it."""
+    if not _hooked[0]:
+        _hook()
+    _shipped[0] = -1  # differs from any count: the flusher sends the next report now
+
+
 def new_call() -> None:
     """A kept rank (a pool's) starts another call: until it reports a numbered step
     again, its batch marks count as steps (a call that only loops over a loader)."""
@@ -129,12 +188,15 @@ def _collect() -> list[Record]:
     counts no step (see the module docstring) travels as ``alive``.
     """
     step_, count, at, marked, _ = _latest
-    if count == _shipped[0] and marked <= _shipped[1]:
+    current = _phases[-1] if _phases else None
+    if count == _shipped[0] and marked <= _shipped[1] and current == _shipped[2]:
         return []
-    _shipped[0], _shipped[1] = count, marked
+    _shipped[0], _shipped[1], _shipped[2] = count, marked, current
     fields: dict[str, Any] = {"steps": count, "cpu": round(time.process_time(), 3)}
     if marked > at:
         fields["alive"] = round(marked, 3)
+    if current is not None:
+        fields["phase"] = current
     return [(at, _emit._rank, PROGRESS_KIND, None, step_, fields)]  # noqa: SLF001
 
 
@@ -143,9 +205,13 @@ def _after_fork_in_child() -> None:
     global _hook_lock
     _hook_lock = threading.Lock()
     _latest[:] = [None, 0, 0.0, 0.0, False]
-    _shipped[:] = [0, 0.0]
+    _shipped[:] = [0, 0.0, None]
+    _phases.clear()
     _hooked[0] = False
 
+
+# A rank reports as it starts: the launcher's rank set-up runs the in-rank hooks.
+hooks.register("nbtools.events", in_rank="nbtools.events._progress:started")
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)

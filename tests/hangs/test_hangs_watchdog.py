@@ -93,13 +93,14 @@ def test_a_rank_whose_batches_go_on_is_alive_and_keeps_its_step_times():
     )
     before = list(dog._ranks[1].step_times)
     assert before == [1.0, 1.0, 1.0]  # from the rank's own clock: differences only
-    clock.now += 4.0
-    report = _progress(1, 101, 4, now - 16, host="node-x")
-    report.fields["alive"] = now - 0.2  # evaluation batches: no step, but alive
-    dog._on_events([report])
+    for later in (4.0, 1.5, 1.0):  # evaluation batches: no step, but alive
+        clock.now += later
+        report = _progress(1, 101, 4, now - 16, host="node-x")
+        report.fields["alive"] = now + clock.now - 1000.0
+        dog._on_events([report])
     assert list(dog._ranks[1].step_times) == before
-    # Judged 3 s on: rank 1's marks kept coming, rank 0 shows nothing for 7 s.
-    clock.now += 3.0
+    # Judged half a second on: rank 1's marks keep coming, rank 0 shows nothing for 7 s.
+    clock.now += 0.5
     new = dog._judge_hangs(clock.now)
     assert [f.rank for f in new] == [0]
 
@@ -237,3 +238,48 @@ def test_an_interrupt_while_the_watch_starts_leaves_no_thread_or_subscriber(monk
     monkeypatch.undo()
     assert events.bus()._subscribers == before
     assert not [t for t in threading.enumerate() if t.name == "nbtools-watchdog"]
+
+
+_RANK = """
+import os, sys, threading, time
+import torch, torch.distributed as dist
+from nbtools import events  # imported before the rank starts, as the launcher's set-up does
+from nbtools._internal import hooks
+hooks.rank_started()  # what the launcher's rank set-up runs: the rank reports its start
+dist.init_process_group(
+    "gloo", init_method=f"file://{sys.argv[1]}", rank=int(os.environ["RANK"]), world_size=2
+)
+if os.environ["RANK"] == "1":
+    lock = threading.Lock()
+    lock.acquire()
+    lock.acquire(timeout=60)  # a deadlock before the first step
+else:
+    dist.all_reduce(torch.ones(4))  # waits for rank 1
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_deadlocked_before_its_first_step_is_named_by_the_start_up_bound(tmp_path):
+    pytest.importorskip("torch")
+    reports = []
+    bus = events.Bus()
+    with events.Collector(bus=bus) as collector:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _RANK, str(tmp_path / "store")],
+                env=dict(os.environ, **collector.environment(), RANK=str(rank)),
+            )
+            for rank in (0, 1)
+        ]
+        dog = Watchdog(2, startup_timeout=3.0, on_hang=reports.append, bus=bus).start()
+        try:
+            assert _wait_until(lambda: reports, timeout=90)
+            assert [f.rank for f in dog.flags()] == [1]  # never rank 0, which only waits
+        finally:
+            dog.stop()
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+    (report,) = reports
+    assert report.ranks == (1,) and "before its first step" in report.headline
+    assert "which rank 1 never entered" in report.headline, report.headline

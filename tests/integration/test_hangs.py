@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from nbtools import distributed, events
+from nbtools import DistributedError, distributed, events
 
 pytestmark = pytest.mark.slow
 
@@ -241,3 +241,191 @@ def test_hf_and_lightning_trainers_report_their_steps_through_their_callbacks(li
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"PROGRESS {steps} {steps}" in out.stdout  # one report per optimizer step
+
+
+def _hang_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("hang:")]
+
+
+def _long_phase_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "in a long phase" in r.getMessage()]
+
+
+def test_a_rank_whose_clock_is_a_minute_behind_raises_no_flag(flags):
+    @distributed(processes=2, hang_timeout=5)
+    def train(steps):
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:  # this rank's clock reads a minute behind the kernel's
+            from nbtools.events import _emit, _progress
+
+            _emit._time = _progress._time = lambda: time.time() - 60
+        t = torch.ones(1)
+        for step in range(steps):
+            time.sleep(0.05)
+            dist.all_reduce(t)
+            events.step(step)
+        return step
+
+    assert train.distributed(120) == [119, 119]
+    assert flags == [], [e.message for e in flags]
+
+
+def test_rank_zero_evaluating_while_rank_one_waits_is_one_line_not_a_hang(flags, caplog):
+    caplog.set_level(logging.WARNING, logger="nbtools")
+
+    @distributed(processes=2, hang_timeout=5)
+    def train(steps):
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        t = torch.ones(1)
+        for step in range(steps):
+            time.sleep(0.05)
+            dist.all_reduce(t)
+            events.step(step)
+            if step == 20:
+                if dist.get_rank() == 0:  # evaluate on rank 0 only: busy outside collectives
+                    end = time.monotonic() + 12
+                    while time.monotonic() < end:
+                        torch.randn(64, 64) @ torch.randn(64, 64)
+                dist.barrier()
+        return step
+
+    assert train.distributed(30) == [29, 29]
+    assert not _opened(flags, "hang"), [e.message for e in flags]
+    assert _hang_warnings(caplog) == []
+    (line,) = _long_phase_lines(caplog)
+    assert line.startswith("rank 0 on ") and "outside collectives (busy " in line, line
+
+
+def test_a_phase_the_rank_names_is_not_a_hang_and_not_a_line(flags, caplog):
+    caplog.set_level(logging.WARNING, logger="nbtools")
+
+    @distributed(processes=2, hang_timeout=5)
+    def train(steps):
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        @events.phase("evaluate")
+        def evaluate():
+            time.sleep(10)  # idle, as a wait on a remote service: named, so not a hang
+
+        t = torch.ones(1)
+        for step in range(steps):
+            time.sleep(0.05)
+            dist.all_reduce(t)
+            events.step(step)
+            if step == 20:
+                if dist.get_rank() == 0:
+                    evaluate()
+                dist.barrier()
+        return step
+
+    assert train.distributed(30) == [29, 29]
+    assert flags == [], [e.message for e in flags]
+    assert _long_phase_lines(caplog) == []
+
+
+def test_a_busy_rank_that_stops_using_the_cpu_is_named_alone(flags, caplog, tmp_path):
+    caplog.set_level(logging.WARNING, logger="nbtools")
+    release = tmp_path / "release"
+
+    def on_hang(batch):
+        if any(e.kind == "hang" and not e.fields.get("ended") for e in batch):
+            release.touch()
+
+    @distributed(processes=2, hang_timeout=5)
+    def train(steps, release):
+        import os
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        t = torch.ones(1)
+        for step in range(steps):
+            time.sleep(0.05)
+            dist.all_reduce(t)
+            events.step(step)
+            if step == 20 and dist.get_rank() == 0:
+                end = time.monotonic() + 8
+                while time.monotonic() < end:  # busy first...
+                    torch.randn(64, 64) @ torch.randn(64, 64)
+                while not os.path.exists(release):  # ...then stuck, using no CPU
+                    time.sleep(0.2)
+        return step
+
+    events.subscribe(on_hang)
+    try:
+        assert train.distributed(30, str(release)) == [29, 29]
+    finally:
+        events.unsubscribe(on_hang)
+    assert [e.rank for e in _opened(flags, "hang")] == [0], [e.message for e in flags]
+    assert len(_long_phase_lines(caplog)) == 1
+
+
+def test_a_rank_blocked_on_its_own_lock_is_named_not_the_rank_waiting_for_it(flags, caplog):
+    caplog.set_level(logging.WARNING, logger="nbtools")
+
+    @distributed(processes=2, hang_timeout=5)
+    def train(steps):
+        import threading
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        lock = threading.Lock()
+        t = torch.ones(1)
+        for step in range(steps):
+            time.sleep(0.05)
+            if step == 20 and dist.get_rank() == 1:
+                with lock:
+                    lock.acquire(timeout=12)  # blocked in futex, as a wait in gloo is
+            dist.all_reduce(t)
+            events.step(step)
+        return step
+
+    assert train.distributed(30) == [29, 29]
+    assert [e.rank for e in _opened(flags, "hang")] == [1], [e.message for e in flags]
+    (text,) = _hang_warnings(caplog)
+    assert "rank 0 waits in all_reduce #" in text and "which rank 1 never entered" in text
+
+
+def test_ranks_in_different_collectives_are_named_as_a_mismatch(flags, caplog):
+    caplog.set_level(logging.WARNING, logger="nbtools")
+
+    @distributed(processes=2, hang_timeout=5, on_hang="restart", max_restarts=0)
+    def train(steps):
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        t = torch.ones(1024)
+        for step in range(steps):
+            time.sleep(0.05)
+            if step == 20:
+                if dist.get_rank() == 0:
+                    dist.all_reduce(t)
+                else:
+                    dist.broadcast(t, src=1)
+            else:
+                dist.all_reduce(t)
+            events.step(step)
+        return step
+
+    with pytest.raises(DistributedError):
+        train.distributed(30)
+    assert sorted(e.rank for e in _opened(flags, "hang")) == [0, 1]
+    (text,) = _hang_warnings(caplog)
+    assert "rank 0 is in all_reduce #" in text and "(4 KB), rank 1 in broadcast #" in text
+    assert ": a mismatched collective" in text
