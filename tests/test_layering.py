@@ -477,6 +477,23 @@ def test_no_small_private_module_has_a_single_importer():
     assert not folded, f"remove {sorted(folded)} from _SMALL_MODULES_NOT_YET_FOLDED"
 
 
+def test_the_small_module_check_sees_a_piece_cut_off_its_only_user(tmp_path, monkeypatch):
+    fake = tmp_path / "nbtools"
+    (fake / "room").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "room" / "__init__.py").write_text("from nbtools.room._exported import shown\n")
+    for name in ("_piece", "_shared", "_torch_compat", "_exported"):
+        (fake / "room" / f"{name}.py").write_text("shown = 1\n")
+    (fake / "room" / "user.py").write_text(
+        "from nbtools.room import _piece, _shared, _torch_compat\n"
+    )
+    (fake / "other.py").write_text("from nbtools.room import _shared\n")
+    monkeypatch.setattr(nbtools, "__file__", str(fake / "__init__.py"))
+    assert _small_one_importer_modules() == [
+        "nbtools.room._piece: 1 lines, imported only by nbtools.room.user"
+    ]
+
+
 def _split_classes() -> list[str]:
     """Classes written in two modules: a base that a class in another module completes.
 
@@ -612,6 +629,21 @@ def _arrows() -> dict[str, int]:
         }
         counts[room] = len(pairs)
     return counts
+
+
+def test_arrows_are_counted_once_per_pair_of_units_of_a_room(tmp_path, monkeypatch):
+    fake = tmp_path / "nbtools"
+    (fake / "room").mkdir(parents=True)
+    (fake / "__init__.py").write_text("from nbtools import a\n")
+    (fake / "a.py").write_text("from nbtools import b\ndef f():\n    from nbtools.b import g\n")
+    (fake / "b.py").write_text("def g():\n    from nbtools.room import _x\n")
+    (fake / "room" / "__init__.py").write_text("from nbtools.room._x import x\n")
+    (fake / "room" / "_x.py").write_text("from nbtools.room._y import y as x\n")
+    (fake / "room" / "_y.py").write_text("from nbtools import errors\ny = 1\n")
+    (fake / "errors.py").write_text("")
+    monkeypatch.setattr(nbtools, "__file__", str(fake / "__init__.py"))
+    # nbtools: a -> b, b -> room, room -> errors (the door's own imports are not arrows).
+    assert _arrows() == {"nbtools": 3, "nbtools.room": 1}
 
 
 #: The arrows each room may have among its units (see :func:`_arrows`): the counts of the
