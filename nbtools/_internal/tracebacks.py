@@ -31,7 +31,7 @@ def cell_label(filename: str) -> str | None:
         return None
     try:
         found = format_name(filename)
-    except Exception:  # a shell of another make: fall back to the file name
+    except Exception:  # noqa: BLE001 - a shell of another make: fall back to the file name
         return None
     if not found:
         return None

@@ -146,7 +146,7 @@ class Sampler:
         for watcher in watchers:
             try:
                 watcher(status, message)
-            except Exception:  # a broken view must not stop the sampler
+            except Exception:  # noqa: BLE001 - a broken view must not stop the sampler
                 _log.exception("GPU monitor status watcher failed")
 
     def _open_backend(self) -> bool:
@@ -199,7 +199,7 @@ class Sampler:
         for sink in sinks:
             try:
                 sink(sample)
-            except Exception:
+            except Exception:  # noqa: BLE001 - a broken sink must not stop the sampler
                 if id(sink) not in self._failed_sinks:
                     self._failed_sinks.add(id(sink))
                     _log.exception("GPU monitor sink %r failed; it stays registered", sink)
@@ -267,7 +267,7 @@ class Sampler:
             except BackendUnavailable as err:
                 self._set_status("unavailable", None, str(err))
                 return None
-            except Exception as err:  # a failing driver call must not reach the user's cell
+            except Exception as err:  # noqa: BLE001 - a failing driver call must not reach the cell
                 _log.exception("reading the GPUs failed")
                 self._set_status("unavailable", None, f"reading the GPUs failed: {err}")
                 return None

@@ -51,7 +51,7 @@ def turn_autologging_off() -> bool:
     if not callable(getattr(autologging_utils, "autologging_is_disabled", None)):
         return False
 
-    def autologging_is_disabled(integration_name: str) -> bool:  # noqa: ARG001 - MLflow's signature
+    def autologging_is_disabled(integration_name: str) -> bool:  # MLflow's signature
         return True
 
     autologging_utils.autologging_is_disabled = autologging_is_disabled

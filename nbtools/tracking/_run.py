@@ -106,7 +106,7 @@ class PendingRun(mlflow.ActiveRun):
     ``info``, ``data``, ``inputs`` or ``outputs`` waits for the run.
     """
 
-    def __init__(self, handle: RunHandle) -> None:  # noqa: D107 - no Run to copy yet
+    def __init__(self, handle: RunHandle) -> None:  # no Run to copy yet
         self.handle = handle
 
     @property

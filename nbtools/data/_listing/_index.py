@@ -81,7 +81,7 @@ class _Spill:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.fh = open(path, "w+b")  # noqa: SIM115 - closed in IndexWriter
+        self.fh = open(path, "w+b")  # closed by IndexWriter
         self.crc = 0
         self.length = 0
 

@@ -112,7 +112,7 @@ class Ahead:
                         return
                     ready.append(checked)
                     cond.notify_all()
-        except BaseException as exc:  # handed to the consumer
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             self._error = exc
         finally:
             self._check.close()
