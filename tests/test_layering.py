@@ -447,7 +447,6 @@ _SMALL_MODULES_NOT_YET_FOLDED = {
     "nbtools.checkpoint._report",
     "nbtools.checkpoint._storage._mounts",
     "nbtools.launch._termination",
-    "nbtools.launch.pool._kept",
 }
 
 
