@@ -12,6 +12,10 @@ Both save through :class:`nbtools.checkpoint.CheckpointManager` (volume checkpoi
 and, with ``memory_every``, snapshots in node memory) and, on a restarted attempt of
 ``@distributed(max_restarts=...)`` or ``%%autoresume``, resume the training by
 themselves from the newest tier.
+
+Loops of the user's own under Lightning Fabric or accelerate need no module here:
+:class:`~nbtools.checkpoint.CheckpointManager` takes what ``fabric.setup()``,
+``fabric.setup_dataloaders()`` and ``accelerator.prepare()`` return as it is.
 """
 
 from __future__ import annotations
