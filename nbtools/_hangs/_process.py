@@ -199,7 +199,7 @@ def python_stacks(pids: Iterable[int]) -> dict[int, str]:
     for pid in pids:
         try:
             procs[pid] = subprocess.Popen(
-                [spy, "dump", "--pid", str(pid), "--nonblocking"],
+                [spy, "dump", "--pid", str(pid), "--nonblocking", "--full-filenames"],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,

@@ -1,14 +1,27 @@
-"""The words of a hang: one text for the cell, culprits first, then every rank's stack."""
+"""The words of a hang: one text for the cell, culprits first, then every rank's stack.
+
+A stack reads as a traceback does: each frame's file and line, then the
+line's text, from the kernel's copy of the file. A frame of a notebook cell is
+named as IPython names it ("Cell In[4], line 13"). Code sent by value runs in
+the rank under the file name ``<dynamic-code>``; the launcher, which holds the
+original code, renames those frames (the watchdog's ``localize``).
+"""
 
 from __future__ import annotations
 
+import linecache
+import re
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from nbtools._hangs import _process
+from nbtools._internal.tracebacks import cell_label
 
-__all__ = ["HangReport", "Culprit", "RankView", "hang_report", "clock_text"]
+__all__ = ["HangReport", "Culprit", "RankView", "hang_report", "clock_text", "as_traceback"]
+
+# A frame of a py-spy dump: "    train (/path/to/file.py:41)".
+_SPY_FRAME = re.compile(r"^(\s+)(\S.*?) \((.+):(\d+)\)$")
 
 _KEEPS_RUNNING = (
     "The call keeps running (on_hang='restart' restarts the group instead); "
@@ -65,6 +78,24 @@ class HangReport:
 def clock_text(epoch: float) -> str:
     """``12:04:05``: the local wall-clock time of an epoch time."""
     return time.strftime("%H:%M:%S", time.localtime(epoch))
+
+
+def as_traceback(stack: str) -> str:
+    """A py-spy dump's frames written as a traceback's: file, line, name, then the line's text."""
+    out = []
+    for line in stack.splitlines():
+        frame = _SPY_FRAME.match(line)
+        if frame is None:
+            out.append(line)
+            continue
+        indent, name, filename, number = frame.groups()
+        label = cell_label(filename)
+        where = f"{label}, line {number}" if label else f'File "{filename}", line {number}'
+        out.append(f"{indent}{where}, in {name}")
+        text = "" if filename.startswith("<") else linecache.getline(filename, int(number))
+        if text.strip():
+            out.append(f"{indent}  {text.strip()}")
+    return "\n".join(out)
 
 
 def hang_report(

@@ -62,7 +62,14 @@ from typing import Any
 
 from nbtools import events
 from nbtools._hangs import _collectives, _process
-from nbtools._hangs._report import Culprit, HangReport, RankView, clock_text, hang_report
+from nbtools._hangs._report import (
+    Culprit,
+    HangReport,
+    RankView,
+    as_traceback,
+    clock_text,
+    hang_report,
+)
 from nbtools._internal import settings
 from nbtools._internal.log import get_logger
 
@@ -224,6 +231,9 @@ class Watchdog:
             named, has before it is hung (default :data:`LONG_PHASE_S`, 15 minutes,
             or ten hang bounds when that is longer).
         on_hang: Called with each :class:`HangReport`, on the watchdog's thread.
+        localize: Rewrites a stack's frames of code sent by value (``<dynamic-code>``)
+            with their original file and line; the launcher, which holds the code,
+            passes it.
         bus: Where the reports come from and the flags go (this process's bus).
         clock: The kernel's monotonic clock (``time.monotonic``).
 
@@ -245,6 +255,7 @@ class Watchdog:
         startup_timeout: float | None = None,
         phase_timeout: float | None = None,
         on_hang: Callable[[HangReport], Any] | None = None,
+        localize: Callable[[str], str] | None = None,
         bus: events.Bus | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -262,6 +273,7 @@ class Watchdog:
         self.startup_timeout = STARTUP_S if startup_timeout is None else float(startup_timeout)
         self.phase_timeout = phase_timeout
         self._on_hang = on_hang
+        self._localize = localize
         self._clock = clock
         self._bus = bus if bus is not None else events.bus()
         self._ranks: dict[int, RankState] = {}
@@ -617,6 +629,16 @@ class Watchdog:
             step=state.step,
         )
 
+    def _in_user_terms(self, stack: str) -> str:
+        """A py-spy dump as a traceback, with the launcher's names for code sent by value."""
+        text = as_traceback(stack)
+        if self._localize is not None:
+            try:
+                text = self._localize(text).rstrip("\n")
+            except Exception:  # noqa: BLE001 - the report goes out with the rank's names
+                _log.debug("renaming the frames of a stack failed", exc_info=True)
+        return text
+
     def _epoch(self, at: float) -> float:
         """The epoch time of a kernel time ``at`` (monotonic), for events and the cell."""
         return time.time() - (self._clock() - at)
@@ -676,7 +698,10 @@ class Watchdog:
                 entered=entered,
             )
         local = {r: s.pid for r, s in ranks.items() if s.local and s.pid}
-        stacks = _process.python_stacks(local.values())
+        stacks = {
+            pid: self._in_user_terms(text)
+            for pid, text in _process.python_stacks(local.values()).items()
+        }
         report = hang_report(
             culprits,
             {

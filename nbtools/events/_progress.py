@@ -184,8 +184,9 @@ def _hook() -> None:
 def _collect() -> list[Record]:
     """On the flusher thread: the report to send, if any step or mark happened since the last.
 
-    The report is stamped with the time of the last step; a later mark that
-    counts no step (see the module docstring) travels as ``alive``.
+    The report is stamped with the time of the last step (before the first, with
+    its own); a later mark that counts no step (see the module docstring) travels
+    as ``alive``, and the open phase, if any, as ``phase``.
     """
     step_, count, at, marked, _ = _latest
     current = _phases[-1] if _phases else None
@@ -197,7 +198,8 @@ def _collect() -> list[Record]:
         fields["alive"] = round(marked, 3)
     if current is not None:
         fields["phase"] = current
-    return [(at, _emit._rank, PROGRESS_KIND, None, step_, fields)]  # noqa: SLF001
+    stamp = at if count else _time()  # a report before the first step: its own time
+    return [(stamp, _emit._rank, PROGRESS_KIND, None, step_, fields)]  # noqa: SLF001
 
 
 def _after_fork_in_child() -> None:

@@ -92,3 +92,39 @@ def test_events_name_the_node_from_the_environment_and_its_host_stays_local():
         collector.drain()
     (report,) = [e for e in bus.log() if e.kind == "progress"]
     assert report.host == node and report.rank == 2
+
+
+def test_a_phase_travels_in_the_rank_s_reports_while_it_is_open():
+    bus = events.Bus()
+    code = """
+        import time
+        from nbtools import events
+        from nbtools._internal import hooks
+        hooks.rank_started()            # what the launcher's rank set-up runs
+        time.sleep(1.5)                 # the start is reported before any step
+        with events.phase("evaluate"):
+            time.sleep(1.5)
+
+        @events.phase("save")
+        def save():
+            time.sleep(1.5)
+
+        save()
+        events.step(1)
+        time.sleep(1.5)
+    """
+    with events.Collector(bus=bus) as collector:
+        env = dict(os.environ, **collector.environment(), RANK="0")
+        subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)], env=env, check=True, timeout=120
+        )
+        collector.drain()
+    reports = [(e.fields["steps"], e.fields.get("phase")) for e in bus.log(kinds=["progress"])]
+    assert reports == [(0, None), (0, "evaluate"), (0, "save"), (1, None)], reports
+
+
+def test_a_phase_needs_a_short_name():
+    with pytest.raises(TypeError, match="events.phase takes a name"):
+        events.phase(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="1 to 100 characters"):
+        events.phase("")

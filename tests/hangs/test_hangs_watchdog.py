@@ -283,3 +283,29 @@ def test_a_rank_deadlocked_before_its_first_step_is_named_by_the_start_up_bound(
     (report,) = reports
     assert report.ranks == (1,) and "before its first step" in report.headline
     assert "which rank 1 never entered" in report.headline, report.headline
+
+
+def test_a_stack_reads_as_a_traceback_with_each_line_s_text():
+    from nbtools._hangs._report import as_traceback
+
+    here = os.path.abspath(__file__)
+    lineno = _SOURCE_LINE + 1
+    dump = (
+        'Thread 7 (idle): "MainThread"\n'
+        f"    _marker ({here}:{lineno})\n"
+        "    train (<dynamic-code>:41)\n"
+    )
+    text = as_traceback(dump)
+    assert text.splitlines() == [
+        'Thread 7 (idle): "MainThread"',
+        f'    File "{here}", line {lineno}, in _marker',
+        '      return "the line a report shows"',
+        '    File "<dynamic-code>", line 41, in train',  # the launcher names these
+    ]
+
+
+def _marker():
+    return "the line a report shows"
+
+
+_SOURCE_LINE = _marker.__code__.co_firstlineno

@@ -9,6 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -252,7 +255,7 @@ def _long_phase_lines(caplog) -> list[str]:
 
 
 def test_a_rank_whose_clock_is_a_minute_behind_raises_no_flag(flags):
-    @distributed(processes=2, hang_timeout=5)
+    @distributed(processes=2, hang_timeout=8)
     def train(steps):
         import time
 
@@ -277,7 +280,7 @@ def test_a_rank_whose_clock_is_a_minute_behind_raises_no_flag(flags):
 def test_rank_zero_evaluating_while_rank_one_waits_is_one_line_not_a_hang(flags, caplog):
     caplog.set_level(logging.WARNING, logger="nbtools")
 
-    @distributed(processes=2, hang_timeout=5)
+    @distributed(processes=2, hang_timeout=8)
     def train(steps):
         import time
 
@@ -291,7 +294,7 @@ def test_rank_zero_evaluating_while_rank_one_waits_is_one_line_not_a_hang(flags,
             events.step(step)
             if step == 20:
                 if dist.get_rank() == 0:  # evaluate on rank 0 only: busy outside collectives
-                    end = time.monotonic() + 12
+                    end = time.monotonic() + 15
                     while time.monotonic() < end:
                         torch.randn(64, 64) @ torch.randn(64, 64)
                 dist.barrier()
@@ -307,7 +310,7 @@ def test_rank_zero_evaluating_while_rank_one_waits_is_one_line_not_a_hang(flags,
 def test_a_phase_the_rank_names_is_not_a_hang_and_not_a_line(flags, caplog):
     caplog.set_level(logging.WARNING, logger="nbtools")
 
-    @distributed(processes=2, hang_timeout=5)
+    @distributed(processes=2, hang_timeout=8)
     def train(steps):
         import time
 
@@ -316,7 +319,7 @@ def test_a_phase_the_rank_names_is_not_a_hang_and_not_a_line(flags, caplog):
 
         @events.phase("evaluate")
         def evaluate():
-            time.sleep(10)  # idle, as a wait on a remote service: named, so not a hang
+            time.sleep(14)  # idle, as a wait on a remote service: named, so not a hang
 
         t = torch.ones(1)
         for step in range(steps):
@@ -342,7 +345,7 @@ def test_a_busy_rank_that_stops_using_the_cpu_is_named_alone(flags, caplog, tmp_
         if any(e.kind == "hang" and not e.fields.get("ended") for e in batch):
             release.touch()
 
-    @distributed(processes=2, hang_timeout=5)
+    @distributed(processes=2, hang_timeout=8)
     def train(steps, release):
         import os
         import time
@@ -356,7 +359,7 @@ def test_a_busy_rank_that_stops_using_the_cpu_is_named_alone(flags, caplog, tmp_
             dist.all_reduce(t)
             events.step(step)
             if step == 20 and dist.get_rank() == 0:
-                end = time.monotonic() + 8
+                end = time.monotonic() + 12
                 while time.monotonic() < end:  # busy first...
                     torch.randn(64, 64) @ torch.randn(64, 64)
                 while not os.path.exists(release):  # ...then stuck, using no CPU
@@ -375,7 +378,7 @@ def test_a_busy_rank_that_stops_using_the_cpu_is_named_alone(flags, caplog, tmp_
 def test_a_rank_blocked_on_its_own_lock_is_named_not_the_rank_waiting_for_it(flags, caplog):
     caplog.set_level(logging.WARNING, logger="nbtools")
 
-    @distributed(processes=2, hang_timeout=5)
+    @distributed(processes=2, hang_timeout=8)
     def train(steps):
         import threading
         import time
@@ -389,7 +392,7 @@ def test_a_rank_blocked_on_its_own_lock_is_named_not_the_rank_waiting_for_it(fla
             time.sleep(0.05)
             if step == 20 and dist.get_rank() == 1:
                 with lock:
-                    lock.acquire(timeout=12)  # blocked in futex, as a wait in gloo is
+                    lock.acquire(timeout=20)  # blocked in futex, as a wait in gloo is
             dist.all_reduce(t)
             events.step(step)
         return step
@@ -403,7 +406,7 @@ def test_a_rank_blocked_on_its_own_lock_is_named_not_the_rank_waiting_for_it(fla
 def test_ranks_in_different_collectives_are_named_as_a_mismatch(flags, caplog):
     caplog.set_level(logging.WARNING, logger="nbtools")
 
-    @distributed(processes=2, hang_timeout=5, on_hang="restart", max_restarts=0)
+    @distributed(processes=2, hang_timeout=8, on_hang="restart", max_restarts=0)
     def train(steps):
         import time
 
@@ -429,3 +432,55 @@ def test_ranks_in_different_collectives_are_named_as_a_mismatch(flags, caplog):
     (text,) = _hang_warnings(caplog)
     assert "rank 0 is in all_reduce #" in text and "(4 KB), rank 1 in broadcast #" in text
     assert ": a mismatched collective" in text
+
+
+_SCRIPT = textwrap.dedent(
+    """
+    import threading
+    import time
+
+    from nbtools import DistributedError, distributed, events
+
+
+    @distributed(processes=2, hang_timeout=8, on_hang="restart", max_restarts=0)
+    def train(steps):
+        import torch
+        import torch.distributed as dist
+
+        lock = threading.Lock()
+        t = torch.ones(1)
+        for step in range(steps):
+            time.sleep(0.05)
+            if step == 10 and dist.get_rank() == 1:
+                with lock:
+                    lock.acquire(timeout=60)  # the line the report points at
+            dist.all_reduce(t)
+            events.step(step)
+
+
+    try:
+        train.distributed(20)
+    except DistributedError:
+        pass
+    """
+)
+
+
+def test_the_stack_of_a_function_sent_from_a_script_shows_its_file_line_and_text(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = out.stderr.split("hang: ", 1)[1]
+    section = report.split("--- rank 1", 1)[1].split("--- rank", 1)[0]
+    line = (
+        _SCRIPT.splitlines().index(
+            "                lock.acquire(timeout=60)  # the line the report points at"
+        )
+        + 1
+    )
+    assert f'File "{script}", line {line}, in train' in section, section
+    assert "lock.acquire(timeout=60)  # the line the report points at" in section, section
+    assert "<dynamic-code>" not in report
