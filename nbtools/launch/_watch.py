@@ -45,7 +45,9 @@ def watch(
     Raises:
         KeyboardInterrupt: the caller was interrupted (ranks still running).
     """
-    with _hangs.Watchdog(len(group.stdouts), hang_timeout=hang_timeout) as dog:
+    with _hangs.Watchdog(
+        len(group.stdouts), hang_timeout=hang_timeout, localize=forwarder.localize
+    ) as dog:
         outcome = _watch(group, forwarder, hang_timeout, on_hang, dog)
     for notice in dog.take_notices():  # flags still open ended with the group
         _log.warning("%s", notice)
