@@ -22,7 +22,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -39,7 +39,7 @@ from nbtools.checkpoint.discovery import RootCheck, candidates, list_steps
 from nbtools.checkpoint.reader import VolumeReader
 from nbtools.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["Found", "VolumeStep", "VolumeTier", "newest_verified", "volume_newest"]
+__all__ = ["Found", "Probed", "VolumeStep", "VolumeTier", "newest_verified", "volume_newest"]
 
 _log = get_logger("checkpoint")
 
@@ -262,6 +262,12 @@ class VolumeStep:
         return value
 
 
+class Probed(Protocol):
+    """A writer lease, as the volume tier uses it: read before the volume is."""
+
+    def probe(self) -> None: ...
+
+
 class VolumeTier:
     """The checkpoints under the root, as a :class:`~nbtools.checkpoint._restore.Tier`.
 
@@ -270,7 +276,7 @@ class VolumeTier:
             store's root is checked).
         saver: The manager's volume saves.
         staging_dir: Where reads stage (see :class:`VolumeReader`).
-        before: Called before the volume is read (the manager reads its writer lease).
+        lease: The manager's writer lease (rank 0's), read before the volume is.
     """
 
     name = "volume"
@@ -280,16 +286,17 @@ class VolumeTier:
         root: RootCheck,
         saver: Saver,
         staging_dir: str | os.PathLike[str] | None,
-        before: Callable[[], None] = lambda: None,
+        lease: Probed | None = None,
     ) -> None:
         self._root = root
         self._saver = saver
         self._staging_dir = staging_dir
-        self._before = before
+        self._lease = lease
 
     def offers(self, pg: dist.ProcessGroup | None, below: Newest) -> Offer | None:
         """The newest checkpoint that verifies, found as it loads (the last tier: always)."""
-        self._before()
+        if self._lease is not None:
+            self._lease.probe()
         self._root.result()
         return Offer(self.name, None)
 

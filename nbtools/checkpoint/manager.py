@@ -173,7 +173,7 @@ class CheckpointManager:
             sync_files=sync_files,
         )
         # The tiers a restore asks, fastest first (see ``_restore``); the volume answers last.
-        self._volume = VolumeTier(self._root, self._saver, staging_dir, before=self._probe)
+        self._volume = VolumeTier(self._root, self._saver, staging_dir, self._lease)
         self._tiers: list[Tier] = [self._memory] if self._memory is not None else []
         self._tiers.append(self._volume)
         self._failed = False  # closed on an error: snapshots stay for the restart
@@ -252,19 +252,20 @@ class CheckpointManager:
                 ``init``, a module with meta tensors and no ``reset_parameters()``.
         """
         self._check_open()
-        metas = find_meta(_state.classify(objs).models, init)
+        kinds = _state.classify(objs)
+        metas = find_meta(kinds.models, init)
         for meta in metas:
             meta.materialize(torch.device(device) if device is not None else rank_device())
-        step = self._restore(planner, objs)
+        step = self._restore(planner, kinds)
         if step == 0:
             for meta in metas:
                 meta.initialize(init)
         return step
 
-    def _restore(self, planner: Any, objs: dict[str, Any]) -> int:
+    def _restore(self, planner: Any, kinds: _state.Objects) -> int:
         self.wait()
         scratch.sweep(scratch.staging_base(self._staging_dir))  # a killed writer's leftovers
-        restored = Restorer(self._tiers, self._pg).restore(_state.classify(objs), planner)
+        restored = Restorer(self._tiers, self._pg).restore(kinds, planner)
         if restored.tier in ("memory", "replica") and self._lease is not None:
             self._lease.defer_probe(AFTER_RECOVERY_S)  # the first steps of the recovery run first
         self.restored_step, self.restored_tier = restored.step, restored.tier

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from nbtools._internal.holder import machine_id
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint._collective import gather
-from nbtools.checkpoint._memory import _directories, _layout, _notes, _replicas, _slots
+from nbtools.checkpoint._memory import _layout, _notes, _replicas, _slots
 from nbtools.checkpoint._restore import Newest, Offer
 from nbtools.errors import CheckpointError
 
@@ -244,6 +244,14 @@ def fetch(
 # --- the choice ------------------------------------------------------------------
 
 
+def _combine(views: list[tuple[bool, int | None]]) -> tuple[bool, int | None]:
+    """What the records of every rank's node say together of the volume (see
+    ``_directories``): whether any rank has one, and the newest step they bound it by."""
+    known = [bound for seen, bound in views if seen]
+    steps = [b for b in known if b is not None]
+    return bool(known), max(steps, default=None)
+
+
 class SlotOffer(NamedTuple):
     """A slot a rank's node holds: ``owner``'s snapshot of ``step``, whose replicated
     tensors ranks ``base`` to ``base + width - 1`` share (see ``_layout``)."""
@@ -324,7 +332,7 @@ def offer(
     mine = {SlotOffer(o, s.step, *(s.share or (o, 1))) for o in owners for s in tier.visible(o)}
     offers, views = zip(*gather(pg, (sorted(mine), records)), strict=True)
     offers = tuple([SlotOffer(*o) for o in got] for got in offers)
-    known, bound = _directories.combine_records(list(views))
+    known, bound = _combine(list(views))
     here = {Source(r, o.owner, o.step) for r, got in enumerate(offers) for o in got}
 
     def must_list(step: int) -> bool:

@@ -66,7 +66,6 @@ __all__ = [
     "MEMORY_SHARE",
     "NEW",
     "available_memory",
-    "combine_records",
     "drop_job_if_empty",
     "drop_jobs",
     "is_record",
@@ -428,13 +427,6 @@ def read_records(directory: str, key: str) -> tuple[bool, int | None]:
         if value is not None:
             bound = value if bound is None else max(bound, value)
     return known, bound
-
-
-def combine_records(views: list[tuple[bool, int | None]]) -> tuple[bool, int | None]:
-    """What the records of every rank's node say together (see :func:`read`)."""
-    known = [bound for seen, bound in views if seen]
-    steps = [b for b in known if b is not None]
-    return bool(known), max(steps, default=None)
 
 
 def remove_record(directory: str, rank: int) -> None:
