@@ -178,6 +178,7 @@ class CheckpointManager:
         self._tiers.append(self._volume)
         self._failed = False  # closed on an error: snapshots stay for the restart
         self._closed = False
+        self._checked = False  # the objects of the first save call passed check_objects
 
     @property
     def last_saved_step(self) -> int | None:
@@ -290,6 +291,7 @@ class CheckpointManager:
         check_step(step)
         events.step(step)  # a loop that saves through the manager is seen progressing
         check_extra(extra)
+        self._check_objects(objs)
         self._saver.raise_failed()
         self._probe()
         self._saver.remember(step, objs, extra)
@@ -319,7 +321,15 @@ class CheckpointManager:
         self._check_open()
         check_step(step)
         events.step(step)
+        self._check_objects(objs)
         return self._volume.snapshot(step, objs, extra, None)
+
+    def _check_objects(self, objs: dict[str, Any]) -> None:
+        """Refuse at the first save call what no restore could put back (a wrapper not
+        understood), instead of after the first crash."""
+        if not self._checked:
+            _state.check_objects(objs)
+            self._checked = True
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is published and the memory snapshot being
