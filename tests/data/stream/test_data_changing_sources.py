@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -69,29 +71,36 @@ def test_a_1gib_source_truncated_during_its_copy_is_copied_again_not_served_part
     assert os.path.getsize(path) == os.path.getsize(big) == 16 * _MIB
 
 
+_APPEND = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND)
+os.write(fd, b"x" * 4096)
+print("appending", flush=True)
+while True:
+    os.write(fd, b"x" * 4096)
+"""
+
+
 @needs_proc
 def test_a_source_that_keeps_changing_during_its_copies_is_an_error_naming_it(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     grows = src / "grows.bin"
     grows.write_bytes(b"\0" * (32 * _MIB))
-    stop = threading.Event()
-
-    def append() -> None:  # a writer that never finishes
-        with open(grows, "ab") as fh:
-            while not stop.is_set():
-                fh.write(b"x" * 4096)
-                fh.flush()
-
-    writer = threading.Thread(target=append, daemon=True)
+    # A writer that never finishes, in a process of its own: another program appending, which
+    # goes on while this one copies, even when a busy machine leaves this process's threads
+    # waiting for the interpreter lock.
     files = VolumeDataset(src, cache_dir=tmp_path / "cache", prefetch=1)
-    writer.start()
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _APPEND, str(grows)], stdout=subprocess.PIPE, text=True
+    )
     try:
+        assert writer.stdout is not None and writer.stdout.readline() == "appending\n"
         with pytest.raises(DataError, match="grows.bin changed while it was copied"):
             list(files)
     finally:
-        stop.set()
-        writer.join()
+        writer.kill()
+        writer.communicate()
     leftovers = [
         n for _, _, names in os.walk(tmp_path / "cache") for n in names if n.startswith("grows")
     ]
