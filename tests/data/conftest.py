@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ def small_tmpfs(mount_tmpfs):
 
 
 @pytest.fixture
-def memory_volume(tmp_path) -> Path:
+def memory_volume(tmp_path) -> Iterator[Path]:
     """An empty directory on the machine's memory filesystem (``/dev/shm``), removed after the
     test, for trees of a million entries: creating and removing them there takes a few seconds,
     where a journalling disk shared with the other tests takes a minute. ``tmp_path`` where
