@@ -182,3 +182,18 @@ def test_accelerate_loader_first_given_in_the_middle_of_a_pass_says_the_pass_res
     del batches
     assert "already in a pass when it was first given to the checkpoint manager" in caplog.text
     assert "Give the loader to restore() (or save) before iterating it" in caplog.text
+
+
+@requires("accelerate")
+def test_accelerate_loader_that_dispatches_batches_is_refused_naming_the_setting(tmp_path):
+    from accelerate import Accelerator, DataLoaderConfiguration
+
+    config = DataLoaderConfiguration(dispatch_batches=True)
+    accelerator = Accelerator(cpu=True, dataloader_config=config)
+    loader = accelerator.prepare(torch.utils.data.DataLoader(_data(), batch_size=2))
+    with CheckpointManager(tmp_path / "ckpt", every=100, async_save=False) as ckpt:
+        with pytest.raises(CheckpointError) as caught:
+            ckpt.maybe_save(1, data=loader)
+    message = str(caught.value)
+    assert message.startswith("data=DataLoaderDispatcher: accelerate's loader that dispatches")
+    assert "DataLoaderConfiguration(dispatch_batches=False)" in message
