@@ -22,7 +22,8 @@ Both volumes are local directories (no network cap). Figures, per path:
   function (detecting the failure, stopping the survivors, starting the ranks: the
   launcher's part, the same for both paths); ``function_to_progress_s`` the rest,
   split into ``imports_s`` (the restarted rank importing the Trainer's library: the
-  launcher's forkserver preloads torch, not transformers or lightning) and
+  driver imports the stack's library before the first launch, as a notebook's cells do,
+  so the launcher's forkserver preloads it) and
   ``after_imports_to_progress_s`` (building the Trainer, its restore, the steps
   trained again: the part a checkpointing path decides);
 - ``steps_trained_again``: ``kill_at`` minus the step the restarted attempt resumed after;
@@ -35,6 +36,7 @@ Both volumes are local directories (no network cap). Figures, per path:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import signal
@@ -253,6 +255,10 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2)
     cfg = vars(parser.parse_args())
     stacks = ["hf", "lightning"] if cfg["stack"] == "both" else [cfg["stack"]]
+    # As a notebook's cells do before the first launch: the forkserver the ranks start
+    # from then holds the libraries too, and a restarted rank does not import them again.
+    for stack in stacks:
+        importlib.import_module("transformers.trainer" if stack == "hf" else "lightning.pytorch")
     for stack in stacks:
         theirs = _run(stack, "trainer", cfg)  # today's path first
         ours = _run(stack, "nbtools", cfg)
