@@ -142,6 +142,32 @@ def test_a_run_restores_its_newest_snapshot_and_says_the_tier(tmp_path, shm):
     assert _files(shm) == []
 
 
+def test_a_restore_from_either_tier_tells_the_manager_the_same_things(tmp_path, shm):
+    # One answer, whatever tier gave it: the step, the tier, the extra saved with the step,
+    # the run id, and the newest checkpoint on the volume (which the next save follows).
+    net, opt = _net()
+    with (
+        pytest.raises(RuntimeError),
+        CheckpointManager(tmp_path / "root", every=10, memory_every=3, async_save=False) as ckpt,
+    ):
+        for step in range(13):
+            opt.zero_grad()
+            net(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            ckpt.maybe_save(step, model=net, optimizer=opt, extra={"seen": step})
+        raise RuntimeError("killed")  # memory holds 12, the volume 10
+    with CheckpointManager(tmp_path / "root", memory_every=3, async_save=False) as again:
+        assert again.restore(model=net, optimizer=opt) == 13
+        assert (again.restored_step, again.restored_tier) == (12, "memory")
+        assert (again.extra, again.skipped, again.last_saved_step) == ({"seen": 12}, [], 10)
+        assert again.mlflow_run_id is None
+    with CheckpointManager(tmp_path / "root", async_save=False) as volume:  # no memory tier
+        assert volume.restore(model=net, optimizer=opt) == 11
+        assert (volume.restored_step, volume.restored_tier) == (10, "volume")
+        assert (volume.extra, volume.skipped, volume.last_saved_step) == ({"seen": 10}, [], 10)
+        assert volume.mlflow_run_id is None
+
+
 class _CountingAdam(torch.optim.Adam):
     """The user's optimizer, counting its steps."""
 
