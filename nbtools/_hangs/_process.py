@@ -70,16 +70,18 @@ _SYSCALL_NAMES = {
 PY_SPY_TIMEOUT_S = 15.0
 
 
-def sample(pid: int) -> tuple[str, str]:
-    """``(state, detail)`` of ``pid``'s main thread: one of the four states and a word.
+def sample(pid: int, tid: int = 0) -> tuple[str, str]:
+    """``(state, detail)`` of ``pid``'s thread ``tid`` (its main thread when 0 or gone).
 
-    Never raises: a process that is gone or unreadable is :data:`GONE`.
+    The state is one of the four above, the detail a word. Never raises: a
+    process that is gone or unreadable is :data:`GONE`.
     """
+    base = f"/proc/{pid}/task/{tid}" if tid and tid != pid else f"/proc/{pid}"
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open(f"{base}/stat", "rb") as f:
             stat = f.read()
     except OSError:
-        return GONE, "gone"
+        return sample(pid) if base != f"/proc/{pid}" else (GONE, "gone")
     state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
     if state in (b"T", b"t"):
         return STOPPED, "stopped by a signal"
@@ -88,10 +90,10 @@ def sample(pid: int) -> tuple[str, str]:
     if state == b"R":
         return WORKING, "running"
     try:
-        with open(f"/proc/{pid}/syscall", "rb") as f:
+        with open(f"{base}/syscall", "rb") as f:
             call = f.read().split(b" ", 1)[0].decode()
     except OSError:
-        wchan = _wchan(pid)
+        wchan = _wchan(base)
         if wchan is None:
             return WORKING, "blocked"
         return (WAITING if "futex" in wchan else WORKING), wchan
@@ -161,9 +163,9 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _wchan(pid: int) -> str | None:
+def _wchan(base: str) -> str | None:
     try:
-        with open(f"/proc/{pid}/wchan") as f:
+        with open(f"{base}/wchan") as f:
             return f.read().strip() or None
     except OSError:
         return None

@@ -120,7 +120,12 @@ def hang_report(
     headline = "hang: " + "; ".join(lines) + "."
     if others:
         pronoun = "it" if len(flagged) == 1 else "them"
-        headline += f" Ranks {', '.join(str(r) for r in others)} wait for {pronoun}."
+        who = (
+            f"Rank {others[0]} waits"
+            if len(others) == 1
+            else "Ranks " + ", ".join(str(r) for r in others) + " wait"
+        )
+        headline += f" {who} for {pronoun}."
     for line in collectives or []:
         headline += f" In torch's record of collectives: {line}."
     parts = [headline + " " + _KEEPS_RUNNING]

@@ -2,7 +2,7 @@
 
 A :class:`Watchdog` reads the ranks' ``progress`` reports from the bus
 (:mod:`nbtools.events._progress`) and, on a thread of its own, samples each
-local rank's main thread from outside (:mod:`nbtools._hangs._process`). It
+local rank's training thread from outside (:mod:`nbtools._hangs._process`). It
 never runs on a rank and costs the training thread nothing. Every time it
 judges by is the kernel's own (monotonic, from when each report arrived):
 never a rank's clock, which may be off by any amount.
@@ -110,6 +110,7 @@ class RankState:
     host: str = ""
     pid: int = 0
     local: bool = False
+    tid: int = 0  # the thread that reports its steps, when not the main one (Ray's actors)
     step: int | None = None
     steps: int = 0
     # Kernel times (monotonic) of when reports arrived: never the rank's clock.
@@ -399,6 +400,8 @@ class Watchdog:
             state = RankState(event.rank, event.host, event.pid, local)  # type: ignore[arg-type]
             state.started_at = self._clock()
             self._ranks[event.rank] = state  # type: ignore[index]
+        tid = event.fields.get("tid")
+        state.tid = tid if type(tid) is int else 0
         steps = event.fields.get("steps")
         if type(steps) is not int:
             return
@@ -461,9 +464,9 @@ class Watchdog:
 
     def _sample(self) -> None:
         with self._lock:
-            local = [(s, s.pid) for s in self._ranks.values() if s.local]
-        for state, pid in local:
-            kind, detail = _process.sample(pid)
+            local = [(s, s.pid, s.tid) for s in self._ranks.values() if s.local]
+        for state, pid, tid in local:
+            kind, detail = _process.sample(pid, tid)
             state.recent.append((kind, detail))
             if kind == _process.WAITING:
                 state.waiting += 1
@@ -646,7 +649,7 @@ class Watchdog:
     def _report(self, flags: list[Flag], now: float) -> None:
         with self._lock:
             ranks = dict(self._ranks)
-            bound = self.bound()
+            bounds = {r: self._bound_of(s) for r, s in ranks.items()}
             fresh = self._clock() - self._answered_at <= _ANSWERS_FRESH_S
             answers = self._answers if fresh else None
         states = {r: (s.recent[-1] if s.recent else None) for r, s in ranks.items()}
@@ -693,7 +696,7 @@ class Watchdog:
                 stalled_s=round(stalled, 1),
                 step=state.step if state is not None else None,
                 rank_pid=state.pid if state is not None else None,
-                bound_s=round(bound, 1),
+                bound_s=round(bounds.get(flag.rank, self.startup_timeout), 1),
                 collective=collective,
                 entered=entered,
             )

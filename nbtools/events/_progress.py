@@ -54,6 +54,7 @@ PROGRESS_KIND = "progress"
 _latest: list[Any] = [None, 0, 0.0, 0.0, False]
 _shipped: list[Any] = [0, 0.0, None]  # the count, the last mark and the phase last sent
 _phases: list[str] = []  # the open phases of this process, innermost last
+_tid = [0]  # the native id of the thread that reports (the training thread)
 _hooked = [False]  # reset in a forked child, which hooks its own flusher
 _hook_lock = threading.Lock()
 _time = time.time
@@ -174,6 +175,7 @@ def _hook() -> None:
     with _hook_lock:
         if _hooked[0]:
             return
+        _tid[0] = threading.get_native_id()  # the kernel samples this thread of the rank
         _emit._setup()  # noqa: SLF001 - choose this process's route now
         emitter = _emit._emitter  # noqa: SLF001
         if emitter is not None:
@@ -198,6 +200,8 @@ def _collect() -> list[Record]:
         fields["alive"] = round(marked, 3)
     if current is not None:
         fields["phase"] = current
+    if _tid[0] and _tid[0] != os.getpid():  # a rank that trains on another thread (Ray's)
+        fields["tid"] = _tid[0]
     stamp = at if count else _time()  # a report before the first step: its own time
     return [(stamp, _emit._rank, PROGRESS_KIND, None, step_, fields)]  # noqa: SLF001
 
@@ -209,6 +213,7 @@ def _after_fork_in_child() -> None:
     _latest[:] = [None, 0, 0.0, 0.0, False]
     _shipped[:] = [0, 0.0, None]
     _phases.clear()
+    _tid[0] = 0
     _hooked[0] = False
 
 

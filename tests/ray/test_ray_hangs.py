@@ -71,3 +71,50 @@ def test_a_stopped_ray_rank_is_named_by_its_node_and_the_collective_the_others_w
     assert len(warnings) == 1, warnings
     headline = warnings[0].split("\n", 1)[0]
     assert f"rank 1 on {node}" in headline and "wait in all_reduce #" in headline, headline
+
+
+def test_a_ray_rank_three_times_slower_is_the_only_straggler(ray_cluster, monkeypatch):
+    # The actors run the rank's function on a thread of their own: the kernel samples
+    # that thread (its reports name it), as it samples a local rank's main thread.
+    monkeypatch.setenv("NBTOOLS_STRAGGLER_WINDOW_S", "8")
+    monkeypatch.setenv("NBTOOLS_STRAGGLER_CONFIRM_S", "3")
+    seen: list[events.Event] = []
+    lock = threading.Lock()
+
+    def keep(batch):
+        with lock:
+            seen.extend(e for e in batch if e.kind in ("straggler", "hang"))
+
+    @distributed(processes=3, cluster="ray", nodes=3)
+    def train(seconds):
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        from nbtools import events
+
+        t = torch.ones(1)
+        slow = 3 if dist.get_rank() == 2 else 1
+        began = time.monotonic()
+        step = 0
+        while True:
+            end = time.monotonic() + 0.03 * slow
+            while time.monotonic() < end:  # computes: rank 2 three times as long
+                pass
+            dist.all_reduce(t)
+            step += 1
+            events.step(step)
+            done = torch.tensor([float(time.monotonic() - began > seconds)])
+            dist.all_reduce(done)
+            if done.item() > 0:
+                return step
+
+    events.subscribe(keep)
+    try:
+        train.distributed(25)
+    finally:
+        events.unsubscribe(keep)
+    opened = [e for e in seen if not e.fields.get("ended")]
+    assert {e.rank for e in opened if e.kind == "straggler"} == {2}, [e.message for e in seen]
+    assert not [e for e in opened if e.kind == "hang"]
