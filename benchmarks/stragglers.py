@@ -1,7 +1,8 @@
 """Hangs and stragglers: how fast they are named, what reporting costs, false flags.
 
 Prints one JSON line. Run: ``python benchmarks/stragglers.py``
-(``NBTOOLS_BENCH_HEALTHY_S`` sets the healthy run's length; 180 s by default).
+(``NBTOOLS_BENCH_HEALTHY_S`` sets the healthy run's length; 180 s by default;
+``python benchmarks/stragglers.py phases`` runs only the long phases below).
 
 Four CPU ranks (gloo) train a small DDP model; each step "computes" for
 0.2 s +-30 % (a sleep, as a GPU kernel would leave the CPU free) and reports
@@ -18,6 +19,27 @@ threshold 0.75, 30 s window).
 - False flags: a healthy run with jitter, an evaluation every 200 steps (each
   rank pausing a different time, then a barrier) and a checkpoint save every
   100 steps (``checkpoint_saved``, rank 0 blocked longer): flags raised (goal: 0).
+
+Long phases that are not hangs, and hangs before the first step, on two ranks
+with default settings (hang warnings counted, goal 0, and the one-line notices
+of a rank busy outside collectives):
+
+- Save: rank 0 waits 90 s for its own writer threads (64 KB every 0.25 s, as
+  to a slow mount) while rank 1 waits in a barrier.
+- Compile: rank 0's first step takes 70 s, its main thread waiting for two
+  worker processes that compute, while rank 1 waits in DDP's all-reduce.
+- Evaluate: rank 0 alone computes for 100 s (``if rank == 0: evaluate()``)
+  while rank 1 waits in a barrier.
+- Deadlock before the first step: rank 1 blocks on a lock it holds before its
+  first step; seconds from the launch until its ``hang`` event (goal: within
+  the start-up bound plus the watchdog's two looks at the collectives), and
+  which ranks it named (goal: rank 1 only).
+- Clock skew: rank 1's clock reads 60 s behind the kernel's for a 60 s run:
+  flags raised (goal: 0).
+- Busy or stuck: the kernel's CPU time for one look at a rank (its process
+  tree's CPU time and bytes read and written, and its training thread's
+  state), on a process with torch loaded and one child; the watchdog looks
+  once a second per rank for the tree and ten times for the thread.
 """
 
 from __future__ import annotations
@@ -84,27 +106,143 @@ def _train(mode: str, seconds: float):
             return {"base_s": base, "step_s": cost, "steps": step}
 
 
-def _run(mode: str, seconds: float, until=None):
+def _run(mode: str, seconds: float, until=None, train=_train):
     seen: list[events.Event] = []
     t0 = time.time()
 
     def keep(batch):
         for event in batch:
-            if event.kind in ("hang", "straggler", "bench_stop", "bench_slow"):
+            if event.kind in ("hang", "straggler", "long_phase", "bench_stop", "bench_slow"):
                 seen.append(event)
                 if until is not None:
                     until(event)
 
     events.subscribe(keep)
     try:
-        results = _train.distributed(mode, seconds)
+        results = train.distributed(mode, seconds)
+    except Exception as exc:  # noqa: BLE001 - a phase that ends in a failure still counts
+        results = [repr(exc)[:200]]
     finally:
         events.unsubscribe(keep)
     return results, seen, time.time() - t0
 
 
+def _writer(path: str, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    with open(path, "wb") as f:
+        while time.monotonic() < end:
+            f.write(os.urandom(64 << 10))
+            f.flush()
+            time.sleep(0.25)
+
+
+def _burn(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sum(i * i for i in range(10_000))
+
+
+@distributed(processes=2, output="none", on_hang="restart", max_restarts=0)
+def _phases(mode: str, seconds: float):
+    import multiprocessing
+    import tempfile
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if mode == "skew" and rank == 1:  # this rank's clock reads a minute behind
+        from nbtools.events import _emit, _progress
+
+        _emit._time = _progress._time = lambda: time.time() - 60
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 1))
+    if mode == "deadlock" and rank == 1:
+        lock = threading.Lock()
+        lock.acquire()
+        lock.acquire()  # before the first step: rank 0 waits in DDP's all-reduce
+    began = time.monotonic()
+    for step in range(10_000):
+        if mode == "compile" and step == 0 and rank == 0:
+            workers = [multiprocessing.Process(target=_burn, args=(seconds,)) for _ in range(2)]
+            for worker in workers:
+                worker.start()
+            for worker in workers:  # the main thread waits for its compile workers
+                worker.join()
+        time.sleep(0.05)
+        model(torch.randn(8, 16)).sum().backward()
+        events.step(step)
+        if step == 20 and mode in ("save", "evaluate"):
+            if rank == 0 and mode == "save":
+                with tempfile.TemporaryDirectory() as tmp:
+                    writers = [
+                        threading.Thread(target=_writer, args=(f"{tmp}/{i}", seconds))
+                        for i in range(2)
+                    ]
+                    for writer in writers:
+                        writer.start()
+                    for writer in writers:
+                        writer.join()
+            if rank == 0 and mode == "evaluate":
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    torch.randn(128, 128) @ torch.randn(128, 128)
+            dist.barrier()
+        late = mode in ("save", "evaluate") or time.monotonic() - began > seconds
+        done = torch.tensor([float(step > 30 and late)])
+        dist.all_reduce(done)  # every rank stops at the same step
+        if done.item() > 0:
+            return step
+    return step
+
+
+def _long_phases(out: dict) -> None:
+    from nbtools._hangs import _process
+
+    for mode, seconds in (("save", 90.0), ("compile", 70.0), ("evaluate", 100.0)):
+        _, seen, took = _run(mode, seconds, train=_phases)
+        opened = [e for e in seen if not e.fields.get("ended")]
+        out[f"{mode}_s"] = round(took, 1)
+        out[f"{mode}_hang_warnings"] = len([e for e in opened if e.kind == "hang"])
+        out[f"{mode}_busy_lines"] = len([e for e in opened if e.kind == "long_phase"])
+    began = time.time()
+    _, seen, took = _run("deadlock", 0.0, train=_phases)
+    hangs = [e for e in seen if e.kind == "hang" and not e.fields.get("ended")]
+    out["deadlock_first_step_detect_s"] = round(hangs[0].time - began, 1) if hangs else None
+    out["deadlock_first_step_bound_s"] = hangs[0].fields.get("bound_s") if hangs else None
+    out["deadlock_first_step_ranks_named"] = sorted({e.rank for e in hangs})
+    _, seen, took = _run("skew", 60.0, train=_phases)
+    out["clock_skew_60s_false_flags"] = len(
+        [e for e in seen if e.kind in ("hang", "straggler") and not e.fields.get("ended")]
+    )
+    import subprocess
+
+    # A rank-like process: torch loaded, its threads started, one child (a loader worker).
+    code = (
+        "import multiprocessing, time, torch; torch.ones(1).sum(); "
+        "multiprocessing.Process(target=time.sleep, args=(60,)).start(); time.sleep(60)"
+    )
+    rank = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        time.sleep(8)
+        looks = 1000
+        t0 = time.process_time()
+        for _ in range(looks):
+            _process.usage(rank.pid)
+            _process.sample(rank.pid)
+        out["busy_probe_cpu_us_per_rank_look"] = round((time.process_time() - t0) / looks * 1e6, 1)
+    finally:
+        rank.kill()
+        rank.wait()
+
+
 def main() -> None:
     out: dict = {"ranks": WORLD, "step_s": STEP_S, "jitter": JITTER}
+    if sys.argv[1:] == ["phases"]:
+        out = {"phase_ranks": 2}
+        _long_phases(out)
+        print(json.dumps(out))
+        return
 
     def resume(event):
         if event.kind == "hang" and not event.fields.get("ended") and event.fields.get("rank_pid"):
@@ -136,6 +274,7 @@ def main() -> None:
     out["events_step_us"] = round(statistics.median(per_call) * 1e6, 3)
     out["empty_call_us"] = round(statistics.median(empty) * 1e6, 3)
     out["overhead_us"] = round((statistics.median(per_call) - statistics.median(empty)) * 1e6, 3)
+    _long_phases(out)
     print(json.dumps(out))
 
 
