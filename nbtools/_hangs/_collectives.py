@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 from nbtools import events
 
-__all__ = ["Position", "InFlight", "ask", "in_flight", "describe", "culprits_of"]
+__all__ = ["Position", "InFlight", "ask", "in_flight", "describe", "culprits_of", "stood_still"]
 
 
 class Position(NamedTuple):
@@ -127,6 +127,13 @@ def culprits_of(answers: dict[int, list[Position]]) -> list[int] | None:
             found.update(flight.ops)
         found.update(flight.behind)
     return sorted(found) if found else None
+
+
+def stood_still(earlier: dict[int, list[Position]], later: dict[int, list[Position]]) -> bool:
+    """Two answers show every rank at the same place in its collectives."""
+    return bool(later) and {r: sorted(p) for r, p in earlier.items()} == {
+        r: sorted(p) for r, p in later.items()
+    }
 
 
 def describe(answers: dict[int, list[Position]], culprits: list[int], world_size: int) -> list[str]:

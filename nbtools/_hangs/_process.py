@@ -36,6 +36,7 @@ __all__ = [
     "GONE",
     "sample",
     "usage",
+    "stuck_by_state",
     "describe_state",
     "python_stacks",
 ]
@@ -169,6 +170,34 @@ def _wchan(base: str) -> str | None:
             return f.read().strip() or None
     except OSError:
         return None
+
+
+def stuck_by_state(
+    states: dict[int, str | None], steps: dict[int, int], busy: set[int]
+) -> list[int]:
+    """Of ranks that all stopped: those stuck outside a collective, by their sampled state.
+
+    Args:
+        states: Each rank's state now (None: on another node, not sampled).
+        steps: Each rank's steps so far.
+        busy: Ranks whose process tree still works: outside, whatever their thread waits on.
+    """
+    states = {r: (WORKING if r in busy and s is not None else s) for r, s in states.items()}
+    waiting = [r for r, s in states.items() if s == WAITING]
+    outside = [r for r, s in states.items() if s in (WORKING, STOPPED)]
+    stopped = [r for r, s in states.items() if s == STOPPED]
+    unknown = [r for r, s in states.items() if s is None]
+    most = max(steps.values(), default=0)
+    lagging = [r for r in states if steps.get(r, 0) < most]
+    if waiting and outside:
+        return outside
+    if stopped:
+        return stopped
+    if unknown and lagging:
+        return lagging  # ranks elsewhere: the one behind is the likely culprit
+    if (unknown and not outside) or (waiting and not outside):
+        return list(states)  # nothing tells them apart, or the collective itself is stuck
+    return []  # every rank is computing (an evaluation, a compile): not a hang
 
 
 def describe_state(state: str, detail: str) -> str:

@@ -12,13 +12,22 @@ from __future__ import annotations
 import linecache
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from nbtools._hangs import _process
 from nbtools._internal.tracebacks import cell_label
 
-__all__ = ["HangReport", "Culprit", "RankView", "hang_report", "clock_text", "as_traceback"]
+__all__ = [
+    "HangReport",
+    "Culprit",
+    "RankView",
+    "hang_report",
+    "clock_text",
+    "as_traceback",
+    "in_user_terms",
+]
 
 # A frame of a py-spy dump: "    train (/path/to/file.py:41)".
 _SPY_FRAME = re.compile(r"^(\s+)(\S.*?) \((.+):(\d+)\)$")
@@ -96,6 +105,18 @@ def as_traceback(stack: str) -> str:
         if text.strip():
             out.append(f"{indent}  {text.strip()}")
     return "\n".join(out)
+
+
+def in_user_terms(stack: str, localize: Callable[[str], str] | None) -> str:
+    """A py-spy dump as a traceback, with the launcher's names (``localize``) for code sent
+    by value."""
+    text = as_traceback(stack)
+    if localize is not None:
+        try:
+            text = localize(text).rstrip("\n")
+        except Exception:  # noqa: BLE001 - the report goes out with the rank's names
+            return text
+    return text
 
 
 def hang_report(

@@ -66,9 +66,9 @@ from nbtools._hangs._report import (
     Culprit,
     HangReport,
     RankView,
-    as_traceback,
     clock_text,
     hang_report,
+    in_user_terms,
 )
 from nbtools._internal import settings
 from nbtools._internal.log import get_logger
@@ -162,39 +162,11 @@ def now_state(state: RankState) -> str | None:
 
 
 def stuck_outside(ranks: list[RankState], busy: set[int] | None = None) -> list[RankState]:
-    """Of ranks that all stopped: those stuck outside a collective, not those waiting.
-
-    ``busy`` ranks count as outside whatever their main thread waits on (their
-    own threads, their child processes).
-    """
+    """Of ranks that all stopped: those stuck outside a collective, not those waiting
+    (:func:`._process.stuck_by_state`); ``busy`` ranks count as outside."""
     now_states = {s.rank: now_state(s) for s in ranks}
-    now_states.update({r: _process.WORKING for r in busy or () if r in now_states})
-    waiting = [s for s in ranks if now_states[s.rank] == _process.WAITING]
-    outside = [s for s in ranks if now_states[s.rank] in (_process.WORKING, _process.STOPPED)]
-    stopped = [s for s in ranks if now_states[s.rank] == _process.STOPPED]
-    unknown = [s for s in ranks if now_states[s.rank] is None]
-    most = max(s.steps for s in ranks)
-    lagging = [s for s in ranks if s.steps < most]
-    if waiting and outside:
-        return outside
-    if stopped:
-        return stopped
-    if unknown and lagging:
-        return lagging  # ranks elsewhere: the one behind is the likely culprit
-    if unknown and not outside:
-        return ranks  # nothing tells them apart: every rank stalled
-    if waiting and not outside:
-        return ranks  # every rank waits: the collective itself is stuck
-    return []  # every rank is computing (an evaluation, a compile): not a hang
-
-
-def _stood_still(
-    earlier: dict[int, list[_collectives.Position]], later: dict[int, list[_collectives.Position]]
-) -> bool:
-    """Two answers show every rank at the same place in its collectives."""
-    return bool(later) and {r: sorted(p) for r, p in earlier.items()} == {
-        r: sorted(p) for r, p in later.items()
-    }
+    named = _process.stuck_by_state(now_states, {s.rank: s.steps for s in ranks}, busy or set())
+    return [s for s in ranks if s.rank in named]
 
 
 def setting(value: float | None, name: str, default: float) -> float:
@@ -598,7 +570,7 @@ class Watchdog:
         fresh = now - self._answered_at <= _ANSWERS_FRESH_S
         if not self.reporting:
             stopped = [s for s in ranks.values() if now_state(s) == _process.STOPPED]
-            if stopped or not fresh or not _stood_still(self._earlier, self._answers):
+            if stopped or not fresh or not _collectives.stood_still(self._earlier, self._answers):
                 return stopped
         if fresh:
             named = _collectives.culprits_of(self._answers)
@@ -631,16 +603,6 @@ class Watchdog:
             busy_s=round(busy, 1),
             step=state.step,
         )
-
-    def _in_user_terms(self, stack: str) -> str:
-        """A py-spy dump as a traceback, with the launcher's names for code sent by value."""
-        text = as_traceback(stack)
-        if self._localize is not None:
-            try:
-                text = self._localize(text).rstrip("\n")
-            except Exception:  # noqa: BLE001 - the report goes out with the rank's names
-                _log.debug("renaming the frames of a stack failed", exc_info=True)
-        return text
 
     def _epoch(self, at: float) -> float:
         """The epoch time of a kernel time ``at`` (monotonic), for events and the cell."""
@@ -702,7 +664,7 @@ class Watchdog:
             )
         local = {r: s.pid for r, s in ranks.items() if s.local and s.pid}
         stacks = {
-            pid: self._in_user_terms(text)
+            pid: in_user_terms(text, self._localize)
             for pid, text in _process.python_stacks(local.values()).items()
         }
         report = hang_report(
