@@ -66,9 +66,11 @@ def train(root, log_dir, kill_at):
             opt.zero_grad()
             sched.step()
             ckpt.maybe_save(step, model=model, optimizer=opt, scheduler=sched, data=loader)
-            first = runtime.get_restart_count() == 0
-            if kill_at and first and runtime.get_rank() == 1 and step == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if kill_at and runtime.get_restart_count() == 0 and step == kill_at:
+                ckpt.wait()  # the last snapshot is complete on every rank when the crash comes
+                torch.distributed.barrier()
+                if runtime.get_rank() == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
             step += 1
     ckpt.close()
     return {{
