@@ -78,8 +78,6 @@ _READY_AFTER_S = 60.0
 _HOOK_ENV = ("NBTOOLS_SNAPSHOT_DIR",)
 # How long the ended forkserver waits for the ranks it SIGKILLed to be gone.
 _REAP_S = 5.0
-# The forkservers that :func:`pause` has stopped once (their pids).
-_PAUSED: set[int] = set()
 
 
 def _launches_dir(temp_dir: str) -> str:
@@ -149,13 +147,11 @@ def pause(wait: float = 0.0) -> int | None:
     None (nothing stopped) unless it has settled, which it does first of all, in
     a fraction of a second (``wait``: the most seconds to wait for that): from
     then on it is continued (PR_SET_PDEATHSIG) and ends as usual should the
-    caller die meanwhile. Also None for a forkserver stopped once already: the
-    calls after the first let it finish its preloads rather than start fresh
-    ranks again and again while it never does (a loaded machine).
+    caller die meanwhile.
     """
     server = multiprocessing.forkserver._forkserver
     pid = getattr(server, "_forkserver_pid", None)
-    if pid is None or pid in _PAUSED:
+    if pid is None:
         return None
     settled = os.path.join(multiprocessing.util.get_temp_dir(), _SETTLED)
     deadline = time.monotonic() + wait
@@ -167,7 +163,6 @@ def pause(wait: float = 0.0) -> int | None:
         os.kill(pid, signal.SIGSTOP)
     except OSError:
         return None
-    _PAUSED.add(pid)
     return pid
 
 
