@@ -160,8 +160,8 @@ def _write_table(cache_file: str, path: str = TABLE) -> dict[str, float]:
     tests: dict[tuple[str, str], float] = {}
     for test, seconds in cached.items():
         nodeid, _, group = test.rpartition("@")
-        path, _, name = nodeid.partition("::")
-        key = (table_key(group or path), f"{os.path.basename(path)}::{name}")
+        file, _, name = nodeid.partition("::")
+        key = (table_key(group or file), f"{os.path.basename(file)}::{name}")
         tests[key] = max(tests.get(key, 0.0), float(seconds))
     table: dict[str, float] = defaultdict(float)
     for (group, _), seconds in tests.items():
