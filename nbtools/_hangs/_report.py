@@ -97,7 +97,9 @@ def as_traceback(stack: str) -> str:
         if frame is None:
             out.append(line)
             continue
-        indent, name, filename, number = frame.groups()
+        indent, qualified, filename, number = frame.groups()
+        # As a traceback names it: "train", not "f.<locals>.train".
+        name = qualified.rsplit(".", 1)[-1]
         label = cell_label(filename)
         where = f"{label}, line {number}" if label else f'File "{filename}", line {number}'
         out.append(f"{indent}{where}, in {name}")

@@ -60,7 +60,7 @@ def test_a_stopped_rank_is_named_with_every_stack_and_the_flag_clears_after_sigc
                 resumed.append(event.fields["rank_pid"])
                 os.kill(event.fields["rank_pid"], signal.SIGCONT)
 
-    @distributed(processes=3, hang_timeout=3)
+    @distributed(processes=3, hang_timeout=8)
     def train(steps):
         import time
 
@@ -104,7 +104,7 @@ def test_a_rank_stuck_outside_a_collective_is_named_with_the_all_reduce_it_never
         if any(e.kind == "hang" and not e.fields.get("ended") for e in batch):
             release.touch()
 
-    @distributed(processes=3, hang_timeout=3)
+    @distributed(processes=3, hang_timeout=8)
     def train(steps, release):
         import os
         import time
@@ -199,7 +199,7 @@ def test_on_hang_restart_restarts_the_group_and_it_resumes_from_its_checkpoint(
 ):
     caplog.set_level(logging.WARNING, logger="nbtools")
 
-    @distributed(processes=2, hang_timeout=3, on_hang="restart", max_restarts=1)
+    @distributed(processes=2, hang_timeout=8, on_hang="restart", max_restarts=1)
     def train(root, steps):
         import time
 
