@@ -70,7 +70,7 @@ def child_cost() -> dict:
     log = logging.getLogger("bench.events")
     log.propagate = False
     log.setLevel(logging.INFO)
-    log.addHandler(logging.StreamHandler(open(os.devnull, "w")))  # noqa: SIM115
+    log.addHandler(logging.StreamHandler(open(os.devnull, "w")))
 
     def log_info(kind, message=None, step=None, value=None):
         log.info("%s %s step=%s value=%s", kind, message, step, value)

@@ -17,9 +17,9 @@ import sys
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # nodes on 127.0.0.1 only
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from monitor import _comms  # noqa: E402  (the byte-counting comm of benchmarks/monitor.py)
+from monitor import _comms  # (the byte-counting comm of benchmarks/monitor.py)
 
-from nbtools.monitor import GPUPane, SimulatedBackend  # noqa: E402
+from nbtools.monitor import GPUPane, SimulatedBackend
 
 GPUS, NODES, POLLS = 8, 3, 20
 

@@ -53,7 +53,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nbtools import distributed, events  # noqa: E402
+from nbtools import distributed, events
 
 WORLD, STEP_S, JITTER = 4, 0.2, 0.3
 HEALTHY_S = float(os.environ.get("NBTOOLS_BENCH_HEALTHY_S", "180"))

@@ -21,7 +21,7 @@ import nbtools  # noqa: E402
 
 project = "nbtools"
 author = "nbtools maintainers"
-copyright = "nbtools maintainers"  # noqa: A001
+copyright = "nbtools maintainers"
 release = nbtools.__version__
 version = ".".join(release.split(".")[:2])
 

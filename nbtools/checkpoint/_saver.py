@@ -204,7 +204,7 @@ class Saver:
                 # the background, which the reusable one does not: its upload is the save.
                 upload: Any = getattr(result, "upload_completion", result)
                 future: Future[Any] = upload
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - re-raised as the error unwrap makes of it
             self._discard(step)
             raise unwrap(exc, f"saving step {step}") from None
         timing = SaveTiming.now(started, writer)

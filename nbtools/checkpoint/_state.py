@@ -409,7 +409,7 @@ def _check_model(name: str, given: Any, model: nn.Module) -> None:
     )
     try:
         saved = set(get_model_state_dict(model))
-    except Exception as exc:  # noqa: BLE001 - a wrapper DCP cannot read
+    except Exception as exc:  # a wrapper DCP cannot read
         raise CheckpointError(
             f"{name}={kind} is a wrapper nbtools does not understand: reading its state "
             f"failed ({type(exc).__name__}: {exc}). {instead} {understood}"
@@ -488,7 +488,7 @@ def build_state(
     }
     try:
         state[NS] = {f"rank_{rank}": _dumps(blob)}
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise TypeError(f"the per-rank state cannot be serialised: {exc}") from exc
     return state
 

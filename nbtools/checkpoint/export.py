@@ -53,7 +53,7 @@ def export(
         kinds = torch.load(
             io.BytesIO(next(iter(blob_state[_state.NS].values()))), weights_only=True
         )["kinds"]
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - re-raised as the error unwrap makes of it
         raise unwrap(exc, f"reading {target.url}") from None
     models = sorted(n for n, k in kinds.items() if k == "model")
     if model is not None:
@@ -73,7 +73,7 @@ def export(
             )
     try:
         dcp.load(state, storage_reader=VolumeReader(target), no_dist=True)
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - re-raised as the error unwrap makes of it
         raise unwrap(exc, f"reading {target.url}") from None
     out = state[models[0]] if len(models) == 1 else state
     with atomic_write(os.fspath(out_file), "wb") as fh:

@@ -358,7 +358,7 @@ class VolumeReader(StorageReader):
             return
         try:
             tensor = torch.load(stream, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise CorruptCheckpointError(
                 f"{self.path}: tensor {item.storage_index.fqn} cannot be read ({exc})"
             ) from exc

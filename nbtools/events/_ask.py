@@ -170,7 +170,7 @@ def divert(events: list[Event]) -> list[Event]:
             rest.append(event)
         elif event.rank is not None:
             for request in pending:
-                request._add(event)  # noqa: SLF001 - this module's own class
+                request._add(event)  # this module's own class
     return rest
 
 

@@ -179,7 +179,7 @@ def _exit_flush() -> None:
 def _after_fork_in_child() -> None:
     global _put, _rank, _emitter, _setup_lock
     _setup_lock = threading.Lock()
-    BUS._after_fork()  # noqa: SLF001
+    BUS._after_fork()
     if _emitter is not None:
         _emitter.abandon()
     _emitter = None

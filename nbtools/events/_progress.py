@@ -176,8 +176,8 @@ def _hook() -> None:
         if _hooked[0]:
             return
         _tid[0] = threading.get_native_id()  # the kernel samples this thread of the rank
-        _emit._setup()  # noqa: SLF001 - choose this process's route now
-        emitter = _emit._emitter  # noqa: SLF001
+        _emit._setup()  # choose this process's route now
+        emitter = _emit._emitter
         if emitter is not None:
             emitter.add_source(_collect)
         _hooked[0] = True
@@ -203,7 +203,7 @@ def _collect() -> list[Record]:
     if _tid[0] and _tid[0] != os.getpid():  # a rank that trains on another thread (Ray's)
         fields["tid"] = _tid[0]
     stamp = at if count else _time()  # a report before the first step: its own time
-    return [(stamp, _emit._rank, PROGRESS_KIND, None, step_, fields)]  # noqa: SLF001
+    return [(stamp, _emit._rank, PROGRESS_KIND, None, step_, fields)]
 
 
 def _after_fork_in_child() -> None:

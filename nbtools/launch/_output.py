@@ -116,7 +116,7 @@ class _Tail:
         if self.fh is None:
             if not os.path.exists(self.path):
                 return False
-            self.fh = open(self.path, encoding="utf-8", errors="replace", newline="")  # noqa: SIM115
+            self.fh = open(self.path, encoding="utf-8", errors="replace", newline="")
         new = self.fh.read()
         if not self.shown:
             return bool(new)

@@ -45,7 +45,7 @@ def pack(fn: Callable, args: tuple, kwargs: dict) -> bytes:
         pass  # no signature available (some builtins): let the rank report it
     try:
         return cloudpickle.dumps((fn, args, kwargs))
-    except Exception as exc:  # noqa: BLE001 - pickling raises many types
+    except Exception as exc:  # pickling raises many types
         culprit = _find_culprit(fn, args, kwargs)
         if culprit is None:
             raise PicklingError(
@@ -80,7 +80,7 @@ def pack_push(names: dict[str, Any] | None, values: dict[str, Any]) -> Framed:
             raise ValueError(f"push(): {name!r} is not a Python name")
     try:
         return pack_result(merged)
-    except Exception as exc:  # noqa: BLE001 - pickling raises many types
+    except Exception as exc:  # pickling raises many types
         for name, value in merged.items():
             where = find_unpicklable(value, name)
             if where is not None:
@@ -108,7 +108,7 @@ def unpack_values(blobs: Iterable[tuple[int, bytes | Framed]], what: str) -> lis
     for rank, blob in blobs:
         try:
             values.append(blob.loads() if isinstance(blob, Framed) else pickle.loads(blob))
-        except Exception as exc:  # noqa: BLE001 - any unpickling error means the same
+        except Exception as exc:  # any unpickling error means the same
             raise DistributedError(
                 f"{what} {rank} cannot be loaded here: {type(exc).__name__}: {exc}. "
                 "Return plain data instead."

@@ -103,7 +103,7 @@ class GroupOrder:
         return self._cached()
 
     @pytest.hookimpl(optionalhook=True)
-    def pytest_configure_node(self, node) -> None:  # noqa: ANN001 - xdist's WorkerController
+    def pytest_configure_node(self, node) -> None:  # xdist's WorkerController
         """Hand each xdist worker the seconds the controller read."""
         node.workerinput[CACHE_KEY] = self._cached()
 

@@ -253,7 +253,7 @@ class _HeldPlanner(DefaultSavePlanner):
         super().__init__()
         self._reached, self._release = reached, release
 
-    def resolve_data(self, write_item):  # noqa: ANN001, ANN201 - DCP's signature
+    def resolve_data(self, write_item):  # DCP's signature
         self._reached.set()
         assert self._release.wait(60)
         return super().resolve_data(write_item)
@@ -443,7 +443,7 @@ def test_a_load_planned_on_the_old_checkpoint_fails_naming_the_file(tmp_path):
     old = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
 
     class ReplacedMeanwhile(DefaultLoadPlanner):
-        def set_up_planner(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        def set_up_planner(self, *args, **kwargs):
             super().set_up_planner(*args, **kwargs)
             saver = threading.Thread(
                 target=dcp.save, args=(_state(2),), kwargs={"storage_writer": VolumeWriter(path)}

@@ -93,7 +93,7 @@ def test_nobody_reading_loses_events_without_blocking(tmp_path):
     for i in range(10):
         emitter.put(_record(i))
     assert emitter.close(timeout=0.2) is False
-    assert emitter._dropped == 10  # noqa: SLF001 - the count a later reader would receive
+    assert emitter._dropped == 10  # the count a later reader would receive
 
 
 def test_a_huge_non_ascii_message_still_fits_one_atomic_write():

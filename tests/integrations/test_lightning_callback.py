@@ -9,11 +9,11 @@ import pytest
 
 pytest.importorskip("lightning")
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from nbtools.integrations.lightning import NbtoolsCheckpoint  # noqa: E402
+from nbtools.integrations.lightning import NbtoolsCheckpoint
 
 pytestmark = pytest.mark.slow
 

@@ -10,10 +10,10 @@ import torch
 
 pytest.importorskip("torchdata")
 
-from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
+from torchdata.stateful_dataloader import StatefulDataLoader
 
-from nbtools.data import VolumeDataset  # noqa: E402
-from nbtools.errors import DataError  # noqa: E402
+from nbtools.data import VolumeDataset
+from nbtools.errors import DataError
 
 
 class _Decoded(torch.utils.data.IterableDataset):

@@ -9,10 +9,10 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-import torch  # noqa: E402
-from transformers import Trainer, TrainingArguments  # noqa: E402
+import torch
+from transformers import Trainer, TrainingArguments
 
-from nbtools.integrations.transformers import NbtoolsCheckpoint  # noqa: E402
+from nbtools.integrations.transformers import NbtoolsCheckpoint
 
 pytestmark = pytest.mark.slow
 

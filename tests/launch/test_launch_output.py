@@ -148,7 +148,7 @@ def test_torch_rank_prefix_is_replaced_not_doubled(tmp_path):
 def test_real_nested_tqdm_bars_keep_other_ranks_lines_intact(tmp_path):
     tqdm = pytest.importorskip("tqdm").tqdm
     ranks = _Ranks(tmp_path)
-    files = {r: open(ranks.errs[r], "a") for r in (0, 1)}  # noqa: SIM115
+    files = {r: open(ranks.errs[r], "a") for r in (0, 1)}
     try:
         outer = {r: tqdm(total=2, desc="epoch", file=files[r], mininterval=0) for r in (0, 1)}
         for _ in range(2):

@@ -84,7 +84,7 @@ def test_globals_are_named_through_helper_functions():
 
 
 def test_default_value_is_named():
-    def fn(x, guard=threading.Lock()):  # noqa: B008
+    def fn(x, guard=threading.Lock()):
         return x
 
     with pytest.raises(PicklingError, match=r"default of parameter 'guard'"):

@@ -21,7 +21,7 @@ import psutil
 # address instead of the node_ip_address given below.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
-import ray  # noqa: E402
+import ray
 
 #: Ray puts its sockets under its temporary directory; a test session's own TMPDIR can make
 #: those paths longer than a Unix socket allows. A short one, removed when the cluster stops.

@@ -327,6 +327,6 @@ def by_reference():
 
 def test_cell_functions_resolve_by_reference_in_ray_ranks(ray_cluster):
     namespace = {"__name__": "__main__"}
-    exec(compile(CELL_FUNCTIONS, "<cell>", "exec"), namespace)  # noqa: S102 - a test's own cell
+    exec(compile(CELL_FUNCTIONS, "<cell>", "exec"), namespace)  # a test's own cell
     fn = distributed(processes=2, cluster="ray", output="none")(namespace["by_reference"])
     assert fn.distributed() == [[0, 1, 8], [0, 1, 8]]

@@ -60,7 +60,7 @@ class StreamTransforms:
         for descriptor in descriptors:
             try:
                 out.extend(registry.from_descriptor_list([descriptor]))
-            except Exception as exc:  # noqa: BLE001 - the registry raises what its extension raises
+            except Exception as exc:  # the registry raises what its extension raises
                 raise CheckpointError(
                     f"{where} was written with the stream extension {descriptor!r}, which "
                     f"cannot be applied here ({type(exc).__name__}: {exc}). Install the "
@@ -95,7 +95,7 @@ class StreamTransforms:
                 out.write(chunk)
         except CheckpointError:
             raise
-        except Exception as exc:  # noqa: BLE001 - any decoding failure means the same
+        except Exception as exc:  # any decoding failure means the same
             raise CorruptCheckpointError(
                 f"{where}: the stored bytes cannot be decoded by the stream extensions "
                 f"{list(descriptors_of(info))} ({type(exc).__name__}: {exc})"

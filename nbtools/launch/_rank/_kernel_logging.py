@@ -119,7 +119,7 @@ def _let_basic_config_replace() -> None:
     if getattr(original, "_nbtools_wrapped", False):
         return
 
-    def basicConfig(**kwargs: Any) -> None:  # noqa: N802 - the name it stands in for
+    def basicConfig(**kwargs: Any) -> None:  # the name it stands in for
         handlers = logging.getLogger().handlers
         if handlers and all(getattr(h, "_nbtools_kernel", False) for h in handlers):
             kwargs.setdefault("force", True)  # the function's own configuration wins

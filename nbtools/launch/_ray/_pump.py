@@ -38,7 +38,7 @@ class OutputPump:
         self.stderrs = {r: os.path.join(attempt_dir, f"rank{r}.stderr") for r in range(len(actors))}
         self._files = {}
         for rank in range(len(actors)):
-            self._files[rank] = (open(self.stdouts[rank], "ab"), open(self.stderrs[rank], "ab"))  # noqa: SIM115
+            self._files[rank] = (open(self.stdouts[rank], "ab"), open(self.stderrs[rank], "ab"))
         self._finished: set[int] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()

@@ -224,7 +224,7 @@ class RankActor:
         actor = self
 
         class _Relay(Bus):
-            def publish(self, events, *, dropped=0, source=None):  # noqa: ANN001
+            def publish(self, events, *, dropped=0, source=None):
                 with actor._changed:
                     actor._events.append((list(events), dropped, source))
                     actor._changed.notify_all()

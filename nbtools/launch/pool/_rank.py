@@ -224,10 +224,10 @@ class _Server:
         last = None
         if want != "none" and tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)
-        exec(compile(tree, filename, "exec"), self.ns)  # noqa: S102 - the user's own cell
+        exec(compile(tree, filename, "exec"), self.ns)  # the user's own cell
         if last is None:
             return None if want == "display" else _dumps(None)
-        value = eval(compile(last, filename, "eval"), self.ns)  # noqa: S307
+        value = eval(compile(last, filename, "eval"), self.ns)
         if want == "display":
             return _bundle(value)
         return _dumps(value)

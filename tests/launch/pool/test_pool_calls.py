@@ -63,7 +63,7 @@ def test_pool_calls_run_the_launch_integrations_of_the_libraries_they_use(pool, 
         hooks.Integration("fractions", before_launch=f"{__name__}:_probe"),
     )
     namespace = {"__name__": "__main__"}
-    exec("def half(x):\n    import fractions\n    return str(fractions.Fraction(x, 2))", namespace)  # noqa: S102
+    exec("def half(x):\n    import fractions\n    return str(fractions.Fraction(x, 2))", namespace)
     assert pool.run(namespace["half"], 3) == ["3/2", "3/2"]
     assert len(calls) == 1
     assert pool.execute("1 + 1") == [2, 2]

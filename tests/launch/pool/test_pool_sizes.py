@@ -15,7 +15,7 @@ _MIB = 1 << 20
 def _cell(source: str) -> dict:
     """The globals of a notebook cell that ran ``source`` (its functions are ``__main__``'s)."""
     namespace = {"__name__": "__main__"}
-    exec(compile(source, "<cell>", "exec"), namespace)  # noqa: S102 - a test's own cell
+    exec(compile(source, "<cell>", "exec"), namespace)  # a test's own cell
     return namespace
 
 
