@@ -390,7 +390,8 @@ class LocalGroup:
     def show_stacks(self, last_output: Callable[[], float]) -> None:
         sent = False
         for proc in self._procs.values():
-            if _running(proc):
+            # A rank still starting has no handler yet: the signal would kill it.
+            if _running(proc) and _catches(proc.pid, STACK_SIGNAL):
                 with contextlib.suppress(psutil.Error, OSError):
                     proc.send_signal(STACK_SIGNAL)
                     sent = True
@@ -503,3 +504,15 @@ def _running(proc: psutil.Process | None) -> bool:
         return proc.is_running() and not ending(proc.pid)
     except psutil.Error:
         return False
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether the process ``pid`` has a handler for ``sig`` (its ``SigCgt`` mask in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
