@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Any
 
+from nbtools._internal import settings
 from nbtools._internal.log import get_logger
 from nbtools.events import _ask
 from nbtools.events._bus import Bus
@@ -108,7 +109,7 @@ def machine_of(node: str) -> str:
 
 
 def _own_node() -> str:
-    return os.environ.get(NODE_ENV, "").strip() or socket.gethostname()
+    return settings.read(NODE_ENV) or socket.gethostname()
 
 
 def _own_rank() -> int | None:
@@ -125,7 +126,7 @@ def _setup() -> Any:
         if _put is not None:
             return _put
         pid, host, rank = os.getpid(), _own_node(), _own_rank()
-        channel = os.environ.get(CHANNEL_ENV)
+        channel = settings.read(CHANNEL_ENV)
         sink = None
         if channel:
             try:

@@ -58,6 +58,7 @@ import tempfile
 import time
 
 from nbtools import runtime
+from nbtools._internal import settings
 from nbtools._internal.holder import Holder, Liveness
 from nbtools.errors import CheckpointError
 
@@ -92,7 +93,7 @@ _JOB_DIR_TRIES = 200
 
 def snapshot_base() -> str:
     """Where the per-user snapshot directory is made: ``NBTOOLS_SNAPSHOT_DIR`` or /dev/shm."""
-    return os.environ.get("NBTOOLS_SNAPSHOT_DIR") or "/dev/shm"
+    return settings.read("NBTOOLS_SNAPSHOT_DIR") or "/dev/shm"
 
 
 def _owned_private(path: str, what: str) -> None:

@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from nbtools._internal import settings
 from nbtools._internal.fs import free_bytes
 from nbtools._internal.holder import process_started
 from nbtools.errors import StagingSpaceError
@@ -37,7 +38,7 @@ _PROGRESS_MIN_BYTES = 256 << 20
 
 def staging_base(staging_dir: str | os.PathLike[str] | None = None) -> str:
     """The directory under which per-save staging directories are created."""
-    base = os.fspath(staging_dir) if staging_dir else os.environ.get("NBTOOLS_STAGING_DIR")
+    base = os.fspath(staging_dir) if staging_dir else settings.read("NBTOOLS_STAGING_DIR")
     return base or tempfile.gettempdir()
 
 

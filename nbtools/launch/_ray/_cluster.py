@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from nbtools._internal import settings
 from nbtools.errors import LaunchError, MissingDependencyError
 
 __all__ = [
@@ -230,10 +231,5 @@ def place(ray: Any, world_size: int, use_cuda: bool, nodes: int | None) -> tuple
 
 
 def _placement_timeout() -> float:
-    value = os.environ.get(PLACEMENT_TIMEOUT_ENV, "")
-    try:
-        return float(value) if value else 120.0
-    except ValueError:
-        raise ValueError(
-            f"{PLACEMENT_TIMEOUT_ENV}={value!r} is not a number of seconds; unset it or fix it"
-        ) from None
+    value = settings.read(PLACEMENT_TIMEOUT_ENV)
+    return 120.0 if value is None else float(value)

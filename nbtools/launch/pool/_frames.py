@@ -36,6 +36,7 @@ import struct
 import weakref
 from typing import Any
 
+from nbtools._internal import settings
 from nbtools.launch._results import out_of_band
 
 __all__ = [
@@ -112,7 +113,7 @@ def can_open_shared(pid: int) -> bool:
     Opening ``/proc/<pid>/fd/<n>`` and listing ``/proc/<pid>/fd`` pass the same
     check (same user, ptrace access), so the listing answers for every file.
     """
-    if os.environ.get(SHARED_ENV, "").strip() == "0":
+    if settings.read(SHARED_ENV) is False:
         return False
     try:
         os.listdir(f"/proc/{int(pid)}/fd")
