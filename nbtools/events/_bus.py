@@ -73,11 +73,12 @@ class Bus:
         """Record ``events`` and the number of events ``source`` dropped before them.
 
         The ranks' answers to an ask (``collectives`` events) go to the ask that
-        waits for them, not into the log.
+        waits for them, not into the log; a rank's report at its start, before any
+        step, goes to the subscribers (the hang watch) but not into the log either.
         """
         events = _ask.divert(events)
         with self._lock:
-            self._events.extend(events)
+            self._events.extend(e for e in events if not _start_report(e))
             if dropped:
                 key = source if source is not None else ("", None, 0)
                 self._dropped[key] = self._dropped.get(key, 0) + dropped
@@ -197,3 +198,16 @@ class Bus:
     def __len__(self) -> int:
         with self._lock:
             return len(self._events)
+
+
+def _start_report(event: Event) -> bool:
+    """Whether ``event`` is a rank's progress report at its start: no step, no sign of life
+    but the report itself (see ``events._progress.started``)."""
+    fields = event.fields
+    return (
+        event.kind == "progress"
+        and event.step is None
+        and fields.get("steps") == 0
+        and "alive" not in fields
+        and "phase" not in fields
+    )
