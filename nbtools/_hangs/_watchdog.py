@@ -161,6 +161,11 @@ def now_state(state: RankState) -> str | None:
     return max(counts, key=counts.__getitem__)
 
 
+def _stopped(state: RankState) -> bool:
+    """Stopped by a signal: no start-up, and a culprit whatever the others do."""
+    return now_state(state) == _process.STOPPED
+
+
 def stuck_outside(ranks: list[RankState], busy: set[int] | None = None) -> list[RankState]:
     """Of ranks that all stopped: those stuck outside a collective, not those waiting
     (:func:`._process.stuck_by_state`); ``busy`` ranks count as outside."""
@@ -341,7 +346,7 @@ class Watchdog:
     def _bound_of(self, state: RankState) -> float:
         if state.phase is not None:
             return self.long_bound()
-        if not state.steps:
+        if not state.steps and not _stopped(state):
             return max(self.startup_timeout, self.hang_timeout or 0.0)
         return self.bound()
 
@@ -532,19 +537,14 @@ class Watchdog:
         if not stalled:
             return []
         if len(stalled) < len(ranks):
-            # Others moved. Reports leave each rank about once a second, so ranks that
-            # resumed together arrive up to that much apart: a rank is behind only once
-            # the others have kept reporting for longer than that.
-            # Only ranks that step count: one in a phase it named, or yet to step, is no
-            # sign that the stalled ones are behind (they may wait for it).
+            # Others moved. Reports leave each rank about once a second: a rank is behind
+            # only once the others kept reporting for longer. Only ranks that step count
+            # (one in a phase or yet to step is no sign: the stalled may wait for it).
             grace = max(_REPORT_GRACE_S, 2 * (self._median_step() or 0.0))
-            moving = [
-                s
-                for s in ranks.values()
-                if s not in stalled and s.phase is None and s.steps and now - s.arrived_at <= grace
-            ]
+            moving = [s for s in ranks.values() if s not in stalled and s.phase is None]
+            moving = [s for s in moving if s.steps and now - s.arrived_at <= grace]
             steady = any(s.streak_from and now - s.streak_from > _REPORT_GRACE_S for s in moving)
-            culprits = stalled if steady else []
+            culprits = stalled if steady else [s for s in stalled if _stopped(s)]
         else:
             culprits = self._outside(ranks, now)
         new = []
