@@ -67,3 +67,36 @@ def test_error_hierarchy():
     err = DistributedError("rank 1 failed", {1: "x"})
     assert isinstance(err, NbtoolsError) and isinstance(err, RuntimeError)
     assert err.failures == {1: "x"}
+
+
+@pytest.mark.parametrize(("world", "global_batch"), [(8, 512), (7, 512), (5, 13), (3, 3), (1, 9)])
+def test_batch_plan_shares_sum_to_the_global_batch_and_differ_by_at_most_one(world, global_batch):
+    plans = [runtime.batch_plan(global_batch, world_size=world, rank=r) for r in range(world)]
+    shares = plans[0].shares
+    assert sum(shares) == global_batch and max(shares) - min(shares) <= 1
+    extra = global_batch % world
+    assert [s > global_batch // world for s in shares] == [r < extra for r in range(world)]
+    assert [p.local_batch_size for p in plans] == list(shares)
+    assert [p.offset for p in plans] == [sum(shares[:r]) for r in range(world)]
+    assert all(p.loss_scale == world / global_batch for p in plans)
+
+
+def test_batch_plan_describes_the_shares_as_the_cell_says_them():
+    assert runtime.batch_plan(512, world_size=7, rank=6).describe() == "74 or 73 samples per rank"
+    assert runtime.batch_plan(512, world_size=8, rank=0).describe() == "64 samples per rank"
+
+
+def test_batch_plan_reads_the_world_from_the_launcher(monkeypatch):
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    plan = runtime.batch_plan(10)
+    assert (plan.world_size, plan.rank, plan.shares, plan.local_batch_size) == (3, 2, (4, 3, 3), 3)
+
+
+def test_batch_plan_refuses_a_global_batch_smaller_than_the_world():
+    with pytest.raises(ValueError, match="global batch of 3 samples cannot be split over 4 ranks"):
+        runtime.batch_plan(3, world_size=4, rank=0)
+    with pytest.raises(ValueError, match="rank 4 is outside a world of 4"):
+        runtime.batch_plan(8, world_size=4, rank=4)
+    with pytest.raises(TypeError, match="global_batch_size must be an integer"):
+        runtime.batch_plan(8.0, world_size=4, rank=0)  # type: ignore[arg-type]
