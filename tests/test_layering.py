@@ -652,7 +652,7 @@ _ARROW_BUDGET = {
     "nbtools": 59,
     "nbtools._demo": 6,
     "nbtools._doctor": 3,
-    "nbtools._hangs": 4,
+    "nbtools._hangs": 14,
     "nbtools._internal": 3,
     "nbtools._magics": 0,
     "nbtools.checkpoint": 49,
