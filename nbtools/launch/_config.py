@@ -40,6 +40,10 @@ class LaunchConfig:
     keep_alive: bool = False
     on_hang: str = "report"
     rich_output: str = "rank0"
+    min_gpus: int | None = None
+    min_processes: int | None = None
+    min_nodes: int | None = None
+    replace_within: float = 60.0
 
     def __post_init__(self) -> None:
         _check_count("gpus", self.gpus)
@@ -62,6 +66,7 @@ class LaunchConfig:
         _check_hang_timeout(self.hang_timeout)
         _check_on_hang(self.on_hang)
         _check_cluster(self.cluster, self.nodes, self.runtime_env)
+        _check_bounds(self)
         if not isinstance(self.keep_alive, bool):
             raise TypeError(
                 f"keep_alive must be True or False, got {type(self.keep_alive).__name__}"
@@ -80,7 +85,29 @@ class LaunchConfig:
             self.hang_timeout,
             self.rich_output,
             self.on_hang,
+            self.min_gpus,
+            self.min_processes,
+            self.min_nodes,
+            self.replace_within,
         )
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the run may go on with fewer ranks than it asked for (a minimum was given)."""
+        return (self.min_gpus, self.min_processes, self.min_nodes) != (None, None, None)
+
+    def min_world_size(self, world_size: int) -> int:
+        """The fewest ranks a run of ``world_size`` ranks may go on with: ``world_size`` itself
+        without a minimum; ``min_gpus`` or ``min_processes``; with ``min_nodes``, that many
+        nodes' worth of ranks (``world_size / nodes`` per node, rounded up)."""
+        if self.min_gpus is not None:
+            return min(self.min_gpus, world_size)
+        if self.min_processes is not None:
+            return min(self.min_processes, world_size)
+        if self.min_nodes is not None and self.nodes:
+            per_node = -(-world_size // self.nodes)
+            return min(self.min_nodes * per_node, world_size)
+        return world_size
 
     def describe(self) -> str:
         """``processes=2``, ``gpus=8, cluster='ray'``: where the ranks run, for reprs."""
@@ -90,6 +117,9 @@ class LaunchConfig:
         if self.cluster is not None:
             where += f", cluster={self.cluster!r}"
             where += f", nodes={self.nodes}" if self.nodes is not None else ""
+        for name in ("min_gpus", "min_processes", "min_nodes"):
+            if getattr(self, name) is not None:
+                where += f", {name}={getattr(self, name)}"
         return where
 
     def backend(self) -> LaunchBackend:
@@ -223,6 +253,58 @@ def _check_cluster(cluster: Any, nodes: Any, runtime_env: Any) -> None:
             raise ValueError(
                 "runtime_env= needs cluster='ray': ranks on this machine use this environment"
             )
+
+
+def _check_bounds(config: LaunchConfig) -> None:
+    """``min_gpus``/``min_processes``/``min_nodes``: each with what it bounds, and under it."""
+    pairs = (
+        ("min_gpus", config.min_gpus, "gpus", config.gpus),
+        ("min_processes", config.min_processes, "processes", config.processes),
+        ("min_nodes", config.min_nodes, "nodes", config.nodes),
+    )
+    for name, low, target_name, target in pairs:
+        _check_count(name, low)
+        if low is None:
+            continue
+        if target is None and name == "min_gpus" and config.processes is None:
+            continue  # every visible GPU, at least this many
+        if target is None:
+            if name == "min_gpus":
+                raise ValueError(
+                    f"min_gpus={low} bounds gpus=, but this run asks for processes= (CPU ranks): "
+                    f"use min_processes={low}"
+                )
+            example = {
+                "gpus": f"gpus={low + 2}, min_gpus={low}",
+                "processes": f"processes={low + 1}, min_processes={low}",
+                "nodes": f"cluster='ray', nodes={low + 1}, min_nodes={low}",
+            }[target_name]
+            raise ValueError(
+                f"{name}={low} bounds {target_name}=, which is not given: say how many the run "
+                f"asks for and how few it may go on with, e.g. @distributed({example})"
+            )
+        if target is not None and low > target:
+            raise ValueError(
+                f"{name}={low} is more than {target_name}={target}: the minimum is the fewest "
+                f"{target_name} the run may go on with after losing some, so at most "
+                f"{target_name}={target}"
+            )
+    given = [name for name, low, _, _ in pairs if low is not None]
+    if len(given) > 1:
+        raise ValueError(
+            f"pass one minimum, not {' and '.join(given)}: min_gpus bounds gpus=, "
+            "min_processes bounds processes=, min_nodes bounds the Ray nodes="
+        )
+    value = config.replace_within
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"replace_within must be a number of seconds, got {type(value).__name__} {value!r:.40}"
+        )
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"replace_within must be a finite number of seconds >= 0 (how long a lost Ray node "
+            f"may take to be replaced before the run goes on without it), got {value!r}"
+        )
 
 
 def _check_count(name: str, value: Any) -> None:
