@@ -98,6 +98,10 @@ def distributed(
     keep_alive: bool = False,
     on_hang: str = "report",
     rich_output: str = "rank0",
+    min_gpus: int | None = None,
+    min_processes: int | None = None,
+    min_nodes: int | None = None,
+    replace_within: float = 60.0,
 ) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
 
 
@@ -115,6 +119,10 @@ def distributed(
     keep_alive: bool = False,
     on_hang: str = "report",
     rich_output: str = "rank0",
+    min_gpus: int | None = None,
+    min_processes: int | None = None,
+    min_nodes: int | None = None,
+    replace_within: float = 60.0,
 ) -> Any:
     """Decorate a function so that ``fn.distributed(...)`` runs it on N ranks.
 
@@ -163,6 +171,18 @@ def distributed(
             (one ``RankPool`` per configuration): a warm call costs milliseconds.
             Ranks keep their state between calls; ``distributed.shutdown()``
             (or the end of the kernel) stops them.
+        min_gpus: the fewest GPUs (``min_processes``: CPU ranks; ``min_nodes``:
+            Ray nodes) the run may go on with when some are lost for good; at
+            most ``gpus`` (``processes``, ``nodes``). Validated now; the launch
+            itself still restarts at the full size (going on with fewer ranks
+            comes with the elastic launch). Without a minimum nothing changes.
+            Size batches with ``nbtools.runtime.batch_plan`` or
+            ``DataLoader(global_batch_size=)`` so the global batch survives a
+            change of world size.
+        min_processes: see ``min_gpus``.
+        min_nodes: see ``min_gpus``; with ``cluster="ray"`` and ``nodes=``.
+        replace_within: with ``min_nodes``: seconds a lost Ray node may take to
+            be replaced before the run counts it as gone (default 60).
 
     Neither ``gpus`` nor ``processes``: every visible GPU (of the cluster, with ``cluster=``).
 
@@ -187,6 +207,10 @@ def distributed(
         keep_alive=keep_alive,
         on_hang=on_hang,
         rich_output=rich_output,
+        min_gpus=min_gpus,
+        min_processes=min_processes,
+        min_nodes=min_nodes,
+        replace_within=replace_within,
     )
 
     def decorate(target: Callable[..., R]) -> DistributedFunction[R]:
