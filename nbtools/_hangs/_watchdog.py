@@ -55,9 +55,7 @@ import socket
 import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from nbtools import events
@@ -70,7 +68,16 @@ from nbtools._hangs._report import (
     hang_report,
     in_user_terms,
 )
-from nbtools._internal import settings
+from nbtools._hangs._state import (
+    Flag,
+    RankState,
+    is_stopped,
+    last_sign,
+    lower_median,
+    now_state,
+    setting,
+    stuck_outside,
+)
 from nbtools._internal.log import get_logger
 
 __all__ = ["Watchdog", "RankState", "Flag", "MIN_HANG_S", "HANG_STEPS", "THRESHOLD"]
@@ -97,96 +104,6 @@ _ANSWERS_FRESH_S = 10.0  # the ranks' answers about their collectives count this
 _PAUSES = ("checkpoint_saved", "checkpoint_restored", "checkpoint_skipped", "restart")
 _PAUSE_S = 5.0
 _REPORT_GRACE_S = 2.5  # more than the time between two progress reports of a rank
-
-
-RECENT_SAMPLES = 20  # the state of a rank "now": the majority of its latest samples
-
-
-@dataclass
-class RankState:
-    """One rank as the watchdog knows it: its progress, samples and score."""
-
-    rank: int
-    host: str = ""
-    pid: int = 0
-    local: bool = False
-    tid: int = 0  # the thread that reports its steps, when not the main one (Ray's actors)
-    step: int | None = None
-    steps: int = 0
-    # Kernel times (monotonic) of when reports arrived: never the rank's clock.
-    progressed_at: float = 0.0  # a report with new steps
-    alive_at: float = 0.0  # a report with a new mark that counted no step
-    arrived_at: float = 0.0  # the latest report that showed progress of either kind
-    streak_from: float = 0.0  # since when such reports came without a gap
-    # The rank's own clock, only to measure its step times (a difference on one clock).
-    stepped_at: float = 0.0  # its time of its latest step
-    marked_at: float = 0.0  # its time of its latest mark that counted no step
-    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=256))
-    bins: deque[tuple[float, int, int]] = field(default_factory=deque)
-    working: int = 0
-    waiting: int = 0
-    recent: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
-    started_at: float = 0.0  # kernel time of its first report (its start, or its first step)
-    phase: str | None = None  # the phase it named (events.phase), as its latest report said
-    usage: deque[tuple[float, float, int]] = field(default_factory=lambda: deque(maxlen=64))
-    long_since: float | None = None  # the start of the long phase the cell was told of
-    score: float | None = None
-    low_since: float | None = None
-    high_since: float | None = None
-
-
-@dataclass
-class Flag:
-    """An open hang or straggler flag."""
-
-    kind: str
-    rank: int
-    node: str
-    since: float  # kernel time (monotonic) of the rank's last progress, or of the low score
-    score: float | None = None
-
-
-def last_sign(state: RankState) -> float:
-    """When the rank last showed progress: a step, or a mark (a batch) that counted none."""
-    return max(state.progressed_at, state.alive_at)
-
-
-def now_state(state: RankState) -> str | None:
-    """The majority of a local rank's latest samples; None when it cannot be sampled."""
-    if not state.local or not state.recent:
-        return None
-    counts: dict[str, int] = {}
-    for kind, _ in state.recent:
-        counts[kind] = counts.get(kind, 0) + 1
-    return max(counts, key=counts.__getitem__)
-
-
-def _stopped(state: RankState) -> bool:
-    """Stopped by a signal: no start-up, and a culprit whatever the others do."""
-    return now_state(state) == _process.STOPPED
-
-
-def stuck_outside(ranks: list[RankState], busy: set[int] | None = None) -> list[RankState]:
-    """Of ranks that all stopped: those stuck outside a collective, not those waiting
-    (:func:`._process.stuck_by_state`); ``busy`` ranks count as outside."""
-    now_states = {s.rank: now_state(s) for s in ranks}
-    named = _process.stuck_by_state(now_states, {s.rank: s.steps for s in ranks}, busy or set())
-    return [s for s in ranks if s.rank in named]
-
-
-def setting(value: float | None, name: str, default: float) -> float:
-    """``value``, else environment variable ``name`` (checked by the settings table), else
-    ``default``."""
-    if value is not None:
-        return float(value)
-    read = settings.read(name)
-    return default if read is None else float(read)
-
-
-def lower_median(values: list[float]) -> float:
-    """The lower of the two middle values (the middle one of an odd count)."""
-    ordered = sorted(values)
-    return ordered[(len(ordered) - 1) // 2]
 
 
 class Watchdog:
@@ -346,7 +263,7 @@ class Watchdog:
     def _bound_of(self, state: RankState) -> float:
         if state.phase is not None:
             return self.long_bound()
-        if not state.steps and not _stopped(state):
+        if not state.steps and not is_stopped(state):
             return max(self.startup_timeout, self.hang_timeout or 0.0)
         return self.bound()
 
@@ -544,7 +461,7 @@ class Watchdog:
             moving = [s for s in ranks.values() if s not in stalled and s.phase is None]
             moving = [s for s in moving if s.steps and now - s.arrived_at <= grace]
             steady = any(s.streak_from and now - s.streak_from > _REPORT_GRACE_S for s in moving)
-            culprits = stalled if steady else [s for s in stalled if _stopped(s)]
+            culprits = stalled if steady else [s for s in stalled if is_stopped(s)]
         else:
             culprits = self._outside(ranks, now)
         new = []

@@ -1,0 +1,118 @@
+"""One rank as the watchdog knows it, and an open flag: the state its judgements read.
+
+A :class:`RankState` holds what the kernel learned of one rank: its progress
+reports (timed by when they reached the kernel, never by the rank's clock),
+its sampled process states, CPU and I/O use, and its straggler score. A
+:class:`Flag` is an open hang or straggler flag. The helpers here read a
+state without judging the group: when the rank last showed progress, what it
+does now, and the settings a watchdog is built from.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from nbtools._hangs import _process
+from nbtools._internal import settings
+
+__all__ = [
+    "RECENT_SAMPLES",
+    "RankState",
+    "Flag",
+    "last_sign",
+    "now_state",
+    "is_stopped",
+    "stuck_outside",
+    "setting",
+    "lower_median",
+]
+
+RECENT_SAMPLES = 20  # the state of a rank "now": the majority of its latest samples
+
+
+@dataclass
+class RankState:
+    """One rank as the watchdog knows it: its progress, samples and score."""
+
+    rank: int
+    host: str = ""
+    pid: int = 0
+    local: bool = False
+    tid: int = 0  # the thread that reports its steps, when not the main one (Ray's actors)
+    step: int | None = None
+    steps: int = 0
+    # Kernel times (monotonic) of when reports arrived: never the rank's clock.
+    progressed_at: float = 0.0  # a report with new steps
+    alive_at: float = 0.0  # a report with a new mark that counted no step
+    arrived_at: float = 0.0  # the latest report that showed progress of either kind
+    streak_from: float = 0.0  # since when such reports came without a gap
+    # The rank's own clock, only to measure its step times (a difference on one clock).
+    stepped_at: float = 0.0  # its time of its latest step
+    marked_at: float = 0.0  # its time of its latest mark that counted no step
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    bins: deque[tuple[float, int, int]] = field(default_factory=deque)
+    working: int = 0
+    waiting: int = 0
+    recent: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
+    started_at: float = 0.0  # kernel time of its first report (its start, or its first step)
+    phase: str | None = None  # the phase it named (events.phase), as its latest report said
+    usage: deque[tuple[float, float, int]] = field(default_factory=lambda: deque(maxlen=64))
+    long_since: float | None = None  # the start of the long phase the cell was told of
+    score: float | None = None
+    low_since: float | None = None
+    high_since: float | None = None
+
+
+@dataclass
+class Flag:
+    """An open hang or straggler flag."""
+
+    kind: str
+    rank: int
+    node: str
+    since: float  # kernel time (monotonic) of the rank's last progress, or of the low score
+    score: float | None = None
+
+
+def last_sign(state: RankState) -> float:
+    """When the rank last showed progress: a step, or a mark (a batch) that counted none."""
+    return max(state.progressed_at, state.alive_at)
+
+
+def now_state(state: RankState) -> str | None:
+    """The majority of a local rank's latest samples; None when it cannot be sampled."""
+    if not state.local or not state.recent:
+        return None
+    counts: dict[str, int] = {}
+    for kind, _ in state.recent:
+        counts[kind] = counts.get(kind, 0) + 1
+    return max(counts, key=counts.__getitem__)
+
+
+def is_stopped(state: RankState) -> bool:
+    """Stopped by a signal: no start-up, and a culprit whatever the others do."""
+    return now_state(state) == _process.STOPPED
+
+
+def stuck_outside(ranks: list[RankState], busy: set[int] | None = None) -> list[RankState]:
+    """Of ranks that all stopped: those stuck outside a collective, not those waiting
+    (:func:`._process.stuck_by_state`); ``busy`` ranks count as outside."""
+    now_states = {s.rank: now_state(s) for s in ranks}
+    named = _process.stuck_by_state(now_states, {s.rank: s.steps for s in ranks}, busy or set())
+    return [s for s in ranks if s.rank in named]
+
+
+def setting(value: float | None, name: str, default: float) -> float:
+    """``value``, else environment variable ``name`` (checked by the settings table), else
+    ``default``."""
+    if value is not None:
+        return float(value)
+    read = settings.read(name)
+    return default if read is None else float(read)
+
+
+def lower_median(values: list[float]) -> float:
+    """The lower of the two middle values (the middle one of an odd count)."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
