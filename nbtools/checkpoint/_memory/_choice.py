@@ -20,9 +20,9 @@ own slot is corrupt takes the step from its replica, and only when no source of
 a step is left do the ranks fall back to an older step or to the volume.
 
 A body mapped from a peer's slot is only read from (the tensors it holds are
-copied into the model, or cloned for the optimizer, before the restore ends):
-that rank's own restore keeps its optimizer state in those pages and changes
-them at its first step.
+copied into the model, and what the optimizer kept of them on the host is
+cloned, before the restore ends): that rank's own restore keeps its optimizer
+state in those pages until its first step.
 """
 
 from __future__ import annotations

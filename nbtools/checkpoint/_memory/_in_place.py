@@ -9,6 +9,13 @@ The first optimizer step (or the tier's next snapshot, or its close) waits for
 that copy and moves each tensor onto it (``Tensor.set_``: the optimizer keeps
 the same tensor objects), before anything changes them.
 
+Only what still lives in the slot's pages after the load keeps it mapped: an
+optimizer whose parameters are on a GPU takes its moments there as it loads
+them, and its 0-dim ``step`` tensors (kept on the CPU) get memory of their own
+at once, so such a restore leaves no page of the slot mapped. What the objects
+kept of other ranks' slots (read-only) is cloned before the restore ends; what
+they took to a GPU is never cloned on the host.
+
 So the slot file is never written: it stays a valid slot of the restored step
 until a newer snapshot replaces it like any other. A rank that fails again
 before its next snapshot is published (even during it) restores the same step,
@@ -27,6 +34,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
@@ -36,13 +44,16 @@ from nbtools.checkpoint._memory._choice import Fetched
 from nbtools.checkpoint._restore import Offer, Restored
 from nbtools.errors import CheckpointError
 
-__all__ = ["Consumed", "Loaded", "holds", "load", "private", "within"]
+__all__ = ["Consumed", "Loaded", "holds", "load", "release_peers", "scalars", "within"]
 
 _log = get_logger("checkpoint")
 
 
 def _tensors(obj: Any) -> Iterable[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
+    """The plain tensors of ``obj`` (nested containers; a DTensor's local shard)."""
+    if isinstance(obj, DTensor):
+        yield obj._local_tensor
+    elif isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, dict):
         for value in obj.values():
@@ -146,24 +157,38 @@ class Consumed:
             self._copier.join()
 
 
-def private(obj: Any, mms: Iterable[mmap.mmap]) -> Any:
-    """``obj`` (nested containers) with each tensor that lives in one of ``mms`` (other
-    ranks' slots, only read from) cloned into memory of its own."""
-    spans = [_span(mm) for mm in mms if len(mm)]
+def _move(tensors: Iterable[torch.Tensor]) -> None:
+    """Move each tensor onto a copy of its own (the same tensor objects: ``Tensor.set_``)."""
+    with torch.no_grad():
+        for tensor in tensors:
+            copy = tensor.clone()
+            tensor.set_(copy.untyped_storage(), copy.storage_offset(), copy.shape, copy.stride())
 
-    def walk(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            inside = value.numel() and any(b <= value.data_ptr() < e for b, e in spans)
-            return value.clone() if inside else value
-        if isinstance(value, dict):
-            return {k: walk(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [walk(v) for v in value]
-        if isinstance(value, tuple):
-            return tuple(walk(v) for v in value)
-        return value
 
-    return walk(obj) if spans else obj
+def scalars(mm: mmap.mmap, tensors: Any) -> list[torch.Tensor]:
+    """Move the 0-dim tensors of ``tensors`` (nested containers) that live in ``mm`` onto
+    memory of their own, at once; the other tensors that live there.
+
+    An optimizer whose parameters are on a GPU takes its moments there when it loads, but
+    keeps its 0-dim ``step`` tensors on the CPU (unless fused or capturable): those few
+    bytes must not keep a whole slot mapped."""
+    inside = within(mm, tensors)
+    _move(t for t in inside if t.dim() == 0)
+    return [t for t in inside if t.dim() != 0]
+
+
+def release_peers(mms: Iterable[mmap.mmap], tensors: Any) -> int:
+    """Move each tensor of ``tensors`` (nested containers) that lives in one of ``mms``
+    (other ranks' slots, only read from) onto memory of its own; how many moved.
+
+    Run after the objects loaded their state: what an optimizer took to its device (a
+    GPU) is not in ``mms`` any more and is never copied on the host."""
+    moved = 0
+    for mm in mms:
+        inside = within(mm, tensors)
+        _move(inside)
+        moved += len(inside)
+    return moved
 
 
 # --- the restore ----------------------------------------------------------------
@@ -204,9 +229,6 @@ def load(
             peers = {o: _layout.decode(*b) for o, b in got.bodies.items() if o != rank}
         state = _layout.fill(_layout.decode(*got.bodies[rank]), peers, where)
         _check_fits(kinds, state, where)
-        mapped = [mm for _, mm, _ in got.peers.values()]
-        for name in kinds.optimizers:  # the optimizer keeps what it loads: its own copy
-            state[name] = private(state[name], mapped)
         blob = _state.decode_blob({_state.NS: state[_state.NS]}, kinds, where)
     except Exception as exc:  # noqa: BLE001 - every rank must learn it, then use the volume
         error = f"{type(exc).__name__}: {exc}"
@@ -216,12 +238,17 @@ def load(
         _log.warning("not restoring step %d from memory (%s); using the volume", step, first)
         return None
     _state.apply_state(kinds, state, blob)
+    del state
     optimizers = [o for o, _ in kinds.optimizers.values()]
+    live = [t for m in kinds.models.values() for t in [*m.parameters(), *m.buffers()]]
+    loaded = [[o.state for o in optimizers], live]
+    # What the objects kept of peers' slots gets memory of its own now; what they took to
+    # another device (a GPU) was never copied on the host.
+    release_peers([mm for _, mm, _ in got.peers.values()], loaded)
     consumed = None
     if got.mapped is not None:
         path, mm = got.mapped
-        live = [t for m in kinds.models.values() for t in [*m.parameters(), *m.buffers()]]
-        inside = within(mm, [[o.state for o in optimizers], live])
+        inside = scalars(mm, loaded)
         if inside:
             consumed = Consumed(path, mm, inside, optimizers)
     mine = "replica" if got.replica else "memory"

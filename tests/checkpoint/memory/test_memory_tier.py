@@ -547,6 +547,58 @@ def test_a_manager_whose_directory_went_before_its_first_snapshot_snapshots(tmp_
     assert _files(shm) == []
 
 
+def _slot_rss_kb() -> int:
+    """Resident kilobytes of every slot file this process maps (``/proc/self/smaps``)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+                inside = ".slot" in line
+            elif inside and line.startswith("Rss:"):
+                total += int(head[1])
+    return total
+
+
+class _DeviceAdam(torch.optim.Adam):
+    """Adam whose parameters live on another device (meta standing in for a GPU): as
+    torch's Adam does for CUDA parameters, loading moves the moments there and keeps the
+    0-dim ``step`` tensors on the CPU."""
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key, value in state.items():
+                if key != "step":
+                    state[key] = value.to("meta")
+
+
+def test_a_restore_onto_another_device_keeps_no_page_of_the_slot_mapped(tmp_path, shm):
+    _killed_linear_run(tmp_path, torch.optim.Adam, width=256, steps=4)
+    fresh = torch.nn.Linear(256, 256)
+    fresh_opt = _DeviceAdam(fresh.parameters(), lr=0.1)
+    with CheckpointManager(tmp_path / "root", memory_every=3, async_save=False) as again:
+        assert again.restore(model=fresh, optimizer=fresh_opt) == 4
+        assert again.restored_tier == "memory"
+        steps = [s["step"] for s in fresh_opt.state.values()]
+        assert [t.device.type for t in steps] == ["cpu", "cpu"]
+        assert all(s["exp_avg"].is_meta for s in fresh_opt.state.values())
+        # The moments went to the device; the step tensors have memory of their own.
+        assert _mapped_slots() == [] and _slot_rss_kb() == 0
+        assert [int(t) for t in steps] == [4, 4]
+
+
+def test_a_restore_in_place_keeps_slot_pages_mapped_only_until_the_first_step(tmp_path, shm):
+    _killed_linear_run(tmp_path, torch.optim.Adam, width=256, steps=4)
+    fresh = torch.nn.Linear(256, 256)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    with CheckpointManager(tmp_path / "root", memory_every=3, async_save=False) as again:
+        assert again.restore(model=fresh, optimizer=fresh_opt) == 4
+        assert _slot_rss_kb() >= 2 * 256 * 256 * 4 // 1024  # the moments live there
+        _train(again, fresh, fresh_opt, range(4, 5))
+        assert _slot_rss_kb() == 0
+
+
 class _CopyingAdam(torch.optim.Adam):
     """An optimizer that copies the state it loads (as one moving it to a GPU does)."""
 
