@@ -9,13 +9,18 @@ happens next is the launcher's policy, not this room's.
 
 The room, module by module:
 
-- ``_watchdog``: the :class:`Watchdog` with its per-rank state and flags: when a
-  rank is hung, when it is a straggler.
+- ``_watchdog``: the :class:`Watchdog`: reads the reports, samples the ranks,
+  judges when a rank is hung.
+- ``_state``: one rank as the watchdog knows it, an open flag, and whether a
+  rank is busy.
+- ``_flags``: the open flags, the cell's lines and the events not yet emitted.
+- ``_stragglers``: straggler scores from the time outside collectives.
 - ``_process``: what a rank's process is doing, read from outside it (/proc,
   py-spy).
 - ``_collectives``: which collective each rank is in (torch's Flight Recorder,
   asked through the events channel), in words.
-- ``_report``: the :class:`HangReport`: its culprits, headline and stacks.
+- ``_report``: the :class:`HangReport`: its culprits, headline and stacks, and
+  the ``hang`` events.
 
 It sits at the base layer, beside :mod:`nbtools.events`: it imports only the
 standard library, ``nbtools._internal`` and ``nbtools.events``.

@@ -16,7 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from nbtools._hangs import _process
+from nbtools import events
+from nbtools._hangs import _collectives, _process
+from nbtools._hangs._state import Flag, RankState
 from nbtools._internal.tracebacks import cell_label
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "Culprit",
     "RankView",
     "hang_report",
+    "report_hang",
     "clock_text",
     "as_traceback",
     "in_user_terms",
@@ -173,3 +176,83 @@ def hang_report(
         stacks[rank] = stack
         parts.append(title + "\n" + stack)
     return HangReport(tuple(culprits), headline, stacks, "\n".join(parts))
+
+
+def report_hang(
+    flags: list[Flag],
+    ranks: dict[int, RankState],
+    answers: dict[int, list[_collectives.Position]],
+    now: float,
+    epoch: Callable[[float], float],
+    world_size: int,
+    bounds: dict[int, float],
+    localize: Callable[[str], str] | None,
+) -> HangReport:
+    """Emit one ``hang`` event per new flag and make the report for the cell.
+
+    Args:
+        flags: The new hang flags.
+        ranks: Every rank known.
+        answers: The ranks' positions in their collectives (may be empty).
+        now: The kernel's time (monotonic).
+        epoch: Turns a kernel time into an epoch time.
+        world_size: Ranks in the group.
+        bounds: Each rank's hang bound, in seconds.
+        localize: The launcher's names for frames of code sent by value.
+    """
+    states = {r: (s.recent[-1] if s.recent else None) for r, s in ranks.items()}
+    where = _collectives.describe(answers, [f.rank for f in flags], world_size)
+    flying = _collectives.in_flight(answers)
+    culprits = []
+    for flag in flags:
+        state = ranks.get(flag.rank)
+        sampled = states.get(flag.rank)
+        what = _process.describe_state(*sampled) if sampled else ""
+        stalled = now - flag.since
+        since = epoch(flag.since)
+        after = (
+            f", after step {state.step}"
+            if state is not None and state.step is not None
+            else ", before its first step"
+        )
+        why = (
+            f"made no progress for {stalled:.0f} s (since {clock_text(since)}{after}"
+            + (f"; {what}" if what else "")
+            + ")"
+        )
+        culprits.append(Culprit(flag.rank, flag.node, since, why))
+        # The collective in flight, and whether this rank is in it (None: unknown).
+        collective, entered = None, None
+        for flight in flying[:1]:
+            collective = f"{flight.op} #{flight.seq}"
+            entered = (
+                True
+                if flag.rank in flight.inside
+                else False
+                if flag.rank in flight.behind
+                else None
+            )
+        events.emit(
+            "hang",
+            f"rank {flag.rank} on {flag.node or 'an unknown node'} {why}"
+            + "".join(f"; {line}" for line in where),
+            rank=flag.rank,
+            node=flag.node,
+            since=round(since, 3),
+            stalled_s=round(stalled, 1),
+            step=state.step if state is not None else None,
+            rank_pid=state.pid if state is not None else None,
+            bound_s=round(bounds.get(flag.rank, 0.0), 1),
+            collective=collective,
+            entered=entered,
+        )
+    local = {r: s.pid for r, s in ranks.items() if s.local and s.pid}
+    stacks = {
+        pid: in_user_terms(text, localize)
+        for pid, text in _process.python_stacks(local.values()).items()
+    }
+    views = {
+        r: RankView(s.host, s.pid, s.step, states.get(r), stacks.get(s.pid) if s.local else None)
+        for r, s in ranks.items()
+    }
+    return hang_report(culprits, views, world_size, where)

@@ -26,7 +26,13 @@ __all__ = [
     "stuck_outside",
     "setting",
     "lower_median",
+    "is_busy",
 ]
+
+_BUSY_WINDOW_S = 10.0  # a rank is busy when, over this window, its process tree used...
+_BUSY_CPU = 0.1  # ...this share of a core
+_BUSY_IO = 1 << 20  # ...or read and wrote this many bytes
+_MIN_BUSY_SPAN_S = 2.0  # measured since the rank stalled for at least this long
 
 RECENT_SAMPLES = 20  # the state of a rank "now": the majority of its latest samples
 
@@ -116,3 +122,22 @@ def lower_median(values: list[float]) -> float:
     """The lower of the two middle values (the middle one of an odd count)."""
     ordered = sorted(values)
     return ordered[(len(ordered) - 1) // 2]
+
+
+def is_busy(state: RankState, since: float) -> bool:
+    """Since ``since`` (the rank's last progress, kernel time), and over the last few
+    seconds, its process tree used the CPU or read and wrote; never a stopped rank."""
+    if not state.usage or now_state(state) == _process.STOPPED:
+        return False
+    since += 0.5  # a report arrives up to a second after its step
+    end, cpu, io = state.usage[-1]
+    first = None
+    for sample in reversed(state.usage):
+        if sample[0] < since or end - sample[0] > _BUSY_WINDOW_S:
+            break
+        first = sample
+    if first is None or end - first[0] < _MIN_BUSY_SPAN_S:
+        return False  # not measured for long enough since it stalled
+    at, cpu0, io0 = first
+    span = end - at
+    return cpu - cpu0 >= _BUSY_CPU * span or io - io0 >= _BUSY_IO * span / _BUSY_WINDOW_S

@@ -28,17 +28,9 @@ compile waiting for its workers) is in a long phase: one line for the cell,
 or past the long bound (``phase_timeout``: 15 minutes, or ten hang bounds).
 When every rank computes nobody is flagged.
 
-Stragglers. In synchronous data parallelism every rank's step takes as long
-as the slowest's, so step times say nothing about who is slow. What differs
-is the share of time each rank spends outside collectives: a straggler is
-almost never waiting, the others wait for it. The score of a rank is the
-(lower) median of those shares over the ranks divided by its own, over a
-rolling window; a score under the threshold (0.75) for ``confirm_s`` flags
-it, a score back over it for as long clears it. Samples taken while no rank
-makes progress (evaluation, restore) or around a checkpoint save are left
-out, so pauses every rank shares raise no flag. Ranks that cannot be sampled
-(on another node) are scored by their step rate instead, which flags a rank
-that runs behind in loops that do not synchronise.
+Stragglers are scored by :mod:`._stragglers` from the samples taken here:
+samples taken while no rank makes progress (evaluation, restore) or around a
+checkpoint save are left out, so pauses every rank shares raise no flag.
 
 Every flag is a ``hang`` or ``straggler`` event with ``rank``, ``node``,
 ``since`` (and ``score``), and the same kind with ``ended=True`` when it is
@@ -60,24 +52,22 @@ from typing import Any
 
 from nbtools import events
 from nbtools._hangs import _collectives, _process
+from nbtools._hangs._flags import FlagBook
 from nbtools._hangs._report import (
-    Culprit,
     HangReport,
-    RankView,
-    clock_text,
-    hang_report,
-    in_user_terms,
+    report_hang,
 )
 from nbtools._hangs._state import (
     Flag,
     RankState,
+    is_busy,
     is_stopped,
     last_sign,
-    lower_median,
     now_state,
     setting,
     stuck_outside,
 )
+from nbtools._hangs._stragglers import Stragglers
 from nbtools._internal.log import get_logger
 
 __all__ = ["Watchdog", "RankState", "Flag", "MIN_HANG_S", "HANG_STEPS", "THRESHOLD"]
@@ -95,10 +85,6 @@ THRESHOLD = 0.75
 STARTUP_S = 180.0
 #: A rank busy outside collectives, or in a phase it named, is hung only past this.
 LONG_PHASE_S = 900.0
-_BUSY_WINDOW_S = 10.0  # a rank is busy when, over this window, its process tree used...
-_BUSY_CPU = 0.1  # ...this share of a core
-_BUSY_IO = 1 << 20  # ...or read and wrote this many bytes
-_MIN_BUSY_SPAN_S = 2.0  # measured since the rank stalled for at least this long
 _ANSWERS_FRESH_S = 10.0  # the ranks' answers about their collectives count this long
 # Kinds whose time, around it, is left out of straggler scores.
 _PAUSES = ("checkpoint_saved", "checkpoint_restored", "checkpoint_skipped", "restart")
@@ -172,10 +158,10 @@ class Watchdog:
         self._clock = clock
         self._bus = bus if bus is not None else events.bus()
         self._ranks: dict[int, RankState] = {}
-        self._flags: dict[tuple[str, int], Flag] = {}
+        self._book = FlagBook(clock)
+        self._flags = self._book.open
+        self._stragglers = Stragglers(self._book, threshold, window_s, confirm_s, sample_s)
         self._reports: list[HangReport] = []
-        self._notices: list[str] = []  # straggler flags' starts and ends, for the cell
-        self._outbox: list[tuple[str, str, dict[str, Any]]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -214,7 +200,7 @@ class Watchdog:
         now = self._clock()
         with self._lock:
             for flag in open_flags:
-                self._emit_end(flag, now, "the group ended")
+                self._book.end(flag, now, "the group ended")
         self._send_posted()
 
     def __enter__(self) -> Watchdog:
@@ -234,8 +220,7 @@ class Watchdog:
     def take_notices(self) -> list[str]:
         """The lines for the cell since the last call: a straggler flag starts or ends."""
         with self._lock:
-            notices, self._notices = self._notices, []
-        return notices
+            return self._book.take_notices()
 
     @property
     def reporting(self) -> bool:
@@ -379,7 +364,7 @@ class Watchdog:
                 self._answers, self._answered_at = answers, self._clock()
         with self._lock:
             new_hangs = self._judge_hangs(now)
-            self._judge_stragglers(now)
+            self._stragglers.judge(self._ranks, now)
         self._send_posted()
         if new_hangs:
             self._report(new_hangs, now)
@@ -395,22 +380,7 @@ class Watchdog:
                     state.usage.append((now, *used))
 
     def _busy(self, state: RankState) -> bool:
-        """Since the rank's last progress, and over the last few seconds of it, its process
-        tree used the CPU or read and wrote; never a stopped rank."""
-        if not state.usage or now_state(state) == _process.STOPPED:
-            return False
-        since = self._since(state) + 0.5  # a report arrives up to a second after its step
-        end, cpu, io = state.usage[-1]
-        first = None
-        for sample in reversed(state.usage):
-            if sample[0] < since or end - sample[0] > _BUSY_WINDOW_S:
-                break
-            first = sample
-        if first is None or end - first[0] < _MIN_BUSY_SPAN_S:
-            return False  # not measured for long enough since it stalled
-        at, cpu0, io0 = first
-        span = end - at
-        return cpu - cpu0 >= _BUSY_CPU * span or io - io0 >= _BUSY_IO * span / _BUSY_WINDOW_S
+        return is_busy(state, self._since(state))
 
     # --- hangs -----------------------------------------------------------------------
 
@@ -446,7 +416,7 @@ class Watchdog:
             # stopped too) is no progress: the rank must be back within the bound.
             if flag is not None and sign > flag.since and now - sign <= self._bound_of(state):
                 del self._flags[("hang", state.rank)]
-                self._emit_end(flag, now, f"made progress again (step {state.step})")
+                self._book.end(flag, now, f"made progress again (step {state.step})")
             if state.long_since is not None and self._since(state) > state.long_since:
                 state.long_since = None  # the long phase is over
         ranks = self._world()
@@ -510,20 +480,16 @@ class Watchdog:
             f"outside collectives (busy {busy:.0f} s); it is named as hung if it stops using "
             f"the CPU or is still there after {self.long_bound():.0f} s"
         )
-        self._notices.append(message)
-        self._post(
+        self._book.notices.append(message)
+        self._book.post(
             "long_phase",
             message,
             rank=state.rank,
             node=state.host,
-            since=round(self._epoch(since), 3),
+            since=round(self._book.epoch(since), 3),
             busy_s=round(busy, 1),
             step=state.step,
         )
-
-    def _epoch(self, at: float) -> float:
-        """The epoch time of a kernel time ``at`` (monotonic), for events and the cell."""
-        return time.time() - (self._clock() - at)
 
     def _report(self, flags: list[Flag], now: float) -> None:
         with self._lock:
@@ -531,76 +497,24 @@ class Watchdog:
             bounds = {r: self._bound_of(s) for r, s in ranks.items()}
             fresh = self._clock() - self._answered_at <= _ANSWERS_FRESH_S
             answers = self._answers if fresh else None
-        states = {r: (s.recent[-1] if s.recent else None) for r, s in ranks.items()}
         if answers is None:
             answers = self._ask_collectives()
-        where = _collectives.describe(answers, [f.rank for f in flags], self.world_size)
-        flying = _collectives.in_flight(answers)
-        culprits = []
-        for flag in flags:
-            state = ranks.get(flag.rank)
-            sampled = states.get(flag.rank)
-            what = _process.describe_state(*sampled) if sampled else ""
-            stalled = now - flag.since
-            since = self._epoch(flag.since)
-            after = (
-                f", after step {state.step}"
-                if state is not None and state.step is not None
-                else ", before its first step"
-            )
-            why = (
-                f"made no progress for {stalled:.0f} s (since {clock_text(since)}{after}"
-                + (f"; {what}" if what else "")
-                + ")"
-            )
-            culprits.append(Culprit(flag.rank, flag.node, since, why))
-            # The collective in flight, and whether this rank is in it (None: unknown).
-            collective, entered = None, None
-            for flight in flying[:1]:
-                collective = f"{flight.op} #{flight.seq}"
-                entered = (
-                    True
-                    if flag.rank in flight.inside
-                    else False
-                    if flag.rank in flight.behind
-                    else None
-                )
-            events.emit(
-                "hang",
-                f"rank {flag.rank} on {flag.node or 'an unknown node'} {why}"
-                + "".join(f"; {line}" for line in where),
-                rank=flag.rank,
-                node=flag.node,
-                since=round(since, 3),
-                stalled_s=round(stalled, 1),
-                step=state.step if state is not None else None,
-                rank_pid=state.pid if state is not None else None,
-                bound_s=round(bounds.get(flag.rank, self.startup_timeout), 1),
-                collective=collective,
-                entered=entered,
-            )
-        local = {r: s.pid for r, s in ranks.items() if s.local and s.pid}
-        stacks = {
-            pid: in_user_terms(text, self._localize)
-            for pid, text in _process.python_stacks(local.values()).items()
-        }
-        report = hang_report(
-            culprits,
-            {
-                r: RankView(
-                    s.host, s.pid, s.step, states.get(r), stacks.get(s.pid) if s.local else None
-                )
-                for r, s in ranks.items()
-            },
+        report = report_hang(
+            flags,
+            ranks,
+            answers,
+            now,
+            self._book.epoch,
             self.world_size,
-            where,
+            {r: bounds.get(r, self.startup_timeout) for r in range(self.world_size)},
+            self._localize,
         )
         with self._lock:
             self._reports.append(report)
         if self._on_hang is not None:
             self._on_hang(report)
 
-    # --- stragglers ----------------------------------------------------------------------
+    # --- stragglers (scored by ._stragglers) ---------------------------------------------
 
     def _bin(self, now: float) -> None:
         """Close this second's samples into each rank's window (or drop them: a pause)."""
@@ -608,110 +522,11 @@ class Watchdog:
         median = self._median_step() or 0.0
         flowing = now - latest < 2.5 + 2 * median
         paused = self._paused_from <= now <= self._paused_until
-        for state in self._ranks.values():
-            if flowing and not paused and (state.working or state.waiting):
-                state.bins.append((now, state.working, state.waiting))
-            state.working = state.waiting = 0
-            if paused:  # samples from just before the pause's event are dropped too
-                while state.bins and state.bins[-1][0] >= self._paused_from:
-                    state.bins.pop()
-            while state.bins and state.bins[0][0] < now - self.window_s:
-                state.bins.popleft()
-
-    def _judge_stragglers(self, now: float) -> None:
-        if any(kind == "hang" for kind, _ in self._flags) or len(self._ranks) < 2:
-            return
-        shares = {}
-        for state in self._ranks.values():
-            total = sum(w + x for _, w, x in state.bins)
-            if state.local and total * self.sample_s >= self.window_s / 2:
-                shares[state.rank] = sum(w for _, w, _ in state.bins) / total
-        scores: dict[int, float] = {}
-        measured: dict[int, str] = {}
-        if len(shares) >= 2:
-            reference = lower_median(list(shares.values()))
-            for rank, share in shares.items():
-                scores[rank] = reference / share if share > 0 else 1.0
-                measured[rank] = (
-                    f"{share:.0%} of its time outside collectives against the median "
-                    f"rank's {reference:.0%}"
-                )
-        rates = {
-            s.rank: 1.0 / statistics.median(s.step_times)
-            for s in self._ranks.values()
-            if not s.local and len(s.step_times) >= 5 and statistics.median(s.step_times) > 0
-        }
-        if len(rates) >= 2:
-            reference = lower_median(list(rates.values()))
-            for rank, rate in rates.items():
-                scores[rank] = rate / reference
-                measured[rank] = (
-                    f"{rate:.3g} steps/s against the median rank's {reference:.3g} steps/s"
-                )
-        for rank, score in scores.items():
-            self._score(self._ranks[rank], min(score, 9.99), now, measured[rank])
-
-    def _score(self, state: RankState, score: float, now: float, measured: str) -> None:
-        """Open or end ``state``'s straggler flag by its ``score``; ``measured`` says what the
-        score compares (time outside collectives, or step rates for a rank on another node)."""
-        state.score = score
-        key = ("straggler", state.rank)
-        flag = self._flags.get(key)
-        if score < self.threshold:
-            state.high_since = None
-            state.low_since = state.low_since or now
-            if flag is None and now - state.low_since >= self.confirm_s:
-                flag = Flag("straggler", state.rank, state.host, state.low_since, score)
-                self._flags[key] = flag
-                message = (
-                    f"rank {state.rank} on {state.host} is a straggler since "
-                    f"{clock_text(self._epoch(flag.since))}: {measured} (score {score:.2f}, flagged under "
-                    f"{self.threshold:.2f})"
-                )
-                self._notices.append(message)
-                self._post(
-                    "straggler",
-                    message,
-                    rank=state.rank,
-                    node=state.host,
-                    since=round(self._epoch(flag.since), 3),
-                    score=round(score, 3),
-                    step=state.step,
-                )
-            elif flag is not None:
-                flag.score = min(flag.score or score, score)
-            return
-        state.low_since = None
-        if flag is not None and score >= min(1.0, self.threshold + 0.05):
-            state.high_since = state.high_since or now
-            if now - state.high_since >= self.confirm_s:
-                del self._flags[key]
-                self._emit_end(flag, now, f"{measured}: score {score:.2f}")
-
-    def _post(self, kind: str, message: str, **fields: Any) -> None:
-        # Emitted after the lock is released: the bus calls this watchdog back.
-        self._outbox.append((kind, message, fields))
+        paused_from = self._paused_from if paused else None
+        self._stragglers.bin(self._ranks.values(), now, flowing, paused_from)
 
     def _send_posted(self) -> None:
         with self._lock:
-            posted, self._outbox = self._outbox, []
+            posted = self._book.take_posted()
         for kind, message, fields in posted:
             events.emit(kind, message, **fields)
-
-    def _emit_end(self, flag: Flag, now: float, how: str) -> None:
-        lasted = max(0.0, now - flag.since)
-        what = "hang" if flag.kind == "hang" else "straggler flag"
-        fields: dict[str, Any] = {"score": round(flag.score, 3)} if flag.score is not None else {}
-        message = f"rank {flag.rank} on {flag.node}: {what} over after {lasted:.0f} s ({how})"
-        if flag.kind == "straggler":
-            self._notices.append(message)
-        self._post(
-            flag.kind,
-            message,
-            rank=flag.rank,
-            node=flag.node,
-            since=round(self._epoch(flag.since), 3),
-            ended=True,
-            lasted_s=round(lasted, 1),
-            **fields,
-        )
