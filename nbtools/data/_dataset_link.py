@@ -42,13 +42,22 @@ class DatasetLink:
         return self.dataset._uid
 
     def plan(
-        self, num_workers: int, reuse: IterationPlan | None, hold: int | None
+        self,
+        num_workers: int,
+        reuse: IterationPlan | None,
+        hold: int | None,
+        shares: tuple[int, ...] | None = None,
+        drop_last: bool = False,
     ) -> IterationPlan:
         """Decide what the next iteration serves (a collective on every rank).
 
-        Returns ``reuse`` itself when it would serve exactly the same work.
+        ``shares``: each rank's part of a global batch, served whole step by
+        step (``drop_last``: without the smaller last one). Returns ``reuse``
+        itself when it would serve exactly the same work.
         """
-        return self.dataset._prepare(num_workers, tracked=True, reuse=reuse, hold=hold)
+        return self.dataset._prepare(
+            num_workers, tracked=True, reuse=reuse, hold=hold, shares=shares, drop_last=drop_last
+        )
 
     def give_workers(self, plan: IterationPlan | None) -> None:
         """The plan the worker copies made next (started or forked) serve; None after."""

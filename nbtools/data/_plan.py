@@ -5,13 +5,31 @@ from __future__ import annotations
 import secrets
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nbtools.data._positions import Consumed
+import numpy as np
+
+from nbtools.data._positions import (
+    BatchLayout,
+    Consumed,
+    advance,
+    batch_advance,
+    batch_chunks,
+    slot_chunks,
+    slot_length,
+)
 from nbtools.errors import DataError
 
-__all__ = ["IterationPlan", "check_same_workers", "data_group", "dist_info", "gather"]
+__all__ = [
+    "IterationPlan",
+    "check_same_batches",
+    "check_same_workers",
+    "data_group",
+    "dist_info",
+    "gather",
+]
 
 
 _GROUP_LOCK = threading.Lock()
@@ -57,7 +75,10 @@ class IterationPlan:
     still hold (None outside an nbtools loader). ``check``: its streams look
     at each source before serving a cached copy; ``recheck``: every epoch
     does (``check_sources="epoch"``), not only until an epoch was served
-    whole under a check (``"launch"``).
+    whole under a check (``"launch"``). ``shares``: each rank's part of a
+    global batch (a loader's ``global_batch_size``): the slots serve whole
+    global batches (:class:`~nbtools.data._positions.BatchLayout`) instead of
+    a plain stride; ``drop_last`` skips the smaller last one.
     """
 
     plan_id: str
@@ -71,6 +92,36 @@ class IterationPlan:
     hold: int | None = None
     check: bool = True
     recheck: bool = False
+    shares: tuple[int, ...] | None = None
+    drop_last: bool = False
+
+    @property
+    def layout(self) -> BatchLayout | None:
+        """The global-batch layout of the slots, or None for the plain stride."""
+        if self.shares is None:
+            return None
+        return BatchLayout(self.shares, self.num_workers, self.drop_last)
+
+    def chunks(self, num_files: int, slot: int) -> Iterator[np.ndarray]:
+        """The positions slot ``slot`` serves, in order, in arrays that grow to thousands."""
+        layout = self.layout
+        if layout is None:
+            return slot_chunks(self.base, num_files, self.stride, slot, first=16, most=4096)
+        return batch_chunks(self.base, num_files, layout, slot)
+
+    def slot_length(self, num_files: int, slot: int) -> int:
+        """How many positions slot ``slot`` serves."""
+        layout = self.layout
+        if layout is None:
+            return slot_length(self.base, num_files, self.stride, slot)
+        return layout.slot_length(num_files - self.base.count(), slot)
+
+    def consumed_after(self, num_files: int, counts: dict[int, int]) -> Consumed:
+        """``base`` plus the first ``counts[slot]`` positions of each slot."""
+        layout = self.layout
+        if layout is None:
+            return advance(self.base, num_files, self.stride, counts)
+        return batch_advance(self.base, num_files, layout, counts)
 
     @property
     def stride(self) -> int:
@@ -160,4 +211,15 @@ def check_same_workers(per_rank: list[int]) -> None:
             "ranks iterate the dataset with different numbers of loader workers "
             f"({listing}); the global stride over ranks x workers would duplicate or skip "
             "files. Pass the same num_workers on every rank."
+        )
+
+
+def check_same_batches(per_rank: list[int | None]) -> None:
+    """Raise when ranks disagree on the loader's global batch size (None: none given)."""
+    if len(set(per_rank)) > 1:
+        listing = ", ".join(f"rank {r}: {n}" for r, n in enumerate(per_rank))
+        raise DataError(
+            f"ranks iterate the dataset with different global batch sizes ({listing}); "
+            "every rank must take its share of the same global batch. Pass the same "
+            "global_batch_size= to DataLoader on every rank."
         )

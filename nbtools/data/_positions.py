@@ -30,6 +30,10 @@ __all__ = [
     "slot_positions",
     "slot_length",
     "advance",
+    "BatchLayout",
+    "ordinal_positions",
+    "batch_chunks",
+    "batch_advance",
 ]
 
 
@@ -218,3 +222,153 @@ def advance(consumed: Consumed, num_files: int, stride: int, counts: Mapping[int
     for slot, end in ends.items():
         extras.update(range(_first_candidate(prefix, stride, slot), end + 1, stride))
     return Consumed(prefix, tuple(sorted(extras)))
+
+
+# --- global batches ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Slots that serve whole global batches: the same batches at any world size.
+
+    The positions not consumed, taken in order, are cut into global batches of
+    ``sum(shares)`` (the *ordinals* ``k * G .. (k + 1) * G - 1`` make step
+    ``k``). Within a step, rank ``r`` takes the ``shares[r]`` ordinals after
+    those of lower ranks; step ``k`` comes from loader worker ``k %
+    num_workers`` of every rank, which is how a loader takes batches from its
+    workers. Slot ``r * num_workers + j`` serves rank ``r``'s part of the
+    steps of worker ``j``. The ``R`` positions left after the last whole step
+    make one smaller step split the same way (shares of ``R`` that differ by at
+    most one), or are skipped with ``drop_last``.
+
+    Whole steps consume a prefix of the ordinals, so what is left after any
+    number of steps is cut the same way whatever the world size: a run that
+    resumes with other shares serves the same global batches, in the same
+    order, as one that never stopped.
+    """
+
+    shares: tuple[int, ...]
+    num_workers: int
+    drop_last: bool = False
+
+    @property
+    def global_batch(self) -> int:
+        """Positions per step, all ranks together."""
+        return sum(self.shares)
+
+    @property
+    def stride(self) -> int:
+        """Number of slots over all ranks and workers."""
+        return len(self.shares) * self.num_workers
+
+    def last_shares(self, remaining: int) -> tuple[int, ...]:
+        """Each rank's part of the smaller last step of ``remaining`` positions (none: zeros)."""
+        world = len(self.shares)
+        rest = 0 if self.drop_last else remaining % self.global_batch
+        base, extra = divmod(rest, world)
+        return tuple(base + (1 if r < extra else 0) for r in range(world))
+
+    def _step(self, remaining: int, slot: int, t: int) -> tuple[int, int]:
+        """``(first ordinal, length)`` of the ``t``-th step slot ``slot`` serves; length 0: none."""
+        rank, worker = divmod(slot, self.num_workers)
+        g = self.global_batch
+        k = worker + t * self.num_workers
+        whole = remaining // g
+        if k < whole:
+            return k * g + sum(self.shares[:rank]), self.shares[rank]
+        if k == whole:
+            last = self.last_shares(remaining)
+            return k * g + sum(last[:rank]), last[rank]
+        return 0, 0
+
+    def slot_length(self, remaining: int, slot: int) -> int:
+        """Positions slot ``slot`` serves out of ``remaining``."""
+        rank, worker = divmod(slot, self.num_workers)
+        whole = remaining // self.global_batch
+        steps = max(0, -(-(whole - worker) // self.num_workers))
+        tail = self.last_shares(remaining)[rank] if whole % self.num_workers == worker else 0
+        return steps * self.shares[rank] + tail
+
+    def ordinal_after(self, remaining: int, slot: int, served: int) -> int | None:
+        """The ordinal slot ``slot`` serves after its first ``served``; None when it has no more."""
+        share = self.shares[slot // self.num_workers]
+        t, within = divmod(served, share)
+        start, length = self._step(remaining, slot, t)
+        return start + within if within < length else None
+
+    def served_above(self, remaining: int, slot: int, served: int, floor: int) -> np.ndarray:
+        """The ordinals above ``floor`` among the first ``served`` of slot ``slot``.
+
+        Only the steps from the one holding ``floor`` on are looked at.
+        """
+        rank, worker = divmod(slot, self.num_workers)
+        share = self.shares[rank]
+        first = max(0, (floor // self.global_batch - worker) // self.num_workers)
+        parts = [np.zeros(0, dtype=np.int64)]
+        for t in range(first, -(-served // share)):
+            start, length = self._step(remaining, slot, t)
+            ordinals = np.arange(start, start + min(length, served - t * share), dtype=np.int64)
+            parts.append(ordinals[ordinals > floor])
+        return np.concatenate(parts)
+
+    def slot_ordinals(self, remaining: int, slot: int, most: int) -> Iterator[np.ndarray]:
+        """The ordinals of slot ``slot``, in order, as int64 arrays of about ``most`` at most."""
+        share = max(1, self.shares[slot // self.num_workers])
+        per_chunk = max(1, most // share)
+        t = 0
+        while True:
+            steps = [self._step(remaining, slot, t + i) for i in range(per_chunk)]
+            parts = [np.arange(s, s + n, dtype=np.int64) for s, n in steps if n]
+            if parts:
+                yield np.concatenate(parts)
+            if len(parts) < per_chunk:
+                return
+            t += per_chunk
+
+
+def ordinal_positions(consumed: Consumed, ordinals: np.ndarray) -> np.ndarray:
+    """The positions of the ``ordinals``-th positions (0-based) not in ``consumed``."""
+    extras = np.asarray(consumed.extras, dtype=np.int64)
+    # Free positions below each extra: the n-th free position passes every extra with
+    # fewer than n + 1 free positions below it.
+    below = extras - consumed.prefix - np.arange(len(extras), dtype=np.int64)
+    ordinals = np.asarray(ordinals, dtype=np.int64)
+    return consumed.prefix + ordinals + np.searchsorted(below, ordinals, side="right")
+
+
+def batch_chunks(
+    consumed: Consumed, num_files: int, layout: BatchLayout, slot: int, most: int = 4096
+) -> Iterator[np.ndarray]:
+    """The positions slot ``slot`` of ``layout`` serves, in order, as int64 arrays."""
+    remaining = num_files - consumed.count()
+    for ordinals in layout.slot_ordinals(remaining, slot, most):
+        yield ordinal_positions(consumed, ordinals)
+
+
+def batch_advance(
+    consumed: Consumed, num_files: int, layout: BatchLayout, counts: Mapping[int, int]
+) -> Consumed:
+    """``consumed`` plus the first ``counts[slot]`` positions each slot of ``layout`` serves.
+
+    After whole steps this is a longer prefix of the ordinals; only the slots
+    that stopped part-way through a step (or ahead of the others) leave extras.
+    """
+    remaining = num_files - consumed.count()
+    for slot in counts:
+        if not 0 <= slot < layout.stride:
+            raise ValueError(f"slot {slot} is outside a stride of {layout.stride}")
+    served = {
+        slot: min(max(int(counts.get(slot, 0)), 0), layout.slot_length(remaining, slot))
+        for slot in range(layout.stride)
+    }
+    nexts = [layout.ordinal_after(remaining, s, n) for s, n in served.items()]
+    pending = [o for o in nexts if o is not None]
+    if not pending:  # every slot served all it has (a dropped remainder counts as consumed)
+        return Consumed(num_files, ())
+    first_free = min(pending)  # every ordinal below it is served
+    taken = [layout.served_above(remaining, slot, n, first_free) for slot, n in served.items()]
+    above = np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
+    prefix = int(ordinal_positions(consumed, np.array([first_free]))[0])
+    extras = {e for e in consumed.extras if e > prefix}
+    extras.update(ordinal_positions(consumed, above).tolist())
+    return Consumed.from_positions(prefix, extras)

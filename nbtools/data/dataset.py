@@ -13,8 +13,14 @@ from nbtools._internal.location import is_url
 from nbtools._internal.log import get_logger
 from nbtools.data._cache import FileCache, default_cache_dir
 from nbtools.data._listing import Index, Opener, job_token, load_index, namespace, open_index
-from nbtools.data._plan import IterationPlan, check_same_workers, dist_info, gather
-from nbtools.data._positions import Consumed, Order, advance, slot_length
+from nbtools.data._plan import (
+    IterationPlan,
+    check_same_batches,
+    check_same_workers,
+    dist_info,
+    gather,
+)
+from nbtools.data._positions import Consumed, Order
 from nbtools.data._stream import (
     Item,
     SourceCheck,
@@ -51,6 +57,24 @@ def _refuse_in_worker(method: str) -> None:
         "Iterate it through nbtools.data.DataLoader (pass data=loader to CheckpointManager), "
         "or use num_workers=0"
     )
+
+
+def _check_shares(shares: tuple[int, ...], world: int, remaining: int, drop_last: bool) -> None:
+    """Fail at the start of an iteration whose global batches the ranks cannot take."""
+    if len(shares) != world:
+        raise DataError(
+            f"the loader split its global batch of {sum(shares)} over {len(shares)} ranks, but "
+            f"the process group now has {world}: build the DataLoader after the process group "
+            "is initialised, in the same launch that iterates it"
+        )
+    rest = remaining % sum(shares)
+    if not drop_last and 0 < rest < world:
+        raise DataError(
+            f"the epoch ends with {rest} samples after its last whole global batch of "
+            f"{sum(shares)}, fewer than the {world} ranks: some rank would get no sample in the "
+            "last step. Pass drop_last=True to skip them, or a global_batch_size that leaves at "
+            f"least {world}"
+        )
 
 
 class VolumeDataset(IterableDataset[Any]):
@@ -340,7 +364,7 @@ class VolumeDataset(IterableDataset[Any]):
             "num_workers": plan.num_workers,
             "rotation": [r for _, r in parts],
         }
-        return self._epoch, advance(self._consumed, len(files), plan.stride, counts), layout
+        return self._epoch, plan.consumed_after(len(files), counts), layout
 
     def _prepare(
         self,
@@ -348,15 +372,20 @@ class VolumeDataset(IterableDataset[Any]):
         tracked: bool,
         reuse: IterationPlan | None = None,
         hold: int | None = None,
+        shares: tuple[int, ...] | None = None,
+        drop_last: bool = False,
     ) -> IterationPlan:
         """Decide what the next iteration serves; a collective on every rank.
 
         ``hold``: batches a loader may still hold besides the one being filled
-        (see ``_stream._stream``). Returns ``reuse`` itself when it would serve exactly
-        the same work.
+        (see ``_stream._stream``). ``shares``: each rank's part of a loader's
+        global batch (``drop_last``: skip the smaller last one). Returns
+        ``reuse`` itself when it would serve exactly the same work.
         """
         files = self._listing()
-        check_same_workers(gather(num_workers))
+        agreed = gather((num_workers, None if shares is None else sum(shares)))
+        check_same_workers([workers for workers, _ in agreed])
+        check_same_batches([batch for _, batch in agreed])
         epoch, consumed, layout = self._current(files)
         previous = self._plan
         if previous is not None and previous.epoch == epoch and consumed.is_complete(len(files)):
@@ -367,9 +396,12 @@ class VolumeDataset(IterableDataset[Any]):
         elif consumed.is_complete(len(files)):
             epoch, consumed = epoch + 1, Consumed()
         rank, world = dist_info()
+        if shares is not None:
+            _check_shares(shares, world, len(files) - consumed.count(), drop_last)
         rotation = 0
         if (
-            consumed.count()
+            shares is None
+            and consumed.count()
             and layout
             and (layout["world_size"], layout["num_workers"]) == (world, num_workers)
         ):
@@ -377,7 +409,8 @@ class VolumeDataset(IterableDataset[Any]):
         # fmt: off
         plan = IterationPlan(
             IterationPlan.new_id(), epoch, consumed, rank, world, num_workers, tracked, rotation,
-            hold, check=self._checking, recheck=self.check_sources == "epoch",
+            hold, check=self._checking, recheck=self.check_sources == "epoch", shares=shares,
+            drop_last=drop_last,
         )
         # fmt: on
         if plan.same_work(reuse):
@@ -401,7 +434,7 @@ class VolumeDataset(IterableDataset[Any]):
         if plan is not None:
             n = len(self._listing())
             for slot in plan.slots():
-                self._counts[slot] = slot_length(plan.base, n, plan.stride, slot)
+                self._counts[slot] = plan.slot_length(n, slot)
 
     # --- serving (any process) ----------------------------------------------------------
 
@@ -434,7 +467,7 @@ class VolumeDataset(IterableDataset[Any]):
         """The files of ``slot`` in serving order, in chunks (see ``_items.slot_items``)."""
         files = self._listing()
         order = Order(len(files), self.seed, plan.epoch, self.shuffle)
-        return slot_items(files, order, plan.base, plan.stride, slot)
+        return slot_items(files, order, plan.chunks(len(files), slot))
 
     def _source_checker(self, plan: IterationPlan) -> SourceCheck | None:
         """What gives items their source's size and mtime now (None: trust the listing).

@@ -82,6 +82,21 @@ def _default_num_workers() -> int:
     return 0 if per_rank <= 2 else min(4, per_rank - 1)
 
 
+def _check_global_batch(batch_size: int | None, sampler: Any, batch_sampler: Any) -> None:
+    """``global_batch_size=`` decides each rank's batch; refuse what would also decide it."""
+    if batch_size != 1:
+        raise ValueError(
+            f"pass either batch_size={batch_size} (this rank's batch) or global_batch_size= "
+            "(all ranks together; each rank's share comes from nbtools.runtime.batch_plan), "
+            "not both"
+        )
+    if sampler is not None or batch_sampler is not None:
+        raise ValueError(
+            "global_batch_size= splits the VolumeDataset's files itself; it does not take a "
+            "sampler= or batch_sampler="
+        )
+
+
 class DataLoader(torch.utils.data.DataLoader[Any]):
     """A drop-in ``torch.utils.data.DataLoader`` that resumes mid-epoch exactly.
 
@@ -98,6 +113,15 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
       (``events.step(None)``, about a microsecond, never blocking), so the
       kernel sees a loop over this loader progress, and can flag it when it
       hangs or straggles, with no call in the loop.
+    * ``global_batch_size=N`` (instead of ``batch_size``): every optimizer
+      step takes exactly ``N`` samples over all ranks, each rank its share
+      from :func:`nbtools.runtime.batch_plan` (shares differ by one when the
+      world size does not divide ``N``; :attr:`batch_plan` holds them). The
+      steps are consecutive blocks of ``N`` of the epoch's order, so a run
+      resumed at another world size takes the same global batches, in the same
+      order, each sample once. Scale the loss by :attr:`loss_scale`. The
+      epoch's last step holds the samples left after the last whole global
+      batch (``drop_last=True`` skips them).
     * :attr:`wait_times` holds the seconds the loop waited for each batch of the
       current iteration (``last_wait`` the latest one).
     * Batches that carry cached paths (a bare ``VolumeDataset``) keep those
@@ -140,8 +164,16 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         *,
         prefetch_factor: int | None = None,
         persistent_workers: bool | None = None,
+        global_batch_size: int | None = None,
         **kwargs: Any,
     ) -> None:
+        plan = None
+        if global_batch_size is not None:
+            _check_global_batch(batch_size, sampler, batch_sampler)
+            plan = runtime.batch_plan(global_batch_size)
+            batch_size = plan.local_batch_size
+        # With a global batch the plan decides where the epoch ends: torch keeps every batch.
+        drop_remainder, drop_last = drop_last, drop_last and plan is None
         if num_workers is None:
             num_workers = _default_num_workers()
         if num_workers > 0:
@@ -186,6 +218,14 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self.last_wait: float = 0.0
         self._stalls = StallWatch()  # emits input_stall events for unusually long waits
         self._volumes: list[VolumeDataset] = find_volume_datasets(dataset)
+        self.batch_plan: runtime.BatchPlan | None = plan
+        self._drop_remainder = drop_remainder
+        if plan is not None and not self._volumes:
+            raise DataError(
+                f"global_batch_size={global_batch_size} needs a VolumeDataset to split: the "
+                f"loader's dataset ({type(dataset).__name__}) neither is one nor keeps one as an "
+                "attribute. Wrap a VolumeDataset, or pass batch_size= (this rank's batch) instead"
+            )
         self._links = [DatasetLink(vd) for vd in self._volumes]  # all the loader drives them by
         self._workers_expect: list[Any] | None = None  # plans the live workers will serve next
 
@@ -197,11 +237,14 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         # Batches the loader may hold besides the one a worker fills: its
         # prefetched batches (per worker), none when the main process collates.
         hold = self.prefetch_factor if self.num_workers > 0 else 0
+        shares = self.batch_plan.shares if self.batch_plan is not None else None
         plans = [
             link.plan(
                 max(1, self.num_workers),
                 reuse=self._workers_expect[i] if self._workers_expect else None,
                 hold=hold,
+                shares=shares,
+                drop_last=self._drop_remainder,
             )
             for i, link in enumerate(self._links)
         ]
@@ -299,6 +342,20 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             for link in self._links:
                 link.received_batch()
             yield item.batch
+
+    @property
+    def loss_scale(self) -> float:
+        """What to multiply the *sum* of this rank's per-sample losses by, under DDP.
+
+        ``world_size / global_batch_size`` with ``global_batch_size=`` (see
+        :attr:`nbtools.runtime.BatchPlan.loss_scale`): DDP's average over the
+        ranks then makes the gradient the mean over the global batch, whatever
+        each rank's share. Without it, ``1 / batch_size``: the usual mean over
+        this rank's batch.
+        """
+        if self.batch_plan is not None:
+            return self.batch_plan.loss_scale
+        return 1.0 / (self.batch_size or 1)
 
     # --- state ----------------------------------------------------------------------
 

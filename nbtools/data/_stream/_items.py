@@ -3,13 +3,15 @@ read from the mapped index."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from functools import partial
 from itertools import islice
 from typing import NamedTuple
 
+import numpy as np
+
 from nbtools.data._listing import Index, namespace
-from nbtools.data._positions import Consumed, Order, slot_chunks
+from nbtools.data._positions import Order
 
 __all__ = ["Item", "check_mode", "slot_items"]
 
@@ -43,23 +45,21 @@ def check_mode(value: object) -> str:
     )
 
 
-def slot_items(
-    files: Index, order: Order, base: Consumed, stride: int, slot: int
-) -> Iterator[list[Item]]:
-    """The files of ``slot`` in serving order, in chunks, with their listed size and mtime.
+def slot_items(files: Index, order: Order, chunks: Iterable[np.ndarray]) -> Iterator[list[Item]]:
+    """The files at a slot's positions (``chunks``, int64 arrays of positions in serving
+    order), in chunks of items, with their listed size and mtime.
 
     Works from the mapped index a chunk at a time: positions, the shuffle
     and the lookups are array operations, and nothing is built per file of
     the dataset, only per file served.
     """
-    n = len(files)
     prefix = namespace(files.root) + "/"
     offsets, sizes, mtimes = files.columns()
     blob, start = files.map, files.paths_start
     make = partial(tuple.__new__, Item)  # an Item without a Python-level __new__
     # Blocks of positions grow to thousands (a call of the shuffle costs about
     # as much for one position as for thousands); items go out 256 at a time.
-    for positions in slot_chunks(base, n, stride, slot, first=16, most=4096):
+    for positions in chunks:
         index = order.at(positions)
         starts = (offsets[index] + start).tolist()
         ends = (offsets[index + 1] + start).tolist()
