@@ -656,7 +656,7 @@ _ARROW_BUDGET = {
     "nbtools._internal": 3,
     "nbtools._magics": 0,
     "nbtools.checkpoint": 49,
-    "nbtools.checkpoint._memory": 19,
+    "nbtools.checkpoint._memory": 22,
     "nbtools.checkpoint._storage": 19,
     "nbtools.compat": 0,
     "nbtools.compat.serverless_gpu": 0,
