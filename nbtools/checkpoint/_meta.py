@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from nbtools import runtime
 from nbtools.errors import CheckpointError
@@ -104,8 +105,9 @@ def find_meta(models: dict[str, nn.Module], init: Init | None) -> list[MetaModel
 
     Raises:
         CheckpointError: A non-persistent buffer is on the meta device (no
-            checkpoint holds it, so nothing would fill it); a parameter is a tensor
-            subclass (a DTensor) while the rest of its model is real; or, without
+            checkpoint holds it, so nothing would fill it); a parameter on the meta device
+            is a tensor subclass other than a DTensor (FSDP2's, tensor parallelism's);
+            or, without
             ``init``, a module owning a meta tensor has no ``reset_parameters()``.
         TypeError: ``init`` is not callable.
     """
@@ -130,11 +132,11 @@ def find_meta(models: dict[str, nn.Module], init: Init | None) -> list[MetaModel
                 )
             for n in own:
                 param = module._parameters.get(n)
-                if param is not None and type(param) is not nn.Parameter:
+                if param is not None and type(param) not in (nn.Parameter, DTensor):
                     raise CheckpointError(
                         f"{where}.{n} is a {type(param).__name__} on the meta device (rank "
                         f"{runtime.get_rank()}); restore gives storage to plain parameters "
-                        "only: call model.to_empty(device=...) yourself before restore"
+                        "and DTensors only: call model.to_empty(device=...) yourself before restore"
                     )
             if init is None and not callable(getattr(module, "reset_parameters", None)):
                 raise CheckpointError(_no_reset(name, qualified, module))

@@ -6,6 +6,8 @@ Start reading at ``_tier``. The modules, one line each:
   snapshot every ``memory_every`` steps and to restore; it runs the rounds.
 - ``_layout``: a snapshot's bytes (tensors as raw buffers, the rest as a small
   skeleton) and the shares the ranks of a node split replicated tensors into.
+- ``_sharded``: DTensor state (FSDP2, tensor parallelism): each rank's local
+  shards and what puts them back on the same mesh.
 - ``_copy_behind``: the copy of parameters and optimizer state that runs behind
   training until the next optimizer step, fused with the slot's checksum.
 - ``_slots``: the slot files (names, checksummed headers, memory maps kept from

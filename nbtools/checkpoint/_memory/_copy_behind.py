@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from nbtools.checkpoint._memory import _layout
@@ -40,6 +41,8 @@ CHUNK = 1 << 20
 
 
 def _key(tensor: torch.Tensor) -> tuple[int, int, torch.dtype]:
+    if isinstance(tensor, DTensor):  # a snapshot holds its local shard (see ``_sharded``)
+        tensor = tensor._local_tensor
     return tensor.data_ptr(), tensor.numel(), tensor.dtype
 
 

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import gather
-from nbtools.checkpoint._memory import _layout
+from nbtools.checkpoint._memory import _layout, _sharded
 from nbtools.checkpoint._memory._choice import Fetched
 from nbtools.checkpoint._restore import Offer, Restored
 from nbtools.errors import CheckpointError
@@ -228,6 +228,7 @@ def load(
             warnings.filterwarnings("ignore", "The given buffer is not writable")
             peers = {o: _layout.decode(*b) for o, b in got.bodies.items() if o != rank}
         state = _layout.fill(_layout.decode(*got.bodies[rank]), peers, where)
+        state = _sharded.unflatten(state, _sharded.meshes(kinds.models.values()), where)
         _check_fits(kinds, state, where)
         blob = _state.decode_blob({_state.NS: state[_state.NS]}, kinds, where)
     except Exception as exc:  # noqa: BLE001 - every rank must learn it, then use the volume

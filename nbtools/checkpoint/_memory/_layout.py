@@ -49,6 +49,7 @@ from nbtools import runtime
 from nbtools._internal.holder import machine_id
 from nbtools.checkpoint import _state
 from nbtools.checkpoint._collective import gather
+from nbtools.checkpoint._memory import _sharded
 from nbtools.errors import CheckpointError
 
 __all__ = [
@@ -267,7 +268,10 @@ def _rebuild(state: dict[str, Any], leaf: Callable[[Any, Path], Any]) -> dict[st
 
 def _walk(obj: Any, path: Path, leaf: Callable[[Any, Path], Any]) -> Any:
     """``obj`` rebuilt by :func:`_rebuild`. (A function of the module, not a closure: a
-    recursive closure is a cycle that would keep what ``leaf`` holds until a gc.)"""
+    recursive closure is a cycle that would keep what ``leaf`` holds until a gc.) A
+    DTensor's local shard is this rank's own (see ``_sharded``): never shared."""
+    if _sharded.is_marked(obj):
+        return obj
     if isinstance(obj, torch.Tensor) or _is_marker(obj):
         return leaf(obj, path)
     if isinstance(obj, dict):

@@ -52,6 +52,7 @@ from nbtools.checkpoint._memory import (
     _layout,
     _notes,
     _replicas,
+    _sharded,
     _slots,
 )
 from nbtools.checkpoint._memory._copy_behind import (
@@ -265,6 +266,7 @@ class MemoryTier:
         if not self.due(step):
             return False
         self._release()
+        state = _sharded.flatten(state)  # DTensors: their local shards (see ``_sharded``)
         if not self._groups:
             self._agree_shares(state)
         layout: _layout.Layout | None = None
