@@ -227,6 +227,18 @@ class Watchdog:
         """True once any rank reported a step: hangs are judged by progress, not output."""
         return any(s.steps for s in self._ranks.values())
 
+    def know(self, rank: int, pid: int, host: str) -> None:
+        """The launcher knows rank ``rank``'s process before it reports (a pool's kept
+        ranks): it is sampled from now on, so a rank stopped before its first report of
+        the call is named within the hang bound. Its reports replace what is known."""
+        with self._lock:
+            if rank in self._ranks:
+                return
+            local = host.split(events.NODE_SEPARATOR, 1)[0] == self._host
+            state = RankState(rank, host, pid, local)
+            state.started_at = self._clock()
+            self._ranks[rank] = state
+
     def flags(self) -> list[Flag]:
         """The open flags (copies)."""
         with self._lock:

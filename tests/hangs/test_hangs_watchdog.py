@@ -171,6 +171,31 @@ def test_only_the_stopped_rank_is_named_not_those_waiting_for_it(flags):
             proc.wait()
 
 
+def test_a_known_rank_stopped_before_it_ever_reported_is_named_within_the_hang_bound(flags):
+    # A pool's call: the launcher knows its ranks' processes; rank 1 was stopped before
+    # its first report of the call reached the kernel, rank 0 waits for it.
+    seen, _ = flags
+    waiting = "import threading; threading.Event().wait(60)"
+    procs = [_process(waiting, "futex"), _process(waiting, "futex")]
+    os.kill(procs[1].pid, signal.SIGSTOP)
+    reports = []
+    dog = Watchdog(2, hang_timeout=1.0, startup_timeout=600, on_hang=reports.append)
+    for rank, proc in enumerate(procs):
+        dog.know(rank, proc.pid, socket.gethostname())
+    dog.start()
+    try:
+        events.bus().publish([_progress(0, procs[0].pid, 10, time.time())])
+        assert _wait_until(lambda: reports)
+        assert reports[0].ranks == (1,) and [e.rank for e in seen if e.kind == "hang"] == [1]
+        assert "stopped by a signal" in reports[0].text
+    finally:
+        dog.stop()
+        for proc in procs:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.slow
 def test_ranks_that_all_compute_past_the_bound_are_not_a_hang(flags):
     seen, _ = flags

@@ -323,7 +323,7 @@ class Ranks:
         on_hang: str = "report",
     ) -> None:
         # Hangs are judged from the ranks' progress reports while a call runs.
-        watch = _Watch(len(self.links), hang_timeout, active=deadline is None)
+        watch = _Watch(len(self.links), hang_timeout, active=deadline is None, known=self.hellos)
         try:
             self._gather_replies(seq, replies, watch, deadline, hang_timeout, on_hang)
         finally:
@@ -462,8 +462,15 @@ class _Watch:
     """A call's :class:`nbtools._hangs.Watchdog`, started once the call is past
     :data:`_WATCH_AFTER_S` (never when not ``active``: a stop's or interrupt's wait)."""
 
-    def __init__(self, world_size: int, hang_timeout: float | None, active: bool) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        hang_timeout: float | None,
+        active: bool,
+        known: dict[int, dict[str, Any]] | None = None,
+    ) -> None:
         self._world_size = world_size
+        self._known = known or {}  # rank -> its hello: the watchdog samples it at once
         self._hang_timeout = hang_timeout
         self._active = active
         self._from = time.monotonic() + _WATCH_AFTER_S
@@ -473,6 +480,8 @@ class _Watch:
         """The watchdog, started now if the call has run long enough; None before."""
         if self._dog is None and self._active and now >= self._from:
             self._dog = _hangs.Watchdog(self._world_size, hang_timeout=self._hang_timeout)
+            for rank, hello in self._known.items():
+                self._dog.know(rank, int(hello["pid"]), str(hello.get("host", "")))
             self._dog.start()
         return self._dog
 
