@@ -119,9 +119,9 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
       world size does not divide ``N``; :attr:`batch_plan` holds them). The
       steps are consecutive blocks of ``N`` of the epoch's order, so a run
       resumed at another world size takes the same global batches, in the same
-      order, each sample once. Scale the loss by :attr:`loss_scale`. The
-      epoch's last step holds the samples left after the last whole global
-      batch (``drop_last=True`` skips them).
+      order, each sample once. Scale the summed loss by :attr:`loss_scale`.
+      The epoch's last step holds the samples left after the last whole
+      global batch, split the same way (``drop_last=True`` skips them).
     * :attr:`wait_times` holds the seconds the loop waited for each batch of the
       current iteration (``last_wait`` the latest one).
     * Batches that carry cached paths (a bare ``VolumeDataset``) keep those
@@ -219,6 +219,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._stalls = StallWatch()  # emits input_stall events for unusually long waits
         self._volumes: list[VolumeDataset] = find_volume_datasets(dataset)
         self.batch_plan: runtime.BatchPlan | None = plan
+        # Whole global batches in the current iteration, and the size of its smaller last step.
+        self._whole_steps, self._last_step = 0, 0
         self._drop_remainder = drop_remainder
         if plan is not None and not self._volumes:
             raise DataError(
@@ -271,6 +273,12 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
                 for link in self._links:
                     link.give_workers(None)  # the worker copies took it
         self._workers_expect = [p.advanced() for p in plans] if self.num_workers > 0 else None
+        if self.batch_plan is not None:
+            remaining = self._links[0].num_files() - plans[0].base.count()
+            self._whole_steps = remaining // self.batch_plan.global_batch_size
+            self._last_step = (
+                0 if self._drop_remainder else remaining % self.batch_plan.global_batch_size
+            )
         self.wait_times = []
         return self._received(inner)
 
@@ -345,17 +353,28 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
 
     @property
     def loss_scale(self) -> float:
-        """What to multiply the *sum* of this rank's per-sample losses by, under DDP.
+        """What to multiply the *sum* of this rank's per-sample losses by, under DDP, for the
+        batch received last.
 
-        ``world_size / global_batch_size`` with ``global_batch_size=`` (see
-        :attr:`nbtools.runtime.BatchPlan.loss_scale`): DDP's average over the
-        ranks then makes the gradient the mean over the global batch, whatever
-        each rank's share. Without it, ``1 / batch_size``: the usual mean over
-        this rank's batch.
+        With ``global_batch_size=``: ``world_size / global_batch_size`` (see
+        :attr:`nbtools.runtime.BatchPlan.loss_scale`), and ``world_size / R``
+        on the epoch's smaller last step of ``R`` samples: DDP's average over
+        the ranks then makes the gradient the mean over the step's global
+        batch, whatever each rank's share. The same on every rank. Without
+        ``global_batch_size``: ``1 / batch_size``, the usual mean over this
+        rank's batch.
+
+        Example:
+            >>> for ids in loader:  # doctest: +SKIP
+            ...     per_sample = loss_fn(ddp_model(inputs(ids)), targets(ids))  # reduction="none"
+            ...     (per_sample.sum() * loader.loss_scale).backward()
         """
-        if self.batch_plan is not None:
-            return self.batch_plan.loss_scale
-        return 1.0 / (self.batch_size or 1)
+        plan = self.batch_plan
+        if plan is None:
+            return 1.0 / (self.batch_size or 1)
+        if len(self.wait_times) > self._whole_steps and self._last_step:
+            return plan.world_size / self._last_step
+        return plan.loss_scale
 
     # --- state ----------------------------------------------------------------------
 

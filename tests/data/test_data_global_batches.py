@@ -6,7 +6,9 @@ import random
 
 import numpy as np
 import pytest
+from _data_helpers import Indices
 
+from nbtools.data import DataLoader, VolumeDataset
 from nbtools.data._positions import (
     BatchLayout,
     Consumed,
@@ -16,6 +18,8 @@ from nbtools.data._positions import (
     ordinal_positions,
     slot_positions,
 )
+from nbtools.data.dataset import _check_shares
+from nbtools.errors import DataError
 from nbtools.runtime import batch_plan
 
 
@@ -126,3 +130,48 @@ def test_random_chains_of_resumes_with_any_layout_serve_each_position_once():
             consumed = consumed_next
             assert {p for p in range(n) if consumed.contains(p)} == seen
             assert consumed.count() == len(seen)
+
+
+def test_loader_sizes_its_batches_from_the_plan_and_scales_the_last_step(tree):
+    src, cache = tree
+    files = VolumeDataset(src, cache_dir=cache, shuffle=True, seed=2)
+    with DataLoader(Indices(files), global_batch_size=7, num_workers=0) as loader:
+        assert loader.batch_size == 7 and loader.batch_plan.shares == (7,)
+        scales = []
+        sizes = []
+        for batch in loader:
+            sizes.append(len(batch))
+            scales.append(loader.loss_scale)
+        assert sizes == [7] * 5 + [5]
+        assert scales == [1 / 7] * 5 + [1 / 5]
+    files = VolumeDataset(src, cache_dir=cache, shuffle=True, seed=2)
+    with DataLoader(Indices(files), global_batch_size=7, drop_last=True, num_workers=2) as loader:
+        assert [len(b) for b in loader] == [7] * 5
+        assert loader.state_dict()["datasets"][0]["prefix"] == 40  # the epoch is over
+        assert [len(b) for b in loader] == [7] * 5  # and the next one is whole again
+
+
+def test_loader_refuses_a_global_batch_it_cannot_split(tree, monkeypatch):
+    src, cache = tree
+    files = VolumeDataset(src, cache_dir=cache)
+    with pytest.raises(ValueError, match="not both"):
+        DataLoader(files, batch_size=4, global_batch_size=8, num_workers=0)
+    with pytest.raises(DataError, match="needs a VolumeDataset"):
+        DataLoader(list(range(10)), global_batch_size=8, num_workers=0)
+    with pytest.raises(ValueError, match="cannot be split over 9 ranks"):
+        monkeypatch.setenv("WORLD_SIZE", "9")
+        DataLoader(files, global_batch_size=8, num_workers=0)
+    # Built for three ranks (as a launcher's environment says) but iterated in a world of one.
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with (
+        DataLoader(files, global_batch_size=8, num_workers=0) as loader,
+        pytest.raises(DataError, match="over 3 ranks, but the process group now has 1"),
+    ):
+        iter(loader)
+
+
+def test_an_epoch_whose_last_step_leaves_a_rank_without_a_sample_is_refused_at_its_start():
+    with pytest.raises(DataError, match="ends with 3 samples .* fewer than the 4 ranks"):
+        _check_shares((2, 2, 2, 2), 4, 43, drop_last=False)
+    _check_shares((2, 2, 2, 2), 4, 43, drop_last=True)
+    _check_shares((2, 2, 2, 2), 4, 44, drop_last=False)
