@@ -2,7 +2,8 @@
 
 Metadata is read with a restricted unpickler. Where the target is remote (a
 URL, a network or FUSE mount) the byte ranges of the items a rank's plan names
-are fetched into local staging, each range several ranks need by one rank only
+are fetched into local staging (one directory per node, shared by its ranks),
+each range several ranks need by one rank only
 and handed to the others over the process group, checked against its recorded
 CRC-32 where it was fetched (:mod:`nbtools.checkpoint._storage._staged_read`); a handed
 tensor whose destination is a dense CPU tensor of its dtype and shape is copied
@@ -165,6 +166,7 @@ class VolumeReader(StorageReader):
             self.path,
             thread_count=getattr(self, "thread_count", 4),
             verify=getattr(self, "verify", True),
+            staging_base=self._staging_base,
             **self._fetch_settings,
         )
         # dcp.load wraps what is raised inside it: only a check made here leads the error.
@@ -224,7 +226,12 @@ class VolumeReader(StorageReader):
             )
         if self._stage:
             note = plan.storage_data.get(NOTE) if isinstance(plan.storage_data, dict) else None
-            with scratch.staging_area(self._staging_base) as stage:
+            area = (note or {}).get("area")
+            with (
+                scratch.shared_area(self._staging_base, area)
+                if area
+                else scratch.staging_area(self._staging_base)
+            ) as stage:
                 delivery = Delivery(
                     plan,
                     self.storage_data,

@@ -23,7 +23,8 @@ chunks in all). Buffers are CPU tensors on a gloo group; CUDA tensors on an
 NCCL group (where a group has both, CUDA when the load has destinations on a
 GPU). A record whose destination is a dense CPU tensor of its dtype and shape
 is copied from the message straight into it; any other record is written to
-the rank's sparse staging files, from which the load itself reads. A rank
+the sparse staging files, from which the load itself reads: once per node, as
+the ranks of a node share their staging directory (``Receiver.stages``). A rank
 holds the message buffers (two chunks) beyond its own state.
 """
 
@@ -161,6 +162,11 @@ class Receiver(Protocol):
     def done(self, key: Key) -> None:
         """All data bytes of a sunk record arrived."""
 
+    def stages(self, key: Key, reader: int) -> bool:
+        """Whether this rank writes a record that ``reader`` handed over, and that it does
+        not sink, to the staging file (False: another rank of its node does, in the
+        staging directory they share)."""
+
 
 def _header_size(segments: tuple[tuple[Key, int, int], ...]) -> int:
     return _HEADER + 16 * len(segments)
@@ -211,6 +217,7 @@ def exchange(
     count = max(2, memory // biggest)
     buffers = [_Buffer(biggest, device) for _ in range(min(count, len(messages)))]
     sinks: dict[Key, tuple[torch.Tensor, int, int] | None] = {}
+    writes: dict[Key, bool] = {}
     left: dict[Key, int] = {}
     flight: collections.deque[tuple[Any, _Buffer, int, Any, int, BaseException | None]] = (
         collections.deque()
@@ -229,12 +236,13 @@ def exchange(
             text = bytes(buf.view[_HEADER : _HEADER + count]).decode("utf-8", "replace")
             raise _ERRORS.get(status, CheckpointError)(text)
         with timings.phase("unpack"):
-            _unpack(buf, segments, head, reader == me)
+            _unpack(buf, segments, head, reader)
         if reader != me:
             on_bytes(sum(n for _, _, n in segments))
 
-    def _unpack(buf: _Buffer, segments: Any, head: Any, mine: bool) -> None:
+    def _unpack(buf: _Buffer, segments: Any, head: Any, reader: int) -> None:
         at = _header_size(segments)
+        mine = reader == me
         for index, (key, start, n) in enumerate(segments):
             if key in needed:
                 if key not in sinks:
@@ -242,6 +250,7 @@ def exchange(
                     dest = delivery.sink(key, offset, nbytes) if offset >= 0 else None
                     sinks[key] = None if dest is None else (dest, offset, nbytes)
                     left[key] = nbytes
+                    writes[key] = dest is None and not mine and delivery.stages(key, reader)
                 sink = sinks[key]
                 if sink is not None:
                     dest, offset, nbytes = sink
@@ -253,7 +262,7 @@ def exchange(
                         left[key] -= hi - lo
                         if not left[key]:
                             delivery.done(key)
-                elif not mine:
+                elif writes[key]:
                     fd = os.open(staged(key[0]), os.O_WRONLY | os.O_CREAT, 0o600)
                     try:
                         os.pwritev(fd, [buf.view[at : at + n]], key[1] + start)

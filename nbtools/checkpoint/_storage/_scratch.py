@@ -2,6 +2,10 @@
 
 The base directory is ``NBTOOLS_STAGING_DIR`` or the system temp dir. Each save
 or load gets its own subdirectory, removed afterwards, also after a failure.
+The ranks of one node that load one checkpoint together share one
+(:func:`shared_area`): a record any of them stages is staged once per node,
+and one space check, made for the node, covers them (:func:`node_of`,
+:func:`space_shortage`).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import contextlib
 import errno
 import os
 import shutil
+import socket
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -23,7 +28,12 @@ from nbtools.errors import StagingSpaceError
 __all__ = [
     "staging_base",
     "staging_area",
+    "shared_area",
+    "node_of",
     "check_space",
+    "space_shortage",
+    "shared_name",
+    "claim",
     "space_error",
     "used_bytes",
     "sweep",
@@ -44,15 +54,35 @@ def staging_base(staging_dir: str | os.PathLike[str] | None = None) -> str:
 
 def check_space(base: str, needed: int, what: str) -> None:
     """Raise :class:`StagingSpaceError` unless ``base`` has room for ``needed`` bytes."""
-    free = free_bytes(base)
-    if needed + _RESERVE_BYTES > free:
-        raise StagingSpaceError(
-            f"{what} needs about {needed / 2**20:.1f} MiB of local staging space plus a "
-            f"reserve of {_RESERVE_BYTES / 2**20:.1f} MiB kept free on that filesystem "
-            f"({(needed + _RESERVE_BYTES) / 2**20:.1f} MiB in all), but {base} has "
-            f"{free / 2**20:.1f} MiB free; free some space or point NBTOOLS_STAGING_DIR "
-            "(or staging_dir=) at a larger local disk"
-        )
+    error = space_shortage(base, needed, free_bytes(base), what)
+    if error is not None:
+        raise error
+
+
+def space_shortage(base: str, needed: int, free: int, what: str) -> StagingSpaceError | None:
+    """The error to raise when ``free`` bytes of ``base`` do not hold ``needed`` bytes and
+    the reserve kept free beside them, else None."""
+    if needed + _RESERVE_BYTES <= free:
+        return None
+    return StagingSpaceError(
+        f"{what} needs about {needed / 2**20:.1f} MiB of local staging space plus a "
+        f"reserve of {_RESERVE_BYTES / 2**20:.1f} MiB kept free on that filesystem "
+        f"({(needed + _RESERVE_BYTES) / 2**20:.1f} MiB in all), but {base} has "
+        f"{free / 2**20:.1f} MiB free; free some space or point NBTOOLS_STAGING_DIR "
+        "(or staging_dir=) at a larger local disk"
+    )
+
+
+def node_of(base: str) -> tuple[list[Any], int]:
+    """``(which staging disk, free bytes)`` of this process for staging base ``base``.
+
+    Processes with equal first parts stage on the same directory of the same
+    filesystem: the host's name and the base's device and inode (two containers
+    on one host have their own temp filesystems, so their own devices).
+    """
+    os.makedirs(base, exist_ok=True)
+    st = os.stat(base)
+    return [socket.gethostname(), os.path.realpath(base), st.st_dev, st.st_ino], free_bytes(base)
 
 
 def used_bytes(path: str) -> int:
@@ -155,6 +185,54 @@ def staging_area(base: str) -> Iterator[str]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def shared_name(leader_pid: int, token: str) -> str:
+    """The name of a load's area shared by a node, made by the ranks' coordinator: the
+    pid of the node's first rank (so :func:`sweep` removes it once that one is gone)."""
+    return f"{_PREFIX}{leader_pid}-{token}"
+
+
+@contextlib.contextmanager
+def shared_area(base: str, name: str) -> Iterator[str]:
+    """The directory ``name`` under ``base`` that the ranks of one node load through.
+
+    Every rank enters it (the first creates it) and leaves a mark there while it
+    is inside; the last to leave removes it, also after a failure. Directories
+    left by dead processes are removed first.
+    """
+    os.makedirs(base, exist_ok=True)
+    sweep(base)
+    path = os.path.join(base, name)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    mark = os.path.join(path, f".in-{os.getpid()}")
+    with open(mark, "w"):
+        pass
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(mark)
+        try:
+            inside = any(n.startswith(".in-") for n in os.listdir(path))
+        except OSError:
+            inside = False
+        if not inside:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def claim(area: str, key: tuple[str, int, int]) -> bool:
+    """Whether this process is the one of its node that writes record ``key`` into the
+    shared ``area`` (the first to ask is; every later one reads what it wrote)."""
+    claims = os.path.join(area, ".claims")
+    os.makedirs(claims, exist_ok=True)
+    name, offset, length = key
+    mark = os.path.join(claims, f"{name.replace(os.sep, '%')}@{offset}+{length}")
+    try:
+        os.close(os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return False
+    return True
 
 
 class _NoBar:

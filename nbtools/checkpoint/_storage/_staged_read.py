@@ -7,6 +7,13 @@ who fetches which record (:func:`~nbtools.checkpoint._storage._coop_read.plan_re
 or why each rank reads for itself, and on every rank fetches its records into
 the load's staging directory, hands shared ones over and verifies checksums,
 before the reader loads anything from there.
+
+The ranks of one node share the load's staging directory: a record handed
+over is written there once per node (by the rank that fetched it when that one
+is on the node, else by the first of the node's ranks that cannot take it
+straight into its destination), and the others read that copy. The
+coordinator checks the space every node stages against the free space its
+ranks noted in their local plans, once per node, before any rank writes.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -103,6 +111,7 @@ class StagedFetch:
     read_timeout: float
     thread_count: int
     verify: bool
+    staging_base: str = ""
     storage_data: Any = None
     infos: dict[Key, Any] = dataclasses.field(default_factory=dict)
     use_collectives: bool = True
@@ -131,7 +140,33 @@ class StagedFetch:
         note = None if group is None else _coop_read.describe_group(group)
         if plan.storage_data is not None:
             return plan  # a planner's own storage data is left alone
-        return dataclasses.replace(plan, storage_data={NOTE: {"group": note}})
+        node, free = _scratch.node_of(self.staging_base)
+        mine = {"group": note, "node": node, "free": free, "pid": os.getpid()}
+        return dataclasses.replace(plan, storage_data={NOTE: mine})
+
+    def _check_nodes(
+        self, notes: list[Any], needs: list[list[Key]], shared: bool
+    ) -> dict[tuple[Any, ...], list[int]] | None:
+        """The ranks of each node (by the staging disk they noted), after one check per
+        node that its disk holds what it stages (the records its ranks need, once each
+        when ``shared``); None when a plan carries no note to check with."""
+        if any(n is None or "node" not in n for n in notes):
+            return None
+        nodes: dict[tuple[Any, ...], list[int]] = {}
+        for rank, note in enumerate(notes):
+            nodes.setdefault(tuple(note["node"]), []).append(rank)
+        for node, ranks in nodes.items():
+            if shared:
+                need = sum(k[2] for k in set().union(*(needs[r] for r in ranks)))
+            else:
+                need = sum(k[2] for r in ranks for k in set(needs[r]))
+            free = min(int(notes[r]["free"]) for r in ranks)
+            shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+            what = f"loading {self.where} on host {node[0]} (rank(s) {shown})"
+            error = _scratch.space_shortage(str(node[1]), need, free, what)
+            if error is not None:
+                raise error
+        return nodes
 
     def _why_not(self, plans: list[LoadPlan]) -> str | None:
         if not self.read_once:
@@ -159,16 +194,42 @@ class StagedFetch:
     def global_notes(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """On the coordinator: who fetches what, or why every rank reads for itself."""
         why = self._why_not(plans)
+        notes: list[Any] = [
+            p.storage_data.get(NOTE) if isinstance(p.storage_data, dict) else None for p in plans
+        ]
+        needs = [[self.key(self.infos_of(i)) for i in p.items] for p in plans]
         if why is not None:
             _log.info(
                 "loading %s: every rank reads the ranges it needs itself: %s", self.where, why
             )
-            return [dataclasses.replace(p, storage_data={NOTE: {"why": why}}) for p in plans]
-        needs = [[self.key(self.infos_of(i)) for i in p.items] for p in plans]
+            checked = self._check_nodes(notes, needs, shared=False) is not None
+            return [
+                dataclasses.replace(p, storage_data={NOTE: {"why": why, "checked": checked}})
+                for p in plans
+            ]
+        nodes = self._check_nodes(notes, needs, shared=True)
+        assert nodes is not None  # every plan has its note when the load reads once
         fetch, messages, shared = _coop_read.plan_reads(needs, self.message_size)
+        token = uuid.uuid4().hex[:12]
+        node_of: dict[int, tuple[str, list[int]]] = {}
+        for ranks in nodes.values():
+            area = _scratch.shared_name(int(notes[ranks[0]]["pid"]), token)
+            node_of.update(dict.fromkeys(ranks, (area, ranks)))
+        together = any(len(ranks) > 1 for ranks in nodes.values())
         return [
             dataclasses.replace(
-                p, storage_data={NOTE: {"fetch": fetch[r], "messages": messages, "shared": shared}}
+                p,
+                storage_data={
+                    NOTE: {
+                        "fetch": fetch[r],
+                        "messages": messages,
+                        "shared": shared,
+                        "checked": True,
+                        "area": node_of[r][0],
+                        "peers": node_of[r][1],
+                        "together": together,
+                    }
+                },
             )
             for r, p in enumerate(plans)
         ]
@@ -195,8 +256,9 @@ class StagedFetch:
         messages = note.get("messages", []) if coop else []
         handed = {k for _, segs in messages for k, _, _ in segs}
         fetch += sorted(needed - set(fetch) - handed)  # items a planner added late
-        staged_bytes = sum(k[2] for k in set(fetch) | needed)
-        _scratch.check_space(os.path.dirname(stage), staged_bytes, f"loading {self.where}")
+        if not note.get("checked"):
+            staged_bytes = sum(k[2] for k in set(fetch) | needed)
+            _scratch.check_space(os.path.dirname(stage), staged_bytes, f"loading {self.where}")
         rank = runtime.get_rank()
         own = sum(k[2] for k in fetch if k not in handed)
         bar = _bar(own + (note.get("shared", 0) if coop else 0), rank == 0)
@@ -257,9 +319,14 @@ class StagedFetch:
                         cuda_destinations=lambda: _cuda_destinations(plan, planner),
                         on_bytes=on_bytes,
                         timings=timings,
-                        delivery=delivery,
+                        delivery=_NodeReceiver(delivery, stage, note),
                         memory=2 * self.chunk_size,
                     )
+                if note.get("together"):
+                    # The node's copies of records handed over are whole before any rank
+                    # of the node loads from them.
+                    with timings.phase("exchange"):
+                        dist.barrier(group=group)
             for key in fetch:
                 ready(key)
             timings.mark("staged_at")
@@ -363,6 +430,32 @@ class StagedFetch:
             f"{self.where}: bytes {offset}..{offset + length} of {name} {by} do not match their "
             "checksum, though they do on the volume (damaged in transfer); load again"
         )
+
+
+class _NodeReceiver:
+    """A rank's :class:`~nbtools.checkpoint._storage._coop_read.Receiver` that stages a
+    record handed over only when no other rank of its node does."""
+
+    def __init__(self, delivery: _coop_read.Receiver, area: str, note: dict[str, Any]) -> None:
+        self._delivery, self._area = delivery, area
+        self._shared = "area" in note
+        self._peers = set(note.get("peers", ()))
+
+    def frame(self, key: Key) -> tuple[int, int]:
+        return self._delivery.frame(key)
+
+    def sink(self, key: Key, offset: int, nbytes: int) -> Any:
+        return self._delivery.sink(key, offset, nbytes)
+
+    def done(self, key: Key) -> None:
+        self._delivery.done(key)
+
+    def stages(self, key: Key, reader: int) -> bool:
+        if not self._shared:
+            return True
+        if reader in self._peers:
+            return False  # its fetcher staged it in this node's area
+        return _scratch.claim(self._area, key)
 
 
 def _cuda_destinations(plan: LoadPlan, planner: LoadPlanner) -> bool:
