@@ -1,0 +1,179 @@
+"""Sharded state (FSDP2's ``fully_shard``, tensor parallelism) recovered from memory."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nbtools import distributed, events
+
+
+def _job(processes: int):
+    """A launch of ``processes`` ranks training a model sharded as a user would shard it:
+    FSDP2 over every rank, or (``tp``) FSDP2 over a 2 x 2 mesh's ``dp`` dimension and
+    tensor parallelism over its ``tp`` dimension. Snapshots every 2 steps, no volume
+    checkpoint before step 100 (so a restore reads no checkpoint byte from the volume).
+    Rank 1 is SIGKILLed once after step ``kill_at`` (when >= 0), once every rank's newest
+    snapshot is complete; with ``lose``, it first removes its own snapshots: its slot comes
+    back from the replica rank 0 holds. With ``meta``, the restarted ranks build their
+    model on the meta device."""
+
+    def train(root, kill_at, tp, lose, meta):
+        import logging
+        import os
+        import shutil
+        import signal
+
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        from nbtools.checkpoint import CheckpointManager
+        from nbtools.runtime import get_restart_count
+
+        class Block(torch.nn.Module):
+            def __init__(self, width):
+                super().__init__()
+                self.up = torch.nn.Linear(width, 4 * width)
+                self.down = torch.nn.Linear(4 * width, width)
+
+            def forward(self, x):
+                return x + self.down(torch.relu(self.up(x)))
+
+        class Net(torch.nn.Module):
+            def __init__(self, width=16):
+                super().__init__()
+                self.blocks = torch.nn.ModuleList(Block(width) for _ in range(2))
+                self.head = torch.nn.Linear(width, 3)
+
+            def forward(self, x):
+                for block in self.blocks:
+                    x = block(x)
+                return self.head(x)
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if lose:  # each rank's snapshots in a directory of its own: two nodes' memories
+            base = os.environ["NBTOOLS_SNAPSHOT_DIR"]
+            os.environ["NBTOOLS_SNAPSHOT_DIR"] = node = os.path.join(base, f"node{rank}")
+            os.makedirs(node, exist_ok=True)
+        if tp:
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+            dp_mesh, dp_rank = mesh["dp"], mesh.get_coordinate()[0]
+        else:
+            dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+            dp_rank = rank
+        torch.manual_seed(0)
+        # With ``meta``, a restarted rank builds its model on the meta device.
+        with torch.device("meta" if meta and get_restart_count() else "cpu"):
+            net = Net()
+        if tp:
+            for block in net.blocks:
+                parallelize_module(
+                    block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()}
+                )
+        for block in net.blocks:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(net, mesh=dp_mesh)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        said = []
+
+        class Said(logging.Handler):
+            def emit(self, record):
+                said.append(record.getMessage())
+
+        logging.getLogger("nbtools").addHandler(Said(logging.WARNING))
+        with CheckpointManager(
+            root, every=100, memory_every=2, replicas=1 if lose else 0, async_save=False
+        ) as ckpt:
+            start = ckpt.restore(model=net, optimizer=opt, init=lambda m: None)
+            for step in range(start, 12):
+                torch.manual_seed(1000 * step + dp_rank)  # each data-parallel rank its batch
+                opt.zero_grad()
+                net(torch.randn(4, 16)).pow(2).mean().backward()
+                opt.step()
+                ckpt.maybe_save(step, model=net, optimizer=opt)
+                if step == kill_at and get_restart_count() == 0:
+                    ckpt.wait()  # the snapshot of the step before is complete on every rank
+                    dist.barrier()
+                    if rank == 1:
+                        if lose:
+                            shutil.rmtree(node)
+                        os.kill(os.getpid(), signal.SIGKILL)
+        params = [p.to_local().detach().clone() for p in net.parameters()]
+        state = [
+            (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+            for s in opt.state.values()
+            for t in s.values()
+        ]
+        with open("/proc/self/maps") as fh:  # nothing left mapped of a restored slot
+            slots = [line.split()[-1] for line in fh if line.rstrip().endswith(".slot")]
+        return (
+            get_restart_count(),
+            ckpt.restored_step,
+            ckpt.restored_tier,
+            params,
+            state,
+            slots,
+            said,
+        )
+
+    return distributed(processes=processes, max_restarts=1, output="none")(train)
+
+
+def _same(results, reference):
+    for got, want in zip(results, reference, strict=True):
+        for a, b in zip(got[3] + got[4], want[3] + want[4], strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_fsdp2_killed_at_a_random_step_resumes_from_memory_bit_identical(tmp_path, shm):
+    kill_at = random.Random().choice([3, 4, 5, 6, 7, 8, 9])
+    job = _job(2)
+    reference = job.distributed(str(tmp_path / "reference"), -1, False, False, False)
+    results = job.distributed(str(tmp_path / "root"), kill_at, False, False, False)
+    snapshot = kill_at - kill_at % 2  # the newest snapshot complete at the kill
+    assert [r[:3] for r in results] == [(1, snapshot, "memory")] * 2, kill_at
+    assert not any("cannot be snapshotted" in line for r in results for line in r[6])
+    assert all(r[5] == [] for r in results)  # no slot page left mapped
+    _same(results, reference)
+    restored = [e for e in events.log(kinds=["checkpoint_restored"]) if e.rank == 0]
+    assert restored[-1].fields["tier"] == "memory"
+    assert not any(p.is_file() for p in shm.rglob("*"))  # closed cleanly: removed
+
+
+@pytest.mark.slow
+def test_a_lost_fsdp2_slot_comes_back_from_its_replica(tmp_path, shm):
+    job = _job(2)
+    reference = job.distributed(str(tmp_path / "reference"), -1, False, False, False)
+    results = job.distributed(str(tmp_path / "root"), 7, False, True, False)
+    assert [r[:3] for r in results] == [(1, 6, "memory"), (1, 6, "replica")]
+    _same(results, reference)
+    assert not any(p.is_file() for p in shm.rglob("*"))
+
+
+@pytest.mark.slow
+def test_an_fsdp2_model_built_on_the_meta_device_restores_from_memory(tmp_path, shm):
+    job = _job(2)
+    reference = job.distributed(str(tmp_path / "reference"), -1, False, False, False)
+    results = job.distributed(str(tmp_path / "root"), 5, False, False, True)
+    assert [r[:3] for r in results] == [(1, 4, "memory")] * 2
+    _same(results, reference)
+
+
+@pytest.mark.slow
+def test_fsdp2_with_tensor_parallelism_on_a_2d_mesh_resumes_from_memory(tmp_path, shm):
+    job = _job(4)
+    reference = job.distributed(str(tmp_path / "reference"), -1, True, False, False)
+    results = job.distributed(str(tmp_path / "root"), 5, True, False, False)
+    assert [r[:3] for r in results] == [(1, 4, "memory")] * 4
+    _same(results, reference)
+    assert not any(p.is_file() for p in shm.rglob("*"))
