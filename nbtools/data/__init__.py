@@ -33,6 +33,10 @@ Rules users must follow:
 * **Same ``num_workers`` on every rank.** Files are split with a global stride
   over ``world_size x num_workers`` slots; a mismatch is an error at the start
   of iteration. No ``DistributedSampler`` is needed.
+* **Same global batch on every rank.** With ``DataLoader(global_batch_size=N)``
+  each step takes ``N`` samples over all ranks, each rank its
+  ``nbtools.runtime.batch_plan`` share; ranks that disagree on ``N`` are refused
+  at the start of iteration.
 * **Save and restore on every rank.** With a process group of several ranks,
   ``state_dict()`` is a collective; each rank gets the same plain-Python state.
 
