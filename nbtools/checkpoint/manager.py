@@ -266,7 +266,8 @@ class CheckpointManager:
     def _restore(self, planner: Any, kinds: _state.Objects) -> int:
         self.wait()
         scratch.sweep(scratch.staging_base(self._staging_dir))  # a killed writer's leftovers
-        restored = Restorer(self._tiers, self._pg).restore(kinds, planner)
+        with events.phase("restore"):
+            restored = Restorer(self._tiers, self._pg).restore(kinds, planner)
         if restored.tier in ("memory", "replica") and self._lease is not None:
             self._lease.defer_probe(AFTER_RECOVERY_S)  # the first steps of the recovery run first
         self.restored_step, self.restored_tier = restored.step, restored.tier
@@ -297,10 +298,12 @@ class CheckpointManager:
         self._saver.remember(step, objs, extra)
         if self._memory is not None and self._memory.due(step):
             run_id = active_mlflow_run_id() or self.mlflow_run_id
-            self._memory.snapshot(step, objs, extra, run_id)
+            with events.phase("snapshot"):  # a long phase, not a hang, for the kernel's watch
+                self._memory.snapshot(step, objs, extra, run_id)
         if not self._saver.deferred and (self.every is None or step % self.every != 0):
             return False
-        return self._volume.snapshot(step, objs, extra, None)
+        with events.phase("save"):
+            return self._volume.snapshot(step, objs, extra, None)
 
     def save(self, step: int, *, extra: dict[str, Any] | None = None, **objs: Any) -> bool:
         """Checkpoint ``objs`` as ``step`` (asynchronously unless ``async_save=False``).
@@ -322,7 +325,8 @@ class CheckpointManager:
         check_step(step)
         events.step(step)
         self._check_objects(objs)
-        return self._volume.snapshot(step, objs, extra, None)
+        with events.phase("save"):
+            return self._volume.snapshot(step, objs, extra, None)
 
     def _check_objects(self, objs: dict[str, Any]) -> None:
         """Refuse at the first save call what no restore could put back (a wrapper not
@@ -334,7 +338,8 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until the save in flight (if any) is published and the memory snapshot being
         written (if any) is complete; raise the save's error if it failed."""
-        self._saver.wait()
+        with events.phase("save"):
+            self._saver.wait()
 
     def close(self, *, final_save: bool | None = None) -> None:
         """Finish the save in flight, save the last step reached, release everything.
@@ -353,7 +358,8 @@ class CheckpointManager:
         try:
             self.wait()
             if self.save_on_close if final_save is None else final_save:
-                self._saver.save_last_seen()
+                with events.phase("save"):
+                    self._saver.save_last_seen()
             finished = not self._failed
         finally:
             self._closed = True
