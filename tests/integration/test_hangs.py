@@ -485,3 +485,50 @@ def test_the_stack_of_a_function_sent_from_a_script_shows_its_file_line_and_text
     assert f'File "{script}", line {line}, in train' in section, section
     assert "lock.acquire(timeout=60)  # the line the report points at" in section, section
     assert "<dynamic-code>" not in report
+
+
+def test_a_long_save_through_the_manager_is_not_a_hang(flags, caplog, tmp_path):
+    caplog.set_level(logging.WARNING, logger="nbtools")
+
+    @distributed(processes=2, hang_timeout=3)
+    def train(root, steps):
+        import time
+
+        import fsspec
+        import torch
+        import torch.distributed as dist
+        from fsspec.implementations.local import LocalFileSystem
+
+        from nbtools.checkpoint import CheckpointManager
+
+        slowed = []
+
+        class SlowMount(LocalFileSystem):
+            """A mount of a remote volume where rank 0's first upload takes 12 s."""
+
+            protocol = "nbtslow"
+
+            @classmethod
+            def _strip_protocol(cls, path):
+                return super()._strip_protocol(str(path).removeprefix("nbtslow://"))
+
+            def put_file(self, lpath, rpath, **kwargs):
+                if dist.get_rank() == 0 and not slowed:
+                    slowed.append(rpath)
+                    time.sleep(12)  # idle: waiting on the remote end, using no CPU
+                return super().put_file(lpath, rpath, **kwargs)
+
+        fsspec.register_implementation("nbtslow", SlowMount, clobber=True)
+        model = torch.nn.Linear(64, 64)
+        ckpt = CheckpointManager(f"nbtslow://{root}", every=10)
+        t = torch.ones(1)
+        for step in range(steps):
+            time.sleep(0.05)
+            dist.all_reduce(t)
+            ckpt.maybe_save(step, model=model)
+        ckpt.close()
+        return bool(slowed), ckpt.last_saved_step
+
+    assert train.distributed(str(tmp_path / "ckpt"), 25) == [(True, 24), (False, 24)]
+    assert flags == [], [e.message for e in flags]
+    assert _hang_warnings(caplog) == []
