@@ -15,8 +15,10 @@ it. Tensors already on a real device are left as they are.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,9 +28,20 @@ from torch.distributed.tensor import DTensor
 from nbtools import runtime
 from nbtools.errors import CheckpointError
 
-__all__ = ["MetaModel", "find_meta", "rank_device"]
+__all__ = ["MetaModel", "blob_location", "find_meta", "rank_device"]
 
 Init = Callable[[nn.Module], None]
+
+
+def _gpu_or_default() -> torch.device:
+    nccl = dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend())
+    if nccl and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    default = torch.get_default_device()
+    return torch.device("cpu") if default.type == "meta" else default
+
+
+_warned_cpu = False
 
 
 def rank_device() -> torch.device:
@@ -36,13 +49,34 @@ def rank_device() -> torch.device:
     process group runs NCCL, else torch's default device (the CPU unless the user set one).
 
     CPU ranks on a machine with GPUs (``processes=N``, gloo) stay on the CPU, as a model
-    built without the meta device would.
+    built without the meta device would. When CUDA is available and this is the CPU
+    (a one-GPU notebook with no process group), it warns once per process: the
+    model's next line is often ``model.cuda()``, which leaves the optimizer's
+    restored state on the CPU and fails the first step with a device mismatch.
     """
-    nccl = dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend())
-    if nccl and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    default = torch.get_default_device()
-    return torch.device("cpu") if default.type == "meta" else default
+    global _warned_cpu
+    chosen = _gpu_or_default()
+    if chosen.type == "cpu" and not _warned_cpu and torch.cuda.is_available():
+        _warned_cpu = True
+        warnings.warn(
+            "restore() gives the meta model's tensors storage on the CPU, though CUDA is "
+            "available (no NCCL process group chose a GPU); pass restore(..., device='cuda') "
+            "to restore onto the GPU, or device='cpu' to keep it on the CPU and silence this",
+            UserWarning,
+            stacklevel=3,
+        )
+    return chosen
+
+
+def blob_location(storage: Any, location: str) -> Any:
+    """``torch.load``'s ``map_location`` for a rank's own saved objects: what was saved
+    on a GPU comes back on this rank's device (its current GPU under NCCL), not on the
+    saving rank's GPU index (after a change of world size, another rank's), nor, on a
+    rank without a GPU, as an error; what was saved on the CPU (RNG states) stays there."""
+    if not location.startswith("cuda"):
+        return storage
+    device = _gpu_or_default()
+    return storage.cuda(device) if device.type == "cuda" else storage
 
 
 @dataclass
