@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from nbtools._internal.log import get_logger
+from nbtools.checkpoint._meta import blob_location
 from nbtools.errors import CheckpointError
 
 __all__ = [
@@ -535,7 +536,7 @@ def blob_template(metadata: Metadata, rank: int) -> dict[str, Any]:
 def decode_blob(state: dict[str, Any], objs: Objects, where: str) -> dict[str, Any]:
     """The per-rank state loaded into a :func:`blob_template`; checks every stateful object is in it."""
     (data,) = state[NS].values()
-    blob = torch.load(io.BytesIO(data), weights_only=True)
+    blob = torch.load(io.BytesIO(data), weights_only=True, map_location=blob_location)
     missing = sorted(set(objs.stateful) - set(blob["objects"]))
     if missing:
         raise CheckpointError(
