@@ -67,6 +67,7 @@ __all__ = [
     "MEMORY_SHARE",
     "NEW",
     "available_memory",
+    "other_worlds",
     "drop_job_if_empty",
     "drop_jobs",
     "is_record",
@@ -350,6 +351,27 @@ def drop_jobs(prefix: str, base: str | None = None) -> list[str]:
                     removed.append(name)
         _drop_if_empty(user)  # when no job is left
     return removed
+
+
+def other_worlds(user: str, key: str) -> list[int]:
+    """The world sizes other than ``key``'s of this job's directories under ``user`` that
+    hold a slot: the same run and root, snapshotted by another number of ranks (an
+    elastic job that grew or shrank)."""
+    stem, sep, world = key.rpartition("|world=")
+    if not sep:
+        return []
+    found = set()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(user):
+            path = os.path.join(user, name)
+            _, other = _keeper(path)
+            if other is None or other == key or not other.startswith(stem + sep):
+                continue
+            size = other[len(stem + sep) :]
+            with contextlib.suppress(OSError):
+                if size.isdigit() and any(n.endswith(".slot") for n in os.listdir(path)):
+                    found.add(int(size))
+    return sorted(found)
 
 
 # --- what the ranks know of the volume ------------------------------------------

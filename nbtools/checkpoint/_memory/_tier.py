@@ -462,7 +462,18 @@ class MemoryTier:
         self.wait()
         directory = self.directory if self.trusted else ""
         place = _choice.Place(directory, self.key, self.rank, self.world, self.group)
-        return _choice.offer(place, pg, below, self.volume_bound())
+        got = _choice.offer(place, pg, below, self.volume_bound())
+        if got is None and self.trusted and not self.own() and not self.held():
+            others = _directories.other_worlds(self.user, self.key)
+            if others:
+                _notes.once(
+                    f"world|{self.key}",
+                    "restoring from the volume: this run's memory snapshots were taken by %s "
+                    "rank(s) and it has %d now; a checkpoint on the volume is resharded by DCP",
+                    " and ".join(map(str, others)),
+                    self.world,
+                )
+        return got
 
     def load(
         self, pg: dist.ProcessGroup | None, offer: Offer, kinds: _state.Objects, planner: Any

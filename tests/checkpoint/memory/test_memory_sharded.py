@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
 import torch
 
 from nbtools import distributed, events
+from nbtools.checkpoint import CheckpointManager
 
 
 def _job(processes: int):
     """A launch of ``processes`` ranks training a model sharded as a user would shard it:
     FSDP2 over every rank, or (``tp``) FSDP2 over a 2 x 2 mesh's ``dp`` dimension and
-    tensor parallelism over its ``tp`` dimension. Snapshots every 2 steps, no volume
-    checkpoint before step 100 (so a restore reads no checkpoint byte from the volume).
+    tensor parallelism over its ``tp`` dimension. Snapshots every 2 steps; the volume's only
+    checkpoint before step 100 is step 0's, which a restore from memory never reads.
     Rank 1 is SIGKILLed once after step ``kill_at`` (when >= 0), once every rank's newest
     snapshot is complete; with ``lose``, it first removes its own snapshots: its slot comes
     back from the replica rank 0 holds. With ``meta``, the restarted ranks build their
-    model on the meta device."""
+    model on the meta device; with ``reshard``, they shard it over a 2-D mesh."""
 
-    def train(root, kill_at, tp, lose, meta):
+    def train(root, kill_at, tp, lose, meta, reshard=False):
         import logging
         import os
         import shutil
@@ -60,12 +62,14 @@ def _job(processes: int):
                 return self.head(x)
 
         rank, world = dist.get_rank(), dist.get_world_size()
+        if reshard and get_restart_count():  # restarted ranks shard the model otherwise
+            tp = True
         if lose:  # each rank's snapshots in a directory of its own: two nodes' memories
             base = os.environ["NBTOOLS_SNAPSHOT_DIR"]
             os.environ["NBTOOLS_SNAPSHOT_DIR"] = node = os.path.join(base, f"node{rank}")
             os.makedirs(node, exist_ok=True)
         if tp:
-            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+            mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
             dp_mesh, dp_rank = mesh["dp"], mesh.get_coordinate()[0]
         else:
             dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
@@ -177,3 +181,45 @@ def test_fsdp2_with_tensor_parallelism_on_a_2d_mesh_resumes_from_memory(tmp_path
     assert [r[:3] for r in results] == [(1, 4, "memory")] * 4
     _same(results, reference)
     assert not any(p.is_file() for p in shm.rglob("*"))
+
+
+@pytest.mark.slow
+def test_fsdp2_restarted_on_another_mesh_uses_the_volume_and_says_why(tmp_path, shm):
+    job = _job(2)
+    results = job.distributed(str(tmp_path / "root"), 7, False, False, False, True)
+    assert [r[:3] for r in results] == [(1, 0, "volume")] * 2  # DCP resharded step 0
+    said = [line for line in results[0][6] if "not restoring step 6 from memory" in line]
+    assert len(said) == 1, results[0][6]
+    assert "sharded over mesh [0, 1] (dp) with placements [Shard(dim=0)]" in said[0]
+    assert "another mesh, so the volume is used, where DCP reshards" in said[0]
+
+
+def test_a_run_at_another_world_size_uses_the_volume_and_says_why(
+    tmp_path, shm, monkeypatch, caplog
+):
+    # The same job's snapshots, taken by 2 ranks (an elastic job that then shrank to 1).
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    net = torch.nn.Linear(4, 4)
+    opt = torch.optim.Adam(net.parameters(), lr=0.1)
+    with (
+        pytest.raises(RuntimeError),
+        CheckpointManager(tmp_path / "root", every=100, memory_every=2, async_save=False) as ckpt,
+    ):
+        for step in range(1, 4):  # a snapshot at step 2, nothing on the volume
+            opt.zero_grad()
+            net(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            ckpt.maybe_save(step, model=net, optimizer=opt)
+        raise RuntimeError("killed")
+    assert list(shm.rglob("*.slot"))
+    monkeypatch.delenv("WORLD_SIZE")
+    caplog.set_level(logging.WARNING, logger="nbtools")
+    with CheckpointManager(tmp_path / "root", memory_every=2, async_save=False) as again:
+        assert again.restore(model=net, optimizer=opt) == 0  # the volume holds nothing
+    lines = [
+        r.getMessage() for r in caplog.records if "memory snapshots were taken" in r.getMessage()
+    ]
+    assert lines == [
+        "restoring from the volume: this run's memory snapshots were taken by 2 rank(s) and "
+        "it has 1 now; a checkpoint on the volume is resharded by DCP"
+    ]
