@@ -40,7 +40,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint._meta import blob_location
 from nbtools.errors import CheckpointError
 
 __all__ = [
@@ -533,10 +532,20 @@ def blob_template(metadata: Metadata, rank: int) -> dict[str, Any]:
     return {NS: {f"rank_{source_rank(metadata, rank)}": b""}}
 
 
+def _blob_location(storage: Any, location: str) -> Any:
+    """``torch.load``'s ``map_location`` for a rank's own saved objects: what was saved on
+    a GPU comes back on this rank's current GPU (not the saving rank's index, after a
+    change of world size another rank's), or on the CPU where there is none; what was
+    saved on the CPU (RNG states) stays there."""
+    if not location.startswith("cuda") or not torch.cuda.is_available():
+        return storage
+    return storage.cuda(torch.cuda.current_device())
+
+
 def decode_blob(state: dict[str, Any], objs: Objects, where: str) -> dict[str, Any]:
     """The per-rank state loaded into a :func:`blob_template`; checks every stateful object is in it."""
     (data,) = state[NS].values()
-    blob = torch.load(io.BytesIO(data), weights_only=True, map_location=blob_location)
+    blob = torch.load(io.BytesIO(data), weights_only=True, map_location=_blob_location)
     missing = sorted(set(objs.stateful) - set(blob["objects"]))
     if missing:
         raise CheckpointError(
