@@ -18,7 +18,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from nbtools import runtime
 from nbtools.errors import CheckpointError
 
-__all__ = ["MetaModel", "blob_location", "find_meta", "rank_device"]
+__all__ = ["MetaModel", "find_meta", "rank_device"]
 
 Init = Callable[[nn.Module], None]
 
@@ -66,17 +65,6 @@ def rank_device() -> torch.device:
             stacklevel=3,
         )
     return chosen
-
-
-def blob_location(storage: Any, location: str) -> Any:
-    """``torch.load``'s ``map_location`` for a rank's own saved objects: what was saved
-    on a GPU comes back on this rank's device (its current GPU under NCCL), not on the
-    saving rank's GPU index (after a change of world size, another rank's), nor, on a
-    rank without a GPU, as an error; what was saved on the CPU (RNG states) stays there."""
-    if not location.startswith("cuda"):
-        return storage
-    device = _gpu_or_default()
-    return storage.cuda(device) if device.type == "cuda" else storage
 
 
 @dataclass
