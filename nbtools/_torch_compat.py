@@ -72,6 +72,7 @@ __all__ = [
     "torch_metadata_loader",
     "guard_init_process_group",
     "restore_fork_start_method",
+    "release_returned",
 ]
 
 #: torch versions the test suite runs on (CPU in CI); the first is the declared minimum.
@@ -225,6 +226,24 @@ def shutdown_workers(iterator: Any) -> None:
 
 
 # --- elastic process contexts -----------------------------------------------------------
+
+
+def release_returned(ctx: Any) -> None:
+    """Let a ``MultiprocessContext``'s processes that returned exit without its ``wait``.
+
+    Each one waits, after handing torch its return value, until torch's poll has read
+    them all, which it never does for a context one of whose processes died (a group
+    that healed in place goes by its own files instead).
+    """
+    event = getattr(ctx, "_worker_finished_event", None)
+    if event is None:
+        _fallback_note(
+            "MultiprocessContext._worker_finished_event",
+            "the ranks of a healed group end when they are stopped",
+            logging.INFO,
+        )
+        return
+    event.set()
 
 
 def process_exitcodes(ctx: Any) -> dict[int, int | None]:

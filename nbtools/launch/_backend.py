@@ -53,6 +53,10 @@ class GroupSpec:
         attempt_dir: a private, empty directory on this machine for this attempt;
             the group's output files live here.
         env: extra environment variables for every rank (events channel, ...).
+        heal: a rank that dies (a signal, ``os._exit``) is replaced while the
+            others keep their processes, each heal one restart (see
+            :mod:`nbtools.launch._local._heal`); where the backend cannot, the
+            group fails as without it.
     """
 
     payload: bytes
@@ -63,6 +67,7 @@ class GroupSpec:
     max_restarts: int
     attempt_dir: str
     env: dict[str, str] = field(default_factory=dict)
+    heal: bool = False
 
     @property
     def backend(self) -> str:
@@ -75,9 +80,11 @@ class Finished:
     """Every rank returned: ``results[r]`` is rank r's return value, pickled.
 
     Pickle bytes, or a pickle with its out-of-band buffers (a local rank's result file).
+    ``heals``: how many times the group healed a dead rank in place (each a restart).
     """
 
     results: list[bytes | Framed]
+    heals: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,11 +95,13 @@ class Failed:
         failures: what each failed rank reported (or how its process ended).
         first: the rank whose failure came first, the likely cause (None if unknown).
         returned: ranks whose function had returned before the failure.
+        heals: how many times the group healed a dead rank in place before it failed.
     """
 
     failures: dict[int, RankFailure]
     first: int | None
     returned: frozenset[int] = frozenset()
+    heals: int = 0
 
 
 Outcome = Finished | Failed

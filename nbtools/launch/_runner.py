@@ -55,6 +55,7 @@ class Plan:
     hang_timeout: float | None = None
     on_hang: str = "report"
     rich_output: str = "rank0"
+    heal: bool = False
 
     @property
     def backend(self) -> str:
@@ -115,6 +116,7 @@ def _run(
             restart_count=restarts,
             max_restarts=plan.max_restarts,
             attempt_dir=attempt_dir,
+            heal=plan.heal,
             env={
                 **collector.environment(),
                 **setup_environment(attempt_dir, plan.rich_output),
@@ -128,6 +130,7 @@ def _run(
     try:
         while True:
             outcome = until_formed(attempt)
+            restarts += outcome.heals  # each rank healed in place was one restart
             if not isinstance(outcome, Failed):
                 events.emit(
                     "finished",
@@ -236,7 +239,7 @@ def _attempt(
             rank: dataclasses.replace(f, traceback=localize(f.traceback)) if f.traceback else f
             for rank, f in outcome.failures.items()
         }
-        outcome = Failed(failures, outcome.first, outcome.returned)
+        outcome = Failed(failures, outcome.first, outcome.returned, outcome.heals)
     return outcome
 
 

@@ -53,6 +53,7 @@ from nbtools.launch._backend import Failed, Finished, GroupSpec, Outcome, wait_f
 from nbtools.launch._failures import RankFailure, from_early_exit, from_exit, from_record
 from nbtools.launch._local import _forkserver
 from nbtools.launch._local._elastic import POLL_S, STOP_GRACE_S, ElasticQuiet, exit_status, start
+from nbtools.launch._local._heal import Heal, Healer
 from nbtools.launch._rank import (
     STACK_SIGNAL,
     RankSpec,
@@ -62,9 +63,11 @@ from nbtools.launch._rank import (
     exit_code,
     failure_path,
     formed_path,
+    heal_environment,
     leftovers_path,
     release_path,
     returned_path,
+    store_path,
 )
 
 __all__ = ["LocalBackend", "LocalGroup"]
@@ -114,6 +117,8 @@ class LocalBackend:
         base = _env.caller_environment()
         base.update(spec.env)
         base.update(_forkserver.rank_environment(base))
+        if spec.heal and not spec.use_cuda:
+            base.update(heal_environment(spec.attempt_dir))
         if spec.run_id not in self._runs:
             # Should this process die before the launch ends, the forkserver ends it.
             _forkserver.note_launch(spec.run_id, os.path.dirname(spec.attempt_dir), base)
@@ -138,11 +143,12 @@ class LocalBackend:
                 world_size=spec.world_size,
                 backend=spec.backend,
                 use_cuda=spec.use_cuda,
-                init_method="file://" + os.path.join(spec.attempt_dir, "store"),
+                init_method="file://" + store_path(spec.attempt_dir, 0),
                 run_dir=spec.attempt_dir,
                 caller_pid=os.getpid(),
                 env_names=frozenset(envs[rank]),
                 report_formed=method != _env.START_METHOD,
+                heal=spec.heal and not spec.use_cuda,
             )
             args[rank] = (spec.payload, rank_spec)
         logs = DefaultLogsSpecs(log_dir=os.path.join(spec.attempt_dir, "logs"), redirects=Std.ALL)
@@ -153,6 +159,7 @@ class LocalBackend:
             quiet.close()
             raise
         group = LocalGroup(ctx, spec, quiet, paused)
+        group.starts = _Starts(base, envs, args)
         groups = list(ctx.pids().values())  # each rank leads its own process group
         _forkserver.note_launch(spec.run_id, os.path.dirname(spec.attempt_dir), base, groups)
         return group
@@ -165,6 +172,15 @@ class LocalBackend:
         runs, self._runs = self._runs, set()
         for run_id in runs:
             _forkserver.forget_launch(run_id)
+
+
+@dataclass(frozen=True)
+class _Starts:
+    """What started the group's ranks, to start a replacement for one of them (a heal)."""
+
+    base: dict[str, str]
+    envs: dict[int, dict[str, str]]
+    args: dict[int, tuple[bytes, RankSpec]]
 
 
 @dataclass(frozen=True)
@@ -201,6 +217,13 @@ class LocalGroup:
         self._outcome: Outcome | None = None
         self._collector: threading.Thread | None = None  # see _collect_later
         self._killed: set[int] = set()  # ranks that needed SIGKILL to end (_exit_codes)
+        self.starts: _Starts | None = None  # set by LocalBackend._start
+        self._healer = Healer(spec)
+        # Replacements started by heals, each a context of its own; where each rank's
+        # current process is: (context, index in it).
+        self._replacements: list[PContext] = []
+        self._where: dict[int, tuple[PContext, int]] = {r: (ctx, r) for r in self._procs}
+        self._refused = -1  # the generation whose waiting ranks were told to fail
 
     def poll(self) -> Outcome | None:
         if self._outcome is not None:
@@ -211,6 +234,11 @@ class LocalGroup:
             # A rank that has ended is seen before torch collects it (see the module
             # docstring); torch's own poll then reports the rest.
             gone = self._vanished()
+            if self._healer.count:
+                self._outcome = self._poll_healed(gone)
+                return self._outcome
+            if gone is None and self._healer.enabled:
+                self._refuse_waiting()
             if gone is not None and gone.codes is not None:
                 self._collect_later()
                 self._outcome = self._ended(gone.rank, gone.codes)
@@ -235,6 +263,110 @@ class LocalGroup:
         self._outcome = self._failed(result, early, exited)
         return self._outcome
 
+    def _poll_healed(self, gone: _Vanished | None) -> Outcome | None:
+        """The outcome of a group that healed: torch's first context no longer knows it."""
+        heals = self._healer.count
+        if gone is None:
+            self._healer.report()
+            self._refuse_waiting()
+            if not self._released:
+                time.sleep(POLL_S)
+                return None
+            for ctx in self._contexts():
+                _torch_compat.release_returned(ctx)  # torch's wait cannot, for the first
+            if any(_running(p) for p in self._procs.values()):
+                time.sleep(POLL_S)
+                return None
+            self._healer.report(final=True)
+            self._groups = []  # ranks that returned ended their own leftovers
+            self._collect_later()
+            world = self._spec.world_size
+            return Finished([self._result(r) for r in range(world)], heals=heals)
+        self._healer.report(final=True)
+        self._terminate(exclude=gone.rank)
+        codes = gone.codes if gone.codes is not None else self._exit_codes()
+        self._collect_later()
+        if codes is None:  # a rank stuck in the kernel: go by the records alone
+            self._stopped = True
+            failed = self._failed(None, gone.rank, {}, first=gone.rank)
+        else:
+            failed = self._ended(gone.rank, codes)
+        return dataclasses.replace(failed, heals=heals)
+
+    def _refuse_waiting(self) -> None:
+        """Every rank still running waits for a verdict and none died: tell them to fail."""
+        generation = self._healer.generation
+        if self._refused == generation:
+            return
+        attempt_dir = self._spec.attempt_dir
+        running = [
+            r
+            for r, p in self._procs.items()
+            if _running(p) and not os.path.exists(returned_path(attempt_dir, r))
+        ]
+        if self._healer.refuse_waiting(running):
+            self._refused = generation
+
+    def _heal(self, returned: set[int]) -> bool:
+        """Replace the ranks that died without a word, the others kept; whether it did."""
+        self._healer.together()
+        attempt_dir = self._spec.attempt_dir
+        dead = [
+            r
+            for r, p in self._procs.items()
+            if r not in returned
+            and not _running(p)
+            and not os.path.exists(failure_path(attempt_dir, r))
+        ]
+        why = self._healer.why_not(dead, returned)
+        if why is not None or self.starts is None:
+            self._healer.refuse(why or "the group cannot start a replacement", dead)
+            return False
+        heal = self._healer.begin(dead, {r: self._code(r) for r in dead})
+        for rank in dead:
+            self._replace(rank, heal)
+        self._healer.publish(heal)
+        return True
+
+    def _replace(self, rank: int, heal: Heal) -> None:
+        """Start a fresh rank ``rank`` from the forkserver, in generation ``heal.generation``."""
+        assert self.starts is not None
+        attempt_dir = self._spec.attempt_dir
+        env = dict(self.starts.envs[rank])
+        env.update(self._healer.environment(heal.ranks))
+        payload, rank_spec = self.starts.args[rank]
+        spec = dataclasses.replace(
+            rank_spec,
+            generation=heal.generation,
+            init_method="file://" + store_path(attempt_dir, heal.generation),
+            output=(self.stdouts[rank], self.stderrs[rank]),
+            report_formed=False,
+        )
+        logs = DefaultLogsSpecs(
+            log_dir=os.path.join(attempt_dir, "logs", f"g{heal.generation}-rank{rank}"),
+            redirects=Std.NONE,
+        )
+        ctx = start({0: (payload, spec)}, {0: env}, logs, _env.START_METHOD)
+        self._replacements.append(ctx)
+        pid = ctx.pids()[0]
+        self._procs[rank] = _process(pid)
+        self._where[rank] = (ctx, 0)
+        self._groups.append(pid)
+        run_dir = os.path.dirname(attempt_dir)
+        _forkserver.note_launch(self._spec.run_id, run_dir, self.starts.base, self._groups)
+
+    def _code(self, rank: int) -> int | None:
+        """The exit code of rank ``rank``'s current process (None: unknown or running)."""
+        ctx, index = self._where[rank]
+        code = _torch_compat.process_exitcodes(ctx).get(index)
+        proc = self._procs.get(rank)
+        if code is None and proc is not None:
+            code = exit_code(proc.pid)
+        return code
+
+    def _contexts(self) -> list[PContext]:
+        return [self._ctx, *self._replacements]
+
     def _formed(self) -> bool:
         attempt_dir = self._spec.attempt_dir
         return all(os.path.exists(formed_path(attempt_dir, r)) for r in self._procs)
@@ -258,14 +390,20 @@ class LocalGroup:
             self._released = True
         for rank, proc in self._procs.items():
             if rank not in returned and not _running(proc):
+                if self._healer.count and os.path.exists(failure_path(attempt_dir, rank)):
+                    return _Vanished(rank, None)  # torch's first context knows no longer
                 if os.path.exists(failure_path(attempt_dir, rank)):
                     # It raised: its peers may be raising too, and write their own records,
                     # or fail in the collective it left; torch stops the rest once it has
                     # collected this one.
                     return _Vanished(rank, exit_status(self._ctx))
                 # Died without a word (a signal, os._exit): the others wait for it in a
-                # collective; stop them now.
+                # collective; heal it in place, or stop them now.
+                if self._healer.enabled and self._heal(returned):
+                    return None
                 self._terminate(exclude=rank)
+                if self._healer.count:
+                    return _Vanished(rank, None)  # torch's first context knows no longer
                 if not self._spec.use_cuda:
                     codes = self._exit_codes()
                     if codes is not None:
@@ -288,12 +426,9 @@ class LocalGroup:
         if killed is None:
             return None  # stuck (uninterruptible): torch's own stop deals with it
         self._killed |= killed
-        known = _torch_compat.process_exitcodes(self._ctx)
         codes: dict[int, int] = {}
-        for rank, proc in self._procs.items():
-            code = known.get(rank)
-            if code is None and proc is not None:
-                code = exit_code(proc.pid)
+        for rank in self._procs:
+            code = self._code(rank)
             if code is None:
                 return None
             codes[rank] = code
@@ -311,7 +446,8 @@ class LocalGroup:
 
         def collect() -> None:
             try:
-                self._ctx.close(signal.SIGKILL, timeout=_COLLECT_S)
+                for ctx in self._contexts():
+                    ctx.close(signal.SIGKILL, timeout=_COLLECT_S)
             finally:
                 self._quiet.close()  # torch reports each process it closes: silenced till now
 
@@ -408,9 +544,11 @@ class LocalGroup:
         self._stopped = True
         self._resume()
         try:
-            self._ctx.close(signal.SIGTERM, timeout=STOP_GRACE_S)
+            for ctx in self._contexts():
+                ctx.close(signal.SIGTERM, timeout=STOP_GRACE_S)
         except KeyboardInterrupt:
-            self._ctx.close(signal.SIGKILL, timeout=STOP_GRACE_S)
+            for ctx in self._contexts():
+                ctx.close(signal.SIGKILL, timeout=STOP_GRACE_S)
             raise
 
     def _resume(self) -> None:

@@ -10,6 +10,8 @@ uses what this door exports:
 - ``_worker``: :func:`run_rank`, the local backend's rank, and the files by
   which it talks to the caller (:class:`RankSpec`, ``*_path``);
 - ``_records``: the failure record a rank publishes;
+- ``_heal``: a rank whose peer died waits for the caller's verdict and forms the
+  group again in its next generation (``@distributed(heal=True)``);
 - ``_display`` (with ``_display_mpl``) and ``_kernel_logging``: the cell's rich
   output and the kernel's logging, in the rank;
 - ``_trainer_hooks``: HF and Lightning trainers report their steps;
@@ -24,6 +26,15 @@ from __future__ import annotations
 from nbtools.launch._rank._display import MARK as DISPLAY_MARK
 from nbtools.launch._rank._display import RICH_OUTPUT_MODES, figure_bundle
 from nbtools.launch._rank._display import show as show_display
+from nbtools.launch._rank._heal import (
+    GENERATION_ENV,
+    REPLACED_ENV,
+    generation_formed_path,
+    heal_environment,
+    store_path,
+    waiting_path,
+    write_verdict,
+)
 from nbtools.launch._rank._inrank import (
     bind_to,
     enter_rank,
@@ -69,6 +80,13 @@ __all__ = [
     "leftovers_path",
     "release_path",
     "returned_path",
+    "GENERATION_ENV",
+    "REPLACED_ENV",
+    "generation_formed_path",
+    "heal_environment",
+    "store_path",
+    "waiting_path",
+    "write_verdict",
     "GROUP_PHASE",
     "failure_record",
     "flush_events",

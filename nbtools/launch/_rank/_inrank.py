@@ -57,6 +57,7 @@ __all__ = [
     "bind_to",
     "pickle_main_by_value",
     "separate_async_saves",
+    "forget_async_save_group",
 ]
 
 _log = get_logger("launch")
@@ -245,13 +246,20 @@ def separate_async_saves() -> None:
 
 
 _SAVER = "torch.distributed.checkpoint.state_dict_saver"
+# The gloo group of the async saves (made at the first one; see ``separate_async_saves``).
+_ASYNC_SAVE_GROUPS: list[Any] = []
+
+
+def forget_async_save_group() -> None:
+    """Forget the async saves' group: the group it belonged to is gone (a heal re-formed it)."""
+    _ASYNC_SAVE_GROUPS.clear()
 
 
 def _wrap_async_save(saver: types.ModuleType) -> None:
     original = saver.async_save
     if getattr(original, "_nbtools_separate", False):
         return
-    groups: list[Any] = []
+    groups = _ASYNC_SAVE_GROUPS
 
     def async_save(*args: Any, **kwargs: Any) -> Any:
         import torch.distributed as dist

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from nbtools._internal.fs import free_bytes
 from nbtools.errors import PicklingError, ResultWriteError
 from nbtools.launch import _results
-from nbtools.launch._rank import _inrank, _leftovers, _rank_exit
+from nbtools.launch._rank import _heal, _inrank, _leftovers, _rank_exit
 from nbtools.launch._rank._records import GROUP_PHASE, failure_record, flush_events
 
 __all__ = [
@@ -66,6 +66,11 @@ class RankSpec:
     env_names: frozenset[str] = field(default_factory=frozenset)
     #: Say when the group has formed (:func:`formed_path`): the caller waits for it.
     report_formed: bool = False
+    #: Heal in place when a peer dies (:mod:`._heal`); the group's generation.
+    heal: bool = False
+    generation: int = 0
+    #: A replacement's stdout and stderr: the files its rank's output goes to (appended).
+    output: tuple[str, str] | None = None
 
 
 def failure_path(run_dir: str, rank: int) -> str:
@@ -101,6 +106,8 @@ def run_rank(payload: bytes, spec: RankSpec) -> None:
     file (:func:`nbtools.launch._results.load`).
     """
     _die_with_parent_chain(spec.caller_pid, os.path.dirname(spec.run_dir))
+    if spec.output is not None:
+        _append_output(spec.output)
     _mirror_caller_environment(spec.env_names)
     _leftovers.lead_own_group()
     _inrank.private_temp_dir()
@@ -131,11 +138,37 @@ def run_rank(payload: bytes, spec: RankSpec) -> None:
 
 
 def _run(payload: bytes, spec: RankSpec) -> None:
-    import torch.distributed as dist
-
     fn, args, kwargs = _inrank.enter_rank(
         payload, backend=spec.backend, device=spec.rank if spec.use_cuda else None
     )
+    while True:
+        _form(spec)
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:
+            if isinstance(exc, SystemExit) and exc.code in (0, None):
+                raise
+            # Taken now, while the group is still up: peers fail only once this process goes
+            # away (or leaves the group), so the cause's record is always the earliest.
+            record = failure_record(spec.rank, exc, skip_file=__file__)
+            healed = _heal.after_error(spec, exc) if spec.heal else None
+            if healed is None:
+                _publish_record(spec, record)
+                raise
+            spec = healed
+        else:
+            break
+        # Healed: the same function object again, in this process, in the new group.
+        _inrank.forget_async_save_group()
+        _heal.before_rerun()
+    _publish_result(result, spec)
+    _mark_returned(spec)
+
+
+def _form(spec: RankSpec) -> None:
+    """Form the default process group of ``spec``'s generation, every rank connected."""
+    import torch.distributed as dist
+
     try:
         dist.init_process_group(
             backend=spec.backend,
@@ -152,16 +185,18 @@ def _run(payload: bytes, spec: RankSpec) -> None:
     if spec.report_formed:
         with open(formed_path(spec.run_dir, spec.rank), "w"):
             pass
-    try:
-        result = fn(*args, **kwargs)
-    except BaseException as exc:
-        # Publish while the group is still up: peers fail only once this process
-        # goes away, so the cause's record is always the earliest.
-        if not (isinstance(exc, SystemExit) and exc.code in (0, None)):
-            _publish_failure(spec, exc)
-        raise
-    _publish_result(result, spec)
-    _mark_returned(spec)
+    if spec.heal:
+        _heal.mark_formed(spec)
+
+
+def _append_output(paths: tuple[str, str]) -> None:
+    """Send this process's stdout and stderr (file descriptors 1 and 2) to the end of ``paths``:
+    a replacement writes where the rank it replaces wrote, which the caller still reads."""
+    for fd, path, stream in ((1, paths[0], sys.stdout), (2, paths[1], sys.stderr)):
+        stream.flush()
+        target = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
 
 
 def _mark_returned(spec: RankSpec) -> None:
@@ -259,7 +294,10 @@ def _mirror_caller_environment(names: frozenset[str]) -> None:
 
 
 def _publish_failure(spec: RankSpec, exc: BaseException, phase: str = "") -> None:
-    record = failure_record(spec.rank, exc, phase=phase, skip_file=__file__)
+    _publish_record(spec, failure_record(spec.rank, exc, phase=phase, skip_file=__file__))
+
+
+def _publish_record(spec: RankSpec, record: dict) -> None:
     path = failure_path(spec.run_dir, spec.rank)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:

@@ -1,0 +1,234 @@
+"""The caller's side of healing in place: which deaths heal, the verdict, the line in the cell.
+
+With ``@distributed(heal=True)`` (CPU ranks), a rank that dies without a word
+(a signal, the OOM killer, ``os._exit``) no longer stops its peers.
+:class:`Healer` decides, for :class:`~nbtools.launch._local._backend.LocalGroup`:
+
+- whether the death heals (:meth:`Healer.why_not`): restarts left, no rank has
+  returned yet, and the group had formed in its current generation (a
+  replacement that dies while the group forms again, or a second rank that
+  dies then, makes the group fail and restart whole, with one line saying why);
+- the verdict every waiting rank reads (:mod:`nbtools.launch._rank._heal`):
+  ``heal`` with the next generation and the attempt number, once the
+  replacements have been started, or ``fail`` when every rank that has not
+  returned waits and none died (the error was the user's own);
+- the line in the cell once the healed group has restored (its rank 0's
+  ``checkpoint_restored`` event), or once it has formed and ended without one,
+  and the ``healed`` event on the pane's time axis.
+
+Each heal counts as one restart against ``max_restarts``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+from nbtools import events
+from nbtools._internal.log import get_logger
+from nbtools.launch._backend import GroupSpec
+from nbtools.launch._rank import (
+    GENERATION_ENV,
+    REPLACED_ENV,
+    generation_formed_path,
+    waiting_path,
+    write_verdict,
+)
+
+__all__ = ["Heal", "Healer", "live_note_path"]
+
+_log = get_logger("launch")
+# Deaths seen this close together are healed as one (two ranks killed at once).
+_TOGETHER_S = 0.05
+
+
+def live_note_path(run_dir: str, generation: int) -> str:
+    """Where the healed group's rank 0 says which step the survivors held (``_live``)."""
+    return os.path.join(run_dir, f"heal-live-g{generation}.json")
+
+
+@dataclass
+class Heal:
+    """One heal: the ranks replaced, how they died, and when it was seen."""
+
+    ranks: list[int]
+    how: dict[int, str]
+    generation: int
+    attempt: int
+    seen: float  # time.time() when the death was seen
+    kept: list[int] = field(default_factory=list)
+    restores: bool = False  # the group restored a checkpoint before: it will again
+    reported: bool = False
+
+
+class Healer:
+    """Heals one group's dead ranks in place (see the module docstring)."""
+
+    def __init__(self, spec: GroupSpec) -> None:
+        self._spec = spec
+        self.enabled = spec.heal and not spec.use_cuda
+        self.generation = 0
+        self.heals: list[Heal] = []
+        self._started = time.time()
+
+    @property
+    def count(self) -> int:
+        """How many heals this group made (each one restart)."""
+        return len(self.heals)
+
+    def environment(self, replaced: list[int]) -> dict[str, str]:
+        """What a replacement's environment adds: the generation, the ranks replaced."""
+        return {
+            GENERATION_ENV: str(self.generation),
+            REPLACED_ENV: ",".join(str(r) for r in replaced),
+            "TORCHELASTIC_RESTART_COUNT": str(self._attempt()),
+        }
+
+    def _attempt(self) -> int:
+        return self._spec.restart_count + len(self.heals)
+
+    def why_not(self, dead: list[int], returned: set[int]) -> str | None:
+        """Why the death of ``dead`` cannot heal (one line), or None when it can."""
+        left = self._spec.max_restarts - self._attempt()
+        if left <= 0:
+            return "no restart is left"
+        if returned:
+            return f"{_ranks(sorted(returned))} had already returned"
+        ranks = range(self._spec.world_size)
+        if not all(os.path.exists(self._formed(r)) for r in ranks if r not in dead):
+            return (
+                f"the group had not formed again since the last heal (generation {self.generation})"
+            )
+        return None
+
+    def _formed(self, rank: int) -> str:
+        return generation_formed_path(self._spec.attempt_dir, self.generation, rank)
+
+    def together(self) -> None:
+        """Let peers that die at the same moment be seen, so one heal replaces them all."""
+        time.sleep(_TOGETHER_S)
+
+    def begin(self, dead: list[int], codes: dict[int, int | None]) -> Heal:
+        """Start a heal of ``dead``: the next generation (replacements start in it)."""
+        self.generation += 1
+        heal = Heal(
+            ranks=sorted(dead),
+            how={r: _how(codes.get(r)) for r in dead},
+            generation=self.generation,
+            attempt=self._spec.restart_count + len(self.heals) + 1,
+            seen=time.time(),
+            kept=[r for r in range(self._spec.world_size) if r not in dead],
+            restores=bool(events.log(since=self._started, kinds=["checkpoint_restored"])),
+        )
+        self.heals.append(heal)
+        return heal
+
+    def publish(self, heal: Heal) -> None:
+        """Tell the waiting ranks to join generation ``heal.generation`` (replacements started)."""
+        verdict = {
+            "heal": True,
+            "generation": heal.generation,
+            "attempt": heal.attempt,
+            "replaced": heal.ranks,
+        }
+        write_verdict(self._spec.attempt_dir, heal.generation - 1, verdict)
+        _log.info(
+            "%s; healing in place: %s keep their processes (restart %d of %d)",
+            _died(heal),
+            _ranks(heal.kept),
+            heal.attempt,
+            self._spec.max_restarts,
+        )
+
+    def refuse_waiting(self, running: list[int]) -> bool:
+        """When every rank in ``running`` waits for a verdict and none died: tell them to fail
+        (the error was the user's); whether it did."""
+        run_dir = self._spec.attempt_dir
+        if not running or not all(
+            os.path.exists(waiting_path(run_dir, self.generation, r)) for r in running
+        ):
+            return False
+        write_verdict(run_dir, self.generation, {"heal": False})
+        return True
+
+    def refuse(self, why: str, dead: list[int]) -> None:
+        """A death that does not heal: say why in one line (the group restarts whole)."""
+        _log.warning("%s; not healed in place: %s", _ranks(dead) + " died", why)
+
+    def report(self, final: bool = False) -> None:
+        """Say each heal once its group restored (or formed and ended): one line, one event."""
+        for heal in self.heals:
+            if heal.reported:
+                continue
+            restored = events.log(since=heal.seen, kinds=["checkpoint_restored"])
+            formed = all(
+                os.path.exists(generation_formed_path(self._spec.attempt_dir, heal.generation, r))
+                for r in range(self._spec.world_size)
+            )
+            later = heal is not self.heals[-1]
+            if not restored and not (final or later or (formed and not heal.restores)):
+                continue
+            heal.reported = True
+            self._say(heal, restored[0] if restored else None, formed)
+
+    def _say(self, heal: Heal, restored: events.Event | None, formed: bool) -> None:
+        took = (restored.time if restored is not None else time.time()) - heal.seen
+        where = f"{_ranks(heal.kept)} kept their processes, {_ranks(heal.ranks)} replaced"
+        fields: dict = {
+            "rank": heal.ranks[0],
+            "ranks": ",".join(str(r) for r in heal.ranks),
+            "attempt": heal.attempt,
+            "seconds": round(took, 3),
+            "kept": ",".join(str(r) for r in heal.kept),
+        }
+        if restored is not None:
+            note = self._live_note(heal.generation)
+            live = note.get("live_step")
+            tier = restored.fields.get("tier") if restored.fields else None
+            step = restored.step
+            again = max(0, live - step) if live is not None and step is not None else None
+            text = f"resumed at step {(step or 0) + 1}"
+            if again is not None:
+                text += f", {again} step{'s' if again != 1 else ''} trained again"
+            if tier != "live":
+                text += f" (from {tier}: {note.get('why') or 'the survivors held no live state'})"
+            fields.update(step=step, tier=tier, trained_again=again)
+        elif formed:
+            text = "the function runs again from its start"
+        else:
+            text = "the group did not form again"
+        message = f"{_died(heal)}; healed in {took:.1f} s: {where}, {text}"
+        _log.warning("%s", message)
+        events.emit("healed", message, **fields)
+
+    def _live_note(self, generation: int) -> dict:
+        try:
+            with open(live_note_path(self._spec.attempt_dir, generation)) as fh:
+                return dict(json.load(fh))
+        except (OSError, ValueError):
+            return {}
+
+
+def _how(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    if code is not None:
+        return f"exit code {code}"
+    return "no exit code"
+
+
+def _died(heal: Heal) -> str:
+    parts = [f"rank {r} died ({heal.how[r]})" for r in heal.ranks]
+    return " and ".join(parts)
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(str(r) for r in ranks[:-1]) + f" and {ranks[-1]}"

@@ -1,0 +1,169 @@
+"""A rank's side of healing in place: wait for the caller's verdict, then form the group again.
+
+With ``@distributed(heal=True)`` a rank whose peer died (a signal, the OOM
+killer, ``os._exit``) is not stopped. Its pending collective fails (gloo: the
+dead peer's socket closed), the user's function unwinds through its context
+managers, and :func:`after_error` then:
+
+1. destroys every process group of the rank, so that peers still blocked in a
+   collective with it fail at once too (a ring all-reduce waits on a neighbour,
+   not on the dead rank);
+2. says it is waiting (:func:`waiting_path`) and waits for the caller's verdict
+   on this generation of the group (:func:`verdict_path`): the caller writes
+   ``heal`` once it has seen a rank die without a word and has started its
+   replacement, ``fail`` when no rank died (every rank that has not returned is
+   waiting: the error was the user's own);
+3. on ``heal``: moves the rank to the next generation: a new rendezvous store
+   (no stale keys), ``TORCHELASTIC_RESTART_COUNT`` the new attempt (what
+   ``nbtools.runtime.get_restart_count()`` reads), and the variables that tell
+   a ``CheckpointManager`` which ranks were replaced (:data:`GENERATION_ENV`,
+   :data:`REPLACED_ENV`), so that its restore takes the state the survivors
+   still hold (``nbtools.checkpoint._live``).
+
+The worker (:mod:`._worker`) then forms the group again and calls the same
+function object again in this process. A rank whose function raised anything
+but a ``RuntimeError`` (what torch's collectives raise) fails as without
+healing: the same code would raise again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import time
+from typing import Any
+
+# ``spec`` below is the worker's ``RankSpec`` (``_worker`` imports this module).
+RankSpec = Any
+
+__all__ = [
+    "GENERATION_ENV",
+    "REPLACED_ENV",
+    "DIR_ENV",
+    "VERDICT_WAIT_S",
+    "store_path",
+    "waiting_path",
+    "verdict_path",
+    "generation_formed_path",
+    "write_verdict",
+    "read_verdict",
+    "after_error",
+    "before_rerun",
+    "heal_environment",
+    "mark_formed",
+]
+
+#: The group's generation: 0 as started, one more after each heal (set in every rank).
+GENERATION_ENV = "NBTOOLS_HEAL_GENERATION"
+#: The ranks replaced by the last heal, comma-separated (empty in generation 0).
+REPLACED_ENV = "NBTOOLS_HEAL_REPLACED"
+#: The launch's directory, where each rank keeps its latest per-rank state for a heal.
+DIR_ENV = "NBTOOLS_HEAL_DIR"
+#: The longest a rank waits for the caller's verdict before it fails as without healing.
+VERDICT_WAIT_S = 30.0
+_POLL_S = (0.001, 0.02)
+
+
+def heal_environment(run_dir: str) -> dict[str, str]:
+    """What every rank of a group that heals starts with (generation 0, nothing replaced)."""
+    return {DIR_ENV: run_dir, GENERATION_ENV: "0", REPLACED_ENV: ""}
+
+
+def store_path(run_dir: str, generation: int) -> str:
+    """The rendezvous store of one generation of the group (generation 0: ``store``)."""
+    return os.path.join(run_dir, "store" if generation == 0 else f"store-g{generation}")
+
+
+def waiting_path(run_dir: str, generation: int, rank: int) -> str:
+    """Exists while rank ``rank`` of generation ``generation`` waits for the verdict."""
+    return os.path.join(run_dir, f"heal-waiting-g{generation}-rank{rank}")
+
+
+def verdict_path(run_dir: str, generation: int) -> str:
+    """The caller's verdict on generation ``generation`` (JSON: ``heal``, ``attempt``, ...)."""
+    return os.path.join(run_dir, f"heal-verdict-g{generation}.json")
+
+
+def generation_formed_path(run_dir: str, generation: int, rank: int) -> str:
+    """Exists once rank ``rank`` is in the formed group of generation ``generation``."""
+    return os.path.join(run_dir, f"heal-formed-g{generation}-rank{rank}")
+
+
+def write_verdict(run_dir: str, generation: int, verdict: dict[str, Any]) -> None:
+    """Publish the verdict on ``generation`` atomically (the caller's side)."""
+    path = verdict_path(run_dir, generation)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(verdict, fh)
+    os.replace(tmp, path)
+
+
+def read_verdict(run_dir: str, generation: int) -> dict[str, Any] | None:
+    """The verdict on ``generation``, or None while there is none."""
+    try:
+        with open(verdict_path(run_dir, generation)) as fh:
+            return dict(json.load(fh))
+    except FileNotFoundError:
+        return None
+
+
+def mark_formed(spec: RankSpec) -> None:
+    """Say that this rank is in the formed group of its generation."""
+    with open(generation_formed_path(spec.run_dir, spec.generation, spec.rank), "w"):
+        pass
+
+
+def after_error(spec: RankSpec, exc: BaseException) -> RankSpec | None:
+    """After the user's function raised ``exc``: this rank's spec for the next generation when
+    the caller heals the group, else None (the rank fails as without healing)."""
+    if not isinstance(exc, RuntimeError):
+        return None
+    _leave_groups()
+    waiting = waiting_path(spec.run_dir, spec.generation, spec.rank)
+    with open(waiting, "w"):
+        pass
+    try:
+        verdict = _await_verdict(spec)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(waiting)
+    if verdict is None or not verdict.get("heal"):
+        return None
+    generation = int(verdict["generation"])
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(int(verdict["attempt"]))
+    os.environ[GENERATION_ENV] = str(generation)
+    os.environ[REPLACED_ENV] = ",".join(str(r) for r in verdict["replaced"])
+    return dataclasses.replace(
+        spec,
+        generation=generation,
+        init_method="file://" + store_path(spec.run_dir, generation),
+    )
+
+
+def before_rerun() -> None:
+    """Free what the unwound call held (its frames, a manager not closed) before the next."""
+    gc.collect()
+
+
+def _leave_groups() -> None:
+    """Destroy every process group this rank is in: peers blocked with it fail at once."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _await_verdict(spec: RankSpec) -> dict[str, Any] | None:
+    deadline = time.monotonic() + VERDICT_WAIT_S
+    delay = _POLL_S[0]
+    while time.monotonic() < deadline:
+        verdict = read_verdict(spec.run_dir, spec.generation)
+        if verdict is not None:
+            return verdict
+        time.sleep(delay)
+        delay = min(delay * 2, _POLL_S[1])
+    return None
