@@ -44,6 +44,7 @@ class LaunchConfig:
     min_processes: int | None = None
     min_nodes: int | None = None
     replace_within: float = 60.0
+    heal: bool = False
 
     def __post_init__(self) -> None:
         _check_count("gpus", self.gpus)
@@ -67,6 +68,13 @@ class LaunchConfig:
         _check_on_hang(self.on_hang)
         _check_cluster(self.cluster, self.nodes, self.runtime_env)
         _check_bounds(self)
+        if not isinstance(self.heal, bool):
+            raise TypeError(f"heal must be True or False, got {type(self.heal).__name__}")
+        if self.heal and (self.keep_alive or self.cluster is not None):
+            raise ValueError(
+                "heal=True heals the local ranks of a @distributed call; a kept pool "
+                "(keep_alive=True) and cluster='ray' restart instead: drop heal=True there"
+            )
         if not isinstance(self.keep_alive, bool):
             raise TypeError(
                 f"keep_alive must be True or False, got {type(self.keep_alive).__name__}"
@@ -148,6 +156,7 @@ class LaunchConfig:
             self.hang_timeout,
             self.on_hang,
             self.rich_output,
+            self.heal,
         )
 
     def _world_size(self, backend: LaunchBackend) -> int:
