@@ -102,6 +102,7 @@ def distributed(
     min_processes: int | None = None,
     min_nodes: int | None = None,
     replace_within: float = 60.0,
+    heal: bool = False,
 ) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
 
 
@@ -123,6 +124,7 @@ def distributed(
     min_processes: int | None = None,
     min_nodes: int | None = None,
     replace_within: float = 60.0,
+    heal: bool = False,
 ) -> Any:
     """Decorate a function so that ``fn.distributed(...)`` runs it on N ranks.
 
@@ -184,6 +186,19 @@ def distributed(
         replace_within: with ``min_nodes``: seconds a lost Ray node may take to
             be replaced before the run counts it as gone (default 60).
 
+        heal: with ``max_restarts`` (CPU ranks, this machine): a rank that dies
+            (SIGKILL, the OOM killer, ``os._exit``) is replaced while the others
+            keep their processes. Their pending collectives fail, the function
+            unwinds through its context managers, and runs again in the same
+            processes (the same function object) in a group re-formed with a
+            fresh replacement; each heal counts as one restart, and
+            ``get_restart_count()`` gives the new attempt in every rank. A
+            ``CheckpointManager``'s ``restore()`` then takes the state the
+            survivors hold (the replacement gets it from a survivor), so no step
+            is trained again; where it cannot, it restores from its snapshots,
+            saying why. One line in the cell says what happened. A rank that
+            raised fails the call as without healing; ranks on GPUs restart.
+
     Neither ``gpus`` nor ``processes``: every visible GPU (of the cluster, with ``cluster=``).
 
     Example:
@@ -211,6 +226,7 @@ def distributed(
         min_processes=min_processes,
         min_nodes=min_nodes,
         replace_within=replace_within,
+        heal=heal,
     )
 
     def decorate(target: Callable[..., R]) -> DistributedFunction[R]:
