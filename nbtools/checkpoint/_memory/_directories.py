@@ -40,7 +40,8 @@ job does.
 **Room.** Each rank of a node keeps two slots of its own and two of each peer
 whose replicas it holds; together they must fit in the snapshot filesystem (a
 container's ``/dev/shm`` is often 64 MB) and in half of the node's available
-memory, counting what this rank's slots already take (:func:`shortage`). When
+memory, counting what this rank's slots already take (:func:`shortage`); on
+``/dev/shm``, 64 MiB per rank stays free for NCCL's shared-memory transport. When
 they do not, the tier turns itself off with one warning that says what it needs
 and what to change, before anything is written.
 """
@@ -65,6 +66,8 @@ from nbtools.errors import CheckpointError
 __all__ = [
     "KEEPER",
     "MEMORY_SHARE",
+    "NCCL_SHM_RESERVE",
+    "nccl_reserve",
     "NEW",
     "available_memory",
     "other_worlds",
@@ -462,6 +465,19 @@ def remove_record(directory: str, rank: int) -> None:
 
 #: Fraction of the node's available memory the snapshots of its ranks may take.
 MEMORY_SHARE = 0.5
+#: ``/dev/shm`` left free per rank of the node for NCCL's shared-memory transport and
+#: proxy segments, which NCCL creates lazily, mid-run (4 MiB buffers per channel and peer).
+NCCL_SHM_RESERVE = 64 << 20
+
+
+def nccl_reserve(directory: str, ranks: int) -> int:
+    """Bytes of ``directory``'s filesystem kept free for NCCL: ``NCCL_SHM_RESERVE`` per
+    rank of the node when it is ``/dev/shm`` (where NCCL puts its segments), else 0."""
+    try:
+        same = os.stat(directory).st_dev == os.stat("/dev/shm").st_dev
+    except OSError:
+        return 0
+    return NCCL_SHM_RESERVE * ranks if same else 0
 
 
 def available_memory() -> int | None:
@@ -489,7 +505,8 @@ def shortage(directory: str, user: str, size: int, peers: int, held: int) -> str
     ranks = max(1, runtime.get_local_world_size())
     copies = 2 * (1 + peers)
     need = copies * ranks * size
-    free = shutil.disk_usage(directory).free
+    reserve = nccl_reserve(directory, ranks)
+    free = shutil.disk_usage(directory).free - reserve
     memory = available_memory()
     if need <= free + held and (memory is None or need <= MEMORY_SHARE * memory + held):
         return None
@@ -498,6 +515,7 @@ def shortage(directory: str, user: str, size: int, peers: int, held: int) -> str
         + (f" and two of each of the {peers} peer(s) it holds" if peers else "")
         + f") need about {need / 2**20:.1f} MiB ({size / 2**20:.1f} MiB each) in "
         f"{user}, but that filesystem has {free / 2**20:.1f} MiB free"
+        + (f" beside {reserve / 2**20:.0f} MiB kept for NCCL" if reserve else "")
         + (f" and the node {memory / 2**20:.1f} MiB of memory available" if memory else "")
         + ". Give the shared-memory mount more room (docker run --shm-size=...), point "
         "NBTOOLS_SNAPSHOT_DIR at a larger tmpfs, keep fewer replicas, or snapshot less state"
