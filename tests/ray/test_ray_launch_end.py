@@ -59,3 +59,54 @@ def test_a_launch_failed_past_its_restarts_leaves_no_snapshot_on_its_nodes(ray_c
     with pytest.raises(DistributedError, match=r"rank \d"):
         train.distributed(str(tmp_path / "root"))
     assert [str(p) for p in shm.rglob("*")] == []
+
+
+def _returning_cell():
+    """A function that keeps its snapshots at its return (no manager closes) and adds a
+    launch-end hook of its own in its process, which names the process it ran in."""
+
+    def snapshot_and_return(root, seen):
+        import os
+        import sys
+        import types
+
+        import torch
+
+        from nbtools._internal import hooks
+        from nbtools.checkpoint import CheckpointManager
+
+        probe = types.ModuleType("_launch_end_probe")
+
+        def ended(run_id):
+            with open(os.path.join(seen, str(os.getpid())), "w") as fh:
+                fh.write(run_id)
+
+        probe.ended = ended
+        sys.modules[probe.__name__] = probe
+        hooks.at_launch_end(f"{probe.__name__}:ended")
+        net = torch.nn.Linear(8, 8)
+        ckpt = CheckpointManager(root, every=100, memory_every=1, async_save=False)
+        ckpt.maybe_save(0, model=net)
+        ckpt.wait()
+        return os.getpid()
+
+    return snapshot_and_return
+
+
+def test_a_launch_that_returned_ends_its_snapshots_in_a_rank_process_on_each_node(
+    ray_cluster, tmp_path
+):
+    shm, seen = tmp_path / "shm", tmp_path / "seen"
+    shm.mkdir()
+    seen.mkdir()
+    train = distributed(
+        processes=2,
+        cluster="ray",
+        nodes=2,
+        output="none",
+        runtime_env={"env_vars": {"NBTOOLS_SNAPSHOT_DIR": str(shm)}},
+    )(_returning_cell())
+    pids = train.distributed(str(tmp_path / "root"), str(seen))
+    # The hooks ran once on each node, in the process of the rank there: no other worker.
+    assert sorted(int(p.name) for p in seen.iterdir()) == sorted(pids)
+    assert [str(p) for p in shm.rglob("*")] == []

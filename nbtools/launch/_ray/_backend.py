@@ -14,9 +14,14 @@ and the placement group never outlive the attempt.
 
 What a launch keeps on a node outside its ranks (the memory tier's snapshots,
 kept for a restart) ends with the launch on every node it used: the backend's
-:meth:`RayBackend.close` runs the launch-end hooks in a task on each of those
-nodes, with the ranks' ``runtime_env``. The keeper a snapshot records there is
-the Ray worker's parent, which outlives the launch, so no later sweep would.
+:meth:`RayBackend.close` runs the launch-end hooks there. The keeper a snapshot
+records there is the Ray worker's parent, which outlives the launch, so no later
+sweep would. An attempt whose ranks all returned keeps its actors and placement
+group until then: one rank actor per node, its process already running with the
+ranks' ``runtime_env`` and imports, runs the hooks (:meth:`RankActor.end_run`),
+then all go. A node with no such actor (its ranks died, the node was lost and
+came back) gets a task, with the ranks' ``runtime_env``, which may have to wait
+for Ray to start a worker for it.
 """
 
 from __future__ import annotations
@@ -81,6 +86,8 @@ class RayBackend:
         #: Seconds spent in each start-up phase of the last attempt (benchmarks read it).
         self.timings: dict[str, float] = {}
         self._nodes: dict[str, set[str]] = {}  # run id: the nodes its ranks ran on
+        # run id: the attempts whose ranks all returned, kept for the launch's end (close)
+        self._kept: dict[str, list[_Kept]] = {}
 
     def gpu_count(self) -> int:
         """GPUs of every alive node of the cluster."""
@@ -109,7 +116,7 @@ class RayBackend:
             store = _gather(ray, [actors[0].host_store.remote(spec.world_size)], "host the store")
             self.timings["actors"] = time.perf_counter() - t0 - self.timings["placement"]
             specs = _rank_specs(spec, where, store[0], _node_names(ray, where))
-            ranks = RayGroup(ray, group, actors, where, spec, self.timings)
+            ranks = RayGroup(ray, group, actors, where, spec, self.timings, keep=self._keep)
             ranks.begin([a.run.remote(spec.payload, s) for a, s in zip(actors, specs, strict=True)])
             return ranks
         except BaseException:
@@ -137,35 +144,33 @@ class RayBackend:
             for bundle in slots
         ]
 
+    def _keep(self, run_id: str, kept: _Kept) -> None:
+        self._kept.setdefault(run_id, []).append(kept)
+
     def close(self) -> None:
-        """The launch is over: run its end hooks on every node it used (the module docstring).
+        """The launch is over: run its end hooks on every node it used (the module docstring),
+        then end the actors and placement groups kept for that.
 
         Nothing else is held between attempts (each attempt places its own ranks).
         """
         runs, self._nodes = self._nodes, {}
-        if not runs:
+        kept, self._kept = self._kept, {}
+        if not runs and not kept:
             return
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        task = ray.remote(num_cpus=0, max_retries=1)(end_run_on_node)
-        # A runtime_env of variables only is passed as they are: the task then runs in a
-        # worker the node already has, instead of waiting for one started for that env.
-        runtime_env = self.runtime_env or {}
-        env = dict(runtime_env.get("env_vars") or {})
-        own_env = bool(runtime_env) and set(runtime_env) != {"env_vars"}
-        refs = []
-        for run_id, nodes in runs.items():
-            for node in sorted(nodes):
-                if not _cluster.node_answers(ray, node):
-                    continue  # gone, and its memory with it
-                options: dict[str, Any] = {
-                    "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)
-                }
-                if own_env:
-                    options["runtime_env"] = self.runtime_env
-                refs.append(task.options(**options).remote(run_id, {} if own_env else env))
         try:
+            refs = []
+            for run_id, nodes in runs.items():
+                keepers: dict[str, Any] = {}  # node id: a kept rank actor there (lowest rank)
+                for attempt in reversed(kept.get(run_id, [])):
+                    for actor, info in zip(attempt.actors, attempt.where, strict=True):
+                        keepers.setdefault(info["node_id"], actor)
+                for node in sorted(nodes):
+                    if node in keepers:
+                        refs.append(keepers[node].end_run.remote(run_id))
+                    elif _cluster.node_answers(ray, node):  # else gone, and its memory with it
+                        refs.append(self._end_run_task(ray, node, run_id))
             ray.get(refs, timeout=_END_RUN_S)
         except Exception as exc:  # noqa: BLE001 - the launch's outcome stands; say what is left
             _log.warning(
@@ -175,6 +180,46 @@ class RayBackend:
                 type(exc).__name__,
                 exc,
             )
+        finally:
+            for attempts in kept.values():
+                for attempt in attempts:
+                    attempt.end(ray)
+
+    def _end_run_task(self, ray: Any, node: str, run_id: str) -> Any:
+        """Run the launch-end hooks on ``node`` in a task (no rank actor is left there)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        task = ray.remote(num_cpus=0, max_retries=1)(end_run_on_node)
+        # A runtime_env of variables only is passed as they are: the task then runs in a
+        # worker the node already has, instead of waiting for one started for that env.
+        runtime_env = self.runtime_env or {}
+        env = dict(runtime_env.get("env_vars") or {})
+        own_env = bool(runtime_env) and set(runtime_env) != {"env_vars"}
+        options: dict[str, Any] = {
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)
+        }
+        if own_env:
+            options["runtime_env"] = self.runtime_env
+        return task.options(**options).remote(run_id, {} if own_env else env)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kept:
+    """An attempt whose ranks all returned: its actors (rank order), where each runs, and
+    its placement group, kept until the launch's end hooks have run."""
+
+    actors: list[Any]
+    where: list[dict]
+    group: Any
+
+    def end(self, ray: Any) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        with contextlib.suppress(Exception):
+            remove_placement_group(self.group)
 
 
 def end_run_on_node(run_id: str, env: dict[str, str]) -> None:
@@ -325,8 +370,10 @@ class RayGroup:
         where: list[dict],
         spec: GroupSpec,
         timings: dict[str, float],
+        keep: Callable[[str, _Kept], None] | None = None,
     ) -> None:
         self._ray = ray
+        self._keep = keep  # takes the actors and placement group once every rank returned
         self._group = group
         self._actors = actors
         self._where = where
@@ -430,11 +477,18 @@ class RayGroup:
             actor.stacks.remote()
         wait_for_stacks(last_output, start, _POLL_S * 2)
 
+    def _kept(self) -> bool:
+        """Whether the actors outlive this attempt: every rank returned, and the backend
+        takes them for the launch's end hooks (they run nothing any more)."""
+        return self._keep is not None and isinstance(self._outcome, Finished)
+
     def stop(self) -> None:
         if self._stopped:
             return
         self._stopped = True
         remove_collectives_asker(self._ask_collectives)
+        if self._kept():
+            return  # nothing runs: close() hands the actors on
         for rank, actor in enumerate(self._actors):
             if rank not in self._results:
                 self._pump.give_up(rank)
@@ -448,6 +502,9 @@ class RayGroup:
         self._closed = True
         self.stop()
         self._pump.stop()
+        if self._kept():
+            assert self._keep is not None
+            self._keep(self._spec.run_id, _Kept(list(self._actors), list(self._where), self._group))
         return {r: a["left"] for r, a in self._results.items() if a.get("left")}
 
     def _remove_group(self) -> None:
