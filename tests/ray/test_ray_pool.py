@@ -44,6 +44,11 @@ def test_a_pool_on_two_nodes_keeps_its_state_and_group_between_calls(ray_cluster
         # A failure in user code keeps the ranks and their state.
         assert pool.restarts == 0
         assert pool.execute("w.sum().item()") == [2.0, 4.0, 6.0, 8.0]
+        # Fresh ranks on request: the ranks that ended well make room for them at once.
+        pids = pool.pids
+        pool.restart()
+        assert set(pool.pids).isdisjoint(pids)
+        assert pool.execute("'w' in globals()") == [False] * 4
     assert pool.closed
     assert live_placement_groups() == []
 

@@ -17,7 +17,7 @@ kept for a restart) ends with the launch on every node it used: the backend's
 :meth:`RayBackend.close` runs the launch-end hooks there. The keeper a snapshot
 records there is the Ray worker's parent, which outlives the launch, so no later
 sweep would. An attempt whose ranks all returned keeps its actors and placement
-group until then: one rank actor per node, its process already running with the
+group until then (or until another attempt starts): one rank actor per node, its process already running with the
 ranks' ``runtime_env`` and imports, runs the hooks (:meth:`RankActor.end_run`),
 then all go. A node with no such actor (its ranks died, the node was lost and
 came back) gets a task, with the ranks' ``runtime_env``, which may have to wait
@@ -102,6 +102,12 @@ class RayBackend:
     def start(self, spec: GroupSpec) -> RayGroup:
         """Place and start ``spec.world_size`` rank actors and call ``run`` on each."""
         ray = _cluster.connect()
+        # An attempt kept for the end hooks is not the last one after all (a pool's fresh
+        # ranks): its actors go now, and their resources with them.
+        kept, self._kept = self._kept, {}
+        for attempts in kept.values():
+            for attempt in attempts:
+                attempt.end(ray)
         t0 = time.perf_counter()
         group, slots = _cluster.place(ray, spec.world_size, spec.use_cuda, self.nodes)
         self.timings = {"placement": time.perf_counter() - t0}
