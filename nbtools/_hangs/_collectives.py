@@ -24,8 +24,17 @@ from nbtools import events
 __all__ = ["Position", "InFlight", "ask", "in_flight", "describe", "culprits_of", "stood_still"]
 
 
+class Pending(NamedTuple):
+    """A collective a rank issued and did not see complete."""
+
+    seq: int
+    op: str
+    size: int | None
+    state: str  # "scheduled" (issued), "started" (running on the device; NCCL with timing)
+
+
 class Position(NamedTuple):
-    """Where one rank is in one process group, from its Flight Recorder."""
+    """Where one rank is in one process group (``"nccl:0"``), from its Flight Recorder."""
 
     pg: str
     enqueued: int  # the last collective issued
@@ -33,15 +42,37 @@ class Position(NamedTuple):
     op: str | None  # the name of the last one recorded
     op_seq: int | None  # ... and its number
     size: int | None  # ... and its input's bytes, when recorded
+    pending: tuple[Pending, ...] = ()  # those issued and not completed, oldest first
+    gpu_util: float | None = None  # the rank's GPU's utilisation (NVML, percent)
 
     @property
     def inside(self) -> bool:
         """The rank entered a collective that has not completed."""
         return self.enqueued > self.completed
 
+    @property
+    def backend(self) -> str:
+        """``nccl``, ``gloo``, ...: the group key's prefix (a key without one: gloo's)."""
+        return self.pg.split(":", 1)[0] if ":" in self.pg else "gloo"
+
+    def at(self, seq: int) -> Pending | None:
+        """The collective ``seq``, when the rank issued it and did not see it complete."""
+        for each in self.pending:
+            if each.seq == seq:
+                return each
+        if self.op is not None and self.op_seq == seq and self.enqueued >= seq > self.completed:
+            return Pending(seq, self.op, self.size, "")
+        return None
+
     @classmethod
     def of(cls, fields: dict[str, Any]) -> Position:
         """From the fields of one ``collectives`` answer."""
+        pending = []
+        for item in str(fields.get("pending") or "").split(";"):
+            seq, op, size, state = (item.split(":") + ["", "", "", ""])[:4]
+            if seq.isdigit() and op:
+                pending.append(Pending(int(seq), op, int(size) if size.isdigit() else None, state))
+        util = fields.get("gpu_util")
         return cls(
             str(fields.get("pg")),
             int(fields.get("enqueued", -1)),
@@ -49,6 +80,8 @@ class Position(NamedTuple):
             fields.get("op"),
             fields.get("op_seq"),
             fields.get("bytes"),
+            tuple(pending),
+            float(util) if isinstance(util, (int, float)) else None,
         )
 
 
@@ -60,6 +93,9 @@ class InFlight(NamedTuple):
     inside: list[int]  # the ranks in it
     behind: dict[int, int]  # rank -> the last it entered, for ranks that never entered it
     ops: dict[int, tuple[str, int | None]]  # rank -> (op, bytes) of each rank in it, recorded
+    backend: str = "gloo"  # the group's backend
+    states: dict[int, str] | None = None  # rank -> its record's state of it ("started", ...)
+    utils: dict[int, float] | None = None  # rank -> its GPU's utilisation, when read
 
 
 def ask(
@@ -86,27 +122,35 @@ def ask(
 
 
 def in_flight(answers: dict[int, list[Position]]) -> list[InFlight]:
-    """The collective in flight in each process group where some rank is inside one."""
+    """The collective in flight in each process group where some rank is inside one.
+
+    Groups are keyed by backend and id. Per group, the stuck collective is the one
+    after the lowest a rank completed (``min(completed) + 1``): ranks that issued it
+    (NCCL ranks may have run ahead by any number) wait in it; ranks that never issued
+    it are behind.
+    """
     groups: dict[str, dict[int, Position]] = {}
     for rank, positions in answers.items():
         for pos in positions:
             groups.setdefault(pos.pg, {})[rank] = pos
     found = []
-    for _, by_rank in sorted(groups.items()):
-        inside = {r: p for r, p in by_rank.items() if p.inside}
-        if not inside:
+    for _, by_rank in sorted(groups.items(), key=lambda g: (g[0].split(":")[0] != "nccl", g[0])):
+        if not any(p.inside for p in by_rank.values()):
             continue
-        seq = max(p.enqueued for p in inside.values())
-        waiting = sorted(r for r, p in inside.items() if p.enqueued == seq)
-        ops = {
-            r: (p.op, p.size)
-            for r, p in sorted(inside.items())
-            if p.enqueued == seq and p.op_seq == seq and p.op is not None
-        }
+        seq = min(p.completed for p in by_rank.values()) + 1
+        waiting = sorted(r for r, p in by_rank.items() if p.enqueued >= seq)
+        ops, states = {}, {}
+        for r in waiting:
+            pending = by_rank[r].at(seq)
+            if pending is not None:
+                ops[r] = (pending.op, pending.size)
+                states[r] = pending.state
+        utils = {r: p.gpu_util for r, p in by_rank.items() if p.gpu_util is not None}
+        backend = next(iter(by_rank.values())).backend
         named = [op for op, _ in ops.values()]
         op = named[0] if named else "a collective"
         behind = {r: p.enqueued for r, p in sorted(by_rank.items()) if p.enqueued < seq}
-        found.append(InFlight(op, seq, waiting, behind, ops))
+        found.append(InFlight(op, seq, waiting, behind, ops, backend, states, utils))
     return found
 
 
@@ -117,23 +161,52 @@ def _mismatched(flight: InFlight) -> bool:
 def culprits_of(answers: dict[int, list[Position]]) -> list[int] | None:
     """The ranks that keep the others waiting, by the record; None when it cannot tell.
 
-    A rank behind a collective its peers entered is a culprit; so is every rank
-    of a mismatched collective (different ops or sizes at the same number). A
-    rank that only waits in a collective is never one.
+    A rank that never issued the stuck collective of a group its peers entered is a
+    culprit; so is every rank of a mismatched collective (different ops or sizes at
+    the same number). A rank that only waits in a collective, or ran ahead of it, is
+    never one. On NCCL, where a waiting rank spins and /proc cannot tell it from a
+    working one, the record decides alone (:func:`_on_device`): a rank whose device
+    never started the collective its peers' devices run, else a rank whose GPU idles
+    while its peers' are busy; else every rank in it (the collective itself is stuck).
     """
     found: set[int] = set()
     for flight in in_flight(answers):
         if _mismatched(flight):
             found.update(flight.ops)
         found.update(flight.behind)
+        if not found and flight.backend == "nccl":
+            found.update(_on_device(flight))
     return sorted(found) if found else None
+
+
+_IDLE_UTIL = 30.0  # a GPU under this percent idles...
+_BUSY_UTIL = 90.0  # ...while its peers', over this, spin in the collective
+
+
+def _on_device(flight: InFlight) -> list[int]:
+    """Of NCCL ranks that all issued the stuck collective: those whose device holds it up."""
+    states = flight.states or {}
+    started = [r for r in flight.inside if states.get(r) == "started"]
+    if started:  # timing on: the devices that began it wait for the others
+        late = [r for r in flight.inside if states.get(r) == "scheduled"]
+        if late:
+            return late
+    utils = flight.utils or {}
+    if all(r in utils for r in flight.inside):
+        idle = [r for r in flight.inside if utils[r] < _IDLE_UTIL]
+        busy = [r for r in flight.inside if utils[r] >= _BUSY_UTIL]
+        if idle and busy:
+            return idle
+    return list(flight.inside)
 
 
 def stood_still(earlier: dict[int, list[Position]], later: dict[int, list[Position]]) -> bool:
     """Two answers show every rank at the same place in its collectives."""
-    return bool(later) and {r: sorted(p) for r, p in earlier.items()} == {
-        r: sorted(p) for r, p in later.items()
-    }
+
+    def places(answers: dict[int, list[Position]]) -> dict[int, list[tuple[Any, ...]]]:
+        return {r: sorted(p._replace(gpu_util=None) for p in ps) for r, ps in answers.items()}
+
+    return bool(later) and places(earlier) == places(later)
 
 
 def describe(answers: dict[int, list[Position]], culprits: list[int], world_size: int) -> list[str]:

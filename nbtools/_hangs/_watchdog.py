@@ -18,7 +18,8 @@ never a rank that only waits: torch's Flight Recorder says which ranks are
 inside the collective in flight (:mod:`._collectives`), and a rank behind it,
 or in a different collective at the same number (a mismatch), is the
 culprit. Without an answer, /proc decides: a stopped rank, or one outside any
-collective while others wait in one.
+collective while others wait in one; never on NCCL ranks, whose wait is a spin
+that /proc reads as work (there the record decides, see :mod:`._collectives`).
 
 Busy is not stuck. A culprit whose process tree still uses the CPU or reads
 and writes (an evaluation on one rank, a save waiting for its own threads, a
@@ -477,6 +478,10 @@ class Watchdog:
                 return [ranks[r] for r in named if r in ranks]
         if not self.reporting:
             return []
+        if any(p.backend == "nccl" for ps in self._answers.values() for p in ps):
+            # A rank waiting on NCCL spins in a CUDA sync, which /proc reads as work: on
+            # GPU ranks it tells waiting from working by nothing but a stop.
+            return [s for s in ranks.values() if now_state(s) == _process.STOPPED]
         busy = {r for r, s in ranks.items() if self._busy(s)}
         return stuck_outside(list(ranks.values()), busy)
 

@@ -20,7 +20,8 @@ launcher adds (:func:`add_asker`): the Ray launcher's calls the actors, and
 each actor touches its own collector's ask file (``Collector.ask``); the
 answers come back with the rank's other events and reach the same :class:`Ask`.
 
-The recorder must be on before the process group is created: the collector
+The recorders are read by :mod:`nbtools.events._recorder`: gloo's and, on a
+CUDA build, NCCL's. The recorder must be on before the process group is created: the collector
 puts ``TORCH_FR_BUFFER_SIZE`` (:data:`BUFFER_ENV`) in the ranks' environment
 unless the kernel's environment sets it. This module imports no torch: it
 reads the recorder only in a process that already loaded torch.distributed.
@@ -28,16 +29,14 @@ reads the recorder only in a process that already loaded torch.distributed.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from nbtools._internal.log import get_logger
 from nbtools.events._record import Event
+from nbtools.events._recorder import read_positions
 from nbtools.events._wire import Record
 
 __all__ = [
@@ -70,7 +69,6 @@ BUFFER_SIZE = "2000"
 ANSWER_S = 3.0
 _ASK_SUFFIX = ".ask"
 _CHECK_S = 0.25  # the flusher looks at the ask file at most this often
-_MAX_GROUPS = 8  # process groups answered per request
 _SETTLE_S = 0.1  # the rest of an answer's groups, sent in the same batch
 
 _asks: set[str] = set()  # ask files of the collectors of this process (the kernel)
@@ -251,97 +249,3 @@ class Answerer:
             return []
         at = time.time()
         return [(at, self._rank, KIND, None, None, fields) for fields in positions]
-
-
-def read_positions() -> list[dict[str, Any]] | None:
-    """This process's Flight Recorder state, one dict of scalars per process group.
-
-    Keys: ``pg`` (the group's id), ``enqueued`` and ``completed`` (sequence
-    numbers of the last collective issued and the last finished), ``op`` and
-    ``op_seq`` (name and number of the last recorded collective), ``bytes``
-    (the size of its input, when recorded). A rank that entered no collective
-    yet is at number 0 of the default group. None when torch.distributed is not
-    loaded or its recorder cannot be read.
-    """
-    c10d = sys.modules.get("torch._C._distributed_c10d")
-    dump = getattr(c10d, "_dump_fr_trace_json", None)
-    if dump is None:
-        return None
-    try:
-        trace = json.loads(dump(includeCollectives=True, onlyActive=False))
-    except Exception as exc:  # noqa: BLE001 - a torch without a recorder: nothing to say
-        _log.debug("reading the Flight Recorder failed: %s", exc)
-        return None
-    status = trace.get("pg_status") or {}
-    last: dict[str, tuple[int, str, int | None]] = {}
-    for entry in trace.get("entries") or []:
-        if entry.get("is_p2p"):
-            continue
-        pg = str(entry.get("pg_id", ""))
-        seq = _int(entry.get("collective_seq_id"))
-        if seq is not None and (pg not in last or seq >= last[pg][0]):
-            last[pg] = (seq, str(entry.get("profiling_name") or "?"), _bytes(entry))
-    positions = []
-    for pg, values in list(status.items())[:_MAX_GROUPS]:
-        enqueued = _int(values.get("last_enqueued_collective"))
-        completed = _int(values.get("last_completed_collective"))
-        if enqueued is None:
-            continue
-        seq, name, size = last.get(str(pg), (None, None, None))
-        positions.append(
-            {
-                "pg": str(pg),
-                "enqueued": max(enqueued, 0),  # -1: none entered yet
-                "completed": max(completed if completed is not None else -1, 0),
-                "op": _op_name(name) if name else None,
-                "op_seq": seq,
-                "bytes": size,
-            }
-        )
-    if not positions and not status:
-        # The recorder works but this rank entered no collective yet: it is at the start
-        # of the default group ("0"), behind any peer that entered one.
-        positions.append(
-            {"pg": "0", "enqueued": 0, "completed": 0, "op": None, "op_seq": None, "bytes": None}
-        )
-    return positions or None
-
-
-def _int(value: Any) -> int | None:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-_ITEM_BYTES = {
-    "Float": 4,
-    "Double": 8,
-    "Half": 2,
-    "BFloat16": 2,
-    "Long": 8,
-    "Int": 4,
-    "Short": 2,
-    "Char": 1,
-    "Byte": 1,
-    "Bool": 1,
-}
-
-
-def _bytes(entry: dict[str, Any]) -> int | None:
-    """The input size of a recorded collective, from its shapes and dtypes."""
-    sizes, dtypes = entry.get("input_sizes"), entry.get("input_dtypes")
-    if not isinstance(sizes, list) or not isinstance(dtypes, list):
-        return None
-    total = 0
-    for shape, dtype in zip(sizes, dtypes, strict=False):
-        count = 1
-        for dim in shape if isinstance(shape, list) else []:
-            count *= _int(dim) or 0
-        total += count * _ITEM_BYTES.get(str(dtype), 4)
-    return total
-
-
-def _op_name(profiling_name: str) -> str:
-    """``gloo:all_reduce`` -> ``all_reduce``."""
-    return profiling_name.rsplit(":", 1)[-1]
