@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +58,16 @@ def new_model() -> torch.nn.Linear:
     return torch.nn.Linear(FEATURES, 1, dtype=torch.float64)
 
 
-def _rank(rank: int, root_str: str, world: int, workers: int, steps: int | None, tag: str) -> None:
+def _rank(
+    rank: int,
+    root_str: str,
+    world: int,
+    workers: int,
+    steps: int | None,
+    tag: str,
+    global_batch: int | None,
+    batch_size: int,
+) -> None:
     root = Path(root_str)
     dist.init_process_group(
         "gloo", init_method=f"file://{root}/store-{tag}", rank=rank, world_size=world
@@ -69,11 +77,17 @@ def _rank(rank: int, root_str: str, world: int, workers: int, steps: int | None,
         model = new_model()
         if (root / "params.pt").exists():
             model.load_state_dict(torch.load(root / "params.pt"))
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        # Without a global batch the ranks may get different numbers of batches near the end
+        # of a resumed epoch, where DDP would wait forever: each rank then trains alone.
+        ddp = torch.nn.parallel.DistributedDataParallel(model) if global_batch else model
         opt = torch.optim.SGD(ddp.parameters(), lr=LR)
         files = VolumeDataset(root / "src", cache_dir=root / "cache", shuffle=True, seed=SEED)
-        with DataLoader(Samples(files), global_batch_size=int(os.environ["GB"]),
-                        num_workers=workers) as loader:  # fmt: skip
+        sizing = (
+            {"global_batch_size": global_batch}
+            if global_batch is not None
+            else {"batch_size": batch_size}
+        )
+        with DataLoader(Samples(files), num_workers=workers, **sizing) as loader:
             if (root / "loader.json").exists():
                 loader.load_state_dict(json.loads((root / "loader.json").read_text()))
             for ids in loader:
@@ -98,24 +112,28 @@ def _rank(rank: int, root_str: str, world: int, workers: int, steps: int | None,
 
 
 def launch(
-    root: Path, world: int, workers: int, steps: int | None, global_batch: int, tag: str
+    root: Path,
+    world: int,
+    workers: int,
+    steps: int | None,
+    global_batch: int | None,
+    tag: str,
+    batch_size: int = 1,
 ) -> list[dict[str, Any]]:
     """One launch of ``world`` ranks for ``steps`` steps (None: to the end of the epoch).
 
-    Returns each rank's record: ``steps`` (the ids of each step), ``grads``
-    (rank 0: the gradient of each step), ``losses``.
+    ``global_batch=None``: each rank takes ``batch_size`` samples a step instead
+    (the global batch then follows the world size), and trains without DDP. Returns each rank's record:
+    ``steps`` (the ids of each step), ``grads`` (rank 0: the gradient of each
+    step), ``losses``.
     """
-    os.environ["GB"] = str(global_batch)
-    try:
-        mp.start_processes(
-            _rank,
-            args=(str(root), world, workers, steps, tag),
-            nprocs=world,
-            start_method="fork",
-            join=True,
-        )
-    finally:
-        del os.environ["GB"]
+    mp.start_processes(
+        _rank,
+        args=(str(root), world, workers, steps, tag, global_batch, batch_size),
+        nprocs=world,
+        start_method="fork",
+        join=True,
+    )
     return [json.loads((root / f"{tag}-{r}.json").read_text()) for r in range(world)]
 
 
