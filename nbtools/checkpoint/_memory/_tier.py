@@ -57,9 +57,11 @@ from nbtools.checkpoint._memory import (
 )
 from nbtools.checkpoint._memory._copy_behind import (
     Behind,
+    Mirrors,
     StepGate,
     copy_and_checksum,
     late_tensors,
+    stepped,
 )
 from nbtools.checkpoint._memory._in_place import Consumed
 from nbtools.checkpoint._memory._slots import Mapped, MappedFiles, Spare, file_key, tensor_of
@@ -116,6 +118,7 @@ class MemoryTier:
         self._consumed: Consumed | None = None  # own slot the restored state lives in
         self._late = True  # copy parameters and optimizer state behind training
         self._gate: StepGate | None = None  # makes optimizer steps wait for that copy
+        self._mirrors = Mirrors()  # pinned host mirrors of CUDA tensors (see _copy_behind)
         self._notice: str | None = None  # why copies behind training stopped
         self.send_to = _replicas.holders(self.rank, self.world, local, replicas)
         self.receive_from = _replicas.sources(self.rank, self.world, local, replicas)
@@ -290,7 +293,7 @@ class MemoryTier:
         if self.enabled and layout is not None:
             late = late_tensors(layout.tensors, optimizers if self._late else [])
             try:
-                copied = self._copy(step, layout, late)
+                copied = self._copy(step, layout, late, optimizers if self._late else [])
             except Exception as exc:  # noqa: BLE001
                 self._off(
                     f"the state of step {step} could not be copied to {self.directory} ({exc})"
@@ -303,6 +306,10 @@ class MemoryTier:
             if self._gate is None:
                 self._gate = StepGate()
             self._gate.hold(copied[2].copied)
+        if copied is not None and copied[2].gates:
+            if self._gate is None:
+                self._gate = StepGate()
+            self._gate.hold_gpu(copied[2].gates)
         self._writer = threading.Thread(
             target=self._round,
             args=(step, copied, layout, tail),
@@ -320,10 +327,16 @@ class MemoryTier:
         return True
 
     def _copy(
-        self, step: int, layout: _layout.Layout, late: list[bool]
+        self,
+        step: int,
+        layout: _layout.Layout,
+        late: list[bool],
+        optimizers: Sequence[torch.optim.Optimizer] = (),
     ) -> tuple[Mapped, str, Behind]:
         """Copy the tensors not ``late`` into this rank's next slot file (a temporary one
-        until published); the late ones are copied by the round (see ``_copy_behind``).
+        until published); the late ones are copied by the round (see ``_copy_behind``),
+        and so are CUDA tensors, from pinned mirrors their copies were queued into here
+        (those only a step of ``optimizers`` changes on a side stream).
 
         Keeps the newest complete slot while the new one is written: at most two. The
         file of the one that goes becomes the new one, with its mapping.
@@ -339,11 +352,18 @@ class MemoryTier:
             self.directory, self.rank, _slots.own_prefix(self.rank), reuse
         )
         mapped: Mapped | None = None
+        cuda = Mirrors.wanted(layout.tensors)
         try:
             mapped = self._files.open(fd, layout.data_len)
+            behind = Behind(layout.tensors, late)
+            if any(cuda):  # queued, not waited for: the round reads the mirrors
+                stepped_ = stepped(layout.tensors, optimizers)
+                hosts, gates, ready = self._mirrors.launch(layout, cuda, stepped_)
+                every = [lt or c for lt, c in zip(late, cuda, strict=True)]
+                behind = Behind(layout.tensors, every, hosts, ready, gates)
             with torch.no_grad():
                 dests = mapped.destinations(layout)
-                for dest, tensor, later in zip(dests, layout.tensors, late, strict=True):
+                for dest, tensor, later in zip(dests, layout.tensors, behind.late, strict=True):
                     if not later:
                         dest.copy_(tensor)
         except BaseException:
@@ -351,7 +371,7 @@ class MemoryTier:
                 self._files.forget(mapped)
             _slots.remove([tmp])
             raise
-        return mapped, tmp, Behind(layout.tensors, late)
+        return mapped, tmp, behind
 
     def _round(
         self,
@@ -533,6 +553,7 @@ class MemoryTier:
         if self._gate is not None:
             self._gate.close()
             self._gate = None
+        self._mirrors.close()
         self._files.close()
         self._held_files.close()
         self._release()
