@@ -9,7 +9,17 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
-__all__ = ["GPUReading", "Sample", "FIELDS", "THROTTLE_REASONS", "describe_throttle", "local_host"]
+__all__ = [
+    "GPUReading",
+    "Sample",
+    "FIELDS",
+    "THROTTLE_REASONS",
+    "describe_throttle",
+    "local_host",
+    "mig_index",
+    "gpu_label",
+    "same_device",
+]
 
 #: Numeric fields of a reading, in the order the history stores them.
 FIELDS: tuple[str, ...] = (
@@ -49,6 +59,37 @@ def describe_throttle(mask: int | None) -> list[str]:
     return names
 
 
+#: MIG device ``slot`` of GPU ``g`` is row ``MIG_BASE * (g + 1) + slot`` (whole GPUs are their
+#: NVML index), so its history and its row never mix with a whole GPU's.
+MIG_BASE = 1000
+
+
+def mig_index(gpu: int, slot: int) -> int:
+    """The row index of MIG device ``slot`` of the GPU at NVML index ``gpu``."""
+    return MIG_BASE * (gpu + 1) + slot
+
+
+def gpu_label(index: int) -> str:
+    """How a row is named: ``"GPU 3"``, or ``"GPU 3 · MIG 1"`` for a MIG device."""
+    if index < MIG_BASE:
+        return f"GPU {index}"
+    return f"GPU {index // MIG_BASE - 1} · MIG {index % MIG_BASE}"
+
+
+def same_device(nvml_uuid: str, cuda_uuid: str) -> bool:
+    """Whether NVML's UUID of a GPU or MIG device (``GPU-…``, ``MIG-…``) and the one CUDA
+    gives a rank's device (torch prints it with or without that prefix) are one device."""
+
+    def body(text: str) -> str:
+        text = text.strip().lower()
+        for prefix in ("gpu-", "mig-"):
+            if text.startswith(prefix):
+                return text[len(prefix) :]
+        return text
+
+    return bool(nvml_uuid and cuda_uuid) and body(nvml_uuid) == body(cuda_uuid)
+
+
 def local_host() -> str:
     """The name this machine's samples carry."""
     return socket.gethostname() or "localhost"
@@ -59,7 +100,7 @@ class GPUReading:
     """One GPU at one instant.
 
     Attributes:
-        index: NVML index of the GPU on its host.
+        index: NVML index of the GPU on its host (a MIG device's: :func:`mig_index`).
         name: Product name, e.g. ``"NVIDIA H100 80GB HBM3"``.
         uuid: Stable identifier of the GPU (``""`` when unknown).
         utilization: Percent of time a kernel was running, 0-100.
@@ -71,6 +112,8 @@ class GPUReading:
         sm_clock: Streaming-multiprocessor clock in MHz.
         throttle_reasons: NVML clock-event reason bit mask (see :func:`describe_throttle`).
         ecc_uncorrected: Volatile uncorrected ECC error count since the driver loaded.
+        problem: Why values are missing, in words (``"lost"`` for a GPU that fell
+            off the bus, a note for MIG); ``""`` when none.
     """
 
     index: int
@@ -85,6 +128,7 @@ class GPUReading:
     sm_clock: float | None = None
     throttle_reasons: int | None = None
     ecc_uncorrected: int | None = None
+    problem: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -295,14 +295,21 @@ class Sampler:
     def refresh(self) -> Sample | None:
         """Sample every GPU now, on the caller's thread; counts as activity.
 
+        When the GPUs could not be read, or the backend lost some of them
+        (``backend.lost``), the backend is opened again first (NVML starts anew).
+
         Returns:
             The new sample, or None when the GPUs cannot be read (see :attr:`message`).
         """
         self._check_open()
-        if self._status == "unavailable":
-            if not self._open_backend():
+        if self._status == "unavailable" or getattr(self.backend, "lost", None):
+            # Start the backend again: NVML is re-initialised after a lost GPU or driver.
+            with self._read_lock:
+                opened = self._open_backend()
+            if not opened:
                 return None
-            self._set_status("polling")
+            if self._status == "unavailable":
+                self._set_status("polling")
             self._ensure_thread()
         self.touch()
         return self._poll(self._clock())

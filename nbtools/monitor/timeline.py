@@ -16,7 +16,8 @@ How each kind is drawn on the shared time axis (:func:`category`):
 - ``"stall"``: a shaded span for the seconds a rank waited for input
   (``input_stall`` with ``seconds``);
 - ``"failure"`` and ``"restart"``: a vertical line (``rank_failed``,
-  ``failure``; ``restart``, ``pool_restarted``);
+  ``failure``, a GPU's XID error ``gpu_xid`` or its loss ``gpu_lost``;
+  ``restart``, ``pool_restarted``);
 - ``"restore"``: a band for the seconds a restore took (``checkpoint_restored``
   with ``seconds``), ending when the state was back;
 - ``"run"``: a thin line where a launch started or finished;
@@ -54,6 +55,7 @@ __all__ = [
     "EVENT_COLUMNS",
     "CATEGORY_LABELS",
     "PROGRESS_KIND",
+    "RANK_GPU_KIND",
     "drawn",
     "MIN_WINDOW_S",
     "RateWindows",
@@ -87,10 +89,14 @@ _CATEGORIES = {
     "finished": "run",
     "hang": "hang",
     "straggler": "straggler",
+    "gpu_xid": "failure",
+    "gpu_lost": "failure",
 }
 #: The coalesced step reports of the ranks (see :func:`step_rates`).
 PROGRESS_KIND = "progress"
-_NOT_DRAWN = (PROGRESS_KIND, "collectives")
+#: A rank's CUDA device, by UUID (pairs the rank's row with its GPU's; nothing to draw).
+RANK_GPU_KIND = "rank_gpu"
+_NOT_DRAWN = (PROGRESS_KIND, "collectives", RANK_GPU_KIND)
 _FLAGS = ("hang", "straggler")
 #: What each category means, for legends.
 CATEGORY_LABELS = {

@@ -32,6 +32,8 @@ class FakeGPU:
         }
         self.fields.update(fields)
         self.calls: dict[str, int] = {}
+        #: MIG devices by slot (None: an empty slot) when MIG is enabled; None: MIG off.
+        self.mig: list[FakeGPU | None] | None = None
 
 
 class NVMLError(Exception):
@@ -58,6 +60,7 @@ ERRORS: dict[str, type[NVMLError]] = {
         "Uninitialized",
         "Unknown",
         "NotFound",
+        "Timeout",
     )
 }
 
@@ -72,7 +75,9 @@ def make_fake_pynvml(gpus: list[FakeGPU], init_error: str | None = None) -> type
     nvml.NVML_CLOCK_SM = 1
     nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
     nvml.NVML_VOLATILE_ECC = 0
-    nvml.state = {"initialised": 0, "shutdowns": 0}
+    nvml.state = {"initialised": 0, "shutdowns": 0, "xids": [], "event_sets": 0, "freed": 0}
+    nvml.NVML_DEVICE_MIG_ENABLE = 1
+    nvml.nvmlEventTypeXidCriticalError = 8
 
     def nvmlInit() -> None:
         if init_error:
@@ -107,6 +112,48 @@ def make_fake_pynvml(gpus: list[FakeGPU], init_error: str | None = None) -> type
     nvml.nvmlDeviceGetClockInfo = value("sm_clock")
     nvml.nvmlDeviceGetCurrentClocksEventReasons = value("throttle")
     nvml.nvmlDeviceGetTotalEccErrors = value("ecc")
+
+    def mig_mode(handle: FakeGPU) -> tuple[int, int]:
+        if handle.mig is None:
+            raise ERRORS["NVMLError_NotSupported"]()
+        return (1, 1)
+
+    def mig_device(handle: FakeGPU, slot: int) -> FakeGPU:
+        found = (handle.mig or [])[slot] if slot < len(handle.mig or []) else None
+        if found is None:
+            raise ERRORS["NVMLError_NotFound"]()
+        return found
+
+    class EventSet:
+        def __init__(self) -> None:
+            self.devices: list[FakeGPU] = []
+
+    def event_set_create() -> EventSet:
+        nvml.state["event_sets"] += 1
+        return EventSet()
+
+    def register(handle: FakeGPU, kind: int, events: EventSet) -> None:
+        assert kind == 8  # XID critical errors
+        events.devices.append(handle)
+
+    def wait(events: EventSet, timeout_ms: int) -> types.SimpleNamespace:
+        # state["xids"]: (gpu, xid) that the driver queued since the last read
+        for i, (gpu, xid) in enumerate(nvml.state["xids"]):
+            if gpu in events.devices:
+                del nvml.state["xids"][i]
+                return types.SimpleNamespace(device=gpu, eventType=8, eventData=xid)
+        raise ERRORS["NVMLError_Timeout"]()
+
+    def free(events: EventSet) -> None:
+        nvml.state["freed"] += 1
+
+    nvml.nvmlDeviceGetMigMode = mig_mode
+    nvml.nvmlDeviceGetMaxMigDeviceCount = lambda handle: len(handle.mig or [])
+    nvml.nvmlDeviceGetMigDeviceHandleByIndex = mig_device
+    nvml.nvmlEventSetCreate = event_set_create
+    nvml.nvmlDeviceRegisterEvents = register
+    nvml.nvmlEventSetWait_v2 = wait
+    nvml.nvmlEventSetFree = free
     return nvml
 
 

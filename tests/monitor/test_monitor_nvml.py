@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
-from _monitor_fakes import ERRORS, FakeGPU
+from _monitor_fakes import ERRORS, FakeGPU, _Memory
 
+from nbtools import events
 from nbtools.monitor import BackendUnavailable, NVMLBackend, Sampler
+from nbtools.monitor.readings import gpu_label, mig_index, same_device
+from nbtools.monitor.timeline import encode
 
 
 def test_reads_several_gpus_in_one_pass(fake_pynvml):
@@ -125,3 +129,108 @@ def test_real_nvml_reads_every_gpu():
         assert all(r.utilization is not None and 0 <= r.utilization <= 100 for r in readings)
     finally:
         backend.close()
+
+
+def _logged(kind: str, since: float) -> list:
+    return events.log(since=since, kinds=[kind])
+
+
+def test_mig_devices_are_rows_of_their_own(fake_pynvml):
+    unsupported = ERRORS["NVMLError_NotSupported"]
+    whole = FakeGPU(1, utilization=unsupported)
+    slice_memory = _Memory(total=10 * 1024**3, free=6 * 1024**3, used=4 * 1024**3)
+    whole.mig = [
+        FakeGPU(
+            0, name="MIG 1g.10gb", uuid="MIG-aaa", utilization=unsupported, memory=slice_memory
+        ),
+        None,  # an empty slot
+        FakeGPU(2, name="MIG 2g.20gb", uuid="MIG-bbb", utilization=unsupported),
+    ]
+    fake_pynvml([FakeGPU(0), whole])
+    backend = NVMLBackend()
+    backend.open()
+    readings = backend.read(0.0)
+    assert [r.index for r in readings] == [0, 1, mig_index(1, 0), mig_index(1, 2)]
+    assert [gpu_label(r.index) for r in readings] == [
+        "GPU 0",
+        "GPU 1",
+        "GPU 1 · MIG 0",
+        "GPU 1 · MIG 2",
+    ]
+    plain, card, first, _ = readings
+    assert plain.problem == "" and plain.utilization == 50.0
+    assert card.utilization is None and "MIG enabled" in card.problem
+    assert first.uuid == "MIG-aaa" and first.memory_total == 10 * 1024**3
+    assert first.utilization is None and "MIG device" in first.problem
+    backend.close()
+
+
+def test_xid_errors_become_failures_on_the_time_axis(fake_pynvml, clock):
+    gpus = [FakeGPU(0), FakeGPU(1)]
+    nvml = fake_pynvml(gpus)
+    since = time.time()
+    sampler = Sampler(NVMLBackend(host="node7"), clock=clock, start=False)
+    try:
+        assert _logged("gpu_xid", since) == []
+        nvml.state["xids"] += [(gpus[1], 79), (gpus[0], 31)]
+        sampler.refresh()
+        got = _logged("gpu_xid", since)
+        assert [(e.fields["gpu"], e.fields["xid"]) for e in got] == [(1, 79), (0, 31)]
+        assert "GPU 1 of node7: Xid 79 (GPU has fallen off the bus)" == got[0].message
+        assert encode(got[0])[2] == "failure"  # a red line across the panels
+        sampler.refresh()
+        assert len(_logged("gpu_xid", since)) == 2  # each error once
+    finally:
+        sampler.close()
+    assert nvml.state["freed"] == nvml.state["event_sets"] == 1
+
+
+def test_a_lost_gpu_leaves_the_others_polled_and_refresh_starts_nvml_again(fake_pynvml, clock):
+    gpus = [FakeGPU(0), FakeGPU(1)]
+    nvml = fake_pynvml(gpus)
+    since = time.time()
+    sampler = Sampler(NVMLBackend(), clock=clock, start=False)
+    try:
+        gpus[1].fields["memory"] = ERRORS["NVMLError_GpuIsLost"]
+        for _ in range(3):
+            clock.advance(sampler.interval)
+            sampler.tick()
+        assert sampler.status == "polling"
+        alive, lost = sampler.last_sample.gpus
+        assert alive.utilization == 50.0 and alive.problem == ""
+        assert lost.problem == "lost" and lost.utilization is None
+        (event,) = _logged("gpu_lost", since)  # said once
+        assert event.fields["gpu"] == 1 and encode(event)[2] == "failure"
+        assert nvml.state["initialised"] == 1  # polling does not restart NVML
+        gpus[1].fields["memory"] = FakeGPU(1).fields["memory"]  # the GPU is back (reset)
+        sample = sampler.refresh()
+        assert nvml.state["initialised"] == 2 and nvml.state["shutdowns"] == 1
+        assert [r.problem for r in sample.gpus] == ["", ""]
+        assert sample.gpus[1].memory_used == 20 * 1024**3
+    finally:
+        sampler.close()
+
+
+def test_refresh_starts_nvml_again_after_the_driver_went_away(fake_pynvml, clock):
+    gpu = FakeGPU(0)
+    nvml = fake_pynvml([gpu])
+    sampler = Sampler(NVMLBackend(), clock=clock, start=False)
+    try:
+        gpu.fields["utilization"] = ERRORS["NVMLError_Uninitialized"]
+        assert sampler.refresh() is None and sampler.status == "unavailable"
+        gpu.fields["utilization"] = FakeGPU(0).fields["utilization"]
+        assert sampler.refresh() is not None and sampler.status == "polling"
+        assert nvml.state["initialised"] == 2
+    finally:
+        sampler.close()
+
+
+def test_nvml_and_cuda_uuids_name_one_device():
+    assert same_device(
+        "GPU-5b1f0c9e-aaaa-bbbb-cccc-0123456789ab", "5b1f0c9e-aaaa-bbbb-cccc-0123456789ab"
+    )
+    assert same_device(
+        "MIG-11112222-aaaa-bbbb-cccc-0123456789ab", "MIG-11112222-aaaa-bbbb-cccc-0123456789ab"
+    )
+    assert not same_device("GPU-5b1f0c9e-aaaa-bbbb-cccc-0123456789ab", "GPU-00000000-aaaa")
+    assert not same_device("", "")
