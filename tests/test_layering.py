@@ -664,7 +664,7 @@ _ARROW_BUDGET = {
     "nbtools.data._cache": 5,
     "nbtools.data._listing": 4,
     "nbtools.data._stream": 7,
-    "nbtools.events": 21,
+    "nbtools.events": 22,
     "nbtools.integrations": 2,
     "nbtools.launch": 50,
     "nbtools.launch._local": 4,
