@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,3 +226,89 @@ def test_a_run_at_another_world_size_uses_the_volume_and_says_why(
         "restoring from the volume: this run's memory snapshots were taken by 2 rank(s) and "
         "it has 1 now; a checkpoint on the volume is resharded by DCP"
     ]
+
+
+_CELLS = [
+    """\
+import json, os, signal
+import torch
+from nbtools import distributed, runtime
+from nbtools.checkpoint import CheckpointManager
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.down = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, width=16):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(2))
+        self.head = torch.nn.Linear(width, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+""",
+    """\
+@distributed(processes=2, max_restarts=1, output="rank0")
+def train(root, kill_at):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        net = Net()
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    ckpt = CheckpointManager(root, every=100, memory_every=2)
+    start = ckpt.restore(model=net, optimizer=opt)
+    print(f"starting at step {start}, restored from {ckpt.restored_tier}")
+    for step in range(start, 12):
+        torch.manual_seed(1000 * step + runtime.get_rank())
+        opt.zero_grad()
+        net(torch.randn(4, 16)).pow(2).mean().backward()
+        opt.step()
+        ckpt.maybe_save(step, model=net, optimizer=opt)
+        if step == kill_at and runtime.get_restart_count() == 0:
+            ckpt.wait()
+            torch.distributed.barrier()
+            if runtime.get_rank() == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.close()
+    weights = [p.to_local().tolist() for p in net.parameters()]
+    return {"restart": runtime.get_restart_count(), "tier": ckpt.restored_tier, "weights": weights}
+""",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.kernel
+def test_fsdp2_defined_in_notebook_cells_resumes_from_memory_in_a_kernel(tmp_path):
+    helpers = str(Path(__file__).resolve().parents[2] / "integration")
+    if helpers not in sys.path:
+        sys.path.append(helpers)
+    from _user_code_nb import NotebookKernel
+
+    kill_at = random.Random().choice([3, 4, 5, 6, 7])
+    with NotebookKernel(tmp_path) as nb:
+        for cell in _CELLS:
+            nb.run(cell)
+        nb.run(f"reference = train.distributed({str(tmp_path / 'reference')!r}, -1)")
+        output = nb.run(f"recovered = train.distributed({str(tmp_path / 'root')!r}, {kill_at})")
+        reference = json.loads(str(nb.eval("json.dumps(reference)")))
+        recovered = json.loads(str(nb.eval("json.dumps(recovered)")))
+    start = kill_at - kill_at % 2 + 1
+    assert f"starting at step {start}, restored from memory" in output, output
+    assert [(r["restart"], r["tier"]) for r in recovered] == [(1, "memory")] * 2
+    assert [r["weights"] for r in recovered] == [r["weights"] for r in reference]
