@@ -65,6 +65,7 @@ class RankState:
     phase: str | None = None  # the phase it named (events.phase), as its latest report said
     usage: deque[tuple[float, float, int]] = field(default_factory=lambda: deque(maxlen=64))
     long_since: float | None = None  # the start of the long phase the cell was told of
+    device_outside: float | None = None  # share outside NCCL's collectives, as it reported
     score: float | None = None
     low_since: float | None = None
     high_since: float | None = None

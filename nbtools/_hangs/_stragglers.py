@@ -3,7 +3,9 @@
 In synchronous data parallelism every rank's step takes as long as the
 slowest's, so step times say nothing about who is slow. What differs is the
 share of time each rank spends outside collectives: a straggler is almost
-never waiting, the others wait for it. The watchdog samples each local rank's
+never waiting, the others wait for it. A GPU rank, whose wait is a spin that
+its sampled state reads as work, reports that share itself, from the start
+and end times in NCCL's Flight Recorder (``events._recorder``). The watchdog samples each local rank's
 training thread (:mod:`._process`) and counts the samples in one-second bins;
 :class:`Stragglers` keeps a rolling window of those bins per rank, scores each
 rank as the (lower) median share over the ranks divided by its own, and opens
@@ -66,12 +68,21 @@ class Stragglers:
             while state.bins and state.bins[0][0] < now - self.window_s:
                 state.bins.popleft()
 
-    def judge(self, ranks: dict[int, RankState], now: float) -> None:
-        """Score every rank that can be scored; open or end flags (none while a hang is open)."""
+    def judge(self, ranks: dict[int, RankState], now: float, device: bool = True) -> None:
+        """Score every rank that can be scored; open or end flags (none while a hang is open).
+
+        A GPU rank is scored by the share outside NCCL's collectives it reported from
+        its Flight Recorder (its wait is a spin that its sampled state reads as work),
+        when ``device`` (not right after a pause); other ranks by their samples.
+        """
         if any(kind == "hang" for kind, _ in self._book.open) or len(ranks) < 2:
             return
         shares = {}
         for state in ranks.values():
+            if state.device_outside is not None:
+                if device:
+                    shares[state.rank] = state.device_outside
+                continue
             total = sum(w + x for _, w, x in state.bins)
             if state.local and total * self.sample_s >= self.window_s / 2:
                 shares[state.rank] = sum(w for _, w, _ in state.bins) / total
@@ -88,7 +99,10 @@ class Stragglers:
         rates = {
             s.rank: 1.0 / statistics.median(s.step_times)
             for s in ranks.values()
-            if not s.local and len(s.step_times) >= 5 and statistics.median(s.step_times) > 0
+            if not s.local
+            and s.device_outside is None
+            and len(s.step_times) >= 5
+            and statistics.median(s.step_times) > 0
         }
         if len(rates) >= 2:
             reference = lower_median(list(rates.values()))

@@ -294,6 +294,9 @@ class Watchdog:
             self._ranks[event.rank] = state  # type: ignore[index]
         tid = event.fields.get("tid")
         state.tid = tid if type(tid) is int else 0
+        outside = event.fields.get("outside")
+        if isinstance(outside, (int, float)) and 0 <= outside <= 1:
+            state.device_outside = float(outside)
         steps = event.fields.get("steps")
         if type(steps) is not int:
             return
@@ -377,7 +380,9 @@ class Watchdog:
                 self._answers, self._answered_at = answers, self._clock()
         with self._lock:
             new_hangs = self._judge_hangs(now)
-            self._stragglers.judge(self._ranks, now)
+            # A GPU rank's share covers its whole window: none right after a pause.
+            settled = now - self._paused_until > self.window_s
+            self._stragglers.judge(self._ranks, now, device=settled)
         self._send_posted()
         if new_hangs:
             self._report(new_hangs, now)

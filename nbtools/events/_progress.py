@@ -9,7 +9,11 @@ speed costs the channel at most one event a second per rank, and a full
 channel drops (and counts) progress like any other event, never blocking.
 
 The kernel turns these reports into step rates, hang and straggler flags
-(``nbtools._hangs``).
+(``nbtools._hangs``). A GPU rank's report also carries its share of recent
+time outside NCCL's collectives, from NCCL's Flight Recorder
+(:func:`nbtools.events._recorder.device_outside`, measured every few seconds
+on the flusher thread): the straggler score of a rank whose wait in a
+collective is a spin that the kernel's look at its process reads as work.
 
 Explicit step numbers win. A loop that uses nbtools' ``DataLoader`` (a
 mark per batch, ``step(None)``) and ``CheckpointManager.maybe_save`` (a
@@ -38,8 +42,8 @@ import threading
 import time
 from typing import Any
 
-from nbtools._internal import hooks
-from nbtools.events import _emit
+from nbtools._internal import hooks, settings
+from nbtools.events import _emit, _recorder
 from nbtools.events._wire import Record
 
 __all__ = ["step", "phase", "started", "PROGRESS_KIND", "progress_so_far", "new_call"]
@@ -202,8 +206,18 @@ def _collect() -> list[Record]:
         fields["phase"] = current
     if _tid[0] and _tid[0] != os.getpid():  # a rank that trains on another thread (Ray's)
         fields["tid"] = _tid[0]
+    if count:
+        outside = _recorder.device_outside(_window_s())
+        if outside is not None:  # a GPU rank: its share outside NCCL's collectives
+            fields["outside"] = round(outside, 4)
     stamp = at if count else _time()  # a report before the first step: its own time
     return [(stamp, _emit._rank, PROGRESS_KIND, None, step_, fields)]
+
+
+def _window_s() -> float:
+    """The window of the kernel's straggler scores (its setting reaches the ranks too)."""
+    value = settings.read("NBTOOLS_STRAGGLER_WINDOW_S")
+    return 30.0 if value is None else float(value)
 
 
 def _after_fork_in_child() -> None:

@@ -57,6 +57,7 @@ __all__ = [
     "read_positions",
     "positions",
     "outside_share",
+    "device_outside",
     "gpu_utilisation",
 ]
 
@@ -226,6 +227,34 @@ def outside_share(
             inside += ended - max(began, reach)
             reach = ended
     return max(0.0, 1.0 - inside / (now - start))
+
+
+_DEVICE_EVERY_S = 5.0  # a GPU rank's share outside collectives is measured this often
+_device: list[Any] = [None, -1e9, True]  # [the share last measured, when, whether to go on]
+
+
+def device_outside(window_s: float) -> float | None:
+    """This rank's share of the last ``window_s`` seconds outside NCCL collectives, from
+    NCCL's recorder (:func:`outside_share`), measured at most every 5 s; None on a rank
+    without NCCL's recorder or CUDA (a CPU build stops looking after the first call)."""
+    now = time.monotonic()
+    if not _device[2] or now - _device[1] < _DEVICE_EVERY_S:
+        return _device[0] if _device[2] else None
+    _device[1] = now
+    c10d = sys.modules.get("torch._C._distributed_c10d")
+    dump = getattr(c10d, "_dump_nccl_trace_json", None)
+    if c10d is not None and dump is None:
+        _device[2] = False  # a CPU build: never
+        return None
+    if dump is None:
+        return None
+    try:
+        trace = json.loads(dump(includeCollectives=True, onlyActive=False))
+    except Exception as exc:  # noqa: BLE001 - the recorder is off: no share
+        _log.debug("reading NCCL's Flight Recorder failed: %s", exc)
+        return None
+    _device[0] = outside_share(trace, window_s) if isinstance(trace, dict) else None
+    return _device[0]
 
 
 def gpu_utilisation(read: Callable[[], float | None] | None = None) -> float | None:

@@ -18,13 +18,44 @@ import sys
 import time
 import types
 
+import pytest
+
+from nbtools import events
 from nbtools._hangs import Watchdog, _collectives
 from nbtools._hangs import _process as _procstate
 from nbtools._hangs._collectives import Position
 from nbtools._hangs._state import RankState
-from nbtools.events import _recorder
+from nbtools.events import Event, _recorder
 
 _S = 1_000_000_000  # nanoseconds
+
+
+class _Clock:
+    """The kernel's monotonic clock, moved on by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _progress(rank: int, pid: int, steps: int, at: float, host: str) -> Event:
+    return Event(at, host, rank, pid, "progress", None, steps, {"steps": steps, "cpu": 0.0})
+
+
+@pytest.fixture
+def flags():
+    seen: list[Event] = []
+
+    def keep(batch):
+        seen.extend(e for e in batch if e.kind in ("hang", "straggler"))
+
+    events.subscribe(keep)
+    yield seen, None
+    events.unsubscribe(keep)
+
+
 _T0 = 1_796_658_000 * _S
 
 
@@ -229,3 +260,46 @@ def test_on_nccl_ranks_the_watchdog_never_reads_waiting_from_proc():
     assert judged("gloo") == [1]
     # On NCCL a rank waiting on its GPU spins (state R): /proc says nothing about who waits.
     assert judged("nccl") == []
+
+
+def test_a_gpu_rank_is_scored_by_the_share_outside_collectives_it_reports(flags):
+    # Three GPU ranks step together; rank 2 computes twice as long, so ranks 0 and 1
+    # spend half their time waiting in NCCL and rank 2 almost none. /proc would read
+    # every rank as running (a spin): the share they report decides.
+    seen, _ = flags
+    clock = _Clock()
+    dog = Watchdog(3, confirm_s=0.5, clock=clock)
+    now = time.time()
+    for step in range(1, 8):
+        batch = []
+        for rank, outside in ((0, 0.5), (1, 0.52), (2, 0.99)):
+            report = _progress(rank, 100 + rank, step, now + step, host=f"gpu-{rank} · 1a2b")
+            report.fields["outside"] = outside
+            batch.append(report)
+        dog._on_events(batch)
+        dog._stragglers.judge(dog._ranks, clock.now)
+        clock.now += 1.0
+    dog._send_posted()
+    (flag,) = dog.flags()
+    assert (flag.kind, flag.rank) == ("straggler", 2)
+    assert round(flag.score, 2) == round(0.52 / 0.99, 2)
+    (event,) = [e for e in seen if e.kind == "straggler"]
+    assert event.rank == 2 and "outside collectives" in event.message
+
+
+def test_a_rank_measures_its_share_outside_nccl_collectives_only_where_nccl_is(monkeypatch):
+    monkeypatch.setattr(_recorder, "_device", [None, -1e9, True])
+    now = time.time_ns()
+    steps = [_entry(s, took=0.25) for s in range(1, 21)]
+    for i, entry in enumerate(steps):  # one collective of 0.25 s each second, until now
+        entry["time_created_ns"] = now - (20 - i) * _S
+        entry["time_discovered_completed_ns"] = entry["time_created_ns"] + _S // 4
+    c10d = types.SimpleNamespace(
+        _dump_nccl_trace_json=lambda **_: json.dumps({"entries": steps}).encode()
+    )
+    monkeypatch.setitem(sys.modules, "torch._C._distributed_c10d", c10d)
+    assert round(_recorder.device_outside(10.0), 2) == 0.75
+    # A CPU build has no NCCL recorder: nothing, and no further look.
+    monkeypatch.setattr(_recorder, "_device", [None, -1e9, True])
+    monkeypatch.setitem(sys.modules, "torch._C._distributed_c10d", types.SimpleNamespace())
+    assert _recorder.device_outside(10.0) is None and _recorder._device[2] is False
