@@ -75,10 +75,6 @@ class DatasetLink:
         """The loader reached the end of its iteration on this rank."""
         self.dataset._finish_local()
 
-    def num_files(self) -> int:
-        """Files in the dataset's listing (all ranks together)."""
-        return len(self.dataset)
-
     def cache(self) -> FileCache:
         """The dataset's cache."""
         return self.dataset._open_cache()

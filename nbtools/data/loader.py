@@ -274,7 +274,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
                     link.give_workers(None)  # the worker copies took it
         self._workers_expect = [p.advanced() for p in plans] if self.num_workers > 0 else None
         if self.batch_plan is not None:
-            remaining = self._links[0].num_files() - plans[0].base.count()
+            remaining = len(self._volumes[0]) - plans[0].base.count()
             self._whole_steps = remaining // self.batch_plan.global_batch_size
             self._last_step = (
                 0 if self._drop_remainder else remaining % self.batch_plan.global_batch_size
