@@ -45,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO, Literal, overload
+from typing import IO
 
 from nbtools._internal.fs import TMP_PREFIX
 from nbtools._internal.log import get_logger
@@ -237,101 +237,63 @@ class FileCache:
         *,
         wait_for_space: bool = True,
         on_wait: Callable[[], None] | None = None,
-    ) -> Pin | None:
-        """Pin the cached copy of ``key``, copying it from ``opener()`` on a miss.
-
-        Returns None only when ``wait_for_space`` is False and the cache has no
-        room for the file right now. ``on_wait`` is called each time the copy
-        waits for room (a stream releases what it holds ahead then).
-
-        Raises:
-            CacheError: the file is larger than the cache can ever hold, or no
-                room appeared within two minutes.
-            Cancelled: ``cancel`` was set during the copy.
-        """
-        pin = self.pin_if_cached(key, size, mtime_ns)
-        if pin is not None:
-            return pin
-        lock_path = os.path.join(self.dir, _LOCKS, _key_digest(key))
-        lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)
-            # Another worker may have copied it while this one waited.
-            pin = self.pin_if_cached(key, size, mtime_ns)
-            if pin is not None:
-                return pin
-            room = self._make_room(key, size, wait_for_space, cancel, on_wait)
-            if room is None:
-                return None
-            try:
-                pin = self._copy(key, size, mtime_ns, opener, cancel, room)
-                self.known.add(key, size, mtime_ns)
-                return pin
-            finally:
-                if room.counted:
-                    with _RESERVED_LOCK:
-                        _RESERVED[self.dir] -= size
-        finally:
-            os.close(lock_fd)
-
-    @overload
-    def fetch_verified(
-        self,
-        key: str,
-        size: int,
-        mtime_ns: int,
-        opener: Callable[[], IO[bytes]],
-        cancel: threading.Event,
-        *,
-        wait_for_space: Literal[True] = ...,
-        on_wait: Callable[[], None] | None = ...,
-        restat: Callable[[], tuple[int, int] | None] | None = ...,
-    ) -> Pin: ...
-    @overload
-    def fetch_verified(
-        self,
-        key: str,
-        size: int,
-        mtime_ns: int,
-        opener: Callable[[], IO[bytes]],
-        cancel: threading.Event,
-        *,
-        wait_for_space: bool,
-        on_wait: Callable[[], None] | None = ...,
-        restat: Callable[[], tuple[int, int] | None] | None = ...,
-    ) -> Pin | None: ...
-    def fetch_verified(
-        self,
-        key: str,
-        size: int,
-        mtime_ns: int,
-        opener: Callable[[], IO[bytes]],
-        cancel: threading.Event,
-        *,
-        wait_for_space: bool = True,
-        on_wait: Callable[[], None] | None = None,
         restat: Callable[[], tuple[int, int] | None] | None = None,
     ) -> Pin | None:
-        """:meth:`fetch`, copying again when the source changed before or during the copy.
+        """Pin the complete copy of ``key``, copying it from ``opener()`` on a miss.
 
         A copy is kept only when it holds exactly the bytes of the source as
         listed (``size``, ``mtime_ns``) and the source did not change while it
         was read (``rsync``'s check). Otherwise the source is looked at again
-        (``restat()``: its current size and mtime) and copied again; after
-        ``_COPY_TRIES`` copies of a source that kept changing, raises
-        :class:`~nbtools.errors.DataError` naming it. Nothing partial is served.
+        (``restat()``: its current size and mtime) and copied again; nothing
+        partial is served.
+
+        Args:
+            key: ``namespace/relative/path`` of the file in the cache.
+            size: The source's size as listed.
+            mtime_ns: The source's mtime as listed (0: not compared).
+            opener: Opens the source for reading.
+            cancel: Set to give up a copy in progress.
+            wait_for_space: False: return None at once when the cache has no
+                room for the file now (a copy ahead of the consumer); True
+                (default): wait for room, and never return None.
+            on_wait: Called each time the copy waits for room (a stream
+                releases what it holds ahead then).
+            restat: The source's size and mtime now, or None when gone; without
+                it a source that changed is not copied again.
+
+        Raises:
+            CacheError: the file is larger than the cache can ever hold, or no
+                room appeared within two minutes.
+            DataError: the source changed during ``_COPY_TRIES`` copies, or once
+                without ``restat``; the message names it.
+            Cancelled: ``cancel`` was set during the copy.
         """
         for attempt in range(1, _COPY_TRIES + 1):
             try:
-                return self.fetch(
-                    key,
-                    size,
-                    mtime_ns,
-                    opener,
-                    cancel,
-                    wait_for_space=wait_for_space,
-                    on_wait=on_wait,
-                )
+                pin = self.pin_if_cached(key, size, mtime_ns)
+                if pin is not None:
+                    return pin
+                lock_path = os.path.join(self.dir, _LOCKS, _key_digest(key))
+                lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                try:
+                    fcntl.flock(lock_fd, fcntl.LOCK_EX)
+                    # Another worker may have copied it while this one waited.
+                    pin = self.pin_if_cached(key, size, mtime_ns)
+                    if pin is not None:
+                        return pin
+                    room = self._make_room(key, size, wait_for_space, cancel, on_wait)
+                    if room is None:
+                        return None
+                    try:
+                        pin = self._copy(key, size, mtime_ns, opener, cancel, room)
+                        self.known.add(key, size, mtime_ns)
+                        return pin
+                    finally:
+                        if room.counted:
+                            with _RESERVED_LOCK:
+                                _RESERVED[self.dir] -= size
+                finally:
+                    os.close(lock_fd)
             except SourceChanged as exc:
                 now = restat() if restat is not None else None
                 if attempt == _COPY_TRIES or now is None:

@@ -209,7 +209,7 @@ class _Stream:
             # let the consumer copy the file itself when it gets there.
             self.copies += 1
             future = self.pool.submit(
-                self.cache.fetch_verified,
+                self.cache.fetch,
                 item.key,
                 item.size,
                 item.mtime_ns,
@@ -379,7 +379,7 @@ class _Stream:
                 if path is None:  # a copy ahead still running, given up, or not started
                     pin: Pin | None = state.result() if isinstance(state, Future) else None
                     if pin is None:
-                        pin = self.cache.fetch_verified(
+                        pin = self.cache.fetch(
                             item.key,
                             item.size,
                             item.mtime_ns,
@@ -388,6 +388,7 @@ class _Stream:
                             on_wait=self.shed,
                             restat=self._restat(item),
                         )
+                        assert pin is not None  # it waits for room: never None
                     with lock:
                         path = self._hand_out(item, Guard.pinned(pin))
                 if not refilled:
