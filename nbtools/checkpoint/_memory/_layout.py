@@ -139,6 +139,8 @@ def plan(state: dict[str, Any]) -> Layout:
             table.append((_dtype_name(obj.dtype), tuple(obj.shape), offset))
             offset = _align(offset + obj.numel() * obj.element_size())
             return {_REF: index}
+        if _sharded.is_marked(obj):  # its record as it is: one pickled per mesh and shape
+            return {**obj, "local": walk(obj["local"])}
         if isinstance(obj, dict):
             return {k: walk(v) for k, v in obj.items()}
         if isinstance(obj, list):

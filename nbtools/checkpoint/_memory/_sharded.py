@@ -65,10 +65,21 @@ def _offset(tensor: DTensor) -> list[int] | None:
     return [int(o) for o in offset]
 
 
+#: Records already made, by mesh, placements, shape and stride (a snapshot of FSDP2 state
+#: has three tensors per parameter, each step the same): at most this many are kept.
+_SPECS_KEPT = 4096
+_specs: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
 def _spec(tensor: DTensor) -> dict[str, Any]:
     mesh = tensor.device_mesh
+    key = (mesh, tuple(tensor.placements), tuple(tensor.shape), tuple(tensor.stride()))
+    try:
+        return _specs[key]
+    except (KeyError, TypeError):  # TypeError: a mesh that cannot be hashed
+        pass
     coordinate = mesh.get_coordinate()
-    return {
+    spec = {
         "device": mesh.device_type,
         "mesh": mesh.mesh.tolist(),
         "names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names is not None else None,
@@ -78,6 +89,13 @@ def _spec(tensor: DTensor) -> dict[str, Any]:
         "coordinate": list(coordinate) if coordinate is not None else None,
         "offset": _offset(tensor),
     }
+    try:
+        if len(_specs) >= _SPECS_KEPT:
+            _specs.clear()
+        _specs[key] = spec
+    except TypeError:
+        pass
+    return spec
 
 
 def sharded(state: Any) -> bool:
@@ -93,7 +111,7 @@ def sharded(state: Any) -> bool:
 
 def _flat(obj: Any) -> Any:
     if isinstance(obj, DTensor):
-        return {MARK: _spec(obj), "local": obj._local_tensor.detach()}
+        return {MARK: _spec(obj), "local": obj._local_tensor}
     if isinstance(obj, dict):
         return {k: _flat(v) for k, v in obj.items()}
     if isinstance(obj, list):
