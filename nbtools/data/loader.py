@@ -116,7 +116,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     * ``global_batch_size=N`` (instead of ``batch_size``): every optimizer
       step takes exactly ``N`` samples over all ranks, each rank its share
       from :func:`nbtools.runtime.batch_plan` (shares differ by one when the
-      world size does not divide ``N``; :attr:`batch_plan` holds them). The
+      world size does not divide ``N``; the attribute ``batch_plan`` holds them). The
       steps are consecutive blocks of ``N`` of the epoch's order, so a run
       resumed at another world size takes the same global batches, in the same
       order, each sample once. Scale the summed loss by :attr:`loss_scale`.
