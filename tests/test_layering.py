@@ -671,7 +671,7 @@ _ARROW_BUDGET = {
     "nbtools.launch._rank": 10,
     "nbtools.launch._ray": 4,
     "nbtools.launch.pool": 13,
-    "nbtools.monitor": 34,
+    "nbtools.monitor": 35,
     "nbtools.tracking": 17,
 }
 
