@@ -255,9 +255,9 @@ async function render({ model, el }) {
       header.append(element("th", "", h));
     }
     table.append(header);
-    cells = gpus.map(([host, index, name]) => {
+    cells = gpus.map(([host, index, name, , , row_label]) => {
       const row = element("tr");
-      const label = element("td", "nbtools-gpu-name", `${host} · ${index}`);
+      const label = element("td", "nbtools-gpu-name", `${host} · ${row_label ?? index}`);
       label.title = name;
       const tds = [0, 1, 2, 3, 4].map(() => element("td"));
       row.append(label, ...tds);

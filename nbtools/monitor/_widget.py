@@ -37,7 +37,8 @@ from nbtools.monitor._rates import RateRow
 from nbtools.monitor.history import History
 from nbtools.monitor.readings import Sample, describe_throttle
 from nbtools.monitor.snapshot import COLORS as _COLORS
-from nbtools.monitor.timeline import MESSAGE_BUDGET, PROGRESS_KIND, EventFeed
+from nbtools.monitor.snapshot import gpu_label
+from nbtools.monitor.timeline import MESSAGE_BUDGET, PROGRESS_KIND, EventFeed, gpu_ranks
 
 __all__ = ["GPUChart", "plotly_js_gzip"]
 
@@ -86,6 +87,8 @@ def _round(value: float | None, scale: float, digits: int) -> float | None:
 
 def _note(reading: Any) -> str:
     notes = [r for r in describe_throttle(reading.throttle_reasons) if r != "idle"]
+    if getattr(reading, "problem", ""):
+        notes.insert(0, reading.problem)  # lost, or why MIG shows no utilization
     if reading.ecc_uncorrected:
         notes.append(f"{reading.ecc_uncorrected} uncorrected ECC errors")
     return "; ".join(notes)
@@ -137,6 +140,7 @@ class GPUChart(anywidget.AnyWidget):
         self._told = (0, 0)  # (dropped, not drawn) as the front end last heard them
         self._rates = RateRow(_RATE_POINTS)
         self._rank_order: list[int] = []  # the ranks of the figure's step-rate traces
+        self._paired: dict[tuple[str, int], list[int]] = {}  # GPU row -> its ranks, by UUID
         if feed is not None:
             feed.take_progress()  # the bus has them too: start from its record
             since = time.time() - feed.horizon_s
@@ -181,11 +185,18 @@ class GPUChart(anywidget.AnyWidget):
         factors = (10.0, 100.0 if max_mem < 650 else 10.0, 10.0)
         times: dict[str, list] = {}
         ys: list[bytes] = []
+        self._paired = self._pairs()
         for panel, (field, scale, _digits) in enumerate(_PANELS):
             for host, index, name in gpus:
                 stamps, values = self._history.series(host, index, field)
                 times.setdefault(host, stamps)
-                label = f"{host} · GPU {index}" if len(hosts) > 1 else f"GPU {index}"
+                label = gpu_label(index)
+                label = f"{host} · {label}" if len(hosts) > 1 else label
+                paired = self._paired.get((host, index), [])
+                if paired:  # its rank's colour, and the rank named
+                    label += " · rank" + ("s " if len(paired) > 1 else " ")
+                    label += ", ".join(map(str, paired))
+                colour = paired[0] if len(paired) == 1 else index
                 fig.add_scatter(
                     row=panel + 1,
                     col=1,
@@ -195,7 +206,7 @@ class GPUChart(anywidget.AnyWidget):
                     showlegend=panel == 0,
                     hovertemplate=f"{name}<br>%{{y}}<extra>{label}</extra>",
                     line={
-                        "color": _COLORS[index % len(_COLORS)],
+                        "color": _COLORS[colour % len(_COLORS)],
                         "dash": _DASHES[hosts.index(host) % len(_DASHES)],
                         "width": 1.5,
                     },
@@ -258,8 +269,17 @@ class GPUChart(anywidget.AnyWidget):
             "xi": [list(times).index(h) for h, _, _ in gpus],
             "y": ys,
             "f": factors,
+            # Per row: host, index, name, memory GiB, power limit, and the row's label
+            # (its index, a MIG device's "1 · MIG 2", the ranks that use it).
             "gpus": [
-                [h, i, name, _round(self._total(h, i), 1.0 / _GIB, 0), self._limit(h, i)]
+                [
+                    h,
+                    i,
+                    name,
+                    _round(self._total(h, i), 1.0 / _GIB, 0),
+                    self._limit(h, i),
+                    self._row_label(h, i),
+                ]
                 for h, i, name in gpus
             ],
             "glance": [
@@ -284,6 +304,17 @@ class GPUChart(anywidget.AnyWidget):
         reading = self._latest.get((host, index))
         return None if reading is None else reading.memory_total
 
+    def _row_label(self, host: str, index: int) -> str:
+        label = gpu_label(index).removeprefix("GPU ")
+        paired = self._paired.get((host, index), [])
+        return label + (f" · rank {', '.join(map(str, paired))}" if paired else "")
+
+    def _pairs(self) -> dict[tuple[str, int], list[int]]:
+        """The ranks of each GPU row, as far as the ranks said which GPU they use."""
+        if self._feed is None or not self._feed.rank_gpus:
+            return {}
+        return gpu_ranks(self._latest, dict(self._feed.rank_gpus))
+
     def _limit(self, host: str, index: int) -> float | None:
         reading = self._latest.get((host, index))
         return None if reading is None else _round(reading.power_limit, 1.0, 0)
@@ -300,7 +331,12 @@ class GPUChart(anywidget.AnyWidget):
             self._remember(sample)
             row = self._rows.get(sample.host)
             rates = self._new_rates()
-            if row is None or row[1] != [r.index for r in sample.gpus] or rates is None:
+            if (
+                row is None
+                or row[1] != [r.index for r in sample.gpus]
+                or rates is None
+                or self._pairs() != self._paired
+            ):
                 self._seq += 1
                 self._figure = self._build()
                 return

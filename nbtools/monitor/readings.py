@@ -17,8 +17,7 @@ __all__ = [
     "describe_throttle",
     "local_host",
     "mig_index",
-    "gpu_label",
-    "same_device",
+    "MIG_BASE",
 ]
 
 #: Numeric fields of a reading, in the order the history stores them.
@@ -67,27 +66,6 @@ MIG_BASE = 1000
 def mig_index(gpu: int, slot: int) -> int:
     """The row index of MIG device ``slot`` of the GPU at NVML index ``gpu``."""
     return MIG_BASE * (gpu + 1) + slot
-
-
-def gpu_label(index: int) -> str:
-    """How a row is named: ``"GPU 3"``, or ``"GPU 3 · MIG 1"`` for a MIG device."""
-    if index < MIG_BASE:
-        return f"GPU {index}"
-    return f"GPU {index // MIG_BASE - 1} · MIG {index % MIG_BASE}"
-
-
-def same_device(nvml_uuid: str, cuda_uuid: str) -> bool:
-    """Whether NVML's UUID of a GPU or MIG device (``GPU-…``, ``MIG-…``) and the one CUDA
-    gives a rank's device (torch prints it with or without that prefix) are one device."""
-
-    def body(text: str) -> str:
-        text = text.strip().lower()
-        for prefix in ("gpu-", "mig-"):
-            if text.startswith(prefix):
-                return text[len(prefix) :]
-        return text
-
-    return bool(nvml_uuid and cuda_uuid) and body(nvml_uuid) == body(cuda_uuid)
 
 
 def local_host() -> str:

@@ -21,7 +21,7 @@ import numpy as np
 
 from nbtools.monitor.history import History
 from nbtools.monitor.snapshot import COLORS as _COLORS
-from nbtools.monitor.snapshot import PaneState, readings_table, summary
+from nbtools.monitor.snapshot import PaneState, gpu_label, readings_table, summary
 from nbtools.monitor.timeline import CATEGORY_LABELS
 
 __all__ = ["timeline_figure", "write_html"]
@@ -130,7 +130,7 @@ def timeline_figure(
     for offset, (field, scale, _label) in enumerate(panels):
         for host, index, name in gpus:
             stamps, values = history.series(host, index, field)
-            label = f"{host} · GPU {index}" if len(hosts) > 1 else f"GPU {index}"
+            label = f"{host} · {gpu_label(index)}" if len(hosts) > 1 else gpu_label(index)
             fig.add_scatter(
                 row=row_at + offset,
                 col=1,

@@ -27,9 +27,11 @@ from typing import Any
 import numpy as np
 
 from nbtools.monitor.history import History
+from nbtools.monitor.readings import MIG_BASE
 
 __all__ = [
     "COLORS",
+    "gpu_label",
     "MAX_POINTS",
     "PaneState",
     "STYLE",
@@ -119,6 +121,13 @@ class Snapshot:
         return f"<Snapshot {len(self.png)} bytes PNG · {self.text.splitlines()[0] if self.text else ''}>"
 
 
+def gpu_label(index: int) -> str:
+    """How a row is named: ``"GPU 3"``, or ``"GPU 3 · MIG 1"`` for a MIG device."""
+    if index < MIG_BASE:
+        return f"GPU {index}"
+    return f"GPU {index // MIG_BASE - 1} · MIG {index % MIG_BASE}"
+
+
 def _clock(seconds: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(seconds))
 
@@ -162,12 +171,12 @@ def readings_table(
         power = _fmt(r.power) + (f" / {_fmt(r.power_limit)}" if r.power_limit else "")
         rows.append(
             (
-                f"{host} · {index}",
+                f"{host} · {gpu_label(index).removeprefix('GPU ')}",
                 _fmt(r.utilization),
                 f"{_fmt(used, 1)} / {_fmt(total)}",
                 _fmt(r.temperature),
                 power,
-                name,
+                f"{name} ({r.problem})" if getattr(r, "problem", "") else name,
             )
         )
     return rows
@@ -210,7 +219,7 @@ def render_png(state: PaneState) -> bytes:
     canvas.legend(
         [
             (
-                f"{h} · GPU {i}" if len(hosts) > 1 else f"GPU {i}",
+                f"{h} · {gpu_label(i)}" if len(hosts) > 1 else gpu_label(i),
                 COLORS[i % len(COLORS)],
                 hosts.index(h) % 2 == 1,
             )

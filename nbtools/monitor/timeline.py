@@ -45,6 +45,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from nbtools import events as _events
 from nbtools.events import Bus, Event
 
 __all__ = [
@@ -56,6 +57,9 @@ __all__ = [
     "CATEGORY_LABELS",
     "PROGRESS_KIND",
     "RANK_GPU_KIND",
+    "announce_rank_gpu",
+    "gpu_ranks",
+    "same_device",
     "drawn",
     "MIN_WINDOW_S",
     "RateWindows",
@@ -382,6 +386,54 @@ def event_rows(events: Iterable[Event]) -> list[dict[str, Any]]:
     return rows
 
 
+def announce_rank_gpu() -> None:
+    """In a rank at its start: say which CUDA device it uses, by UUID (nothing on a rank
+    that has not started CUDA, such as a CPU rank), so the pane pairs its rows.
+
+    NVML numbers GPUs in PCI order and sees every GPU of the host; CUDA numbers
+    them fastest first and only those ``CUDA_VISIBLE_DEVICES`` shows. The UUID is
+    the same in both.
+    """
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    index = torch.cuda.current_device()
+    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    _events.emit(RANK_GPU_KIND, f"uses CUDA device {index} ({uuid})", uuid=uuid, cuda=index)
+
+
+def same_device(nvml_uuid: str, cuda_uuid: str) -> bool:
+    """Whether NVML's UUID of a GPU or MIG device (``GPU-…``, ``MIG-…``) and the one CUDA
+    gives a rank's device (torch prints it with or without that prefix) are one device."""
+
+    def body(text: str) -> str:
+        text = text.strip().lower()
+        for prefix in ("gpu-", "mig-"):
+            if text.startswith(prefix):
+                return text[len(prefix) :]
+        return text
+
+    return bool(nvml_uuid and cuda_uuid) and body(nvml_uuid) == body(cuda_uuid)
+
+
+def gpu_ranks(
+    latest: dict[Any, Any], rank_gpus: dict[int, tuple[str, str]]
+) -> dict[Any, list[int]]:
+    """Which ranks use each GPU row: ``(host, index) -> ranks``, matched by UUID.
+
+    Args:
+        latest: ``(host, index) -> GPUReading`` (its ``uuid`` is NVML's).
+        rank_gpus: ``rank -> (host, CUDA UUID)`` from the ranks' ``rank_gpu`` events.
+    """
+    out: dict[Any, list[int]] = {}
+    for rank, (host, uuid) in sorted(rank_gpus.items()):
+        for (where, index), reading in latest.items():
+            if where == host and same_device(getattr(reading, "uuid", ""), uuid):
+                out.setdefault((where, index), []).append(rank)
+    return out
+
+
 class EventFeed:
     """New events of a bus, queued for the chart; the bus itself keeps the record.
 
@@ -409,7 +461,16 @@ class EventFeed:
         self._lock = threading.Lock()
         self._overflow = 0  # queued events pushed out before a poll took them
         self._closed = False
+        #: ``rank -> (host, CUDA UUID)`` of the ranks that said which GPU they use.
+        self.rank_gpus: dict[int, tuple[str, str]] = {}
+        self._devices(bus.log(kinds=[RANK_GPU_KIND]))
         bus.subscribe(self._arrived)
+
+    def _devices(self, events: list[Event]) -> None:
+        for event in events:
+            uuid = event.fields.get("uuid")
+            if event.kind == RANK_GPU_KIND and event.rank is not None and isinstance(uuid, str):
+                self.rank_gpus[event.rank] = (event.host, uuid)
 
     def _arrived(self, events: list[Event]) -> None:
         # Runs on the delivering thread (the collector's reader): queue and count only.
@@ -419,6 +480,7 @@ class EventFeed:
                     self._progress.append(event)  # drawn as step rates, not one by one
                     continue
                 if event.kind in _NOT_DRAWN:
+                    self._devices([event])
                     continue
                 queue = self._notable if event.kind in NOTABLE_KINDS else self._other
                 if len(queue) == MAX_PENDING:

@@ -16,6 +16,8 @@ from _monitor_fakes import message_bytes
 
 from nbtools import events
 from nbtools.monitor import GPUPane, SimulatedBackend, acquire, release
+from nbtools.monitor.readings import local_host
+from nbtools.monitor.snapshot import COLORS
 from nbtools.monitor.timeline import MESSAGE_BUDGET, category, encode
 
 pytest.importorskip("anywidget", reason="the pane's chart needs anywidget")
@@ -408,3 +410,35 @@ def test_a_pane_with_no_gpu_draws_only_the_step_rates(comms, fake_pynvml):
         assert "no GPU" in figure["layout"]["title"]["text"]
     finally:
         pane.close()
+
+
+def test_a_gpu_row_pairs_with_the_rank_that_uses_it_by_uuid(comms, clock):
+    here = local_host()  # the ranks' events carry their host, as the GPUs' samples do
+    sampler = acquire(
+        SimulatedBackend(2, host=here), clock=clock, start=False, interval=10, idle_timeout=None
+    )
+    pane = GPUPane(backend=SimulatedBackend(2, host=here), display=False)
+    try:
+        chart = pane._chart.comm
+        nvml_uuid = sampler.last_sample.gpus[1].uuid  # "GPU-…", as NVML says it
+        # What a rank on GPU 1 announces: CUDA's UUID, which torch prints without "GPU-".
+        events.emit("rank_gpu", rank=3, uuid=nvml_uuid.removeprefix("GPU-"), cuda=0)
+        _poll(sampler, clock)
+        figure = chart.sent[-1]["data"]["state"]["_figure"]  # the figure is sent again
+        traces = {t["name"]: t for t in figure["data"]}
+        assert "GPU 1 · rank 3" in traces and "GPU 0" in traces
+        assert traces["GPU 1 · rank 3"]["line"]["color"] == COLORS[3]  # the rank's colour
+        assert [g[5] for g in figure["gpus"]] == ["0", "1 · rank 3"]
+        assert all(row[1] != "rank_gpu" for row in figure["ev"])  # nothing to draw
+        _poll(sampler, clock)
+        assert chart.custom_messages()[-1]["k"] == "s"  # and not sent again
+    finally:
+        pane.close()
+        release(sampler)
+
+
+def test_a_rank_without_cuda_announces_nothing(clean_bus):
+    from nbtools.monitor.timeline import announce_rank_gpu
+
+    announce_rank_gpu()  # CPU torch here: no CUDA started
+    assert events.log(kinds=["rank_gpu"]) == []

@@ -10,8 +10,9 @@ from _monitor_fakes import ERRORS, FakeGPU, _Memory
 
 from nbtools import events
 from nbtools.monitor import BackendUnavailable, NVMLBackend, Sampler
-from nbtools.monitor.readings import gpu_label, mig_index, same_device
-from nbtools.monitor.timeline import encode
+from nbtools.monitor.readings import mig_index
+from nbtools.monitor.snapshot import gpu_label
+from nbtools.monitor.timeline import encode, same_device
 
 
 def test_reads_several_gpus_in_one_pass(fake_pynvml):
