@@ -33,6 +33,10 @@ _hooks.register(
     in_rank="nbtools.tracking._launch:in_rank",
 )
 
+# The GPU pane pairs a rank with its GPU by UUID: each rank that started CUDA says which
+# device it uses (see nbtools.monitor.timeline).
+_hooks.register("torch", in_rank="nbtools.monitor.timeline:announce_rank_gpu")
+
 # The checkpoint memory tier's snapshots of a launch end with it: each launch that ends
 # for good (returned, failed past max_restarts, interrupted) drops them on this node.
 _hooks.at_launch_end("nbtools.checkpoint._memory:end_run")
