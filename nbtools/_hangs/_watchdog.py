@@ -11,8 +11,9 @@ Hangs. A rank is hung when it made no progress for longer than its bound
 while others made progress, or while every rank stopped and the others wait
 in a collective for it. The bound is ``hang_timeout`` when given, else ten
 median step times and at least 45 s; before a rank's first step it is the
-start-up bound (``startup_timeout``, 3 minutes by default, counted from the
-rank's start: imports, a restore, a cold compile), and in a phase the rank
+start-up bound (counted from the rank's start: imports, a restore, a cold
+compile): ``startup_timeout`` when given, else three times the slowest first
+step a rank of the group reported, and 3 minutes before any did; in a phase the rank
 named (``events.phase``) it is the long bound. Only culprits are flagged,
 never a rank that only waits: torch's Flight Recorder says which ranks are
 inside the collective in flight (:mod:`._collectives`), and a rank behind it,
@@ -82,8 +83,11 @@ MIN_HANG_S = 45.0
 HANG_STEPS = 10.0
 #: Scores under this flag a straggler.
 THRESHOLD = 0.75
-#: Before its first step a rank has this long (from its start) when not told otherwise.
+#: Before its first step a rank has this long (from its start) when not told otherwise,
+#: until the group shows how long a first step takes...
 STARTUP_S = 180.0
+#: ...then this many times the slowest first step seen (at least the hang bound).
+STARTUP_STEPS = 3.0
 #: A rank busy outside collectives, or in a phase it named, is hung only past this.
 LONG_PHASE_S = 900.0
 _ANSWERS_FRESH_S = 10.0  # the ranks' answers about their collectives count this long
@@ -108,7 +112,9 @@ class Watchdog:
             (default 10, or ``NBTOOLS_STRAGGLER_CONFIRM_S``).
         sample_s: Period of the /proc samples of local ranks.
         startup_timeout: Seconds a rank has, from its start, to report its first
-            step (default :data:`STARTUP_S`, 3 minutes; at least ``hang_timeout``).
+            step (at least ``hang_timeout``). None: learned from the run, three
+            times the slowest first step a rank of the group reported (at least the
+            hang bound), and :data:`STARTUP_S` (3 minutes) before any did.
         phase_timeout: Seconds a rank busy outside collectives, or in a phase it
             named, has before it is hung (default :data:`LONG_PHASE_S`, 15 minutes,
             or ten hang bounds when that is longer).
@@ -153,6 +159,8 @@ class Watchdog:
         self.confirm_s = confirm_s
         self.sample_s = sample_s
         self.startup_timeout = STARTUP_S if startup_timeout is None else float(startup_timeout)
+        self._learn_startup = startup_timeout is None
+        self._first_steps: list[float] = []  # seconds from each rank's start to its first step
         self.phase_timeout = phase_timeout
         self._on_hang = on_hang
         self._localize = localize
@@ -262,8 +270,14 @@ class Watchdog:
         if state.phase is not None:
             return self.long_bound()
         if not state.steps and not is_stopped(state):
-            return max(self.startup_timeout, self.hang_timeout or 0.0)
+            return self.startup_bound()
         return self.bound()
+
+    def startup_bound(self) -> float:
+        """Seconds a rank has, from its start, to report its first step now."""
+        if self._learn_startup and self._first_steps:
+            return max(self.bound(), STARTUP_STEPS * max(self._first_steps))
+        return max(self.startup_timeout, self.hang_timeout or 0.0)
 
     def _since(self, state: RankState) -> float:
         """Kernel time of the rank's last sign of progress, else of its start."""
@@ -285,8 +299,10 @@ class Watchdog:
                     self._paused_until = max(self._paused_until, now + 2.0)
 
     def _progress(self, event: events.Event) -> None:
-        state = self._ranks.get(event.rank)  # type: ignore[arg-type]
-        if state is None or state.pid != event.pid:
+        known = self._ranks.get(event.rank)  # type: ignore[arg-type]
+        new = known is None or known.pid != event.pid
+        state = known
+        if state is None or new:
             # Its process can be read here when it runs on this machine.
             local = event.host.split(events.NODE_SEPARATOR, 1)[0] == self._host
             state = RankState(event.rank, event.host, event.pid, local)  # type: ignore[arg-type]
@@ -315,6 +331,9 @@ class Watchdog:
                 state.alive_at = self._arrived(state)
             return
         state.progressed_at = self._arrived(state)
+        if not state.steps:  # its first step: how long a start takes in this group
+            began = self._started_at if new else state.started_at  # unheard of: the launch
+            self._first_steps.append(state.progressed_at - began)
         if marked:
             state.alive_at = state.progressed_at
         if state.steps and event.time > state.stepped_at:
@@ -528,7 +547,7 @@ class Watchdog:
             now,
             self._book.epoch,
             self.world_size,
-            {r: bounds.get(r, self.startup_timeout) for r in range(self.world_size)},
+            {r: bounds.get(r, self.startup_bound()) for r in range(self.world_size)},
             self._localize,
         )
         with self._lock:

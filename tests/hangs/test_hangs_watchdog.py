@@ -334,3 +334,22 @@ def _marker():
 
 
 _SOURCE_LINE = _marker.__code__.co_firstlineno
+
+
+def test_the_start_up_bound_is_learned_from_the_first_steps_the_group_shows():
+    clock = _Clock()
+    dog = Watchdog(2, clock=clock)
+    now = time.time()
+    # Both ranks report as they start; rank 1 then deadlocks before its first step.
+    dog._on_events([_progress(r, 100 + r, 0, now, host="node-x") for r in (0, 1)])
+    assert dog.startup_bound() == 180.0  # the documented default, before any first step
+    for second in range(1, 71):
+        clock.now += 1.0
+        if second >= 20:  # rank 0's first step took 20 s; then one step a second
+            dog._on_events([_progress(0, 100, second - 19, now + second, host="node-x")])
+        if second == 20:
+            assert dog.startup_bound() == 60.0  # three times the slowest first step
+        flagged = [f.rank for f in dog._judge_hangs(clock.now)]
+        if flagged:
+            break
+    assert flagged == [1] and 60 < second < 65  # named by the learned bound, not after 180 s
