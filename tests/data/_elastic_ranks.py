@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from _data_helpers import index_of, make_tree
 from torch.utils.data import IterableDataset
 
+from nbtools.checkpoint import CheckpointManager
 from nbtools.data import DataLoader, VolumeDataset
 
 __all__ = ["FEATURES", "launch", "ledger", "make_tree", "reference"]
@@ -67,6 +68,7 @@ def _rank(
     tag: str,
     global_batch: int | None,
     batch_size: int,
+    checkpoint: bool,
 ) -> None:
     root = Path(root_str)
     dist.init_process_group(
@@ -75,12 +77,6 @@ def _rank(
     out: dict[str, Any] = {"steps": [], "grads": [], "losses": []}
     try:
         model = new_model()
-        if (root / "params.pt").exists():
-            model.load_state_dict(torch.load(root / "params.pt"))
-        # Without a global batch the ranks may get different numbers of batches near the end
-        # of a resumed epoch, where DDP would wait forever: each rank then trains alone.
-        ddp = torch.nn.parallel.DistributedDataParallel(model) if global_batch else model
-        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
         files = VolumeDataset(root / "src", cache_dir=root / "cache", shuffle=True, seed=SEED)
         sizing = (
             {"global_batch_size": global_batch}
@@ -88,20 +84,16 @@ def _rank(
             else {"batch_size": batch_size}
         )
         with DataLoader(Samples(files), num_workers=workers, **sizing) as loader:
-            if (root / "loader.json").exists():
-                loader.load_state_dict(json.loads((root / "loader.json").read_text()))
-            for ids in loader:
-                x, y = features(ids)
-                per_sample = (ddp(x).squeeze(-1) - y) ** 2
-                (per_sample.sum() * loader.loss_scale).backward()
-                out["steps"].append(ids.tolist())
-                if rank == 0:
-                    out["grads"].append([p.grad.flatten().tolist() for p in model.parameters()])
-                out["losses"].append(per_sample.sum().item())
-                opt.step()
-                opt.zero_grad()
-                if steps is not None and len(out["steps"]) == steps:
-                    break
+            if checkpoint:
+                with CheckpointManager(root / "ckpt", async_save=False, save_on_close=False) as ck:
+                    first = ck.restore(model=model, data=loader)
+                    _train(rank, model, loader, steps, global_batch is not None, out)
+                    ck.save(first + len(out["steps"]) - 1, model=model, data=loader)
+            else:
+                if (root / "params.pt").exists():
+                    model.load_state_dict(torch.load(root / "params.pt"))
+                    loader.load_state_dict(json.loads((root / "loader.json").read_text()))
+                _train(rank, model, loader, steps, global_batch is not None, out)
             state = loader.state_dict()
         if rank == 0:
             torch.save(model.state_dict(), root / "params.pt")
@@ -109,6 +101,33 @@ def _rank(
     finally:
         dist.destroy_process_group()
     (root / f"{tag}-{rank}.json").write_text(json.dumps(out))
+
+
+def _train(
+    rank: int,
+    model: torch.nn.Module,
+    loader: DataLoader,
+    steps: int | None,
+    ddp: bool,
+    out: dict[str, Any],
+) -> None:
+    """SGD on the loss scaled by ``loader.loss_scale``; what each step took goes to ``out``."""
+    # Without a global batch the ranks may get different numbers of batches near the end
+    # of a resumed epoch, where DDP would wait forever: each rank then trains alone.
+    net = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    for ids in loader:
+        x, y = features(ids)
+        per_sample = (net(x).squeeze(-1) - y) ** 2
+        (per_sample.sum() * loader.loss_scale).backward()
+        out["steps"].append(ids.tolist())
+        if rank == 0:
+            out["grads"].append([p.grad.flatten().tolist() for p in model.parameters()])
+        out["losses"].append(per_sample.sum().item())
+        opt.step()
+        opt.zero_grad()
+        if steps is not None and len(out["steps"]) == steps:
+            break
 
 
 def launch(
@@ -119,17 +138,22 @@ def launch(
     global_batch: int | None,
     tag: str,
     batch_size: int = 1,
+    checkpoint: bool = False,
 ) -> list[dict[str, Any]]:
     """One launch of ``world`` ranks for ``steps`` steps (None: to the end of the epoch).
 
     ``global_batch=None``: each rank takes ``batch_size`` samples a step instead
-    (the global batch then follows the world size), and trains without DDP. Returns each rank's record:
+    (the global batch then follows the world size), and trains without DDP.
+    ``checkpoint``: the model and the loader's position go from launch to launch
+    through a ``CheckpointManager`` under ``root / "ckpt"`` (saved at the
+    launch's last step, restored at the next world size), else through files.
+    Returns each rank's record:
     ``steps`` (the ids of each step), ``grads`` (rank 0: the gradient of each
     step), ``losses``.
     """
     mp.start_processes(
         _rank,
-        args=(str(root), world, workers, steps, tag, global_batch, batch_size),
+        args=(str(root), world, workers, steps, tag, global_batch, batch_size, checkpoint),
         nprocs=world,
         start_method="fork",
         join=True,

@@ -2,7 +2,7 @@
 
 A job that loses ranks goes on at a smaller world size from its checkpoint, and
 grows back later: here each world size is a separate launch, with the model and
-the loader's state carried across in files. Every step takes the global batch,
+the loader's state carried across through a ``CheckpointManager`` (or files). Every step takes the global batch,
 every sample of the epoch comes exactly once, and the gradients are those of
 one process on the same global batches.
 
@@ -33,10 +33,10 @@ def steps_left(ranks_by_phase, ranks) -> int:
     return len(ranks_by_phase) - 1 - ranks_by_phase.index(ranks)
 
 
-def _run(root, n: int, global_batch: int, phases) -> None:
+def _run(root, n: int, global_batch: int, phases, checkpoint: bool = False) -> None:
     make_tree(root / "src", n)
     ranks_by_phase = [
-        launch(root, world, workers, steps, global_batch, f"p{i}")
+        launch(root, world, workers, steps, global_batch, f"p{i}", checkpoint=checkpoint)
         for i, (world, workers, steps) in enumerate(phases)
     ]
     steps = [s for ranks in ranks_by_phase for s in global_steps(ranks)]
@@ -70,8 +70,10 @@ def _run(root, n: int, global_batch: int, phases) -> None:
 @pytest.mark.slow
 def test_four_then_three_then_four_ranks_keep_the_global_batch_and_see_each_sample_once(tmp_path):
     # 40 samples, global batch 7: five whole steps and a last one of 5; 7 = 2+2+2+1 on
-    # four ranks, 3+2+2 on three. The second launch reads with a loader worker per rank.
-    _run(tmp_path, 40, 7, [(4, 0, 2), (3, 1, 2), (4, 0, None)])
+    # four ranks, 3+2+2 on three. The second launch reads with a loader worker per rank. The
+    # model and the loader's position go from launch to launch through CheckpointManager, as
+    # the next attempt of a job that lost ranks restores them.
+    _run(tmp_path, 40, 7, [(4, 0, 2), (3, 1, 2), (4, 0, None)], checkpoint=True)
 
 
 @pytest.mark.slow
