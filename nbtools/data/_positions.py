@@ -12,6 +12,11 @@ slot per rank and loader worker): slot ``s`` takes, in order, the unconsumed
 positions ``i`` with ``i % stride == s``. With nothing consumed this is the
 plain global stride ``order[s::stride]``; resuming with the same stride gives
 every slot exactly the positions an uninterrupted run would have given it.
+
+A loader with a global batch splits them another way (:class:`BatchLayout`):
+the positions not consumed, in order, are cut into global batches, and each
+rank takes its share of every batch, so that all ranks take the same number of
+steps and a resumed run at any world size takes the same batches.
 """
 
 from __future__ import annotations
