@@ -124,10 +124,11 @@ def ask(
 def in_flight(answers: dict[int, list[Position]]) -> list[InFlight]:
     """The collective in flight in each process group where some rank is inside one.
 
-    Groups are keyed by backend and id. Per group, the stuck collective is the one
+    Groups are keyed by backend and id. On NCCL the stuck collective is the one
     after the lowest a rank completed (``min(completed) + 1``): ranks that issued it
     (NCCL ranks may have run ahead by any number) wait in it; ranks that never issued
-    it are behind.
+    it are behind. On gloo, whose record counts a collective completed only some
+    time after the rank returned from it, it is the newest one a rank is inside.
     """
     groups: dict[str, dict[int, Position]] = {}
     for rank, positions in answers.items():
@@ -137,7 +138,10 @@ def in_flight(answers: dict[int, list[Position]]) -> list[InFlight]:
     for _, by_rank in sorted(groups.items(), key=lambda g: (g[0].split(":")[0] != "nccl", g[0])):
         if not any(p.inside for p in by_rank.values()):
             continue
-        seq = min(p.completed for p in by_rank.values()) + 1
+        if next(iter(by_rank.values())).backend == "nccl":
+            seq = min(p.completed for p in by_rank.values()) + 1
+        else:
+            seq = max(p.enqueued for p in by_rank.values() if p.inside)
         waiting = sorted(r for r, p in by_rank.items() if p.enqueued >= seq)
         ops, states = {}, {}
         for r in waiting:

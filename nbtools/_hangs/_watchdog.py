@@ -436,7 +436,7 @@ class Watchdog:
 
     def _needs_answers(self, now: float) -> bool:
         """Every rank stalled and one not yet flagged: ask the ranks where they are."""
-        if not self._ranks or now - self._answered_at < _ANSWERS_FRESH_S:
+        if not self._ranks or self._fresh(now):
             return False
         stalled = self._stalled(now)
         if len(stalled) < len(self._world()):
@@ -484,6 +484,13 @@ class Watchdog:
             new.append(flag)
         return new
 
+    def _fresh(self, now: float) -> bool:
+        """The ranks' latest answers still say where they are: asked within the last
+        few seconds, and no rank made progress since (a rank that moved is elsewhere)."""
+        if now - self._answered_at > _ANSWERS_FRESH_S:
+            return False
+        return all(last_sign(s) <= self._answered_at for s in self._ranks.values())
+
     def _outside(self, ranks: dict[int, RankState], now: float) -> list[RankState]:
         """Of ranks that all stalled: the culprits, never a rank that only waits.
 
@@ -491,7 +498,7 @@ class Watchdog:
         steps at all): a rank is named only when stopped by a signal, or when the
         ranks' positions in their collectives stood still between two asks.
         """
-        fresh = now - self._answered_at <= _ANSWERS_FRESH_S
+        fresh = self._fresh(now)
         if not self.reporting:
             stopped = [s for s in ranks.values() if now_state(s) == _process.STOPPED]
             if stopped or not fresh or not _collectives.stood_still(self._earlier, self._answers):
@@ -536,7 +543,7 @@ class Watchdog:
         with self._lock:
             ranks = dict(self._ranks)
             bounds = {r: self._bound_of(s) for r, s in ranks.items()}
-            fresh = self._clock() - self._answered_at <= _ANSWERS_FRESH_S
+            fresh = self._fresh(self._clock())
             answers = self._answers if fresh else None
         if answers is None:
             answers = self._ask_collectives()
