@@ -33,6 +33,7 @@ def test_four_ranks_over_two_nodes(ray_cluster):
         import torch.distributed as dist
 
         from nbtools import runtime
+        from nbtools.launch._ray import _ray_compat
 
         class Cell:  # a class defined where the function is, as in a notebook cell
             def __init__(self, value):
@@ -63,12 +64,15 @@ def test_four_ranks_over_two_nodes(ray_cluster):
                 runtime.get_node_rank(),
             ),
             "backend": dist.get_backend(),
+            "session": _ray_compat.session_dir(),  # where the rank's scratch files go
         }
 
     results = where.distributed(2)
     assert [r["env"]["RANK"] for r in results] == ["0", "1", "2", "3"]
     assert all(r["sum"] == 20.0 for r in results)  # (1+2+3+4) * 2
     assert all(r["backend"] == "gloo" for r in results)
+    sessions = {r["session"] for r in results}
+    assert len(sessions) == 1 and "session" in os.path.basename(str(sessions.pop()))
     nodes = [r["env"]["NBTOOLS_NODE_ID"] for r in results]
     # Exactly two nodes, ranks grouped by node in order: 0,1 on one, 2,3 on the other.
     assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2]
