@@ -71,11 +71,18 @@ def _step(model, opt, seed):
     opt.step()
 
 
+@pytest.fixture
+def shm(tmp_path, monkeypatch):
+    """A snapshot base of the test's own for the memory tier."""
+    path = tmp_path / "shm"
+    path.mkdir()
+    monkeypatch.setenv("NBTOOLS_SNAPSHOT_DIR", str(path))
+    return path
+
+
 def test_a_cuda_snapshot_goes_through_pinned_mirrors_and_holds_the_state_it_was_taken_at(
-    tmp_path, monkeypatch
+    tmp_path, shm
 ):
-    monkeypatch.setenv("NBTOOLS_SNAPSHOT_DIR", str(tmp_path / "shm"))
-    (tmp_path / "shm").mkdir()
     model, opt = _cuda_run()
     with pytest.raises(RuntimeError):
         with CheckpointManager(tmp_path / "root", every=1000, memory_every=2) as ckpt:
@@ -103,9 +110,7 @@ def test_a_cuda_snapshot_goes_through_pinned_mirrors_and_holds_the_state_it_was_
             assert torch.equal(value, saved[name]), name
 
 
-def test_a_restore_onto_the_gpu_keeps_no_page_of_the_slot_mapped(tmp_path, monkeypatch):
-    monkeypatch.setenv("NBTOOLS_SNAPSHOT_DIR", str(tmp_path / "shm"))
-    (tmp_path / "shm").mkdir()
+def test_a_restore_onto_the_gpu_keeps_no_page_of_the_slot_mapped(tmp_path, shm):
     model, opt = _cuda_run()
     with pytest.raises(RuntimeError):
         with CheckpointManager(tmp_path / "root", every=1000, memory_every=2) as ckpt:
