@@ -106,7 +106,8 @@ def as_traceback(stack: str) -> str:
         label = cell_label(filename)
         where = f"{label}, line {number}" if label else f'File "{filename}", line {number}'
         out.append(f"{indent}{where}, in {name}")
-        text = "" if filename.startswith("<") else linecache.getline(filename, int(number))
+        # A pseudo-file ("<pool execute>") has lines only when its caller cached them.
+        text = linecache.getline(filename, int(number))
         if text.strip():
             out.append(f"{indent}  {text.strip()}")
     return "\n".join(out)

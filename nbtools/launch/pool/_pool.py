@@ -20,6 +20,7 @@ Every restart emits a ``pool_restarted`` event; the rules are in one place,
 
 from __future__ import annotations
 
+import linecache
 import os
 import tempfile
 import threading
@@ -211,6 +212,13 @@ class RankPool:
         compile(
             code, "<pool execute>", "exec"
         )  # a syntax error is raised here, before any rank runs
+        # A hang report's stacks show the lines of this code, as the ranks' tracebacks do.
+        linecache.cache["<pool execute>"] = (
+            len(code),
+            None,
+            code.splitlines(True),
+            "<pool execute>",
+        )
         replies = self._call("exec", (code, "<pool execute>", "value"), uses=code.encode())
         return self._values(replies)
 

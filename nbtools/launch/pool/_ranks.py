@@ -24,6 +24,7 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import cloudpickle
@@ -323,7 +324,13 @@ class Ranks:
         on_hang: str = "report",
     ) -> None:
         # Hangs are judged from the ranks' progress reports while a call runs.
-        watch = _Watch(len(self.links), hang_timeout, active=deadline is None, known=self.hellos)
+        watch = _Watch(
+            len(self.links),
+            hang_timeout,
+            active=deadline is None,
+            known=self.hellos,
+            localize=self.forwarder.localize,
+        )
         try:
             self._gather_replies(seq, replies, watch, deadline, hang_timeout, on_hang)
         finally:
@@ -468,9 +475,11 @@ class _Watch:
         hang_timeout: float | None,
         active: bool,
         known: dict[int, dict[str, Any]] | None = None,
+        localize: Callable[[str], str] | None = None,
     ) -> None:
         self._world_size = world_size
         self._known = known or {}  # rank -> its hello: the watchdog samples it at once
+        self._localize = localize  # names frames of code sent by value as the caller knows them
         self._hang_timeout = hang_timeout
         self._active = active
         self._from = time.monotonic() + _WATCH_AFTER_S
@@ -479,7 +488,9 @@ class _Watch:
     def due(self, now: float) -> _hangs.Watchdog | None:
         """The watchdog, started now if the call has run long enough; None before."""
         if self._dog is None and self._active and now >= self._from:
-            self._dog = _hangs.Watchdog(self._world_size, hang_timeout=self._hang_timeout)
+            self._dog = _hangs.Watchdog(
+                self._world_size, hang_timeout=self._hang_timeout, localize=self._localize
+            )
             for rank, hello in self._known.items():
                 self._dog.know(rank, int(hello["pid"]), str(hello.get("host", "")))
             self._dog.start()

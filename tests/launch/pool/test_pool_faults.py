@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -132,7 +133,8 @@ def test_an_interrupt_that_ranks_do_not_return_from_restarts_the_pool(monkeypatc
 
 
 @pytest.mark.slow
-def test_on_hang_restart_replaces_hung_ranks_and_names_them():
+def test_on_hang_restart_replaces_hung_ranks_and_names_them(caplog):
+    caplog.set_level(logging.WARNING, logger="nbtools")
     since = _since()
     with RankPool(processes=2, hang_timeout=3, on_hang="restart", output="none") as pool:
         pool.execute(_SETUP)
@@ -154,3 +156,8 @@ def test_on_hang_restart_replaces_hung_ranks_and_names_them():
         assert pool.execute("1 + 1") == [2, 2]
     hangs = [e.rank for e in events.log(since=since, kinds=["hang"]) if not e.fields.get("ended")]
     assert hangs == [1]
+    # The stacks show the executed code's lines, as a traceback would.
+    (report,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("hang:")]
+    if "py-spy is not installed" not in report:
+        assert 'File "<pool execute>", line 7, in <module>' in report, report
+        assert "dist.all_reduce(torch.ones(1))" in report, report
