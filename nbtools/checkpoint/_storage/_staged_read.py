@@ -197,16 +197,19 @@ class StagedFetch:
         notes: list[Any] = [
             p.storage_data.get(NOTE) if isinstance(p.storage_data, dict) else None for p in plans
         ]
-        needs = [[self.key(self.infos_of(i)) for i in p.items] for p in plans]
         if why is not None:
             _log.info(
                 "loading %s: every rank reads the ranges it needs itself: %s", self.where, why
             )
-            checked = self._check_nodes(notes, needs, shared=False) is not None
+            # A rank-local checkpoint's items are in each rank's own metadata: each checks.
+            known = all(i.storage_index in self.storage_data for p in plans for i in p.items)
+            needs = [[self.key(self.infos_of(i)) for i in p.items] for p in plans] if known else []
+            checked = known and self._check_nodes(notes, needs, shared=False) is not None
             return [
                 dataclasses.replace(p, storage_data={NOTE: {"why": why, "checked": checked}})
                 for p in plans
             ]
+        needs = [[self.key(self.infos_of(i)) for i in p.items] for p in plans]
         nodes = self._check_nodes(notes, needs, shared=True)
         assert nodes is not None  # every plan has its note when the load reads once
         fetch, messages, shared = _coop_read.plan_reads(needs, self.message_size)
