@@ -24,6 +24,7 @@ the reason the stack is missing is said.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -257,9 +258,13 @@ def python_stacks(pids: Iterable[int]) -> dict[int, str]:
     return stacks
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def _trim(dump: str) -> str:
-    """The thread sections of a py-spy dump, without its header lines."""
-    lines = dump.rstrip().splitlines()
+    """The thread sections of a py-spy dump, without its header lines or colours (py-spy
+    colours its output where the environment asks for colour, as a notebook kernel's does)."""
+    lines = _ANSI.sub("", dump).rstrip().splitlines()
     for i, line in enumerate(lines):
         if line.startswith("Thread "):
             return "\n".join(lines[i:])

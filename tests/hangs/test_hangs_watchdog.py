@@ -353,3 +353,17 @@ def test_the_start_up_bound_is_learned_from_the_first_steps_the_group_shows():
         if flagged:
             break
     assert flagged == [1] and 60 < second < 65  # named by the learned bound, not after 180 s
+
+
+def test_a_coloured_py_spy_dump_reads_as_a_traceback():
+    # py-spy colours its dump where the environment asks for colour (a notebook kernel).
+    from nbtools._hangs._report import as_traceback
+
+    dump = (
+        "Process 4242: python\nPython v3.11.7\n\n"
+        'Thread \x1b[33m\x1b[1m4242\x1b[0m (idle): "MainThread"\n'
+        f"    \x1b[32mtrain\x1b[0m (\x1b[36m{__file__}\x1b[0m:\x1b[2m1\x1b[0m)\n"
+    )
+    text = as_traceback(_procstate._trim(dump))
+    assert text.splitlines()[0] == 'Thread 4242 (idle): "MainThread"'
+    assert f'File "{__file__}", line 1, in train' in text and "\x1b" not in text

@@ -532,3 +532,52 @@ def test_a_long_save_through_the_manager_is_not_a_hang(flags, caplog, tmp_path):
     assert train.distributed(str(tmp_path / "ckpt"), 25) == [(True, 24), (False, 24)]
     assert flags == [], [e.message for e in flags]
     assert _hang_warnings(caplog) == []
+
+
+_CELL = """\
+import threading
+import time
+
+from nbtools import distributed, events
+
+
+@distributed(processes=2, hang_timeout=5)
+def train(steps):
+    import torch
+    import torch.distributed as dist
+
+    lock = threading.Lock()
+    t = torch.ones(1)
+    for step in range(steps):
+        time.sleep(0.05)
+        if step == 10 and dist.get_rank() == 1:
+            with lock:
+                lock.acquire(timeout=20)  # the line the report points at
+        dist.all_reduce(t)
+        events.step(step)
+    return step
+
+
+train.distributed(15)
+"""
+
+
+@pytest.mark.kernel
+def test_the_stack_of_a_hung_cell_function_names_the_cell_as_ipython_does(tmp_path):
+    from _user_code_nb import NotebookKernel
+
+    with NotebookKernel(tmp_path) as kernel:
+        text = kernel.run(_CELL)
+        number = kernel.nb.cells[-1].execution_count
+    assert "[14, 14]" in text, text
+    report = text.split("hang: ", 1)[1]
+    section = report.split("--- rank 1", 1)[1].split("--- rank", 1)[0]
+    line = (
+        _CELL.splitlines().index(
+            "                lock.acquire(timeout=20)  # the line the report points at"
+        )
+        + 1
+    )
+    assert f"Cell In[{number}], line {line}, in train" in section, section
+    assert "lock.acquire(timeout=20)  # the line the report points at" in section, section
+    assert "<dynamic-code>" not in report
