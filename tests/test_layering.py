@@ -655,7 +655,7 @@ _ARROW_BUDGET = {
     "nbtools._hangs": 14,
     "nbtools._internal": 3,
     "nbtools._magics": 0,
-    "nbtools.checkpoint": 49,
+    "nbtools.checkpoint": 52,
     "nbtools.checkpoint._memory": 22,
     "nbtools.checkpoint._storage": 19,
     "nbtools.compat": 0,
