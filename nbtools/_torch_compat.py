@@ -73,6 +73,7 @@ __all__ = [
     "guard_init_process_group",
     "restore_fork_start_method",
     "release_returned",
+    "abort_groups",
 ]
 
 #: torch versions the test suite runs on (CPU in CI); the first is the declared minimum.
@@ -226,6 +227,35 @@ def shutdown_workers(iterator: Any) -> None:
 
 
 # --- elastic process contexts -----------------------------------------------------------
+
+
+def abort_groups() -> None:
+    """Abort every process group of this process, the default one included, and forget them.
+
+    Unlike ``destroy_process_group``, which only drops torch's references (a group
+    still referenced elsewhere, by a traceback's frames or a manager, keeps its
+    sockets open), an abort closes the connections at once, so a peer blocked in a
+    collective with this process fails at once too. Falls back to the destroy.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return
+    abort = getattr(c10d, "_abort_process_group", None)
+    if abort is not None:
+        try:
+            abort()
+            return
+        except (RuntimeError, ValueError, AttributeError) as exc:
+            _log.debug("aborting the process groups failed (%s); destroying them", exc)
+    else:
+        _fallback_note(
+            "torch.distributed.distributed_c10d._abort_process_group",
+            "peers blocked in a collective with a healing rank fail only once it is collected",
+            logging.INFO,
+        )
+    dist.destroy_process_group()
 
 
 def release_returned(ctx: Any) -> None:

@@ -323,9 +323,10 @@ class LocalGroup:
             self._healer.refuse(why or "the group cannot start a replacement", dead)
             return False
         heal = self._healer.begin(dead, {r: self._code(r) for r in dead})
+        kept = [p.pid for r, p in self._procs.items() if r not in dead and p is not None]
         for rank in dead:
             self._replace(rank, heal)
-        self._healer.publish(heal)
+        self._healer.publish(heal, kept)
         return True
 
     def _replace(self, rank: int, heal: Heal) -> None:

@@ -121,18 +121,25 @@ class Healer:
             attempt=self._spec.restart_count + len(self.heals) + 1,
             seen=time.time(),
             kept=[r for r in range(self._spec.world_size) if r not in dead],
-            restores=bool(events.log(since=self._started, kinds=["checkpoint_restored"])),
+            restores=self._manages(),
         )
         self.heals.append(heal)
         return heal
 
-    def publish(self, heal: Heal) -> None:
-        """Tell the waiting ranks to join generation ``heal.generation`` (replacements started)."""
+    def _manages(self) -> bool:
+        """Whether the ranks' code saves through a ``CheckpointManager`` (its live tier leaves
+        each rank's per-rank state in the launch's directory): the healed group will restore."""
+        return any(name.startswith("live-rank") for name in os.listdir(self._spec.attempt_dir))
+
+    def publish(self, heal: Heal, pids: list[int]) -> None:
+        """Tell the waiting ranks to join generation ``heal.generation`` (replacements started;
+        ``pids``: the processes of the ranks that kept theirs)."""
         verdict = {
             "heal": True,
             "generation": heal.generation,
             "attempt": heal.attempt,
             "replaced": heal.ranks,
+            "pids": pids,
         }
         write_verdict(self._spec.attempt_dir, heal.generation - 1, verdict)
         _log.info(

@@ -5,7 +5,7 @@ killer, ``os._exit``) is not stopped. Its pending collective fails (gloo: the
 dead peer's socket closed), the user's function unwinds through its context
 managers, and :func:`after_error` then:
 
-1. destroys every process group of the rank, so that peers still blocked in a
+1. aborts every process group of the rank, so that peers still blocked in a
    collective with it fail at once too (a ring all-reduce waits on a neighbour,
    not on the dead rank);
 2. says it is waiting (:func:`waiting_path`) and waits for the caller's verdict
@@ -13,7 +13,9 @@ managers, and :func:`after_error` then:
    ``heal`` once it has seen a rank die without a word and has started its
    replacement, ``fail`` when no rank died (every rank that has not returned is
    waiting: the error was the user's own);
-3. on ``heal``: moves the rank to the next generation: a new rendezvous store
+3. on ``heal``: shuts down its connections to the other ranks (an aborted gloo
+   group keeps them open while anything refers to it, and a peer blocked in a
+   collective on one would wait for its timeout), then moves the rank to the next generation: a new rendezvous store
    (no stale keys), ``TORCHELASTIC_RESTART_COUNT`` the new attempt (what
    ``nbtools.runtime.get_restart_count()`` reads), and the variables that tell
    a ``CheckpointManager`` which ranks were replaced (:data:`GENERATION_ENV`,
@@ -33,7 +35,9 @@ import dataclasses
 import gc
 import json
 import os
+import socket
 import time
+import traceback
 from typing import Any
 
 # ``spec`` below is the worker's ``RankSpec`` (``_worker`` imports this module).
@@ -121,7 +125,7 @@ def after_error(spec: RankSpec, exc: BaseException) -> RankSpec | None:
     the caller heals the group, else None (the rank fails as without healing)."""
     if not isinstance(exc, RuntimeError):
         return None
-    _leave_groups()
+    _leave_groups(exc)
     waiting = waiting_path(spec.run_dir, spec.generation, spec.rank)
     with open(waiting, "w"):
         pass
@@ -132,6 +136,7 @@ def after_error(spec: RankSpec, exc: BaseException) -> RankSpec | None:
             os.unlink(waiting)
     if verdict is None or not verdict.get("heal"):
         return None
+    _cut_links([int(p) for p in verdict.get("pids", ()) if int(p) != os.getpid()])
     generation = int(verdict["generation"])
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(int(verdict["attempt"]))
     os.environ[GENERATION_ENV] = str(generation)
@@ -148,13 +153,85 @@ def before_rerun() -> None:
     gc.collect()
 
 
-def _leave_groups() -> None:
-    """Destroy every process group this rank is in: peers blocked with it fail at once."""
-    import torch.distributed as dist
+def _leave_groups(exc: BaseException) -> None:
+    """Abort every process group this rank is in: peers blocked with it fail at once.
 
-    if dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+    The frames of the unwound call go first: a collective's frame still holds its work
+    and, through it, the group's connections, which stay open while anything refers
+    to them.
+    """
+    from nbtools import _torch_compat
+
+    traceback.clear_frames(exc.__traceback__)
+    with contextlib.suppress(Exception):
+        _torch_compat.abort_groups()
+    gc.collect()
+
+
+def _cut_links(peers: list[int]) -> None:
+    """Shut down this process's TCP connections to the other ranks' processes ``peers``.
+
+    An aborted gloo group keeps its connections open as long as anything still refers
+    to its context (a collective's work, torch's record of collectives): a peer blocked
+    in a collective with this rank would wait for its timeout (30 minutes). Shutting
+    them down (the descriptors stay gloo's) makes that peer's collective fail at once.
+    Only connections whose other end belongs to a rank are touched.
+    """
+    mine: dict[str, int] = {}
+    for fd in _fds(os.getpid()):
+        target = _link(f"/proc/self/fd/{fd}")
+        if target.startswith("socket:["):
+            mine[target[8:-1]] = fd
+    if not mine or not peers:
+        return
+    theirs = set()
+    for pid in peers:
+        for fd in _fds(pid):
+            target = _link(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                theirs.add(target[8:-1])
+    table = _tcp_table()
+    inode_of = {(local, remote): inode for local, remote, _, inode in table}
+    for local, remote, state, inode in table:
+        if state != "01" or inode not in mine:  # 01: ESTABLISHED
+            continue
+        if inode_of.get((remote, local)) in theirs:
+            with contextlib.suppress(OSError):
+                sock = socket.socket(fileno=mine[inode])
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                finally:
+                    sock.detach()  # the descriptor stays open: it is gloo's to close
+
+
+def _fds(pid: int) -> list[int]:
+    try:
+        return [int(name) for name in os.listdir(f"/proc/{pid}/fd")]
+    except (OSError, ValueError):
+        return []
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
+def _tcp_table() -> list[tuple[str, str, str, str]]:
+    """This network namespace's TCP sockets: (local, remote, state, inode)."""
+    rows = []
+    for name in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(name) as fh:
+                lines = fh.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) >= 10:
+                rows.append((fields[1], fields[2], fields[3], fields[9]))
+    return rows
 
 
 def _await_verdict(spec: RankSpec) -> dict[str, Any] | None:
