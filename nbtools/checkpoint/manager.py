@@ -38,6 +38,7 @@ from nbtools.checkpoint._checks import (
 )
 from nbtools.checkpoint._collective import release_groups
 from nbtools.checkpoint._lease import AFTER_RECOVERY_S, WriterLease
+from nbtools.checkpoint._live import LiveTier
 from nbtools.checkpoint._memory import MemoryTier, peers
 from nbtools.checkpoint._meta import find_meta, rank_device
 from nbtools.checkpoint._restore import Restorer, Tier
@@ -176,6 +177,10 @@ class CheckpointManager:
         self._volume = VolumeTier(self._root, self._saver, staging_dir, self._lease)
         self._tiers: list[Tier] = [self._memory] if self._memory is not None else []
         self._tiers.append(self._volume)
+        # A group that heals in place: the state the ranks that kept their processes hold.
+        self._live = LiveTier(lambda: self._saver.last_saved_step) if LiveTier.active() else None
+        if self._live is not None:
+            self._tiers.insert(0, self._live)
         self._failed = False  # closed on an error: snapshots stay for the restart
         self._closed = False
         self._checked = False  # the objects of the first save call passed check_objects
@@ -268,7 +273,7 @@ class CheckpointManager:
         scratch.sweep(scratch.staging_base(self._staging_dir))  # a killed writer's leftovers
         with events.phase("restore"):
             restored = Restorer(self._tiers, self._pg).restore(kinds, planner)
-        if restored.tier in ("memory", "replica") and self._lease is not None:
+        if restored.tier in ("live", "memory", "replica") and self._lease is not None:
             self._lease.defer_probe(AFTER_RECOVERY_S)  # the first steps of the recovery run first
         self.restored_step, self.restored_tier = restored.step, restored.tier
         self.skipped = restored.skipped
@@ -296,6 +301,8 @@ class CheckpointManager:
         self._saver.raise_failed()
         self._probe()
         self._saver.remember(step, objs, extra)
+        if self._live is not None:
+            self._live.snapshot(step, objs, extra, self.mlflow_run_id)
         if self._memory is not None and self._memory.due(step):
             run_id = active_mlflow_run_id() or self.mlflow_run_id
             with events.phase("snapshot"):  # a long phase, not a hang, for the kernel's watch
