@@ -40,6 +40,11 @@ class FlagBook:
         """An event to emit once the watchdog's lock is released."""
         self.outbox.append((kind, message, fields))
 
+    def notice(self, kind: str, message: str, **fields: Any) -> None:
+        """A line for the cell that is also an event (posted)."""
+        self.notices.append(message)
+        self.post(kind, message, **fields)
+
     def take_posted(self) -> list[tuple[str, str, dict[str, Any]]]:
         """The events posted since the last call (to emit)."""
         posted, self.outbox = self.outbox, []

@@ -133,8 +133,7 @@ class Stragglers:
                     f"{clock_text(since)}: {measured} (score {score:.2f}, flagged under "
                     f"{self.threshold:.2f})"
                 )
-                self._book.notices.append(message)
-                self._book.post(
+                self._book.notice(
                     "straggler",
                     message,
                     rank=state.rank,

@@ -528,8 +528,7 @@ class Watchdog:
             f"outside collectives (busy {busy:.0f} s); it is named as hung if it stops using "
             f"the CPU or is still there after {self.long_bound():.0f} s"
         )
-        self._book.notices.append(message)
-        self._book.post(
+        self._book.notice(
             "long_phase",
             message,
             rank=state.rank,
