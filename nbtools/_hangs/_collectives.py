@@ -247,6 +247,19 @@ def describe(answers: dict[int, list[Position]], culprits: list[int], world_size
             parts.append(
                 f"which {_ranks('rank', list(flight.behind))} never entered (last entered: {lasts})"
             )
+        elif flight.backend == "nccl" and not _mismatched(flight):
+            held = _on_device(flight)
+            if len(held) < len(flight.inside):
+                utils = flight.utils or {}
+                why = (
+                    "whose GPU never started it"
+                    if any((flight.states or {}).get(r) == "scheduled" for r in held)
+                    and any((flight.states or {}).get(r) == "started" for r in flight.inside)
+                    else "whose GPU idles ("
+                    + ", ".join(f"rank {r}: {utils[r]:.0f} %" for r in flight.inside if r in utils)
+                    + ")"
+                )
+                parts.append(f"held up by {_ranks('rank', held)}, {why}")
         if silent:
             parts.append(
                 f"{_ranks('rank', silent)} could not answer (stopped?), so "

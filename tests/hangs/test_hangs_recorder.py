@@ -303,3 +303,17 @@ def test_a_rank_measures_its_share_outside_nccl_collectives_only_where_nccl_is(m
     monkeypatch.setattr(_recorder, "_device", [None, -1e9, True])
     monkeypatch.setitem(sys.modules, "torch._C._distributed_c10d", types.SimpleNamespace())
     assert _recorder.device_outside(10.0) is None and _recorder._device[2] is False
+
+
+def test_the_words_name_the_rank_whose_gpu_holds_the_collective_up():
+    timed = {r: _nccl(10, 11, timing=True, states={11: "started"}) for r in (0, 2)}
+    timed[1] = _nccl(10, 11, timing=True)
+    (line,) = _collectives.describe(_answers(timed), [1], 3)
+    assert (
+        line
+        == "ranks 0, 1, 2 wait in all_reduce #11, held up by rank 1, whose GPU never started it"
+    )
+    answers = _answers({r: _nccl(10, 11) for r in range(2)})
+    busy = {r: [p._replace(gpu_util=u) for p in answers[r]] for r, u in ((0, 100), (1, 3))}
+    (line,) = _collectives.describe(busy, [1], 2)
+    assert line.endswith("held up by rank 1, whose GPU idles (rank 0: 100 %, rank 1: 3 %)"), line
