@@ -80,6 +80,14 @@ def _served(cfg: dict) -> int:
     return s3_served(cfg["endpoint"], checkpoints=True)
 
 
+def _local_shards(model, opt) -> list:
+    """This rank's local shards of the parameters and of the optimizer's state tensors."""
+    local = [p.to_local() for p in model.parameters()]
+    for state in opt.state.values():
+        local += [t.to_local() if hasattr(t, "to_local") else t for t in state.values() if t.dim()]
+    return local
+
+
 def _train(cfg: dict) -> dict:
     """One rank's run; rank 0's dict carries the figures of the restarted attempt."""
     import signal
@@ -145,13 +153,7 @@ def _train(cfg: dict) -> dict:
             # The floor of any snapshot: copying this rank's local shards (parameters and
             # optimizer state) into preallocated tensors, timed between snapshots.
             if not local:
-                local = [p.to_local() for p in model.parameters()]
-                local += [
-                    t.to_local() if hasattr(t, "to_local") else t
-                    for s in opt.state.values()
-                    for t in s.values()
-                    if t.dim()
-                ]
+                local = _local_shards(model, opt)
                 buffers = [torch.empty_like(t) for t in local]
             t = time.perf_counter()
             for b, src in zip(buffers, local, strict=True):
@@ -172,14 +174,7 @@ def _train(cfg: dict) -> dict:
                     json.dump({"at": time.time(), "served": before}, fh)
                 os.kill(os.getpid(), signal.SIGKILL)
             dist.all_reduce(flag)  # the killed rank never joins: the group fails
-    local = [p.to_local() for p in model.parameters()]
-    local += [
-        t.to_local() if hasattr(t, "to_local") else t
-        for s in opt.state.values()
-        for t in s.values()
-        if t.dim()
-    ]
-    state_bytes = sum(t.numel() * t.element_size() for t in local)
+    state_bytes = sum(t.numel() * t.element_size() for t in _local_shards(model, opt))
     ckpt.close()
     served = _served(cfg) if rank == 0 else 0
     return {
