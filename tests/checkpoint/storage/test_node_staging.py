@@ -28,9 +28,12 @@ MiB = 1 << 20
 
 def _make_restore():
     # Made inside a function, so that it travels to the ranks by value, like cell code.
-    def restore(path: str, staging: str, names: list[str], shapes: dict) -> dict:
-        """Load ``names`` of the checkpoint at ``path`` into non-dense CPU tensors, staged
-        under ``staging``; the values and what the staging directories held."""
+    def restore(
+        path: str, staging: str, names: list[str], shapes: dict, device: str = "cpu"
+    ) -> dict:
+        """Load ``names`` of the checkpoint at ``path`` into non-dense CPU tensors (or, with
+        ``device="cuda"``, into CUDA tensors), staged under ``staging``; the values and what
+        the staging directories held."""
         from torch.distributed.checkpoint import DefaultLoadPlanner
 
         seen: dict[str, tuple[int, int]] = {}
@@ -58,11 +61,14 @@ def _make_restore():
         state = {}
         for name in names:
             rows, cols = shapes[name]
-            # Transposed: the right shape, not contiguous, as a CUDA tensor is not dense CPU.
-            state[name] = torch.zeros(cols, rows).t()
+            if device == "cpu":
+                # Transposed: the right shape, not contiguous, as a CUDA tensor is not dense CPU.
+                state[name] = torch.zeros(cols, rows).t()
+            else:
+                state[name] = torch.zeros(rows, cols, device=device)
         reader = VolumeReader(path, stage=True, staging_dir=staging)
         dcp.load(state, storage_reader=reader, planner=Counting())
-        return {"values": {k: v.clone() for k, v in state.items()}, "seen": seen}
+        return {"values": {k: v.cpu().clone() for k, v in state.items()}, "seen": seen}
 
     return restore
 
@@ -154,3 +160,22 @@ def test_one_space_check_covers_the_node(saved, mount_tmpfs):
         assert error.startswith(StagingSpaceError.__name__), error
         assert "rank(s) 0, 1" in error and "8.0 MiB of local staging" in error
     assert os.listdir(disk) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_ranks_of_a_node_stage_each_record_once(saved, tmp_path):
+    # Two CPU-group ranks whose state lives on cuda:0: every record handed over is staged.
+    @distributed(processes=2)
+    def job(path: str, staging: str, restore, shapes: dict) -> dict:
+        return restore(path, staging, sorted(shapes), shapes, device="cuda:0")
+
+    facts = job.distributed(saved, str(tmp_path / "stage"), _restore, _SHAPES)
+    for rank_facts in facts:
+        for name, value in rank_facts["values"].items():
+            assert torch.equal(value, _value(name)), name
+    dirs = {d: fb for f in facts for d, fb in f["seen"].items()}
+    assert len(dirs) == 1, dirs
+    ((files, nbytes),) = dirs.values()
+    size = _data_bytes(saved)
+    assert files == _data_files(saved) and size <= nbytes <= size + MiB
