@@ -396,7 +396,7 @@ def announce_rank_gpu() -> None:
     """
     import torch
 
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+    if not torch.cuda.is_initialized():  # a CPU rank asks the driver nothing
         return
     index = torch.cuda.current_device()
     uuid = str(torch.cuda.get_device_properties(index).uuid)
