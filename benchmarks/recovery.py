@@ -55,7 +55,15 @@ Figures:
   several percent on a shared machine).
 
     python benchmarks/recovery.py [--state-mb 256] [--every 200] [--memory-every 10]
-        [--mbps 100] [--seed 0] [--rate-cycles 20] [--local] [--random-init]
+        [--mbps 100] [--seed 0] [--rate-cycles 20] [--local] [--random-init] [--heal]
+
+``--heal`` runs two launches instead, with the same kill: ``memory`` (today's
+restart of every rank, restoring from the memory snapshots) and ``heal``
+(``@distributed(heal=True)``: the survivors keep their processes and the
+replacement heals from them). Figures per launch as above, plus
+``survivors_kept_pids`` (the ranks not killed have the same process after the
+recovery); ``heal_x`` = heal's ``kill_to_next_step_s`` over memory's (goal <= 0.5)
+and heal's ``steps_trained_again`` (goal <= 1).
 
 ``--local`` puts the volume in a local directory instead of the capped server.
 Every attempt of both launches builds the model on the meta device, as training
@@ -102,6 +110,10 @@ def _train(cfg: dict) -> dict:
 
     entered = time.time()
     created = _process_started()
+    with open(
+        os.path.join(cfg["work"], f"{cfg['name']}-pid-{get_restart_count()}-{_rank()}"), "w"
+    ) as fh:
+        fh.write(str(os.getpid()))
     torch.set_num_threads(1)
     rank, attempt = dist.get_rank(), get_restart_count()
     every, memory_every, kill_at = cfg["every"], cfg["memory_every"], cfg["kill_at"]
@@ -202,6 +214,10 @@ def _train(cfg: dict) -> dict:
         "first_done": done[0],
         "state_mb": state_bytes / 2**20,
     }
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def _served(cfg: dict) -> int:
@@ -316,7 +332,7 @@ def _paired(cfg: dict) -> dict:
 
 
 def _launch(cfg: dict) -> dict:
-    job = distributed(processes=4, max_restarts=1, output="none")(_train)
+    job = distributed(processes=4, max_restarts=1, output="none", heal=cfg["heal"])(_train)
     since = time.time()
     result = job.distributed(cfg)[0]
     with open(cfg["first"]) as fh:
@@ -337,9 +353,18 @@ def _launch(cfg: dict) -> dict:
         "steps_per_s": round((len(done) - 1) / (done[-1] - done[0]), 3),
         "state_mb_per_rank": round(result["state_mb"], 1),
     }
-    phases = _phases(result, killed, since)
-    figures["phases_s"] = phases
-    figures["dominant_phase"] = max(phases, key=lambda k: phases[k])
+    pids = {
+        attempt: [
+            _read(os.path.join(cfg["work"], f"{cfg['name']}-pid-{attempt}-{r}")) for r in range(4)
+        ]
+        for attempt in (0, 1)
+    }
+    survivors = [r for r in range(4) if r != cfg["kill_rank"]]
+    figures["survivors_kept_pids"] = all(pids[0][r] == pids[1][r] for r in survivors)
+    if not cfg["heal"]:
+        phases = _phases(result, killed, since)
+        figures["phases_s"] = phases
+        figures["dominant_phase"] = max(phases, key=lambda k: phases[k])
     copy = statistics.median(first["copies"][1:])  # past the first (it faults the pages in)
     figures["plain_copy_s"] = round(copy, 4)
     if first["blocked"]:
@@ -363,6 +388,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rate-cycles", type=int, default=20, help="cycles of the paired rate run")
     parser.add_argument("--local", action="store_true", help="the volume in a local directory")
+    parser.add_argument(
+        "--heal",
+        action="store_true",
+        help="compare healing in place with today's restart from memory (same kill)",
+    )
     parser.add_argument(
         "--random-init",
         action="store_true",
@@ -392,7 +422,10 @@ def main() -> None:
 
                 fs = s3fs.S3FileSystem()
                 fs.mkdir(BUCKET)
-            for name, memory_every in (("volume", None), ("memory", args.memory_every)):
+            launches = [("volume", None, False), ("memory", args.memory_every, False)]
+            if args.heal:
+                launches = [("memory", args.memory_every, False), ("heal", args.memory_every, True)]
+            for name, memory_every, heal in launches:
                 root = os.path.join(work, name) if args.local else f"s3://{BUCKET}/{name}"
                 cfg = {
                     "root": root,
@@ -407,21 +440,33 @@ def main() -> None:
                     "random_init": args.random_init,
                     "first": os.path.join(work, f"{name}-first.json"),
                     "killed": os.path.join(work, f"{name}-killed.json"),
+                    "name": name,
+                    "heal": heal,
                 }
                 result[name] = _launch(cfg)
-            result["paired"] = _paired(
-                {
-                    "work": work,
-                    "state_mb": args.state_mb,
-                    "memory_every": args.memory_every,
-                    "cycles": args.rate_cycles,
-                }
-            )
+            if not args.heal:
+                result["paired"] = _paired(
+                    {
+                        "work": work,
+                        "state_mb": args.state_mb,
+                        "memory_every": args.memory_every,
+                        "cycles": args.rate_cycles,
+                    }
+                )
             if endpoint:
                 s3fs.S3FileSystem.close_session(fs.loop, fs.s3)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
+    if args.heal:
+        mem, heal = result["memory"], result["heal"]
+        result["state_mb_per_rank"] = mem.pop("state_mb_per_rank")
+        heal.pop("state_mb_per_rank")
+        result["heal_x"] = round(heal["kill_to_next_step_s"] / mem["kill_to_next_step_s"], 3)
+        result["steps_trained_again"] = heal["steps_trained_again"]
+        result["survivors_kept_pids"] = heal["survivors_kept_pids"]
+        print(json.dumps(result))
+        return
     mem, vol = result["memory"], result["volume"]
     result["state_mb_per_rank"] = mem.pop("state_mb_per_rank")
     vol.pop("state_mb_per_rank")
@@ -430,6 +475,11 @@ def main() -> None:
     )
     result["steps_per_s_x"] = result["paired"]["x"]
     print(json.dumps(result))
+
+
+def _read(path: str) -> str:
+    with open(path) as fh:
+        return fh.read()
 
 
 class _null:
