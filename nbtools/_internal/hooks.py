@@ -97,11 +97,19 @@ def at_launch_end(target: str) -> None:
             _AT_END.append(target)
 
 
-def launch_ended(run_id: str) -> None:
-    """In the launching process, after a launch ended for good: run every launch-end hook."""
+def launch_ended(run_id: str, *, imported_only: bool = False) -> None:
+    """After a launch ended for good: run every launch-end hook (in the launching process,
+    or on one of the launch's other nodes).
+
+    ``imported_only``: only the hooks whose module this process has imported, for a
+    process that ran the launch's code itself (a rank): a package its code never
+    imported kept nothing of the launch there.
+    """
     with _LOCK:
         targets = list(_AT_END)
     for target in targets:
+        if imported_only and target.partition(":")[0] not in sys.modules:
+            continue
         _call(target, "after the launch ended", run_id)
 
 

@@ -107,6 +107,6 @@ def test_a_launch_that_returned_ends_its_snapshots_in_a_rank_process_on_each_nod
         runtime_env={"env_vars": {"NBTOOLS_SNAPSHOT_DIR": str(shm)}},
     )(_returning_cell())
     pids = train.distributed(str(tmp_path / "root"), str(seen))
-    # The hooks ran once on each node, in the process of the rank there: no other worker.
+    # The hooks ran in the process of each rank (one on each node): no other worker.
     assert sorted(int(p.name) for p in seen.iterdir()) == sorted(pids)
     assert [str(p) for p in shm.rglob("*")] == []

@@ -17,9 +17,11 @@ kept for a restart) ends with the launch on every node it used: the backend's
 :meth:`RayBackend.close` runs the launch-end hooks there. The keeper a snapshot
 records there is the Ray worker's parent, which outlives the launch, so no later
 sweep would. An attempt whose ranks all returned keeps its actors and placement
-group until then (or until another attempt starts): one rank actor per node, its process already running with the
-ranks' ``runtime_env`` and imports, runs the hooks (:meth:`RankActor.end_run`),
-then all go. A node with no such actor (its ranks died, the node was lost and
+group until then (or until another attempt starts), and the hooks run in those
+processes, already running with the ranks' ``runtime_env`` and imports
+(:meth:`RankActor.end_run`), then all go: after the launch's only attempt, every
+rank runs the hooks of the packages its code imported (what no rank imported kept
+nothing), else one rank per node runs all of them. A node with no such actor (its ranks died, the node was lost and
 came back) gets a task, with the ranks' ``runtime_env``, which may have to wait
 for Ray to start a worker for it.
 """
@@ -86,6 +88,7 @@ class RayBackend:
         #: Seconds spent in each start-up phase of the last attempt (benchmarks read it).
         self.timings: dict[str, float] = {}
         self._nodes: dict[str, set[str]] = {}  # run id: the nodes its ranks ran on
+        self._attempts: dict[str, int] = {}  # run id: how many attempts it started
         # run id: the attempts whose ranks all returned, kept for the launch's end (close)
         self._kept: dict[str, list[_Kept]] = {}
 
@@ -119,6 +122,7 @@ class RayBackend:
             actors = [actors[i] for i in order]
             where = [where[i] for i in order]
             self._nodes.setdefault(spec.run_id, set()).update(w["node_id"] for w in where)
+            self._attempts[spec.run_id] = self._attempts.get(spec.run_id, 0) + 1
             store = _gather(ray, [actors[0].host_store.remote(spec.world_size)], "host the store")
             self.timings["actors"] = time.perf_counter() - t0 - self.timings["placement"]
             specs = _rank_specs(spec, where, store[0], _node_names(ray, where))
@@ -161,6 +165,7 @@ class RayBackend:
         """
         runs, self._nodes = self._nodes, {}
         kept, self._kept = self._kept, {}
+        started, self._attempts = self._attempts, {}
         if not runs and not kept:
             return
         import ray
@@ -168,11 +173,16 @@ class RayBackend:
         try:
             refs = []
             for run_id, nodes in runs.items():
+                only = started.get(run_id, 0) == 1 and len(kept.get(run_id, [])) == 1
                 keepers: dict[str, Any] = {}  # node id: a kept rank actor there (lowest rank)
                 for attempt in reversed(kept.get(run_id, [])):
                     for actor, info in zip(attempt.actors, attempt.where, strict=True):
+                        if only:
+                            refs.append(actor.end_run.remote(run_id, True))
                         keepers.setdefault(info["node_id"], actor)
                 for node in sorted(nodes):
+                    if only and node in keepers:
+                        continue  # its ranks ended what their code made there
                     if node in keepers:
                         refs.append(keepers[node].end_run.remote(run_id))
                     elif _cluster.node_answers(ray, node):  # else gone, and its memory with it

@@ -12,8 +12,8 @@ placement group bundle. The kernel drives it with a few method calls:
   raises;
 - :meth:`RankActor.ask_collectives` passes on the kernel's question on a
   hang: the rank's events thread answers with its Flight Recorder position;
-- :meth:`RankActor.end_run`, on one actor per node once every rank returned,
-  runs the launch-end hooks there (the backend keeps the actors until then);
+- :meth:`RankActor.end_run`, once every rank returned, runs the launch-end
+  hooks on the rank's node (the backend keeps the actors until then);
 - :meth:`RankActor.output` is polled by the kernel while ``run`` works (the
   actor is threaded): it returns what the rank wrote to its stdout/stderr and
   the events it emitted since the previous call. Output is captured at the
@@ -295,12 +295,14 @@ class RankActor:
 
     # --- the launch's end ---------------------------------------------------------
 
-    def end_run(self, run_id: str) -> None:
+    def end_run(self, run_id: str, imported_only: bool = False) -> None:
         """Run the launch-end hooks for ``run_id`` on this node, once the launch has ended
-        for good: in one rank actor per node, whose process has the ranks' environment."""
+        for good, with the rank's environment; ``imported_only``: only those of the
+        packages this rank's code imported (the launch's only attempt: no other process
+        of it ran here)."""
         from nbtools._internal import hooks
 
-        hooks.launch_ended(run_id)
+        hooks.launch_ended(run_id, imported_only=imported_only)
 
 
 def _preload() -> None:
