@@ -50,3 +50,25 @@ def test_memory_snapshots_of_a_launch_that_failed_for_good_are_dropped(tmp_path,
 def test_a_launch_end_hook_is_named_as_module_and_function():
     with pytest.raises(ValueError, match="module:function"):
         hooks.at_launch_end("no_colon_here")
+
+
+def test_a_rank_runs_only_the_end_hooks_of_packages_its_code_imported(monkeypatch, tmp_path):
+    import sys
+    import types
+
+    ran = []
+    probe = types.ModuleType("_end_hook_probe")
+    probe.ended = ran.append
+    monkeypatch.setitem(sys.modules, probe.__name__, probe)
+    # An importable package the rank's code never imported: its hook would say it ran.
+    (tmp_path / "_end_hook_unused.py").write_text(
+        "def ended(run_id):\n    raise SystemExit(run_id)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(hooks, "_AT_END", [f"{probe.__name__}:ended", "_end_hook_unused:ended"])
+    hooks.launch_ended("run-1", imported_only=True)
+    assert ran == ["run-1"]
+    assert "_end_hook_unused" not in sys.modules
+    with pytest.raises(SystemExit, match="run-2"):
+        hooks.launch_ended("run-2")  # all of them: that one is imported and called
+    sys.modules.pop("_end_hook_unused", None)
