@@ -165,7 +165,6 @@ def _leave_groups(exc: BaseException) -> None:
     traceback.clear_frames(exc.__traceback__)
     with contextlib.suppress(Exception):
         _torch_compat.abort_groups()
-    gc.collect()
 
 
 def _cut_links(peers: list[int]) -> None:
