@@ -209,7 +209,7 @@ class LiveTier:
             return facts
         held = _HELD
         if held is None:
-            facts["why"] = f"rank {rank} kept no state (no maybe_save since it last restored)"
+            facts["why"] = f"rank {rank} kept no state (no maybe_save or restore since it started)"
         elif held.generation != generation - 1:
             facts["why"] = f"rank {rank}'s state is from before an earlier heal"
         elif _versions(held.kinds) != held.versions:
@@ -257,7 +257,7 @@ class LiveTier:
         else:
             with open(_blob_path(self._dir, rank), "rb") as fh:
                 data = fh.read()
-        _HELD = None  # consumed: the objects now share its storage
+        _HELD = None  # consumed: the objects now share its storage (held again below)
         members = [source, *replaced]
         sub = dist.new_group(ranks=members, backend="gloo")  # every rank makes it
         try:
@@ -269,6 +269,9 @@ class LiveTier:
         for name, obj in kinds.stateful.items():
             obj.load_state_dict(blob["objects"][name])
         _state.restore_rng(blob["rng"])
+        # The restored objects hold that step now: a rank that dies before the next
+        # maybe_save heals from them again.
+        _HELD = _Held(offer.step, _generation(), kinds, data, _versions(kinds), saved_step)
         return Restored(
             step=offer.step,
             tier="live",

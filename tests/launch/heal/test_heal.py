@@ -155,5 +155,9 @@ def test_a_replacement_killed_before_its_first_step_heals_again(tmp_path, shm, r
     got = _launch(tmp_path, "again", {"0": {"9": [2]}, "1": {"9": [2]}}, 3, heal=True)
     assert _same(got, reference)
     for rank in range(4):
+        # The restored objects are live again: the second heal takes them too.
+        with open(tmp_path / "log-again" / f"start-2-{rank}.json") as fh:
+            assert json.load(fh)["tier"] == "live", rank
+    for rank in range(4):
         steps = [s for s, _, _ in _steps(tmp_path, "again", rank)]
         assert sorted(set(steps)) == list(range(_STEPS))
