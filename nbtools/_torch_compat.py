@@ -36,6 +36,10 @@ Names and what stands in for them:
   stand-in needed, the shim wraps whatever torch has.
 - ``multiprocessing.context._default_context`` (not torch's: the interpreter's
   own default start method, read without fixing it): ``fork`` is assumed.
+- ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset`` (where a
+  DTensor's local shard starts in its global tensor, kept in a memory snapshot's
+  record): no stand-in; the record then holds no offset (logged once), and a restore
+  onto the same mesh does not need it.
 - torch's restricted unpickler of ``.metadata``
   (``torch.distributed.checkpoint.filesystem._restricted_metadata_load``, with
   ``add_safe_metadata_globals``): used where torch has it; else nbtools' own.
@@ -74,6 +78,7 @@ __all__ = [
     "restore_fork_start_method",
     "release_returned",
     "abort_groups",
+    "dtensor_shard_offset",
 ]
 
 #: torch versions the test suite runs on (CPU in CI); the first is the declared minimum.
@@ -224,6 +229,31 @@ def shutdown_workers(iterator: Any) -> None:
         )
         return
     shutdown()
+
+
+# --- distributed tensors ------------------------------------------------------------------
+
+
+def dtensor_shard_offset(tensor: Any) -> list[int] | None:
+    """Where a DTensor's local shard starts in its global tensor, per dimension.
+
+    None where torch cannot say: the helper is gone from this torch release, or the
+    placements are ones it does not describe.
+    """
+    compute = _lookup("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset")
+    if compute is None:
+        _fallback_note(
+            "torch.distributed.tensor._utils.compute_local_shape_and_global_offset",
+            "memory snapshots of DTensor state record no shard offsets",
+            logging.INFO,
+        )
+        return None
+    try:
+        _, offset = compute(tensor.shape, tensor.device_mesh, tensor.placements)
+    except (RuntimeError, ValueError, TypeError, NotImplementedError, AssertionError) as exc:
+        _log.debug("no shard offset for a DTensor with placements %s: %s", tensor.placements, exc)
+        return None
+    return [int(o) for o in offset]
 
 
 # --- elastic process contexts -----------------------------------------------------------

@@ -385,3 +385,19 @@ def test_process_exitcodes_of_an_elastic_context(no_fallback, tmp_path):
     finally:
         ctx.close()
     assert codes == {0: 0, 1: 3}
+
+
+def test_dtensor_shard_offset_is_where_the_local_shard_starts(no_fallback, tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        whole = torch.arange(12.0).reshape(4, 3)
+        shard = distribute_tensor(whole, mesh, [Shard(0)])
+        assert compat.dtensor_shard_offset(shard) == [0, 0]
+    finally:
+        dist.destroy_process_group()

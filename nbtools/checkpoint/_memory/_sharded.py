@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from nbtools._torch_compat import dtensor_shard_offset
 from nbtools.checkpoint import _state
 from nbtools.errors import CheckpointError
 
@@ -52,19 +53,6 @@ def _mesh_key(mesh: Any) -> MeshKey:
     )
 
 
-def _offset(tensor: DTensor) -> list[int] | None:
-    """The offset of this rank's shard in the global tensor (None where torch cannot say)."""
-    try:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        _, offset = compute_local_shape_and_global_offset(
-            tensor.shape, tensor.device_mesh, tensor.placements
-        )
-    except Exception:  # noqa: BLE001 - a private helper of torch's: the record only
-        return None
-    return [int(o) for o in offset]
-
-
 #: Records already made, by mesh, placements, shape and stride (a snapshot of FSDP2 state
 #: has three tensors per parameter, each step the same): at most this many are kept.
 _SPECS_KEPT = 4096
@@ -87,7 +75,7 @@ def _spec(tensor: DTensor) -> dict[str, Any]:
         "shape": list(tensor.shape),
         "stride": list(tensor.stride()),
         "coordinate": list(coordinate) if coordinate is not None else None,
-        "offset": _offset(tensor),
+        "offset": dtensor_shard_offset(tensor),
     }
     try:
         if len(_specs) >= _SPECS_KEPT:
