@@ -111,6 +111,7 @@ def test_demo_refuses_a_directory_it_did_not_make(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["precious.txt"]
 
 
+@pytest.mark.slow
 def test_train_runs_in_process_and_continues_its_mlflow_run(tmp_path):
     from mlflow import MlflowClient
 

@@ -49,6 +49,7 @@ def test_a_rank_reports_coalesced_progress_through_the_channel():
     assert reports[-1].step == 20009 and reports[-1].fields["steps"] == 20010
 
 
+@pytest.mark.slow
 def test_a_loop_with_the_loader_and_the_manager_counts_one_step_per_training_step(tmp_path):
     """Batch marks count as steps only until the rank reports numbered steps."""
     bus = events.Bus()

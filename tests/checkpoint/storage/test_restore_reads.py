@@ -163,6 +163,7 @@ def test_large_items_arrive_as_parallel_ranged_pieces(s3, server):
     assert torch.equal(got["b"], torch.ones(2 * MiB))
 
 
+@pytest.mark.slow
 def test_staging_space_is_checked_against_what_is_fetched(s3, tiny_tmpfs):
     # 40 MiB checkpoint file, 50 MB staging: the 4 MiB item needed fits, the file would not.
     state = {f"t{i}": torch.full((MiB,), float(i)) for i in range(10)}

@@ -13,6 +13,9 @@ from nbtools._internal import hooks
 from nbtools.errors import DistributedError, PicklingError, PoolError
 from nbtools.launch import RankPool
 
+# Every test here talks to a pool of real rank processes.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def pool():

@@ -49,6 +49,7 @@ def _since() -> float:
     return log[-1].time if log else 0.0
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_mid_collective_restarts_the_pool_and_says_so():
     with RankPool(processes=2, max_restarts=1, output="none") as pool:
         pool.execute(_SETUP)
@@ -73,6 +74,7 @@ def test_a_rank_that_dies_mid_collective_restarts_the_pool_and_says_so():
         assert pool.execute("2") == [2, 2]
 
 
+@pytest.mark.slow
 def test_ranks_stuck_after_a_peer_failed_are_restarted_with_a_plain_message():
     with RankPool(processes=2, output="none") as pool:
         pool.execute(_SETUP)
@@ -85,6 +87,7 @@ def test_ranks_stuck_after_a_peer_failed_are_restarted_with_a_plain_message():
             pool.pull("x")  # fresh ranks
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("sigint_default")
 def test_an_interrupt_stops_user_code_on_every_rank_and_keeps_the_pool(monkeypatch):
     with RankPool(processes=2) as pool:
@@ -109,6 +112,7 @@ def test_an_interrupt_stops_user_code_on_every_rank_and_keeps_the_pool(monkeypat
         assert pool.pull("x") == [1, 1]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("sigint_default")
 def test_an_interrupt_that_ranks_do_not_return_from_restarts_the_pool(monkeypatch, caplog):
     with RankPool(processes=2) as pool:
