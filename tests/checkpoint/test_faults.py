@@ -235,6 +235,7 @@ def test_a_killed_writers_staging_is_swept_when_a_manager_starts(tmp_path):
         assert not os.path.exists(stage)
 
 
+@pytest.mark.slow
 def test_a_killed_writers_staging_is_swept_by_a_restore(tmp_path):
     staging = tmp_path / "staging"
     root = tmp_path / "root"

@@ -95,6 +95,7 @@ def test_events_name_the_node_from_the_environment_and_its_host_stays_local():
     assert report.host == node and report.rank == 2
 
 
+@pytest.mark.slow
 def test_a_phase_travels_in_the_rank_s_reports_while_it_is_open():
     bus = events.Bus()
     code = """

@@ -40,6 +40,7 @@ def _replies(link, wanted: int, deadline: float) -> dict[int, str]:
     return got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("serving", ["main", "thread"])
 def test_an_interrupt_read_before_its_command_began_stops_that_command(tmp_path, serving):
     listener = Listener(1, directory=str(tmp_path))

@@ -31,6 +31,7 @@ def _gone(pids: list[int], timeout: float = 15.0) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_keep_alive_calls_reuse_the_ranks_until_shutdown():
     @distributed(processes=2, keep_alive=True, output="none")
     def where(x):
@@ -59,6 +60,7 @@ def test_keep_alive_calls_reuse_the_ranks_until_shutdown():
         distributed.shutdown()
 
 
+@pytest.mark.slow
 def test_keep_alive_runs_the_call_again_after_a_failure_up_to_max_restarts():
     @distributed(processes=2, keep_alive=True, max_restarts=1, output="none")
     def flaky(marker):
@@ -77,6 +79,7 @@ def test_keep_alive_runs_the_call_again_after_a_failure_up_to_max_restarts():
         os.unlink(marker)
 
 
+@pytest.mark.slow
 def test_shutdown_closes_every_open_pool():
     pool = RankPool(processes=1, output="none")
     pids = pool.pids
