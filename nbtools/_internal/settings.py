@@ -223,6 +223,33 @@ SETTINGS: tuple[Setting, ...] = (
         parse=_whole,
     ),
     Setting(
+        name="NBTOOLS_HEAL_GENERATION",
+        type="int",
+        default="unset",
+        meaning="The generation of a group that heals in place: 0 as started, one more after "
+        "each heal.",
+        area="launch",
+        internal=True,
+        parse=_whole,
+    ),
+    Setting(
+        name="NBTOOLS_HEAL_REPLACED",
+        type="text",
+        default="unset",
+        meaning="The ranks the last heal replaced, comma-separated (empty before any heal).",
+        area="launch",
+        internal=True,
+    ),
+    Setting(
+        name="NBTOOLS_HEAL_DIR",
+        type="path",
+        default="unset",
+        meaning="The launch's directory where each rank of a group that heals keeps its latest "
+        "per-rank state (RNG, loader position) for its replacement.",
+        area="launch",
+        internal=True,
+    ),
+    Setting(
         name="NBTOOLS_KERNEL_LOGGING",
         type="JSON",
         default="unset",
