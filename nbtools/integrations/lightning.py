@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from nbtools import events
 from nbtools.checkpoint import CheckpointManager
 from nbtools.integrations._common import Options, Resumed, RngState, announce
 
@@ -126,6 +127,7 @@ class NbtoolsCheckpoint(Callback):  # type: ignore[misc]
         self._skip = 0  # batches of the current epoch to skip after a restore
         self._resumed: Resumed | None = None
         self._last_step = -1
+        self._evaluating: events.phase | None = None
 
     # --- start: restore once the optimizers exist ----------------------------------
 
@@ -204,6 +206,20 @@ class NbtoolsCheckpoint(Callback):  # type: ignore[misc]
         if step is not None and self._manager is not None:
             self._manager.maybe_save(step, **self._objects)
 
+    # --- evaluation: a named phase, so the hang watch never takes it for a hang ----
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._end_evaluation()
+        self._evaluating = events.phase("evaluate").__enter__()
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self._end_evaluation()
+
+    def _end_evaluation(self) -> None:
+        evaluating, self._evaluating = self._evaluating, None
+        if evaluating is not None:
+            evaluating.__exit__(None, None, None)
+
     # --- end -----------------------------------------------------------------------
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -213,6 +229,7 @@ class NbtoolsCheckpoint(Callback):  # type: ignore[misc]
             manager.close()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._end_evaluation()
         manager, self._manager = self._manager, None
         if manager is not None:  # no final save; snapshots kept for the restart
             manager.__exit__(type(exception), exception, exception.__traceback__)

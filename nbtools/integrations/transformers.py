@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
+from nbtools import events
 from nbtools.checkpoint import CheckpointManager
 from nbtools.errors import CheckpointError
 from nbtools.integrations._common import Options, Resumed, RngState, announce
@@ -244,13 +245,15 @@ def _wrap_train() -> None:
         run_epoch, load_rng = type(self)._run_epoch, type(self)._load_rng_state
         self._run_epoch = functools.partial(callback._run_epoch, run_epoch.__get__(self))
         self._load_rng_state = functools.partial(callback._load_rng_state, load_rng.__get__(self))
+        # An evaluation inside train() is a named phase: the hang watch gives it a long bound.
+        self.evaluate = events.phase("evaluate")(type(self).evaluate.__get__(self))
         try:
             return original(self, resume_from_checkpoint, *args, **kwargs)
         except BaseException as exc:
             callback._failed(exc)
             raise
         finally:
-            for name in ("_run_epoch", "_load_rng_state"):
+            for name in ("_run_epoch", "_load_rng_state", "evaluate"):
                 self.__dict__.pop(name, None)
             callback._trainer = None
 
