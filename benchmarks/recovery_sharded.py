@@ -37,7 +37,7 @@ Figures:
     python benchmarks/recovery_sharded.py [--state-mb 252] [--every 200]
         [--memory-every 10] [--kill-by 40] [--mbps 100] [--seed 0] [--local]
 
-``--kill-by`` bounds the kill step (the issue's runs draw it up to ``every``; a
+``--kill-by`` bounds the kill step (a full run draws it up to ``every``; a
 smaller bound keeps the run short and favours the volume, which then trains
 fewer steps again). ``--local`` puts the volume in a local directory instead of
 the capped server.

@@ -12,7 +12,7 @@ takes a memory snapshot and no volume checkpoint. Figures:
 - ``plain_copy_s``: the baseline in the same run: the median time of copying the
   same tensors into preallocated (pinned, on CUDA) host buffers and synchronizing;
 - ``blocked_over_copy`` = the first over the second (goal <= 1.5; on CUDA the
-  issue's goal is <= 50 ms for 8 GB of state);
+  goal is <= 50 ms for 8 GB of state);
 - ``pageable_copy_s`` (CUDA only): a blocking copy of the same tensors into
   pageable host memory, what a snapshot cost before the mirrors;
 - ``steps_per_s_x``: the optimizer step rate with a snapshot at every step over
