@@ -250,6 +250,15 @@ SETTINGS: tuple[Setting, ...] = (
         internal=True,
     ),
     Setting(
+        name="NBTOOLS_RESULTS_DEVICE",
+        type="`cpu` or `cuda`",
+        default="cpu",
+        meaning="Where CUDA tensors in a rank's return value arrive: copied to host memory in "
+        "the rank (`cpu`), or kept on the GPU (`cuda`); `@distributed(results_device=...)`.",
+        area="launch",
+        internal=True,
+    ),
+    Setting(
         name="NBTOOLS_KERNEL_LOGGING",
         type="JSON",
         default="unset",

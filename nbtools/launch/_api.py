@@ -103,6 +103,7 @@ def distributed(
     min_nodes: int | None = None,
     replace_within: float = 60.0,
     heal: bool = False,
+    results_device: str = "cpu",
 ) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
 
 
@@ -125,6 +126,7 @@ def distributed(
     min_nodes: int | None = None,
     replace_within: float = 60.0,
     heal: bool = False,
+    results_device: str = "cpu",
 ) -> Any:
     """Decorate a function so that ``fn.distributed(...)`` runs it on N ranks.
 
@@ -198,6 +200,10 @@ def distributed(
             is trained again; where it cannot, it restores from its snapshots,
             saying why. One line in the cell says what happened. A rank that
             raised fails the call as without healing; ranks on GPUs restart.
+        results_device: where CUDA tensors in the ranks' return values arrive:
+            ``"cpu"`` (default: copied to host memory in the rank, so the kernel
+            never creates a CUDA context or holds GPU memory for them) or
+            ``"cuda"`` (kept on the GPU, which needs CUDA in the caller).
 
     Neither ``gpus`` nor ``processes``: every visible GPU (of the cluster, with ``cluster=``).
 
@@ -227,6 +233,7 @@ def distributed(
         min_nodes=min_nodes,
         replace_within=replace_within,
         heal=heal,
+        results_device=results_device,
     )
 
     def decorate(target: Callable[..., R]) -> DistributedFunction[R]:

@@ -14,7 +14,7 @@ from typing import Any
 from nbtools.launch import _env
 from nbtools.launch._backend import LaunchBackend
 from nbtools.launch._output import OUTPUT_MODES
-from nbtools.launch._rank import RICH_OUTPUT_MODES
+from nbtools.launch._rank import RESULTS_DEVICES, RICH_OUTPUT_MODES
 from nbtools.launch._runner import Plan
 
 __all__ = ["LaunchConfig", "check_restarts"]
@@ -45,6 +45,7 @@ class LaunchConfig:
     min_nodes: int | None = None
     replace_within: float = 60.0
     heal: bool = False
+    results_device: str = "cpu"
 
     def __post_init__(self) -> None:
         _check_count("gpus", self.gpus)
@@ -75,6 +76,11 @@ class LaunchConfig:
                 "heal=True heals the local ranks of a @distributed call; a kept pool "
                 "(keep_alive=True) and cluster='ray' restart instead: drop heal=True there"
             )
+        if self.results_device not in RESULTS_DEVICES:
+            raise ValueError(
+                f"results_device must be one of {', '.join(map(repr, RESULTS_DEVICES))} (where "
+                f"CUDA tensors a rank returns arrive), got {self.results_device!r:.40}"
+            )
         if not isinstance(self.keep_alive, bool):
             raise TypeError(
                 f"keep_alive must be True or False, got {type(self.keep_alive).__name__}"
@@ -97,6 +103,7 @@ class LaunchConfig:
             self.min_processes,
             self.min_nodes,
             self.replace_within,
+            self.results_device,
         )
 
     @property
@@ -157,6 +164,7 @@ class LaunchConfig:
             self.on_hang,
             self.rich_output,
             self.heal,
+            self.results_device,
         )
 
     def _world_size(self, backend: LaunchBackend) -> int:

@@ -42,6 +42,11 @@ __all__ = [
     "unpicklable_message",
 ]
 
+#: Where CUDA tensors in a rank's return value arrive, ``"cpu"`` (the default: the caller,
+#: usually a notebook kernel, never creates a CUDA context to receive them) or ``"cuda"``:
+#: set in every rank from the call's ``results_device`` (``_rank.setup_environment``).
+_RESULTS_DEVICE_ENV = "NBTOOLS_RESULTS_DEVICE"
+
 _MAGIC = b"NBR1"
 _LEN = struct.Struct("<Q")
 # Smaller buffers stay in the pickle: framing them costs more than it saves.
@@ -81,9 +86,19 @@ def _rebuild_tensor(buffer: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
     return flat.view(dtype).reshape(shape)
 
 
+def _to_host(tensor: Any) -> Any:
+    """A copy of a CUDA tensor in host memory, keeping whether it requires grad."""
+    moved = tensor.detach().to("cpu")
+    if tensor.requires_grad:
+        moved.requires_grad_(True)
+    return moved
+
+
 def _reduce_tensor(tensor: Any) -> Any:
     import torch
 
+    if tensor.device.type == "cuda" and os.environ.get(_RESULTS_DEVICE_ENV, "cpu") != "cuda":
+        tensor = _to_host(tensor)
     if (
         type(tensor) is not torch.Tensor
         or tensor.device.type != "cpu"

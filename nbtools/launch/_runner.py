@@ -56,6 +56,7 @@ class Plan:
     on_hang: str = "report"
     rich_output: str = "rank0"
     heal: bool = False
+    results_device: str = "cpu"
 
     @property
     def backend(self) -> str:
@@ -119,7 +120,7 @@ def _run(
             heal=plan.heal,
             env={
                 **collector.environment(),
-                **setup_environment(attempt_dir, plan.rich_output),
+                **setup_environment(attempt_dir, plan.rich_output, plan.results_device),
             },
         )
         os.mkdir(spec.attempt_dir)

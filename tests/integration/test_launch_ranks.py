@@ -328,3 +328,53 @@ def test_ddp_with_async_saves_on_the_default_gloo_group_finishes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("[5, 5]"), proc.stdout
     assert all((tmp_path / "ckpt" / f"step_{i}" / ".metadata").exists() for i in range(6))
+
+
+def test_ranks_know_where_returned_cuda_tensors_arrive():
+    @distributed(processes=2, output="none")
+    def where():
+        return os.environ["NBTOOLS_RESULTS_DEVICE"]
+
+    @distributed(processes=2, output="none", results_device="cuda")
+    def kept():
+        return os.environ["NBTOOLS_RESULTS_DEVICE"]
+
+    assert where.distributed() == ["cpu", "cpu"]
+    assert kept.distributed() == ["cuda", "cuda"]
+    with pytest.raises(ValueError, match="results_device must be one of 'cpu', 'cuda'"):
+        distributed(processes=2, results_device="gpu")
+
+
+CUDA_RESULTS = """
+import torch
+from nbtools import distributed
+
+@distributed(gpus=1, output="none")
+def make():
+    layer = torch.nn.Linear(4, 2).cuda()
+    return torch.ones(3, device="cuda", requires_grad=True), layer.weight, layer
+
+t, weight, layer = make.distributed()[0]
+assert t.device.type == "cpu" and t.requires_grad, t
+assert weight.device.type == "cpu" and isinstance(weight, torch.nn.Parameter), weight
+assert layer.weight.device.type == "cpu"
+assert not torch.cuda.is_initialized(), "the caller created a CUDA context for the results"
+
+@distributed(gpus=1, output="none", results_device="cuda")
+def keep():
+    return torch.ones(3, device="cuda")
+
+assert keep.distributed()[0].device.type == "cuda"
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_env.visible_gpu_count() == 0, reason="needs a CUDA GPU")
+def test_cuda_tensors_a_rank_returns_arrive_in_host_memory_unless_asked(tmp_path):
+    script = tmp_path / "cuda_results.py"
+    script.write_text(CUDA_RESULTS)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

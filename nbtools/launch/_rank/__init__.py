@@ -36,6 +36,7 @@ from nbtools.launch._rank._heal import (
     write_verdict,
 )
 from nbtools.launch._rank._inrank import (
+    RESULTS_DEVICES,
     bind_to,
     enter_rank,
     in_rank,
@@ -92,6 +93,7 @@ __all__ = [
     "flush_events",
     "DISPLAY_MARK",
     "RICH_OUTPUT_MODES",
+    "RESULTS_DEVICES",
     "figure_bundle",
     "show_display",
     "KERNEL_LOGGING_ENV",

@@ -46,6 +46,8 @@ from nbtools._internal.log import get_logger
 from nbtools.launch._rank import _display, _kernel_logging, _rank_exit, _trainer_hooks
 
 __all__ = [
+    "RESULTS_DEVICES",
+    "RESULTS_DEVICE_ENV",
     "enter_rank",
     "setup_environment",
     "restore_start_method",
@@ -59,6 +61,12 @@ __all__ = [
     "separate_async_saves",
     "forget_async_save_group",
 ]
+
+#: Where CUDA tensors in a rank's return value arrive: ``"cpu"`` (copied to host memory in
+#: the rank, so the caller never creates a CUDA context for them) or ``"cuda"``.
+RESULTS_DEVICES = ("cpu", "cuda")
+#: Carries the call's ``results_device`` to the rank, where ``launch._results`` reads it.
+RESULTS_DEVICE_ENV = "NBTOOLS_RESULTS_DEVICE"
 
 _log = get_logger("launch")
 _IN_RANK = False
@@ -104,14 +112,23 @@ def enter_rank(
     return fn, args, kwargs
 
 
-def setup_environment(directory: str, rich_output: str) -> dict[str, str]:
-    """In the kernel: the variables that carry its logging and displays to :func:`enter_rank`.
+def setup_environment(
+    directory: str, rich_output: str, results_device: str = "cpu"
+) -> dict[str, str]:
+    """In the kernel: the variables that carry its logging, displays and the device of
+    returned CUDA tensors to :func:`enter_rank`.
 
     Args:
         directory: the launch's private directory, where ranks leave their rich output.
         rich_output: whose rich output reaches the cell (``RICH_OUTPUT_MODES``).
+        results_device: where CUDA tensors of a rank's return value arrive
+            (``"cpu"`` or ``"cuda"``).
     """
-    return {**_kernel_logging.environment(), **_display.environment(directory, rich_output)}
+    return {
+        **_kernel_logging.environment(),
+        **_display.environment(directory, rich_output),
+        RESULTS_DEVICE_ENV: results_device,
+    }
 
 
 def mark_in_rank() -> None:

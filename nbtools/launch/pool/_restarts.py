@@ -117,7 +117,7 @@ class Generations:
             attempt_dir=attempt_dir,
             env={
                 **self.collector.environment(),
-                **setup_environment(attempt_dir, self.plan.rich_output),
+                **setup_environment(attempt_dir, self.plan.rich_output, self.plan.results_device),
             },
         )
         try:
