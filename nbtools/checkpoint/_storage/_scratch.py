@@ -15,6 +15,7 @@ import errno
 import os
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from typing import Any
 from nbtools._internal import settings
 from nbtools._internal.fs import free_bytes
 from nbtools._internal.holder import process_started
-from nbtools.errors import StagingSpaceError
+from nbtools.errors import CheckpointError, StagingSpaceError
 
 __all__ = [
     "staging_base",
@@ -205,6 +206,7 @@ def shared_area(base: str, name: str) -> Iterator[str]:
     sweep(base)
     path = os.path.join(base, name)
     os.makedirs(path, mode=0o700, exist_ok=True)
+    _check_ours(path)
     mark = os.path.join(path, f".in-{os.getpid()}")
     with open(mark, "w"):
         pass
@@ -219,6 +221,18 @@ def shared_area(base: str, name: str) -> Iterator[str]:
             inside = False
         if not inside:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _check_ours(path: str) -> None:
+    """Refuse a shared staging directory this user does not own alone: its records are read
+    back into the checkpoint's tensors."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise CheckpointError(
+            f"the staging directory {path} is not a directory of this user's alone (owner uid "
+            f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); nothing was read from it. Remove "
+            "it, or point NBTOOLS_STAGING_DIR (or staging_dir=) at a directory of your own"
+        )
 
 
 def claim(area: str, key: tuple[str, int, int]) -> bool:
