@@ -161,3 +161,67 @@ def test_a_replacement_killed_before_its_first_step_heals_again(tmp_path, shm, r
     for rank in range(4):
         steps = [s for s, _, _ in _steps(tmp_path, "again", rank)]
         assert sorted(set(steps)) == list(range(_STEPS))
+
+
+CELL_DEFINED = """
+import os, signal, sys
+import torch
+import torch.distributed as dist
+from nbtools import distributed
+from nbtools.checkpoint import CheckpointManager
+from nbtools.runtime import get_restart_count
+
+class Net(torch.nn.Module):           # defined where a notebook defines it: in __main__
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.lin(x)
+
+def train(root, kill):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with CheckpointManager(root, memory_every=2, save_on_close=False) as ckpt:
+        start = ckpt.restore(model=model, optimizer=opt)
+        for step in range(start, 10):
+            if kill and get_restart_count() == 0 and step == 5 and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            gen = torch.Generator().manual_seed(step * world + rank)
+            loss = model(torch.randn(4, 8, generator=gen)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
+            opt.step()
+            ckpt.maybe_save(step, model=model, optimizer=opt)
+        return ckpt.restored_tier, [p.detach().clone() for p in model.parameters()]
+
+base = sys.argv[1]
+ref = distributed(processes=2, output="none")(train).distributed(base + "/ref", False)
+got = distributed(processes=2, max_restarts=1, heal=True, output="none")(train).distributed(
+    base + "/healed", True
+)
+assert [tier for tier, _ in got] == ["live", "live"], got
+for (_, a), (_, b) in zip(ref, got):
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+print("ok")
+"""
+
+
+def test_a_model_and_function_defined_in_main_heal_in_place(tmp_path, shm):
+    import subprocess
+    import sys
+
+    script = tmp_path / "cell.py"
+    script.write_text(CELL_DEFINED)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
+        done.stdout[-2000:] + done.stderr[-4000:]
+    )
+    assert "healed in" in done.stdout + done.stderr
