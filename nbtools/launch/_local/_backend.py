@@ -225,6 +225,11 @@ class LocalGroup:
         self._where: dict[int, tuple[PContext, int]] = {r: (ctx, r) for r in self._procs}
         self._refused = -1  # the generation whose waiting ranks were told to fail
 
+    @property
+    def healer(self) -> Healer:
+        """What decides and says this group's heals in place (``heals``, ``announce``)."""
+        return self._healer
+
     def poll(self) -> Outcome | None:
         if self._outcome is not None:
             return self._outcome

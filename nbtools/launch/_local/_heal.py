@@ -73,6 +73,8 @@ class Healer:
         self.generation = 0
         self.heals: list[Heal] = []
         self._started = time.time()
+        #: Whether :meth:`report` says each heal (False: the caller says it in its own words).
+        self.announce = True
 
     @property
     def count(self) -> int:
@@ -179,7 +181,8 @@ class Healer:
             if not restored and not (final or later or (formed and not heal.restores)):
                 continue
             heal.reported = True
-            self._say(heal, restored[0] if restored else None, formed)
+            if self.announce:
+                self._say(heal, restored[0] if restored else None, formed)
 
     def _say(self, heal: Heal, restored: events.Event | None, formed: bool) -> None:
         took = (restored.time if restored is not None else time.time()) - heal.seen
