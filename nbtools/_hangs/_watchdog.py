@@ -12,9 +12,12 @@ while others made progress, or while every rank stopped and the others wait
 in a collective for it. The bound is ``hang_timeout`` when given, else ten
 median step times and at least 45 s; before a rank's first step it is the
 start-up bound (counted from the rank's start: imports, a restore, a cold
-compile): ``startup_timeout`` when given, else three times the slowest first
-step a rank of the group reported, and 3 minutes before any did; in a phase the rank
-named (``events.phase``) it is the long bound. Only culprits are flagged,
+compile): ``startup_timeout`` (or ``NBTOOLS_STARTUP_TIMEOUT_S``) when given,
+else three times the slowest first step a rank of the group reported, and 3
+minutes before any did; in a phase the rank named (``events.phase``) it is the
+long bound. When every rank stalls, the ranks are asked twice where they are
+in their collectives before the bound (:data:`LOOK_AHEAD_S` and a tick before
+it), so that a hang is named at the bound. Only culprits are flagged,
 never a rank that only waits: torch's Flight Recorder says which ranks are
 inside the collective in flight (:mod:`._collectives`), and a rank behind it,
 or in a different collective at the same number (a mismatch), is the
@@ -70,6 +73,7 @@ from nbtools._hangs._state import (
     stuck_outside,
 )
 from nbtools._hangs._stragglers import Stragglers
+from nbtools._internal import settings
 from nbtools._internal.log import get_logger
 
 __all__ = ["Watchdog", "RankState", "Flag", "MIN_HANG_S", "HANG_STEPS", "THRESHOLD"]
@@ -91,6 +95,11 @@ STARTUP_STEPS = 3.0
 #: A rank busy outside collectives, or in a phase it named, is hung only past this.
 LONG_PHASE_S = 900.0
 _ANSWERS_FRESH_S = 10.0  # the ranks' answers about their collectives count this long
+#: The first of the two looks at the ranks' collectives that confirm a hang comes this
+#: long before the bound (a third of the bound when that is shorter), the second one
+#: tick before it: the hang is named at the bound, not a look after it.
+LOOK_AHEAD_S = 10.0
+_TICK_S = 1.0  # the watchdog judges the ranks this often (and at the bound)
 # Kinds whose time, around it, is left out of straggler scores.
 _PAUSES = ("checkpoint_saved", "checkpoint_restored", "checkpoint_skipped", "restart")
 _PAUSE_S = 5.0
@@ -112,7 +121,8 @@ class Watchdog:
             (default 10, or ``NBTOOLS_STRAGGLER_CONFIRM_S``).
         sample_s: Period of the /proc samples of local ranks.
         startup_timeout: Seconds a rank has, from its start, to report its first
-            step (at least ``hang_timeout``). None: learned from the run, three
+            step (at least ``hang_timeout``). None: ``NBTOOLS_STARTUP_TIMEOUT_S`` when
+            set, else learned from the run, three
             times the slowest first step a rank of the group reported (at least the
             hang bound), and :data:`STARTUP_S` (3 minutes) before any did.
         phase_timeout: Seconds a rank busy outside collectives, or in a phase it
@@ -158,6 +168,8 @@ class Watchdog:
         self.window_s = window_s
         self.confirm_s = confirm_s
         self.sample_s = sample_s
+        if startup_timeout is None:
+            startup_timeout = settings.read("NBTOOLS_STARTUP_TIMEOUT_S")
         self.startup_timeout = STARTUP_S if startup_timeout is None else float(startup_timeout)
         self._learn_startup = startup_timeout is None
         self._first_steps: list[float] = []  # seconds from each rank's start to its first step
@@ -178,6 +190,8 @@ class Watchdog:
         self._answers: dict[int, list[_collectives.Position]] = {}
         self._answered_at = -1e9
         self._earlier: dict[int, list[_collectives.Position]] = {}  # the answers before
+        self._earlier_at = -1e9
+        self._due = float("inf")  # when every rank reaches its bound, once both looks came
         self._paused_from = 0.0
         self._paused_until = 0.0
         self._host = socket.gethostname()
@@ -366,11 +380,11 @@ class Watchdog:
     # --- the thread --------------------------------------------------------------------
 
     def _loop(self) -> None:
-        next_eval = self._clock() + 1.0
+        next_eval = self._clock() + _TICK_S
         while not self._stop.wait(self.sample_s):
             self._sample()
-            if self._clock() >= next_eval:
-                next_eval = self._clock() + 1.0
+            if self._clock() >= min(next_eval, self._due):
+                next_eval = self._clock() + _TICK_S
                 try:
                     self._evaluate(self._clock())
                 except Exception:  # noqa: BLE001 - the watch must outlive a bad tick
@@ -395,10 +409,13 @@ class Watchdog:
         if asking:
             answers = self._ask_collectives()
             with self._lock:
-                self._earlier = self._answers
+                self._earlier, self._earlier_at = self._answers, self._answered_at
                 self._answers, self._answered_at = answers, self._clock()
         with self._lock:
             new_hangs = self._judge_hangs(now)
+            later = self._clock()
+            edge = self._edge() if self._confirmed(later) else float("inf")
+            self._due = edge if edge > later else float("inf")
             # A GPU rank's share covers its whole window: none right after a pause.
             settled = now - self._paused_until > self.window_s
             self._stragglers.judge(self._ranks, now, device=settled)
@@ -434,14 +451,37 @@ class Watchdog:
     def _stalled(self, now: float) -> list[RankState]:
         return [s for s in self._world().values() if now - self._since(s) > self._bound_of(s)]
 
+    def _edge(self) -> float:
+        """Kernel time at which every rank will have gone its bound without progress."""
+        return max(self._since(s) + self._bound_of(s) for s in self._world().values())
+
+    def _lead(self) -> float:
+        """How long before the bound the first look at the collectives comes."""
+        return min(LOOK_AHEAD_S, min(self._bound_of(s) for s in self._world().values()) / 3)
+
     def _needs_answers(self, now: float) -> bool:
-        """Every rank stalled and one not yet flagged: ask the ranks where they are."""
-        if not self._ranks or self._fresh(now):
+        """Every rank stalled, or about to, and one not yet flagged: ask the ranks where
+        they are. Two looks before the bound: the first :meth:`_lead` before it, the
+        second a tick before it, so that the judgement at the bound has both."""
+        if not self._ranks:
             return False
-        stalled = self._stalled(now)
-        if len(stalled) < len(self._world()):
+        edge, lead = self._edge(), self._lead()
+        if now < edge - lead:
             return False
-        return any(("hang", s.rank) not in self._flags for s in stalled)
+        if all(("hang", r) in self._flags for r in self._world()):
+            return False
+        if not self._fresh(now):
+            return True
+        # Fresh answers: ask again once, at the edge, unless both looks are in this stall.
+        second = now >= edge - _TICK_S and now - self._answered_at >= lead / 2
+        return second and not self._confirmed(now)
+
+    def _confirmed(self, now: float) -> bool:
+        """Two looks since the last progress of any rank, the latest fresh."""
+        if not self._fresh(now):
+            return False
+        latest = max((last_sign(s) for s in self._ranks.values()), default=0.0)
+        return self._earlier_at >= latest and self._answered_at > self._earlier_at
 
     def _judge_hangs(self, now: float) -> list[Flag]:
         if not self._ranks:
@@ -501,7 +541,8 @@ class Watchdog:
         fresh = self._fresh(now)
         if not self.reporting:
             stopped = [s for s in ranks.values() if now_state(s) == _process.STOPPED]
-            if stopped or not fresh or not _collectives.stood_still(self._earlier, self._answers):
+            still = self._confirmed(now) and _collectives.stood_still(self._earlier, self._answers)
+            if stopped or not still:
                 return stopped
         if fresh:
             named = _collectives.culprits_of(self._answers)

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from nbtools import events
-from nbtools._hangs import Watchdog
+from nbtools._hangs import Watchdog, _collectives
 from nbtools._hangs import _process as _procstate
 from nbtools.events import Event
 
@@ -283,31 +283,91 @@ else:
 """
 
 
+def _ranks(tmp_path, collector):
+    return [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK, str(tmp_path / "store")],
+            env=dict(os.environ, **collector.environment(), RANK=str(rank)),
+        )
+        for rank in (0, 1)
+    ]
+
+
+def _end(procs):
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.slow
-def test_a_rank_deadlocked_before_its_first_step_is_named_by_the_start_up_bound(tmp_path):
+def test_a_rank_deadlocked_before_its_first_step_is_named_by_the_start_up_bound(
+    tmp_path, monkeypatch
+):
     pytest.importorskip("torch")
+    monkeypatch.setenv("NBTOOLS_STARTUP_TIMEOUT_S", "4")  # the documented setting
     reports = []
     bus = events.Bus()
     with events.Collector(bus=bus) as collector:
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-c", _RANK, str(tmp_path / "store")],
-                env=dict(os.environ, **collector.environment(), RANK=str(rank)),
-            )
-            for rank in (0, 1)
-        ]
-        dog = Watchdog(2, startup_timeout=3.0, on_hang=reports.append, bus=bus).start()
+        procs = _ranks(tmp_path, collector)
+        dog = Watchdog(2, on_hang=reports.append, bus=bus).start()
         try:
+            assert dog.startup_bound() == 4.0
             assert _wait_until(lambda: reports, timeout=90)
             assert [f.rank for f in dog.flags()] == [1]  # never rank 0, which only waits
         finally:
             dog.stop()
-            for proc in procs:
-                proc.kill()
-                proc.wait()
+            _end(procs)
     (report,) = reports
     assert report.ranks == (1,) and "before its first step" in report.headline
     assert "which rank 1 never entered" in report.headline, report.headline
+
+
+@pytest.mark.slow
+def test_the_looks_that_confirm_a_deadlock_before_the_first_step_come_before_the_bound(
+    tmp_path, monkeypatch
+):
+    # The watchdog's clock is the test's: it judges at each second the test moves it on,
+    # and the ranks are real processes in a real gloo all-reduce.
+    pytest.importorskip("torch")
+    monkeypatch.setenv("NBTOOLS_STARTUP_TIMEOUT_S", "20")
+    clock = _Clock()
+    reports = []
+    bus = events.Bus()
+    with events.Collector(bus=bus) as collector:
+        procs = _ranks(tmp_path, collector)
+        dog = Watchdog(2, on_hang=reports.append, bus=bus, clock=clock)
+        bus.subscribe(dog._on_events)  # its input, without its thread: the test ticks
+        try:
+            assert _wait_until(lambda: len(dog._ranks) == 2)
+            pids = {r: s.pid for r, s in dog._ranks.items()}
+
+            def in_place():  # rank 0 inside the all-reduce, rank 1 on its lock
+                answers = _collectives.ask({0, 1}, pids)
+                return any(p.inside for p in answers.get(0, [])) and all(
+                    _procstate.sample(pid)[1] == "futex" for pid in pids.values()
+                )
+
+            assert _wait_until(in_place, timeout=60)
+            edge = max(s.started_at for s in dog._ranks.values()) + 20.0
+            looks, flagged = [], None
+            while clock.now < edge + 5 and flagged is None:
+                clock.now += 1.0
+                for _ in range(3):
+                    dog._sample()
+                asked = dog._answered_at
+                dog._evaluate(clock.now)
+                if dog._answered_at != asked:
+                    looks.append(clock.now)
+                if dog.flags():
+                    flagged = clock.now
+        finally:
+            bus.unsubscribe(dog._on_events)
+            dog.stop()
+            _end(procs)
+    assert len(looks) == 2 and looks[-1] < edge, (looks, edge)  # both looks before the bound
+    assert flagged is not None and edge < flagged <= edge + 1.0  # named at the bound
+    (report,) = reports
+    assert report.ranks == (1,) and "which rank 1 never entered" in report.headline
 
 
 def test_a_stack_reads_as_a_traceback_with_each_line_s_text():
