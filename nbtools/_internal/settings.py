@@ -179,6 +179,15 @@ SETTINGS: tuple[Setting, ...] = (
         parse=_positive,
     ),
     Setting(
+        name="NBTOOLS_STARTUP_TIMEOUT_S",
+        type="seconds",
+        default="learned: 3x the slowest first step, 180 before one",
+        meaning="Seconds a rank has, from its start, to report its first step before it "
+        "can be named as hung (imports, a restore, a cold compile).",
+        area="events",
+        parse=_positive,
+    ),
+    Setting(
         name="NBTOOLS_RAY_PLACEMENT_TIMEOUT",
         type="seconds",
         default="`120`",
