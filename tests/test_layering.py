@@ -53,6 +53,23 @@ def test_import_nbtools_is_lazy():
     assert out.stdout.strip() == "False", out.stderr
 
 
+def test_the_checkpoint_package_imports_dcp_only_once_a_name_is_used(tmp_path):
+    # A launch's end drops the memory tier's snapshots through the package's door
+    # (``end_run``): that must not cost the kernel DCP's import after every first call.
+    probe = (
+        "import sys\n"
+        "import nbtools.checkpoint, nbtools.checkpoint._memory as memory\n"
+        f"memory.end_run('no-such-run', {str(tmp_path)!r})\n"
+        "print('torch.distributed.checkpoint' in sys.modules)\n"
+        "from nbtools.checkpoint import CheckpointManager, export\n"
+        "print('torch.distributed.checkpoint' in sys.modules, callable(export),\n"
+        "      CheckpointManager.__module__, 'export' in dir(nbtools.checkpoint))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True", "True", "nbtools.checkpoint.manager", "True"]
+
+
 def test_events_is_base_layer():
     # Every core package emits events, so importing them must pull in no core package,
     # no torch, no third-party library at all.

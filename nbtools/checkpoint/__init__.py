@@ -33,11 +33,27 @@ How the package is laid out, in two halves:
 
 from __future__ import annotations
 
-from nbtools.checkpoint.discovery import find_latest_valid, latest_checkpoint
-from nbtools.checkpoint.export import export
-from nbtools.checkpoint.manager import CheckpointManager
-from nbtools.checkpoint.reader import VolumeReader
-from nbtools.checkpoint.writer import VolumeWriter
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# The front door is lazy (PEP 562): importing the package, as a launch's end does to
+# drop the memory tier's snapshots, imports neither DCP nor the manager until one of
+# these names is first used.
+_NAMES = {
+    "VolumeWriter": "nbtools.checkpoint.writer",
+    "VolumeReader": "nbtools.checkpoint.reader",
+    "CheckpointManager": "nbtools.checkpoint.manager",
+    "find_latest_valid": "nbtools.checkpoint.discovery",
+    "latest_checkpoint": "nbtools.checkpoint.discovery",
+    "export": "nbtools.checkpoint.export",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nbtools.checkpoint.discovery import find_latest_valid, latest_checkpoint
+    from nbtools.checkpoint.export import export
+    from nbtools.checkpoint.manager import CheckpointManager
+    from nbtools.checkpoint.reader import VolumeReader
+    from nbtools.checkpoint.writer import VolumeWriter
 
 __all__ = [
     "VolumeWriter",
@@ -47,3 +63,16 @@ __all__ = [
     "latest_checkpoint",
     "export",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nbtools.checkpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # found here from now on, without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

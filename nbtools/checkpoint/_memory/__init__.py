@@ -37,11 +37,32 @@ serve no restart any more.
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from nbtools.checkpoint._memory._directories import drop_jobs
-from nbtools.checkpoint._memory._replicas import peers
-from nbtools.checkpoint._memory._tier import MemoryTier
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nbtools.checkpoint._memory._replicas import peers
+    from nbtools.checkpoint._memory._tier import MemoryTier
 
 __all__ = ["MemoryTier", "peers", "end_run"]
+
+# Lazy (PEP 562): the launcher's call to end_run at a launch's end imports the
+# directories alone, not torch's DCP that the tier's snapshots need.
+_NAMES = {
+    "MemoryTier": "nbtools.checkpoint._memory._tier",
+    "peers": "nbtools.checkpoint._memory._replicas",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
 def end_run(run_id: str, base: str | None = None) -> list[str]:
