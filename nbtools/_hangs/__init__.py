@@ -11,8 +11,8 @@ The room, module by module:
 
 - ``_watchdog``: the :class:`Watchdog`: reads the reports, samples the ranks,
   judges when a rank is hung.
-- ``_state``: one rank as the watchdog knows it, an open flag, and whether a
-  rank is busy.
+- ``_state``: one rank as the watchdog knows it, an open flag, whether a
+  rank is busy, and the first steps a run showed (kept across its attempts).
 - ``_flags``: the open flags, the cell's lines and the events not yet emitted.
 - ``_stragglers``: straggler scores from the time outside collectives.
 - ``_process``: what a rank's process is doing, read from outside it (/proc,
@@ -29,6 +29,7 @@ standard library, ``nbtools._internal`` and ``nbtools.events``.
 from __future__ import annotations
 
 from nbtools._hangs._report import Culprit, HangReport
+from nbtools._hangs._state import FirstSteps
 from nbtools._hangs._watchdog import Flag, Watchdog
 
-__all__ = ["Culprit", "Flag", "HangReport", "Watchdog"]
+__all__ = ["Culprit", "FirstSteps", "Flag", "HangReport", "Watchdog"]

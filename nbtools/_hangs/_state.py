@@ -10,6 +10,7 @@ does now, and the settings a watchdog is built from.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ __all__ = [
     "setting",
     "lower_median",
     "is_busy",
+    "FirstSteps",
 ]
 
 _BUSY_WINDOW_S = 10.0  # a rank is busy when, over this window, its process tree used...
@@ -142,3 +144,28 @@ def is_busy(state: RankState, since: float) -> bool:
     at, cpu0, io0 = first
     span = end - at
     return cpu - cpu0 >= _BUSY_CPU * span or io - io0 >= _BUSY_IO * span / _BUSY_WINDOW_S
+
+
+class FirstSteps:
+    """How long the ranks of one run took from their start to their first step.
+
+    A launch keeps one across its attempts, and a pool across its calls: each
+    attempt's or call's :class:`~nbtools._hangs.Watchdog` adds what its ranks
+    show and learns its start-up bound from every first step seen so far, so a
+    restarted group's first step is judged by what the earlier attempts showed,
+    not by the default of a run that showed nothing yet. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._seen: deque[float] = deque(maxlen=64)
+        self._lock = threading.Lock()
+
+    def add(self, seconds: float) -> None:
+        """A rank took ``seconds`` (kernel time) from its start to its first step."""
+        with self._lock:
+            self._seen.append(max(0.0, float(seconds)))
+
+    def slowest(self) -> float | None:
+        """The slowest first step seen; None before any."""
+        with self._lock:
+            return max(self._seen, default=None)

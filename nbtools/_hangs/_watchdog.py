@@ -13,7 +13,8 @@ in a collective for it. The bound is ``hang_timeout`` when given, else ten
 median step times and at least 45 s; before a rank's first step it is the
 start-up bound (counted from the rank's start: imports, a restore, a cold
 compile): ``startup_timeout`` (or ``NBTOOLS_STARTUP_TIMEOUT_S``) when given,
-else three times the slowest first step a rank of the group reported, and 3
+else three times the slowest first step a rank of the run reported (in this
+attempt or an earlier one, or a pool's earlier call: :class:`FirstSteps`), and 3
 minutes before any did; in a phase the rank named (``events.phase``) it is the
 long bound. When every rank stalls, the ranks are asked twice where they are
 in their collectives before the bound (:data:`LOOK_AHEAD_S` and a tick before
@@ -63,6 +64,7 @@ from nbtools._hangs._report import (
     report_hang,
 )
 from nbtools._hangs._state import (
+    FirstSteps,
     Flag,
     RankState,
     is_busy,
@@ -132,6 +134,9 @@ class Watchdog:
         localize: Rewrites a stack's frames of code sent by value (``<dynamic-code>``)
             with their original file and line; the launcher, which holds the code,
             passes it.
+        first_steps: The first steps of the run's earlier attempts (restarts, a pool's
+            earlier calls), which the start-up bound is learned from too; the launcher
+            keeps one per run. None: this watch's own.
         bus: Where the reports come from and the flags go (this process's bus).
         clock: The kernel's monotonic clock (``time.monotonic``).
 
@@ -154,6 +159,7 @@ class Watchdog:
         phase_timeout: float | None = None,
         on_hang: Callable[[HangReport], Any] | None = None,
         localize: Callable[[str], str] | None = None,
+        first_steps: FirstSteps | None = None,
         bus: events.Bus | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -172,7 +178,8 @@ class Watchdog:
             startup_timeout = settings.read("NBTOOLS_STARTUP_TIMEOUT_S")
         self.startup_timeout = STARTUP_S if startup_timeout is None else float(startup_timeout)
         self._learn_startup = startup_timeout is None
-        self._first_steps: list[float] = []  # seconds from each rank's start to its first step
+        # Seconds from each rank's start to its first step, in this run's attempts so far.
+        self._first_steps = first_steps if first_steps is not None else FirstSteps()
         self.phase_timeout = phase_timeout
         self._on_hang = on_hang
         self._localize = localize
@@ -289,8 +296,9 @@ class Watchdog:
 
     def startup_bound(self) -> float:
         """Seconds a rank has, from its start, to report its first step now."""
-        if self._learn_startup and self._first_steps:
-            return max(self.bound(), STARTUP_STEPS * max(self._first_steps))
+        slowest = self._first_steps.slowest() if self._learn_startup else None
+        if slowest is not None:
+            return max(self.bound(), STARTUP_STEPS * slowest)
         return max(self.startup_timeout, self.hang_timeout or 0.0)
 
     def _since(self, state: RankState) -> float:
@@ -347,7 +355,7 @@ class Watchdog:
         state.progressed_at = self._arrived(state)
         if not state.steps:  # its first step: how long a start takes in this group
             began = self._started_at if new else state.started_at  # unheard of: the launch
-            self._first_steps.append(state.progressed_at - began)
+            self._first_steps.add(state.progressed_at - began)
         if marked:
             state.alive_at = state.progressed_at
         if state.steps and event.time > state.stepped_at:

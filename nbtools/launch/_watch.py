@@ -22,7 +22,10 @@ from nbtools.launch._backend import Failed, Outcome, RankGroup
 from nbtools.launch._failures import RankFailure
 from nbtools.launch._output import OutputForwarder
 
-__all__ = ["HangPolicy", "watch", "interrupted_stacks", "hang_failure"]
+__all__ = ["FirstSteps", "HangPolicy", "watch", "interrupted_stacks", "hang_failure"]
+
+#: The first steps of a run, kept across its attempts and a pool's calls (one per run).
+FirstSteps = _hangs.FirstSteps
 
 _log = get_logger("launch")
 
@@ -32,6 +35,7 @@ def watch(
     forwarder: OutputForwarder,
     hang_timeout: float | None,
     on_hang: str = "report",
+    first_steps: _hangs.FirstSteps | None = None,
 ) -> Outcome:
     """Poll ``group`` until every rank returned or one failed, watching for hangs.
 
@@ -41,12 +45,17 @@ def watch(
     watch as a failure of the culprits. A run that reports no progress keeps
     the plain rule: once no rank has written anything for ``hang_timeout``,
     print every rank's Python stack (once); the call keeps running.
+    ``first_steps``, kept by the caller across a run's attempts, carries the
+    start-up bound learned in one attempt to the next.
 
     Raises:
         KeyboardInterrupt: the caller was interrupted (ranks still running).
     """
     with _hangs.Watchdog(
-        len(group.stdouts), hang_timeout=hang_timeout, localize=forwarder.localize
+        len(group.stdouts),
+        hang_timeout=hang_timeout,
+        localize=forwarder.localize,
+        first_steps=first_steps,
     ) as dog:
         outcome = _watch(group, forwarder, hang_timeout, on_hang, dog)
     for notice in dog.take_notices():  # flags still open ended with the group
