@@ -104,6 +104,7 @@ def _run(
     collector = events.Collector(run_dir).start()
     indexes = itertools.count()
     restarts = 0
+    first_steps = _watch.FirstSteps()  # the start-up bound learned carries across restarts
     began = time.perf_counter()
 
     def attempt() -> Outcome:
@@ -124,7 +125,8 @@ def _run(
             },
         )
         os.mkdir(spec.attempt_dir)
-        outcome = _attempt(backend, spec, plan, localize, began if index == 0 else None)
+        first = began if index == 0 else None
+        outcome = _attempt(backend, spec, plan, localize, first, first_steps)
         collector.drain()  # the attempt's ranks have ended: everything they sent is here
         return outcome
 
@@ -208,6 +210,7 @@ def _attempt(
     plan: Plan,
     localize: Callable[[str], str],
     began: float | None = None,
+    first_steps: _watch.FirstSteps | None = None,
 ):
     group = backend.start(spec)
     if began is not None:  # the first attempt: the launch as the timeline shows it
@@ -223,7 +226,7 @@ def _attempt(
     )
     forwarder.start()
     try:
-        outcome = _watch.watch(group, forwarder, plan.hang_timeout, plan.on_hang)
+        outcome = _watch.watch(group, forwarder, plan.hang_timeout, plan.on_hang, first_steps)
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             _watch.interrupted_stacks(group, forwarder)
