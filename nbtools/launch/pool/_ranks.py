@@ -35,7 +35,7 @@ from nbtools.launch._backend import Failed, Finished, GroupSpec, LaunchBackend, 
 from nbtools.launch._output import OutputForwarder
 from nbtools.launch._rank import KERNEL_LOGGING_ENV, describe_kernel_logging
 from nbtools.launch._runner import report_leftovers
-from nbtools.launch._watch import HangPolicy
+from nbtools.launch._watch import FirstSteps, HangPolicy
 from nbtools.launch.pool._channel import ChannelClosed, Link, Listener, frame, wait_readable
 from nbtools.launch.pool._rank import OK, serve
 
@@ -149,6 +149,7 @@ class Ranks:
         self._ended = False
         self._wrote = False  # whether a rank wrote output during the current command
         self._next_check = 0.0  # when a long write next looks at the ranks
+        self.first_steps = FirstSteps()  # the start-up bound learned carries across calls
         #: The kernel's logging as these ranks have it (``describe_kernel_logging()``).
         self.logging = ""
 
@@ -330,6 +331,7 @@ class Ranks:
             active=deadline is None,
             known=self.hellos,
             localize=self.forwarder.localize,
+            first_steps=self.first_steps,
         )
         try:
             self._gather_replies(seq, replies, watch, deadline, hang_timeout, on_hang)
@@ -476,8 +478,10 @@ class _Watch:
         active: bool,
         known: dict[int, dict[str, Any]] | None = None,
         localize: Callable[[str], str] | None = None,
+        first_steps: FirstSteps | None = None,
     ) -> None:
         self._world_size = world_size
+        self._first_steps = first_steps  # the pool's: what its earlier calls' first steps took
         self._known = known or {}  # rank -> its hello: the watchdog samples it at once
         self._localize = localize  # names frames of code sent by value as the caller knows them
         self._hang_timeout = hang_timeout
@@ -489,7 +493,10 @@ class _Watch:
         """The watchdog, started now if the call has run long enough; None before."""
         if self._dog is None and self._active and now >= self._from:
             self._dog = _hangs.Watchdog(
-                self._world_size, hang_timeout=self._hang_timeout, localize=self._localize
+                self._world_size,
+                hang_timeout=self._hang_timeout,
+                localize=self._localize,
+                first_steps=self._first_steps,
             )
             for rank, hello in self._known.items():
                 self._dog.know(rank, int(hello["pid"]), str(hello.get("host", "")))
