@@ -24,8 +24,11 @@ Long phases that are not hangs, and hangs before the first step, on two ranks
 with default settings (hang warnings counted, goal 0, and the one-line notices
 of a rank busy outside collectives):
 
-- Save: rank 0 waits 90 s for its own writer threads (64 KB every 0.25 s, as
-  to a slow mount) while rank 1 waits in a barrier.
+- Save: both ranks save a 64 MB model with ``CheckpointManager`` (``async_save=False``)
+  to a slow directory: an fsspec filesystem whose uploads from rank 0 go at 256 KB/s
+  for 90 s (64 KB writes, each after a 0.25 s wait, as to a remote mount; the FUSE
+  passthrough of ``benchmarks/_slowfs.py`` is read-only). Rank 0 waits on the
+  manager's upload threads while rank 1 waits for it in the manager's collectives.
 - Compile: rank 0's first step takes 70 s, its main thread waiting for two
   worker processes that compute, while rank 1 waits in DDP's all-reduce.
 - Evaluate: rank 0 alone computes for 100 s (``if rank == 0: evaluate()``)
@@ -106,7 +109,7 @@ def _train(mode: str, seconds: float):
             return {"base_s": base, "step_s": cost, "steps": step}
 
 
-def _run(mode: str, seconds: float, until=None, train=_train):
+def _run(mode: str, seconds: float, until=None, train=_train, *more):
     seen: list[events.Event] = []
     t0 = time.time()
 
@@ -119,21 +122,12 @@ def _run(mode: str, seconds: float, until=None, train=_train):
 
     events.subscribe(keep)
     try:
-        results = train.distributed(mode, seconds)
+        results = train.distributed(mode, seconds, *more)
     except Exception as exc:  # noqa: BLE001 - a phase that ends in a failure still counts
         results = [repr(exc)[:200]]
     finally:
         events.unsubscribe(keep)
     return results, seen, time.time() - t0
-
-
-def _writer(path: str, seconds: float) -> None:
-    end = time.monotonic() + seconds
-    with open(path, "wb") as f:
-        while time.monotonic() < end:
-            f.write(os.urandom(64 << 10))
-            f.flush()
-            time.sleep(0.25)
 
 
 def _burn(seconds: float) -> None:
@@ -143,9 +137,8 @@ def _burn(seconds: float) -> None:
 
 
 @distributed(processes=2, output="none", on_hang="restart", max_restarts=0)
-def _phases(mode: str, seconds: float):
+def _phases(mode: str, seconds: float, root: str = ""):
     import multiprocessing
-    import tempfile
     import threading
 
     import torch
@@ -157,6 +150,8 @@ def _phases(mode: str, seconds: float):
 
         _emit._time = _progress._time = lambda: time.time() - 60
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 1))
+    ckpt = _slow_manager(root, seconds) if mode == "save" else None
+    big = torch.nn.Linear(4096, 4096) if mode == "save" else None  # 64 MB to save
     if mode == "deadlock" and rank == 1:
         lock = threading.Lock()
         lock.acquire()
@@ -173,16 +168,8 @@ def _phases(mode: str, seconds: float):
         model(torch.randn(8, 16)).sum().backward()
         events.step(step)
         if step == 20 and mode in ("save", "evaluate"):
-            if rank == 0 and mode == "save":
-                with tempfile.TemporaryDirectory() as tmp:
-                    writers = [
-                        threading.Thread(target=_writer, args=(f"{tmp}/{i}", seconds))
-                        for i in range(2)
-                    ]
-                    for writer in writers:
-                        writer.start()
-                    for writer in writers:
-                        writer.join()
+            if ckpt is not None:  # rank 0's upload takes `seconds`; rank 1 waits for it
+                ckpt.save(step, model=big)
             if rank == 0 and mode == "evaluate":
                 end = time.monotonic() + seconds
                 while time.monotonic() < end:
@@ -192,15 +179,64 @@ def _phases(mode: str, seconds: float):
         done = torch.tensor([float(step > 30 and late)])
         dist.all_reduce(done)  # every rank stops at the same step
         if done.item() > 0:
-            return step
+            break
+    if ckpt is not None:
+        ckpt.close(final_save=False)
     return step
 
 
+def _slow_manager(root: str, seconds: float):
+    """A ``CheckpointManager`` saving to ``root`` through a slow fsspec filesystem: rank 0's
+    uploads go 64 KB at a time, each after a 0.25 s wait, for ``seconds`` from the first."""
+    import threading
+
+    import fsspec
+    import torch.distributed as dist
+    from fsspec.implementations.local import LocalFileSystem
+
+    from nbtools.checkpoint import CheckpointManager
+
+    gate = threading.Lock()  # one write at a time: 256 KB/s whatever the upload threads
+    began: list[float] = []
+
+    class SlowMount(LocalFileSystem):
+        """A remote volume that rank 0 reaches at 256 KB/s."""
+
+        protocol = "nbtslowbench"
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return super()._strip_protocol(str(path).removeprefix("nbtslowbench://"))
+
+        def put_file(self, lpath, rpath, **kwargs):
+            if dist.get_rank() != 0:
+                return super().put_file(lpath, rpath, **kwargs)
+            if not began:
+                began.append(time.monotonic())
+            rpath = self._strip_protocol(rpath)
+            self.makedirs(self._parent(rpath), exist_ok=True)
+            with open(lpath, "rb") as src, open(rpath, "wb") as dst:
+                while chunk := src.read(64 << 10):
+                    if time.monotonic() - began[0] < seconds:
+                        with gate:
+                            time.sleep(0.25)  # waiting on the remote end, using no CPU
+                    dst.write(chunk)
+            return None
+
+    fsspec.register_implementation("nbtslowbench", SlowMount, clobber=True)
+    return CheckpointManager(f"nbtslowbench://{root}", every=None, async_save=False)
+
+
 def _long_phases(out: dict) -> None:
+    import tempfile
+
     from nbtools._hangs import _process
 
     for mode, seconds in (("save", 90.0), ("compile", 70.0), ("evaluate", 100.0)):
-        _, seen, took = _run(mode, seconds, train=_phases)
+        with tempfile.TemporaryDirectory(prefix="nbtools-bench-") as root:
+            results, seen, took = _run(mode, seconds, None, _phases, root)
+        if mode == "save":
+            out["save_steps"] = results  # the step each rank ended at, or the failure
         opened = [e for e in seen if not e.fields.get("ended")]
         out[f"{mode}_s"] = round(took, 1)
         out[f"{mode}_hang_warnings"] = len([e for e in opened if e.kind == "hang"])
