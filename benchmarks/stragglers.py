@@ -34,9 +34,10 @@ of a rank busy outside collectives):
 - Evaluate: rank 0 alone computes for 100 s (``if rank == 0: evaluate()``)
   while rank 1 waits in a barrier.
 - Deadlock before the first step: rank 1 blocks on a lock it holds before its
-  first step; seconds from the launch until its ``hang`` event (goal: within
-  the start-up bound plus the watchdog's two looks at the collectives), and
-  which ranks it named (goal: rank 1 only).
+  first step; seconds from the launch, and from the rank's start (which the
+  bound counts from), until its ``hang`` event (goal: at the start-up bound:
+  the watchdog's two looks at the collectives come before it), and which ranks
+  it named (goal: rank 1 only).
 - Clock skew: rank 1's clock reads 60 s behind the kernel's for a 60 s run:
   flags raised (goal: 0).
 - Busy or stuck: the kernel's CPU time for one look at a rank (its process
@@ -246,6 +247,10 @@ def _long_phases(out: dict) -> None:
     hangs = [e for e in seen if e.kind == "hang" and not e.fields.get("ended")]
     out["deadlock_first_step_detect_s"] = round(hangs[0].time - began, 1) if hangs else None
     out["deadlock_first_step_bound_s"] = hangs[0].fields.get("bound_s") if hangs else None
+    # From the rank's start (its first report reached the kernel), as the bound counts.
+    out["deadlock_first_step_from_rank_start_s"] = (
+        round(hangs[0].time - hangs[0].fields["since"], 1) if hangs else None
+    )
     out["deadlock_first_step_ranks_named"] = sorted({e.rank for e in hangs})
     _, seen, took = _run("skew", 60.0, train=_phases)
     out["clock_skew_60s_false_flags"] = len(
