@@ -8,6 +8,7 @@ cluster per test process, never two starting at once on a small machine.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
 import os
 import sys
@@ -41,16 +42,65 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         os.environ["RAY_ADDRESS"] = _ray_cluster_module().shared().address
 
 
+def _uses_ray_cluster(item: pytest.Item) -> bool:
+    path = item.nodeid.split("::", 1)[0]
+    return path.startswith("tests/ray/") or path == RAY_NOTEBOOK
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the item's fixtures are torn down: stop the Ray cluster when the next test does
+    not use it (the tests that do run one after another: they are one xdist group)."""
     if _is_ray_notebook(item):
         os.environ.pop("RAY_ADDRESS", None)
+    if _uses_ray_cluster(item) and (nextitem is None or not _uses_ray_cluster(nextitem)):
+        module = sys.modules.get("_ray_cluster")
+        if module is not None:
+            module.stop()
 
 
+#: How long a test process may take from the start of its session's end (the last fixtures'
+#: teardown, the hooks) to its exit, before it prints every thread's stack and exits failing:
+#: a hang there is outside every test's timeout and would otherwise stall the run for good.
+_SESSION_END_S = float(os.environ.get("NBTOOLS_TESTS_SESSION_END_S", "300"))
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Stop the cluster if notebook 06 alone started it (the Ray tests' fixture stops its own)."""
+    """Bound the session's end (:data:`_SESSION_END_S`), then stop the Ray cluster if the
+    session ended inside the tests that use it."""
+    _arm_session_end(session.config)
     module = sys.modules.get("_ray_cluster")
     if module is not None:
         module.stop()
+
+
+def _arm_session_end(config: pytest.Config) -> None:
+    """Dump every thread's stack to the real stderr and exit 1 if this process is still alive
+    :data:`_SESSION_END_S` from now (the output capture holds fd 2 here: take a copy of the
+    terminal's while it is suspended)."""
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.suspend_global_capture(in_=False)
+    try:
+        stream = os.fdopen(os.dup(2), "w")
+    finally:
+        if capman is not None:
+            capman.resume_global_capture()
+    stream.write("")  # opened now, while fd 2 is the terminal's
+    config.stash[_END_STREAM] = stream  # kept open until the process exits
+    faulthandler.dump_traceback_later(_SESSION_END_S, exit=True, file=stream)
+
+
+_END_STREAM = pytest.StashKey[object]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """An xdist worker's session has ended here: what follows is its wait for the controller,
+    which ends it when every worker is done (and kills it 10 s later if it has not exited)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and _END_STREAM in config.stash:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _infra_module(name: str) -> ModuleType | None:

@@ -2,16 +2,20 @@
 
 A head without CPUs, so no rank lands there, and three nodes with 2 CPUs
 each, every one listening on 127.0.0.1 only. It starts on first use
-(:func:`shared`) and stops at the end of the session (:func:`stop`): a second
-cluster on a busy 2-core machine would slow both past their start timeouts.
+(:func:`shared`) and stops when the session leaves the tests that use it (:func:`stop`,
+called by the root ``conftest.py``), or at the session's end: a second cluster on a busy
+2-core machine would slow both past their start timeouts, and an idle one left running
+takes a core's share and 1.3 GB from the tests after it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 
@@ -181,18 +185,45 @@ def started() -> bool:
     return _cluster is not None
 
 
+#: How long stopping the cluster may take before its processes are killed. Ray's shutdown
+#: waits in its C++ core on calls to the GCS, where no Python signal (pytest-timeout's
+#: included) reaches it; killing the cluster's processes makes those calls fail.
+_STOP_DEADLINE_S = 60.0
+
+
 def stop() -> None:
-    """Stop the cluster if one was started; remove what it set and wrote."""
+    """Stop the cluster if one was started; remove what it set and wrote.
+
+    Bounded: a stop that takes longer than :data:`_STOP_DEADLINE_S` has the cluster's
+    processes killed, and says so with the stack it was blocked in.
+    """
     global _cluster
     if _cluster is None:
         return
-    if ray.is_initialized():
-        ray.shutdown()
+    cluster, _cluster = _cluster, None
+    fired = threading.Event()
+
+    def hung() -> None:
+        fired.set()
+        sys.stderr.write(
+            f"\nthe test Ray cluster did not stop in {_STOP_DEADLINE_S:.0f} s; killing its "
+            "processes. Where it was blocked:\n"
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        _kill_started()
+
+    watchdog = threading.Timer(_STOP_DEADLINE_S, hung)
+    watchdog.daemon = True
+    watchdog.start()
     try:
-        _cluster.shutdown()
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()
     finally:
-        _cluster = None
+        watchdog.cancel()
         for name in set(os.environ) - _env_before:
-            if name.startswith("RAY_") and name != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER":
+            if name == "PYTHONBREAKPOINT" or (  # set by ray.init for its debugger
+                name.startswith("RAY_") and name != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+            ):
                 del os.environ[name]
         _kill_started()

@@ -1,6 +1,6 @@
 """A real Ray cluster on this machine for the tests of ``cluster="ray"``.
 
-One cluster for the whole session (``_ray_cluster``: starting one takes tens of
+One cluster for the tests that use it (``_ray_cluster``: starting one takes tens of
 seconds on a small machine), shared with notebook 06 (see ``tests/conftest.py``).
 
 ``no_leaks`` is extended for Ray: Ray's own processes (raylets, idle
@@ -25,16 +25,18 @@ from _leaks import env_problems, process_group_problems  # noqa: E402
 from _ray_helpers import our_processes, wait_until_clean  # noqa: E402
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def ray_cluster():
-    """The session's local Ray cluster, with this process connected as its driver."""
+    """The session's local Ray cluster, with this process connected as its driver.
+
+    Started on first use and kept while the session runs the tests that use it; the root
+    ``conftest.py`` stops it when the session moves on to others (or ends).
+    """
     cluster = _ray_cluster.shared()
-    with _ray_cluster.keeping_sigterm():  # not Ray's handler in later tests' forked children
-        ray.init(address=cluster.address, log_to_driver=False)
-    try:
-        yield cluster
-    finally:
-        _ray_cluster.stop()
+    if not ray.is_initialized():
+        with _ray_cluster.keeping_sigterm():  # not Ray's handler in later tests' forked children
+            ray.init(address=cluster.address, log_to_driver=False)
+    return cluster
 
 
 @pytest.fixture(autouse=True)
@@ -47,6 +49,10 @@ def no_leaks(request):
     """
     import tempfile
 
+    if "ray_cluster" in request.fixturenames:
+        # Started (or joined) before the snapshot: the cluster's own variables (RAY_TMPDIR,
+        # the driver's PYTHONBREAKPOINT) belong to it, and stop() removes them when it stops.
+        request.getfixturevalue("ray_cluster")
     env_before = dict(os.environ)
     tmp_before = set(os.listdir(tempfile.gettempdir()))
     yield
