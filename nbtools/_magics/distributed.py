@@ -27,7 +27,7 @@ from nbtools._magics import cell_number, strip_comment
 __all__ = ["DistributedMagics", "format_status"]
 
 _USAGE = (
-    "%distributed start [--processes N | --gpus N] [--max-restarts K] [--cluster ray] "
+    "%distributed start [--processes N | --gpus N] [--max-restarts K] [--no-heal] [--cluster ray] "
     "[--nodes N] [--output all|rank0|none] [--rich-output rank0|all|none] | stop | status | restart | push NAME... | "
     "pull NAME..."
 )
@@ -57,6 +57,7 @@ def _parser() -> _Parser:
         start.add_argument("--processes", type=_count, default=None)
         start.add_argument("--gpus", type=_count, default=None)
         start.add_argument("--max-restarts", type=_count, default=3, dest="max_restarts")
+        start.add_argument("--no-heal", action="store_false", dest="heal")
         start.add_argument("--cluster", choices=["ray"], default=None)
         start.add_argument("--nodes", type=_count, default=None)
         start.add_argument("--output", choices=["all", "rank0", "none"], default="all")
@@ -85,7 +86,7 @@ class DistributedMagics(Magics):
         """Run cells on a pool of persistent ranks.
 
         Line: ``%distributed start [--processes N | --gpus N] [--max-restarts K]
-        [--cluster ray] [--nodes N] [--output all|rank0|none]
+        [--no-heal] [--cluster ray] [--nodes N] [--output all|rank0|none]
         [--rich-output rank0|all|none]``, ``stop``,
         ``status``, ``restart [options]``, ``push NAME...`` (notebook variables to
         every rank), ``pull NAME...`` (binds NAME in the notebook to a list with
@@ -96,6 +97,11 @@ class DistributedMagics(Magics):
         namespace; names persist from cell to cell, output is prefixed
         ``[rank N]``, and the last expression's value is shown for each rank
         (end the cell with ``;`` to hide it).
+
+        A rank that dies (SIGKILL, the OOM killer) on this machine's CPU ranks is
+        healed in place: the other ranks keep their processes and names, the dead
+        rank is replaced by a fresh process with a new namespace, and the cell
+        says which names were lost there. ``--no-heal`` replaces every rank instead.
         """
         __tracebackhide__ = True
         line = strip_comment(line)  # "%distributed stop  # done" as IPython's magics take it
@@ -231,6 +237,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "processes": args.processes,
         "gpus": args.gpus,
         "max_restarts": args.max_restarts,
+        "heal": args.heal,
         "cluster": args.cluster,
         "nodes": args.nodes,
         "output": args.output,

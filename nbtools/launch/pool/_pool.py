@@ -11,8 +11,11 @@ What happens on trouble (the user is always told which it was):
 - a rank failed while peers kept running past a short grace (stuck in a
   collective), or an interrupt left ranks running: the pool is restarted with
   fresh ranks and the message says that rank state was lost;
-- a rank died: the pool restarts (fresh state, said so) up to
-  ``max_restarts`` times, then stops and says how to start it again.
+- a rank died: on local CPU ranks the pool heals in place (``heal=True``, the
+  default): the other ranks keep their processes and names, a fresh process
+  replaces the dead rank, and the call says which names were lost with it;
+  otherwise the pool restarts (fresh state, said so). Either counts against
+  ``max_restarts``; past it the pool stops and says how to start it again.
 
 Every restart emits a ``pool_restarted`` event; the rules are in one place,
 :mod:`nbtools.launch.pool._restarts`.
@@ -36,7 +39,13 @@ from nbtools.launch import _payload, _sources
 from nbtools.launch._config import LaunchConfig, check_restarts
 from nbtools.launch._rank import in_rank
 from nbtools.launch.pool._errors import failures_of, rank_errors
-from nbtools.launch.pool._ranks import RanksHung, RanksInterrupted, RanksLost, RanksStuck
+from nbtools.launch.pool._ranks import (
+    RanksHealed,
+    RanksHung,
+    RanksInterrupted,
+    RanksLost,
+    RanksStuck,
+)
 from nbtools.launch.pool._registry import CallGuard, owned, register, unregister
 from nbtools.launch.pool._restarts import Generations, release
 
@@ -70,6 +79,13 @@ class RankPool:
             ``max_restarts`` as a rank that died.
         cluster: ``None`` (this machine) or ``"ray"``; ``nodes`` and
             ``runtime_env`` as for ``@distributed``.
+        heal: on this machine's CPU ranks, a rank that dies (a signal, the OOM
+            killer, ``os._exit``) is replaced in place: the other ranks keep
+            their processes, process group and namespaces; the replaced rank
+            starts with a new namespace, and the call the death interrupted
+            raises a ``DistributedError`` naming the names lost there. Each
+            heal counts against ``max_restarts``. ``False``: every rank is
+            replaced (state lost), as on GPUs and Ray.
 
     Example:
         >>> with RankPool(processes=2) as pool:  # doctest: +SKIP
@@ -92,6 +108,7 @@ class RankPool:
         runtime_env: dict | None = None,
         rich_output: str = "rank0",
         on_hang: str = "report",
+        heal: bool = True,
     ) -> None:
         if in_rank():
             raise LaunchError(
@@ -110,10 +127,12 @@ class RankPool:
             rich_output=rich_output,
             on_hang=on_hang,
         )
-        self._open(config, max_restarts)
+        self._open(config, max_restarts, heal)
 
     @classmethod
-    def from_config(cls, config: LaunchConfig, max_restarts: int | None = 3) -> RankPool:
+    def from_config(
+        cls, config: LaunchConfig, max_restarts: int | None = 3, heal: bool = True
+    ) -> RankPool:
         """A pool for a launch configuration already built (``@distributed(keep_alive=True)``).
 
         The configuration's own ``max_restarts`` (restarts of a plain call's group)
@@ -125,11 +144,13 @@ class RankPool:
                 "runs on every rank."
             )
         pool = cls.__new__(cls)
-        pool._open(config, max_restarts)
+        pool._open(config, max_restarts, heal)
         return pool
 
-    def _open(self, config: LaunchConfig, max_restarts: int | None) -> None:
+    def _open(self, config: LaunchConfig, max_restarts: int | None, heal: bool) -> None:
         check_restarts(max_restarts, allow_none=True)
+        if not isinstance(heal, bool):
+            raise TypeError(f"heal must be True or False, got {type(heal).__name__}")
         self._config = config
         backend = config.backend()
         self._plan = config.plan(backend)
@@ -141,7 +162,13 @@ class RankPool:
         self._run_dir = tempfile.mkdtemp(prefix="nbtools-pool-")
         collector = events.Collector(self._run_dir).start()
         self._gens = Generations(
-            backend, self._plan, max_restarts, uuid.uuid4().hex[:12], self._run_dir, collector
+            backend,
+            self._plan,
+            max_restarts,
+            uuid.uuid4().hex[:12],
+            self._run_dir,
+            collector,
+            heal=heal,
         )
         try:
             self._gens.start()
@@ -363,10 +390,12 @@ class RankPool:
                 raise interrupt from None
             except RanksStuck as exc:
                 raise self._gens.after_stuck(exc, localize) from None
+            except RanksHealed as exc:
+                raise self._gens.after_heal(exc, localize) from None
             except RanksLost as exc:
                 raise self._gens.after_loss(exc) from None
             except RanksHung as exc:
-                raise self._gens.after_hang(exc) from None
+                raise self._gens.after_hang(exc, localize) from None
             failures = failures_of(replies, self._gens.restarts, localize)
             if failures:
                 raise rank_errors(op, failures) from None

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import ctypes
 import linecache
 import os
@@ -56,6 +57,8 @@ from nbtools.launch.pool._frames import can_open_shared
 
 __all__ = ["serve"]
 
+# How long a healing rank waits for its old link's reader thread to end.
+_READER_JOIN_S = 5.0
 # What a rank's reply says (second element of a reply).
 OK, ERROR, INTERRUPTED = "ok", "error", "interrupted"
 
@@ -78,23 +81,61 @@ def serve(
         "host": socket.gethostname(),
         "shared_memory": shared,
     }
+    kept = _KEPT.pop("main", None)  # this process's namespace, kept through a heal
+    if kept is not None:
+        hello["names"] = _user_names(kept[0].__dict__)
+        hello["healed"] = True
     link = connect(address, key, hello)
-    server = _Server(link, rank, use_cuda)
+    server = _Server(link, rank, use_cuda, kept)
     try:
         server.loop()
+    except _Heal:
+        _KEPT["main"] = (server.main, server.lent)
+        # The reader thread waits in a receive on the link: a plain close would leave the
+        # connection open under it, and the kernel waiting for this end to go.
+        with contextlib.suppress(OSError):
+            server.link.sock.shutdown(socket.SHUT_RDWR)
+        server.reader.join(timeout=_READER_JOIN_S)
+        raise
     finally:
         server.close()
 
 
+class _Heal(RuntimeError):
+    """Raised out of :func:`serve` when the kernel heals the pool in place: the worker forms
+    the group again with the replaced ranks (``nbtools.launch._rank``) and calls
+    :func:`serve` again in this process, which keeps its namespace (:data:`_KEPT`)."""
+
+
+#: The namespace (``__main__`` module) a rank keeps while its group forms again after a heal.
+_KEPT: dict[str, tuple[types.ModuleType, dict[str, Any]]] = {}
+
+
+def _user_names(ns: dict[str, Any]) -> list[str]:
+    """The names a user's cells made in a namespace (modules and private names left out)."""
+    return sorted(
+        name
+        for name, value in ns.items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    )
+
+
 class _Server:
-    def __init__(self, link: Link, rank: int, use_cuda: bool) -> None:
+    def __init__(
+        self,
+        link: Link,
+        rank: int,
+        use_cuda: bool,
+        kept: tuple[types.ModuleType, dict[str, Any]] | None = None,
+    ) -> None:
         self.link = link
         self.rank = rank
         self.use_cuda = use_cuda
-        self.main = types.ModuleType("__main__")
+        self.main = kept[0] if kept is not None else types.ModuleType("__main__")
         self.main.__dict__["__builtins__"] = builtins
         self.ns: dict[str, Any] = self.main.__dict__
-        self.lent: dict[str, Any] = {}  # notebook names a function brought, still unchanged here
+        # Notebook names a function brought, still unchanged here.
+        self.lent: dict[str, Any] = kept[1] if kept is not None else {}
         self._saved_main = sys.modules.get("__main__")
         sys.modules["__main__"] = self.main
         pickle_main_by_value()  # spawn and forkserver children get the cells' names
@@ -112,8 +153,8 @@ class _Server:
             self._saved_handler = signal.signal(signal.SIGINT, self._on_sigint)
         else:
             self._sleep = _WakeableSleep(self._thread)
-        self._reader = threading.Thread(target=self._read, name="nbtools-pool-reader", daemon=True)
-        self._reader.start()
+        self.reader = threading.Thread(target=self._read, name="nbtools-pool-reader", daemon=True)
+        self.reader.start()
 
     # --- receiving -------------------------------------------------------------
 
@@ -161,6 +202,8 @@ class _Server:
                 if op == "stop":
                     self._reply(seq, OK, None)
                     return
+                if op == "heal":
+                    raise _Heal(f"rank {self.rank}: the pool heals in place")
                 if setup and setup[0]:
                     _setup(setup[0])
                 self._reply(seq, *self._handle(seq, op, arg))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -43,6 +44,8 @@ __all__ = [
     "Ranks",
     "RanksHung",
     "RanksLost",
+    "RanksHealed",
+    "HEAL_WAIT_S",
     "RanksStuck",
     "RanksInterrupted",
     "PEER_GRACE_S",
@@ -55,6 +58,9 @@ _log = get_logger("launch")
 PEER_GRACE_S = 3.0
 #: How long interrupted ranks have to come back to idle before they are restarted.
 INTERRUPT_GRACE_S = 5.0
+#: How long a heal in place may take (survivors done with their call, the replacement
+#: started and every rank connected again) before the pool starts fresh ranks instead.
+HEAL_WAIT_S = 60.0
 # How often the backend is asked whether a rank has died while waiting.
 _GROUP_POLL_S = 0.1
 # A call's watchdog starts once the call has run this long: a call of milliseconds
@@ -78,6 +84,14 @@ class RanksLost(Exception):
         super().__init__("ranks lost")
         self.outcome = outcome
         self.replies = replies
+
+
+class RanksHealed(RanksLost):
+    """Ranks died and the group healed in place: ``heal`` says which (see :meth:`Ranks.heal`)."""
+
+    def __init__(self, heal: Any, replies: dict[int, tuple[str, Any]]) -> None:
+        super().__init__(None, replies)
+        self.heal = heal  # the backend's record of it (``nbtools.launch._local._heal.Heal``)
 
 
 class RanksStuck(Exception):
@@ -150,6 +164,14 @@ class Ranks:
         self._wrote = False  # whether a rank wrote output during the current command
         self._next_check = 0.0  # when a long write next looks at the ranks
         self.first_steps = FirstSteps()  # the start-up bound learned carries across calls
+        # The backend's healer where the group heals dead ranks in place (local CPU ranks):
+        # the pool says each heal itself, naming the names lost with the replaced ranks.
+        self.healer: Any = getattr(group, "healer", None)
+        if self.healer is not None and not self.healer.enabled:
+            self.healer = None
+        if self.healer is not None:
+            self.healer.announce = False
+        self._heals = 0  # heals of the group this pool has taken in
         #: The kernel's logging as these ranks have it (``describe_kernel_logging()``).
         self.logging = ""
 
@@ -189,6 +211,7 @@ class Ranks:
             spec.max_restarts,
             spec.attempt_dir,
             spec.env,
+            heal=spec.heal,
         )
         try:
             group = backend.start(spec)
@@ -232,7 +255,8 @@ class Ranks:
                 if outcome is not None:
                     raise RanksLost(outcome if isinstance(outcome, Failed) else None, {})
                 next_poll = time.monotonic() + _GROUP_POLL_S
-        self.listener.close()  # every rank is in: nothing more may connect
+        if self.healer is None:
+            self.listener.close()  # every rank is in: nothing more may connect
         self.forwarder.poll(final=True)
 
     # --- commands --------------------------------------------------------------------
@@ -266,7 +290,7 @@ class Ranks:
         except KeyboardInterrupt:
             self._interrupted(seq, replies)
         except ChannelClosed:
-            raise RanksLost(self._death(), replies) from None
+            raise RanksLost(self._death(replies), replies) from None
         self._settle()
         return replies
 
@@ -289,6 +313,7 @@ class Ranks:
         outcome = self.group.poll()
         if outcome is not None:
             raise RanksLost(outcome if isinstance(outcome, Failed) else None, {})
+        self._check_heal({})
 
     def _interrupted(self, seq: int, replies: dict[int, tuple]) -> None:
         pending = sorted(set(self.links) - set(replies))
@@ -373,11 +398,12 @@ class Ranks:
             if len(replies) == len(self.links):
                 break
             if lost:
-                raise RanksLost(self._death(), replies)
+                raise RanksLost(self._death(replies), replies)
             if now >= next_poll:
                 outcome = self.group.poll()
                 if outcome is not None:
                     raise RanksLost(outcome if isinstance(outcome, Failed) else None, replies)
+                self._check_heal(replies)
                 next_poll = time.monotonic() + _GROUP_POLL_S
             if deadline is not None and now >= deadline:
                 return
@@ -388,8 +414,12 @@ class Ranks:
             if hung is not None:
                 raise RanksHung(hung, replies)
 
-    def _death(self) -> Failed | None:
-        """The backend's account of the rank that closed its channel."""
+    def _death(self, replies: dict[int, tuple] | None = None) -> Failed | None:
+        """The backend's account of the rank that closed its channel.
+
+        Raises:
+            RanksHealed: the group healed the dead ranks in place (:meth:`heal` goes on).
+        """
         deadline = time.monotonic() + _DEATH_WAIT_S
         while time.monotonic() < deadline:
             self.forwarder.poll()
@@ -398,7 +428,93 @@ class Ranks:
                 return outcome
             if isinstance(outcome, Finished):
                 return None
+            self._check_heal(replies or {})
         return None
+
+    def _check_heal(self, replies: dict[int, tuple]) -> None:
+        """Raise :class:`RanksHealed` once the group has started healing dead ranks."""
+        if self.healer is not None and self.healer.count > self._heals:
+            self._heals = self.healer.count
+            raise RanksHealed(self.healer.heals[-1], replies)
+
+    # --- healing in place ------------------------------------------------------------
+
+    def end_ranks(self, ranks: list[int], replies: dict[int, tuple]) -> None:
+        """End ``ranks`` (hung) with SIGKILL, so that the group heals them in place.
+
+        Raises:
+            RanksHealed: the group heals them (:meth:`heal` goes on).
+            RanksLost: it did not (the pool then starts fresh ranks).
+        """
+        for rank in ranks:
+            pid = self.hellos.get(rank, {}).get("pid")
+            if pid is None or self.remote:
+                continue
+            with contextlib.suppress(OSError):
+                os.kill(int(pid), signal.SIGKILL)
+        raise RanksLost(self._death(replies), replies)
+
+    def heal(self, replaced: list[int], wait: float = HEAL_WAIT_S) -> dict[int, list[str]]:
+        """Take the healed group in: the surviving ranks form the group again with the
+        replacements (their processes and namespaces kept), and every rank connects anew.
+
+        Each survivor is told to heal; it finishes what it runs (its collectives with the
+        dead rank fail), leaves its group and its channel, joins the next generation of
+        the group and connects again, with the names its namespace kept.
+
+        Returns:
+            The names each surviving rank kept, by rank.
+
+        Raises:
+            RanksLost: the group did not heal within ``wait`` seconds, or failed meanwhile
+                (the pool then starts fresh ranks).
+        """
+        old = self.links
+        self.links, self.hellos = {}, {}
+        self._seq += 1
+        survivors = [rank for rank in old if rank not in replaced]
+        closing: dict[int, Link] = {}
+        for rank in survivors:
+            try:
+                old[rank].send((self._seq, "heal", None))
+                closing[rank] = old[rank]
+            except (ChannelClosed, OSError):
+                old[rank].close()
+        for rank in replaced:
+            old[rank].close()
+        deadline = time.monotonic() + wait
+        next_poll = 0.0
+        try:
+            while closing or len(self.links) < self.world_size:
+                if time.monotonic() > deadline:
+                    raise RanksLost(None, {})
+                wait_readable(list(closing.values()), self.listener, _PUMP_S)
+                for rank, link in list(closing.items()):
+                    try:
+                        link.frames()  # what it answered before it healed: the call is over
+                    except ChannelClosed:
+                        link.close()
+                        del closing[rank]
+                for link, hello in self.listener.poll():
+                    if link.rank in self.links:
+                        _log.warning("a second connection for rank %d was refused", link.rank)
+                        link.close()
+                        continue
+                    self.links[link.rank] = link
+                    self.hellos[link.rank] = hello
+                self.forwarder.poll()
+                if time.monotonic() >= next_poll:
+                    outcome = self.group.poll()
+                    if outcome is not None:
+                        raise RanksLost(outcome if isinstance(outcome, Failed) else None, {})
+                    if self.healer is not None and self.healer.count > self._heals:
+                        raise RanksLost(None, {})  # a second heal before the first was over
+                    next_poll = time.monotonic() + _GROUP_POLL_S
+        finally:
+            for link in closing.values():
+                link.close()
+        self.forwarder.poll(final=True)
+        return {rank: list(self.hellos[rank].get("names", ())) for rank in survivors}
 
     def _pumped(self) -> float:
         self.forwarder.poll()

@@ -10,11 +10,15 @@ here:
 - a rank failed and its peers stayed stuck past a short grace, or an
   interrupt left ranks running: fresh ranks, and the user is told that rank
   state was lost;
-- a rank died: fresh ranks, up to ``max_restarts`` times since the last
-  requested restart; then the pool stops and says how to start it again;
+- a rank died: on local CPU ranks with ``heal`` (the default), the group heals
+  in place: the surviving ranks keep their processes and namespaces, a fresh
+  process replaces the dead rank, and the user is told which names were lost
+  with it (its namespace is new); elsewhere, or where the heal cannot be made,
+  fresh ranks. Either counts against ``max_restarts`` since the last requested
+  restart; then the pool stops and says how to start it again;
 - ``restart()``: fresh ranks on request, also after the pool stopped.
 
-Every replacement emits a ``pool_restarted`` event. A ``keep_alive=True`` call
+Every replacement emits a ``pool_restarted`` event, every heal a ``healed`` event. A ``keep_alive=True`` call
 also runs its function again after a failure, up to its ``max_restarts``
 (:mod:`nbtools.launch.pool._kept`); the ranks under it are replaced here.
 """
@@ -23,13 +27,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import time
 from collections.abc import Callable
+from typing import Any
 
 from nbtools import events
 from nbtools._internal.log import get_logger
 from nbtools.errors import DistributedError, LaunchError
 from nbtools.launch._backend import Failed, GroupSpec, LaunchBackend
-from nbtools.launch._failures import RankFailure, describe
+from nbtools.launch._failures import RankFailure, describe, from_exit
 from nbtools.launch._rank import setup_environment
 from nbtools.launch._runner import Plan, until_formed
 from nbtools.launch.pool._errors import failures_of, first, plural, ranks_text
@@ -37,6 +44,7 @@ from nbtools.launch.pool._ranks import (
     INTERRUPT_GRACE_S,
     PEER_GRACE_S,
     Ranks,
+    RanksHealed,
     RanksHung,
     RanksInterrupted,
     RanksLost,
@@ -60,6 +68,7 @@ class Generations:
         run_id: the same for every generation (``TORCHELASTIC_RUN_ID``).
         run_dir: the pool's private directory; each generation gets one inside it.
         collector: the pool's events collector (its environment goes to every rank).
+        heal: heal dead ranks in place where the backend can (local CPU ranks).
     """
 
     def __init__(
@@ -70,7 +79,9 @@ class Generations:
         run_id: str,
         run_dir: str,
         collector: events.Collector,
+        heal: bool = True,
     ) -> None:
+        self.heal = heal
         self.backend = backend
         self.plan = plan
         self.max_restarts = max_restarts
@@ -113,12 +124,18 @@ class Generations:
             use_cuda=self.plan.use_cuda,
             run_id=self.run_id,
             restart_count=self.restarts,
-            max_restarts=self.max_restarts if self.max_restarts is not None else 2**31 - 1,
+            # What is left of max_restarts: each heal in the group uses one more.
+            max_restarts=(
+                self.restarts + max(0, self.max_restarts - self._deaths)
+                if self.max_restarts is not None
+                else 2**31 - 1
+            ),
             attempt_dir=attempt_dir,
             env={
                 **self.collector.environment(),
                 **setup_environment(attempt_dir, self.plan.rich_output, self.plan.results_device),
             },
+            heal=self.heal,
         )
         try:
             self.ranks = Ranks.start(self.backend, spec, self.plan.output)
@@ -164,10 +181,19 @@ class Generations:
         )
         return DistributedError(message, failures)
 
-    def after_hang(self, exc: RanksHung) -> DistributedError:
-        """A hang with ``on_hang="restart"``: fresh ranks, counted as a death; the error."""
+    def after_hang(self, exc: RanksHung, localize: Callable[[str], str]) -> DistributedError:
+        """A hang with ``on_hang="restart"``: the hung ranks are ended and healed in place where
+        the pool heals, else fresh ranks; counted as a death; the error."""
         outcome = exc.outcome
         headline = describe(outcome.failures, outcome.first)
+        if self.ranks is not None and self.ranks.healer is not None:
+            try:
+                self.ranks.end_ranks(sorted(outcome.failures), exc.replies)
+            except RanksHealed as healed:
+                error = self.after_heal(healed, localize, ended=True)
+                return DistributedError(f"{headline}\n\n{error}", outcome.failures)
+            except RanksLost:
+                pass  # not healed: fresh ranks, as without healing
         return self._after_death(outcome.failures, headline, "ranks hung")
 
     def after_loss(self, exc: RanksLost) -> DistributedError:
@@ -180,6 +206,45 @@ class Generations:
             failures = outcome.failures
             headline = describe(failures, outcome.first, returned=outcome.returned)
         return self._after_death(failures, headline, "a rank died")
+
+    def after_heal(
+        self, exc: RanksHealed, localize: Callable[[str], str], ended: bool = False
+    ) -> DistributedError:
+        """Ranks died and the group heals in place: take the healed ranks in and say what was
+        kept and what was lost; the error that ends the call the death interrupted. Where the
+        heal does not complete, fresh ranks as after any death. ``ended``: the pool ended the
+        dead ranks itself (they hung)."""
+        heal = exc.heal
+        assert self.ranks is not None
+        attempt = self.restarts
+        dead = {
+            rank: from_exit(rank, _code(heal.how.get(rank, "")), attempt) for rank in heal.ranks
+        }
+        try:
+            kept = self.ranks.heal(list(heal.ranks))
+        except RanksLost as lost:
+            if lost.outcome is None or not lost.outcome.failures:
+                lost = RanksLost(Failed(dead, heal.ranks[0]), exc.replies)
+            return self.after_loss(lost)
+        self._deaths += 1
+        self.restarts += 1
+        message = _healed_line(heal, kept, time.time() - heal.seen, ended)
+        _log.warning("%s", message)
+        names = sorted({name for names in kept.values() for name in names})
+        events.emit(
+            "healed",
+            message,
+            pool=True,
+            rank=heal.ranks[0],
+            ranks=",".join(str(r) for r in heal.ranks),
+            kept=",".join(str(r) for r in sorted(kept)),
+            lost=",".join(names),
+            restarts=self.restarts,
+        )
+        failures = {**failures_of(exc.replies, attempt, localize), **dead}
+        return DistributedError(
+            f"{message}\n\nthe call was cut short by the death: run it again", failures
+        )
 
     def _after_death(
         self, failures: dict[int, RankFailure], headline: str, reason: str
@@ -243,6 +308,36 @@ class Generations:
                     ranks.kill()  # a call is running in another thread: it ends with an error
         finally:
             release(self.backend, self.collector, self.run_dir)
+
+
+def _code(how: str) -> int | None:
+    """The exit code a heal's ``how`` names (``"SIGKILL"``, ``"exit code 3"``)."""
+    if how.startswith("SIG"):
+        try:
+            return -int(signal.Signals[how])
+        except KeyError:
+            return None
+    if how.startswith("exit code "):
+        return int(how[len("exit code ") :])
+    return None
+
+
+def _healed_line(heal: Any, kept: dict[int, list[str]], took: float, ended: bool = False) -> str:
+    """The line a heal in place shows in the cell: who died, who kept what, what was lost."""
+    how = "was ended" if ended else "died"
+    died = " and ".join(f"rank {r} {how} ({heal.how.get(r, 'no exit code')})" for r in heal.ranks)
+    survivors = sorted(kept)
+    who = f"rank{plural(survivors)} {ranks_text(survivors)}"
+    verb = "kept their processes and names" if len(survivors) > 1 else "kept its process and names"
+    replaced = f"rank{plural(heal.ranks)} {ranks_text(heal.ranks)}"
+    names = sorted({name for names in kept.values() for name in names})
+    if names:
+        shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+        new = "its namespace is" if len(heal.ranks) == 1 else "their namespaces are"
+        lost = f"; the names lost there ({new} new): {shown}"
+    else:
+        lost = "; no names were lost"
+    return f"{died}; healed in {took:.1f} s: {who} {verb}, {replaced} replaced{lost}"
 
 
 def release(backend: LaunchBackend, collector: events.Collector, run_dir: str) -> None:

@@ -51,7 +51,7 @@ def _since() -> float:
 
 @pytest.mark.slow
 def test_a_rank_that_dies_mid_collective_restarts_the_pool_and_says_so():
-    with RankPool(processes=2, max_restarts=1, output="none") as pool:
+    with RankPool(processes=2, max_restarts=1, output="none", heal=False) as pool:
         pool.execute(_SETUP)
         pids = pool.pids
         since = _since()
@@ -140,7 +140,9 @@ def test_an_interrupt_that_ranks_do_not_return_from_restarts_the_pool(monkeypatc
 def test_on_hang_restart_replaces_hung_ranks_and_names_them(caplog):
     caplog.set_level(logging.WARNING, logger="nbtools")
     since = _since()
-    with RankPool(processes=2, hang_timeout=3, on_hang="restart", output="none") as pool:
+    with RankPool(
+        processes=2, hang_timeout=3, on_hang="restart", output="none", heal=False
+    ) as pool:
         pool.execute(_SETUP)
         pids = pool.pids
         with pytest.raises(DistributedError) as info:
