@@ -55,7 +55,7 @@ PRELOAD = [
     "torch.distributed.checkpoint",
     "torch.distributed.checkpoint.state_dict",
     "nbtools.launch._rank",
-    "nbtools.checkpoint",
+    "nbtools.checkpoint.manager",  # the package's door is lazy: what a restore uses
     "nbtools.data",
     "nbtools.launch._local._forkserver_ready",  # last: every preload is in (``_forkserver.ready``)
 ]
