@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import errno
 import faulthandler
+import gc
 import json
 import os
 import shutil
@@ -235,6 +236,11 @@ def _end_returned(spec: RankSpec) -> None:
     if left:
         with open(leftovers_path(spec.run_dir, spec.rank), "w") as fh:
             json.dump(left, fh)
+    # A rank started fresh (``spawn``, while the forkserver still loads) ends through the
+    # interpreter's exit, whose collections walk every object torch and the rank's code
+    # made: a second or more of the caller's wait. Its work is done and its exit handlers
+    # have run; leave those objects out of the walk, as a forked rank's os._exit does.
+    gc.freeze()
 
 
 def _publish_result(result: object, spec: RankSpec) -> None:
