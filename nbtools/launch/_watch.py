@@ -13,10 +13,12 @@ pool's call (:mod:`nbtools.launch.pool`) follows the same policy.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
 from collections.abc import Callable
 
-from nbtools import _hangs
+from nbtools import _hangs, events
 from nbtools._internal.log import get_logger
 from nbtools.launch._backend import Failed, Outcome, RankGroup
 from nbtools.launch._failures import RankFailure
@@ -78,6 +80,8 @@ def _watch(
         quiet = time.monotonic() - forwarder.last_output
         failed = policy.look(dog, quiet, lambda: group.show_stacks(lambda: forwarder.last_output))
         if failed is not None:
+            if _end_to_heal(group, failed):
+                continue  # the group heals the ended ranks in place
             return failed
 
 
@@ -131,6 +135,24 @@ def interrupted_stacks(group: RankGroup, forwarder: OutputForwarder) -> None:
     _log.warning("interrupted: the Python stack of every rank follows; then the ranks are stopped")
     with contextlib.suppress(KeyboardInterrupt):  # a second interrupt skips the wait
         group.show_stacks(lambda: forwarder.last_output)
+
+
+def _end_to_heal(group: RankGroup, failed: Failed) -> bool:
+    """Where ``group`` heals dead ranks in place (``heal=True``): end the hung ranks with
+    SIGKILL so that it replaces them while the others keep their processes; whether it did."""
+    healer = getattr(group, "healer", None)
+    ranks = sorted(failed.failures)
+    if healer is None or not healer.enabled or not ranks or healer.why_not(ranks, set()):
+        return False
+    seen = {e.rank: e.fields.get("rank_pid") for e in events.log(kinds=["hang"]) if e.fields}
+    pids = [seen.get(rank) for rank in ranks]
+    if not all(isinstance(pid, int) for pid in pids):
+        return False
+    _log.warning("ending the hung rank%s with SIGKILL to heal in place", "s"[: len(ranks) - 1])
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(int(pid), signal.SIGKILL)  # type: ignore[arg-type]
+    return True
 
 
 def hang_failure(report: _hangs.HangReport) -> Failed:
