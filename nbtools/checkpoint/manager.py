@@ -28,7 +28,7 @@ import torch.distributed as dist
 from nbtools import events, runtime
 from nbtools._internal.log import get_logger
 from nbtools._internal.runinfo import active_mlflow_run_id
-from nbtools.checkpoint import _state
+from nbtools.checkpoint import _objects
 from nbtools.checkpoint._checks import (
     check_extra,
     check_step,
@@ -258,7 +258,7 @@ class CheckpointManager:
                 ``init``, a module with meta tensors and no ``reset_parameters()``.
         """
         self._check_open()
-        kinds = _state.classify(objs)
+        kinds = _objects.classify(objs)
         metas = find_meta(kinds.models, init)
         for meta in metas:
             meta.materialize(torch.device(device) if device is not None else rank_device())
@@ -268,7 +268,7 @@ class CheckpointManager:
                 meta.initialize(init)
         return step
 
-    def _restore(self, planner: Any, kinds: _state.Objects) -> int:
+    def _restore(self, planner: Any, kinds: _objects.Objects) -> int:
         self.wait()
         scratch.sweep(scratch.staging_base(self._staging_dir))  # a killed writer's leftovers
         with events.phase("restore"):
@@ -339,7 +339,7 @@ class CheckpointManager:
         """Refuse at the first save call what no restore could put back (a wrapper not
         understood), instead of after the first crash."""
         if not self._checked:
-            _state.check_objects(objs)
+            _objects.check_objects(objs)
             self._checked = True
 
     def wait(self) -> None:

@@ -222,6 +222,11 @@ class Generations:
         }
         try:
             kept = self.ranks.heal(list(heal.ranks))
+        except KeyboardInterrupt:
+            # Interrupted halfway through: the next call starts fresh ranks.
+            self.discard()
+            _log.warning("interrupted while the pool healed in place; %s", LOST)
+            raise
         except RanksLost as lost:
             if lost.outcome is None or not lost.outcome.failures:
                 lost = RanksLost(Failed(dead, heal.ranks[0]), exc.replies)
