@@ -18,8 +18,10 @@ How the package is laid out, in two halves:
 - ``writer.py`` and ``reader.py``, the DCP storage backends built on it, with
   ``discovery.py`` (which checkpoints a root holds) and ``export.py``.
 - the manager half, above them: ``manager.py`` (start reading here) with
-  ``_saver`` (the volume saves the manager owns, start to publish), ``_state``
-  (what a checkpoint holds: objects, per-rank blob, RNG streams),
+  ``_saver`` (the volume saves the manager owns, start to publish), ``_objects``
+  (the objects passed, sorted by kind, trainers' wrappers seen through and
+  checked), ``_state`` (what a checkpoint holds of them: per-rank blob, RNG
+  streams),
   ``_host_buffers`` (the reused copy an async save stages from), ``_restore``
   (one restore policy over the tiers: the newest step, from the fastest tier
   holding it), ``_volume_tier`` (the checkpoints under the root as a tier: the

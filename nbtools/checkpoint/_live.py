@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from nbtools import runtime
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint import _state
+from nbtools.checkpoint import _objects, _state
 from nbtools.checkpoint._restore import Known, Newest, Offer, Restored
 
 __all__ = ["LiveTier", "DIR_ENV", "GENERATION_ENV", "REPLACED_ENV"]
@@ -68,7 +68,7 @@ class _Held:
 
     step: int
     generation: int
-    kinds: _state.Objects
+    kinds: _objects.Objects
     blob: bytes  # the per-rank state at that step (torch.save of a plain dict)
     versions: tuple[int, ...]
     saved_step: int | None
@@ -105,7 +105,7 @@ def _note_path(directory: str, generation: int) -> str:
     return os.path.join(directory, f"heal-live-g{generation}.json")
 
 
-def _tensors(kinds: _state.Objects) -> list[torch.Tensor]:
+def _tensors(kinds: _objects.Objects) -> list[torch.Tensor]:
     """The tensors whose versions tell whether the live state changed since its step."""
     found: list[torch.Tensor] = []
     for _, model in sorted(kinds.models.items()):
@@ -116,7 +116,7 @@ def _tensors(kinds: _state.Objects) -> list[torch.Tensor]:
     return found
 
 
-def _versions(kinds: _state.Objects) -> tuple[int, ...]:
+def _versions(kinds: _objects.Objects) -> tuple[int, ...]:
     return tuple(t._version for t in _tensors(kinds))
 
 
@@ -143,7 +143,7 @@ class LiveTier:
     ) -> bool:
         """Remember ``objs`` as the state of ``step`` and publish this rank's per-rank state."""
         global _HELD
-        kinds = _state.classify(objs)
+        kinds = _objects.classify(objs)
         blob = {
             "step": step,
             "rng": _state.capture_rng(),
@@ -227,7 +227,7 @@ class LiveTier:
         self,
         pg: dist.ProcessGroup | None,
         offer: Offer,
-        kinds: _state.Objects,
+        kinds: _objects.Objects,
         planner: Any,
     ) -> Restored | None:
         """Swap the live state into ``kinds``' objects, send it to the replaced ranks."""
@@ -314,7 +314,7 @@ def _why_not(facts: list[dict[str, Any]], replaced: list[int]) -> str | None:
     return None
 
 
-def _mismatch(old: _state.Objects, new: _state.Objects) -> str | None:
+def _mismatch(old: _objects.Objects, new: _objects.Objects) -> str | None:
     """Why ``old``'s state cannot go into ``new``'s objects, or None."""
     if set(old.models) != set(new.models) or set(old.optimizers) != set(new.optimizers):
         return "the objects passed to restore() are not those passed to maybe_save()"
@@ -331,7 +331,7 @@ def _mismatch(old: _state.Objects, new: _state.Objects) -> str | None:
     return None
 
 
-def _adopt(old: _state.Objects, new: _state.Objects) -> None:
+def _adopt(old: _objects.Objects, new: _objects.Objects) -> None:
     """Put ``old``'s state into ``new``'s objects without copying what is large."""
     for name, model in new.models.items():
         kept = old.models[name]
@@ -351,7 +351,7 @@ def _adopt(old: _state.Objects, new: _state.Objects) -> None:
 
 
 def _send_or_receive(
-    kinds: _state.Objects, source: int, group: dist.ProcessGroup, receive: bool
+    kinds: _objects.Objects, source: int, group: dist.ProcessGroup, receive: bool
 ) -> None:
     """Broadcast the models' and optimizers' state from ``source`` over ``group``."""
     for _, model in sorted(kinds.models.items()):

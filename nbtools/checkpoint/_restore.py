@@ -35,7 +35,7 @@ from typing import Any, NamedTuple, Protocol
 import torch.distributed as dist
 
 from nbtools import events, runtime
-from nbtools.checkpoint import _state
+from nbtools.checkpoint import _objects
 
 __all__ = ["Known", "Newest", "Offer", "Restored", "Restorer", "Tier"]
 
@@ -144,7 +144,7 @@ class Tier(Protocol):
         self,
         pg: dist.ProcessGroup | None,
         offer: Offer,
-        kinds: _state.Objects,
+        kinds: _objects.Objects,
         planner: Any,
     ) -> Restored | None:
         """Put ``offer`` into the objects on every rank; None when some rank failed (said
@@ -183,7 +183,7 @@ class Restorer:
         self.tiers = list(tiers)
         self.pg = pg
 
-    def restore(self, kinds: _state.Objects, planner: Any = None) -> Restored:
+    def restore(self, kinds: _objects.Objects, planner: Any = None) -> Restored:
         """Load the newest step any tier can give every rank into ``kinds``' objects; a
         :class:`Restored` whose ``step`` is None when there is none."""
         started = time.perf_counter()

@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from nbtools import runtime
 from nbtools._internal.log import get_logger
 from nbtools._internal.runinfo import active_mlflow_run_id
-from nbtools.checkpoint import _report, _state
+from nbtools.checkpoint import _objects, _report, _state
 from nbtools.checkpoint._checks import SaveCase, SaveVerdict, check_extra, save_verdict
 from nbtools.checkpoint._collective import agree, final_step
 from nbtools.checkpoint._dcp import quiet_single_process_warning, unwrap
@@ -149,7 +149,7 @@ class Saver:
         check_extra(extra)
         self._root.result()
         self.wait()
-        kinds = _state.classify(objs)
+        kinds = _objects.classify(objs)
         name = step_dir_name(step)
         verdict: SaveVerdict = agree(
             self.pg,

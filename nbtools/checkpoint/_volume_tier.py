@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 
 from nbtools import events, runtime
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint import _state
+from nbtools.checkpoint import _objects, _state
 from nbtools.checkpoint._collective import agree, gather
 from nbtools.checkpoint._dcp import quiet_single_process_warning, unwrap
 from nbtools.checkpoint._restore import Newest, Offer, Restored
@@ -182,7 +182,7 @@ def newest_verified(
 
 
 def _load(
-    kinds: _state.Objects,
+    kinds: _objects.Objects,
     directory: Target,
     metadata: Any,
     pg: Any,
@@ -304,7 +304,7 @@ class VolumeTier:
         self,
         pg: dist.ProcessGroup | None,
         offer: Offer,
-        kinds: _state.Objects,
+        kinds: _objects.Objects,
         planner: Any,
     ) -> Restored:
         """Load the newest verified checkpoint into the objects (read through

@@ -10,8 +10,9 @@ Start reading at ``_tier``. The modules, one line each:
   shards and what puts them back on the same mesh.
 - ``_copy_behind``: the copy of parameters and optimizer state that runs behind
   training until the next optimizer step, fused with the slot's checksum.
-- ``_slots``: the slot files (names, checksummed headers, memory maps kept from
-  one snapshot to the next) and the sink that receives peers' replicas.
+- ``_slots``: the slot files (names, checksummed headers, who may trust them).
+- ``_mappings``: slot files mapped into memory, the maps kept from one snapshot
+  to the next, and the sink that receives peers' replicas.
 - ``_directories``: where a job's slots live (a 0700 directory per user and job,
   who may trust it), the room they need, the ranks' records of the volume, and
   the sweep of ended jobs (:func:`end_run`).

@@ -42,7 +42,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from nbtools.checkpoint._memory import _layout
-from nbtools.checkpoint._memory._slots import HEADER_BYTES, Mapped
+from nbtools.checkpoint._memory._mappings import Mapped
+from nbtools.checkpoint._memory._slots import HEADER_BYTES
 
 __all__ = ["Behind", "Mirrors", "late_tensors", "copy_and_checksum", "stepped", "StepGate"]
 

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from nbtools._internal.log import get_logger
-from nbtools.checkpoint import _state
+from nbtools.checkpoint import _objects, _state
 from nbtools.checkpoint._collective import gather
 from nbtools.checkpoint._memory import _layout, _sharded
 from nbtools.checkpoint._memory._choice import Fetched
@@ -202,7 +202,7 @@ class Loaded(NamedTuple):
     consumed: Consumed | None
 
 
-def _check_fits(kinds: _state.Objects, state: dict[str, Any], where: str) -> None:
+def _check_fits(kinds: _objects.Objects, state: dict[str, Any], where: str) -> None:
     for name, model in kinds.models.items():
         if set(state.get(name) or {}) != set(get_model_state_dict(model)):
             raise CheckpointError(f"{where} holds other parameters for {name!r}")
@@ -212,7 +212,7 @@ def _check_fits(kinds: _state.Objects, state: dict[str, Any], where: str) -> Non
 
 
 def load(
-    rank: int, pg: dist.ProcessGroup | None, offer: Offer, kinds: _state.Objects
+    rank: int, pg: dist.ProcessGroup | None, offer: Offer, kinds: _objects.Objects
 ) -> Loaded | None:
     """Put the slots ``offer`` holds (see ``_choice``) into the objects on every rank (a
     collective); None (the objects unchanged, after one line saying why) when some rank

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nbtools.checkpoint._memory import _slots
+from nbtools.checkpoint._memory import _mappings, _slots
 
 __all__ = [
     "peers",
@@ -92,7 +92,7 @@ def exchange(
     out: Outgoing | None,
     send_to: list[int],
     receive_from: list[int],
-    sink: _slots.ReplicaSink,
+    sink: _mappings.ReplicaSink,
 ) -> list[tuple[int, str]]:
     """One round: send ``out`` (None: nothing this time) to ``send_to``, receive from
     ``receive_from`` into ``sink``'s replica files (``sink.receive(owner, step, body

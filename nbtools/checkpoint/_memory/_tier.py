@@ -43,13 +43,14 @@ import torch.distributed as dist
 
 from nbtools import runtime
 from nbtools._internal.holder import Holder, machine_id, process_started
-from nbtools.checkpoint import _state
+from nbtools.checkpoint import _objects, _state
 from nbtools.checkpoint._collective import gather
 from nbtools.checkpoint._memory import (
     _choice,
     _directories,
     _in_place,
     _layout,
+    _mappings,
     _notes,
     _replicas,
     _sharded,
@@ -64,7 +65,8 @@ from nbtools.checkpoint._memory._copy_behind import (
     stepped,
 )
 from nbtools.checkpoint._memory._in_place import Consumed
-from nbtools.checkpoint._memory._slots import Mapped, MappedFiles, Spare, file_key, tensor_of
+from nbtools.checkpoint._memory._mappings import Mapped, MappedFiles, Spare, file_key
+from nbtools.checkpoint._memory._slots import tensor_of
 from nbtools.checkpoint._restore import Known, Newest, Offer, Restored
 from nbtools.errors import CheckpointError
 
@@ -201,10 +203,10 @@ class MemoryTier:
         found = _slots.slots(self.directory, self.key, self.rank, self.world)
         return sorted(found, key=lambda s: s.step)
 
-    def _sink(self) -> _slots.ReplicaSink:
+    def _sink(self) -> _mappings.ReplicaSink:
         """Where the replicas this rank holds are received (see ``_slots``)."""
         directory = self.directory if self.trusted else ""
-        return _slots.ReplicaSink(
+        return _mappings.ReplicaSink(
             directory, self.key, self.rank, self.world, self._held_files, self._groups
         )
 
@@ -253,7 +255,7 @@ class MemoryTier:
         self, step: int, objs: dict[str, Any], extra: dict[str, Any] | None, run_id: str | None
     ) -> bool:
         """:meth:`snapshot_state` of the state a checkpoint of ``step`` holds (see ``_state``)."""
-        kinds = _state.classify(objs)
+        kinds = _objects.classify(objs)
         state = _state.build_state(step, kinds, self.rank, self.world, extra or {}, run_id)
         return self.snapshot_state(step, state, [optim for optim, _ in kinds.optimizers.values()])
 
@@ -423,7 +425,7 @@ class MemoryTier:
                 head["share"] = list(self.share_of(self.rank))
                 head.update(job=self.key, world=self.world)
                 prefix = _slots.own_prefix(self.rank)
-                _slots.publish_mapped(mapped, tmp, self.directory, prefix, tail, head)
+                _mappings.publish_mapped(mapped, tmp, self.directory, prefix, tail, head)
                 own = self.own()
                 self._files.prune({k for s in own if (k := file_key(s.path))})
                 if len(own) < 2:  # the next snapshot needs a new file: make it now
@@ -496,7 +498,7 @@ class MemoryTier:
         return got
 
     def load(
-        self, pg: dist.ProcessGroup | None, offer: Offer, kinds: _state.Objects, planner: Any
+        self, pg: dist.ProcessGroup | None, offer: Offer, kinds: _objects.Objects, planner: Any
     ) -> Restored | None:
         """Put the offered step into the objects (``planner`` is the volume's: unused); the
         state restored in place stays in this rank's slot (see ``_in_place``)."""

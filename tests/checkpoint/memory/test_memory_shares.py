@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbtools.checkpoint import _state
+from nbtools.checkpoint import _objects, _state
 from nbtools.checkpoint._memory import _layout
 from nbtools.errors import CheckpointError
 
@@ -18,7 +18,7 @@ def _state_of(seed: int = 0, width: int = 64) -> dict:
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     net(torch.randn(2, width)).sum().backward()
     opt.step()
-    kinds = _state.classify({"model": net, "optimizer": opt})
+    kinds = _objects.classify({"model": net, "optimizer": opt})
     return _state.build_state(5, kinds, 0, 3, {"note": "x"}, None)
 
 
