@@ -5,7 +5,8 @@
   in parallel, verify checksums, and publish ``.metadata`` last.
 - :class:`CheckpointManager`: ``root/step_<N>/`` checkpoints saved in the
   background, kept to ``keep``, restored exactly (model, optimizer, stateful
-  objects, RNG streams, extra, MLflow run id).
+  objects, RNG streams, extra, MLflow run id); :class:`CheckpointConfig` holds its
+  settings, frozen and checked once.
 - :func:`find_latest_valid`: the newest complete checkpoint under a root;
   :func:`latest_checkpoint`: the same, with its step.
 - :func:`export`: model weights as one ``torch.save`` file.
@@ -45,12 +46,14 @@ _NAMES = {
     "VolumeWriter": "nbtools.checkpoint.writer",
     "VolumeReader": "nbtools.checkpoint.reader",
     "CheckpointManager": "nbtools.checkpoint.manager",
+    "CheckpointConfig": "nbtools.checkpoint._config",
     "find_latest_valid": "nbtools.checkpoint.discovery",
     "latest_checkpoint": "nbtools.checkpoint.discovery",
     "export": "nbtools.checkpoint.export",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
+    from nbtools.checkpoint._config import CheckpointConfig
     from nbtools.checkpoint.discovery import find_latest_valid, latest_checkpoint
     from nbtools.checkpoint.export import export
     from nbtools.checkpoint.manager import CheckpointManager
@@ -61,6 +64,7 @@ __all__ = [
     "VolumeWriter",
     "VolumeReader",
     "CheckpointManager",
+    "CheckpointConfig",
     "find_latest_valid",
     "latest_checkpoint",
     "export",

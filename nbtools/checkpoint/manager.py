@@ -29,14 +29,9 @@ from nbtools import events, runtime
 from nbtools._internal.log import get_logger
 from nbtools._internal.runinfo import active_mlflow_run_id
 from nbtools.checkpoint import _objects
-from nbtools.checkpoint._checks import (
-    check_extra,
-    check_step,
-    check_writable,
-    non_negative,
-    positive,
-)
+from nbtools.checkpoint._checks import check_extra, check_step, check_writable
 from nbtools.checkpoint._collective import release_groups
+from nbtools.checkpoint._config import CheckpointConfig
 from nbtools.checkpoint._lease import AFTER_RECOVERY_S, WriterLease
 from nbtools.checkpoint._live import LiveTier
 from nbtools.checkpoint._memory import MemoryTier, peers
@@ -95,8 +90,11 @@ class CheckpointManager:
             snapshot is lost (its node gone, its slot damaged) restores from a
             peer's. None (the default): 1 when the job spans several nodes, else 0.
             Asked for explicitly on a single node, the next ranks hold them.
+        config: All of the settings above in one :class:`CheckpointConfig`, checked
+            when it was made (then pass none of them as keyword arguments).
 
     Attributes:
+        config: The settings, as one frozen :class:`CheckpointConfig`.
         restored_step: Step of the checkpoint ``restore`` loaded, or None.
         restored_tier: Where ``restore`` loaded this rank's state from: ``"memory"``
             (its own snapshot), ``"replica"`` (a peer's copy of it) or ``"volume"``
@@ -123,28 +121,41 @@ class CheckpointManager:
         takeover: bool = False,
         memory_every: int | None = None,
         replicas: int | None = None,
+        config: CheckpointConfig | None = None,
     ) -> None:
-        self.every = positive("every", every)
-        self.memory_every = positive("memory_every", memory_every)
-        self.replicas = non_negative("replicas", replicas)
+        self.config = CheckpointConfig.of(
+            config,
+            every=every,
+            keep=keep,
+            async_save=async_save,
+            staging_dir=staging_dir,
+            sync_files=sync_files,
+            save_on_close=save_on_close,
+            takeover=takeover,
+            memory_every=memory_every,
+            replicas=replicas,
+        )
+        config = self.config
+        self.every = config.every
+        self.memory_every = config.memory_every
+        self.replicas = config.replicas
         if self.replicas is None:
             nodes, _ = peers(runtime.get_world_size(), runtime.get_local_world_size())
             self.replicas = 1 if nodes > 1 else 0
-        self.keep = positive("keep", keep)
-        if not isinstance(save_on_close, bool):
-            raise TypeError(f"save_on_close must be a bool, not {type(save_on_close).__name__}")
+        self.keep = config.keep
         self._root = RootCheck(root)  # an object store's is checked in the background
         self._target: Target = self._root.target
         check_writable(self._target)
         check_root(self._target)  # a root other users can write: planted checkpoints
         self.root = self._target.url
-        self.async_save = async_save
-        self.save_on_close = save_on_close
+        self.async_save = config.async_save
+        self.save_on_close = config.save_on_close
+        staging_dir = config.staging_dir
         self._staging_dir = staging_dir
         # What a killed run's save left in the staging directory goes now, not at the
         # next save: a run may restore and train long before it saves.
         scratch.sweep(scratch.staging_base(staging_dir))
-        self._sync_files = sync_files
+        self._sync_files = config.sync_files
         self.restored_step: int | None = None
         self.restored_tier: str | None = None
         self.extra: dict[str, Any] = {}
@@ -153,9 +164,7 @@ class CheckpointManager:
         # so they never interleave with the training loop's collectives.
         self._pg = dist.new_group(backend="gloo") if runtime.is_distributed() else None
         main = runtime.get_rank() == 0
-        if not isinstance(takeover, bool):
-            raise TypeError(f"takeover must be a bool, not {type(takeover).__name__}")
-        self._lease = WriterLease(self._target, takeover) if main else None
+        self._lease = WriterLease(self._target, config.takeover) if main else None
         if self._lease is not None and self._target.local_path is not None:
             self._lease.probe()  # a local lease is read now; an object store's later (_probe)
         # A manager dropped without close() (a notebook cell run again) frees the root.
@@ -169,9 +178,9 @@ class CheckpointManager:
             self._lease,
             self._memory,
             keep=self.keep,
-            async_save=async_save,
+            async_save=config.async_save,
             staging_dir=staging_dir,
-            sync_files=sync_files,
+            sync_files=config.sync_files,
         )
         # The tiers a restore asks, fastest first (see ``_restore``); the volume answers last.
         self._volume = VolumeTier(self._root, self._saver, staging_dir, self._lease)
