@@ -177,7 +177,7 @@ class LiveTier:
         live = max((f["step"] for f in survivors if f["step"] is not None), default=None)
         why = _why_not(facts, replaced)
         if rank == 0 and self._dir:
-            note = {"live_step": live, "why": why}
+            note = {"live_step": live, "why": why, "batch": _batch_line(_HELD, len(facts))}
             try:
                 with open(_note_path(self._dir, generation), "w") as fh:
                     json.dump(note, fh)
@@ -293,6 +293,18 @@ class LiveTier:
         global _HELD
         if not keep:
             _HELD = None
+
+
+def _batch_line(held: _Held | None, world: int) -> str | None:
+    """``"global batch 512 kept: 74 or 73 samples per rank"`` for a loader among the held
+    objects with ``global_batch_size=``, at the group's new world size ``world`` (the
+    launcher's line about a group that changed size); None without one."""
+    for obj in held.kinds.stateful.values() if held is not None else ():
+        size = getattr(getattr(obj, "batch_plan", None), "global_batch_size", None)
+        if isinstance(size, int) and size >= world:
+            plan = runtime.batch_plan(size, world_size=world, rank=0)
+            return f"global batch {size} kept: {plan.describe()}"
+    return None
 
 
 def _why_not(facts: list[dict[str, Any]], replaced: list[int]) -> str | None:

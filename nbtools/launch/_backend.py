@@ -57,6 +57,9 @@ class GroupSpec:
             others keep their processes, each heal one restart (see
             :mod:`nbtools.launch._local._heal`); where the backend cannot, the
             group fails as without it.
+        min_world_size: with ``heal``, the fewest ranks the group may go on with
+            when a rank's slot is lost for good (None: never fewer than
+            ``world_size``); see :mod:`nbtools.launch._local._heal`.
     """
 
     payload: bytes
@@ -68,6 +71,7 @@ class GroupSpec:
     attempt_dir: str
     env: dict[str, str] = field(default_factory=dict)
     heal: bool = False
+    min_world_size: int | None = None
 
     @property
     def backend(self) -> str:
@@ -80,11 +84,13 @@ class Finished:
     """Every rank returned: ``results[r]`` is rank r's return value, pickled.
 
     Pickle bytes, or a pickle with its out-of-band buffers (a local rank's result file).
-    ``heals``: how many times the group healed a dead rank in place (each a restart).
+    ``heals``: how many times the group healed a dead rank in place (each a restart);
+    ``world_size``: the ranks that returned, where the group had shrunk (None: as started).
     """
 
     results: list[bytes | Framed]
     heals: int = 0
+    world_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -96,12 +102,15 @@ class Failed:
         first: the rank whose failure came first, the likely cause (None if unknown).
         returned: ranks whose function had returned before the failure.
         heals: how many times the group healed a dead rank in place before it failed.
+        world_size: the ranks the group ran on when it failed, where it had shrunk (its
+            lost slots stay lost: the next attempt starts that many); None: as started.
     """
 
     failures: dict[int, RankFailure]
     first: int | None
     returned: frozenset[int] = frozenset()
     heals: int = 0
+    world_size: int | None = None
 
 
 Outcome = Finished | Failed

@@ -155,6 +155,9 @@ class LaunchConfig:
         """
         world = self._world_size(backend)
         use_cuda = self.processes is None
+        # CPU ranks on this machine that may go on with fewer heal in place: the survivors
+        # of a lost slot form the smaller group (nbtools.launch._local._heal).
+        shrinks = self.min_processes is not None and self.cluster is None and not self.keep_alive
         return Plan(
             world,
             use_cuda,
@@ -163,8 +166,9 @@ class LaunchConfig:
             self.hang_timeout,
             self.on_hang,
             self.rich_output,
-            self.heal,
+            self.heal or shrinks,
             self.results_device,
+            self.min_world_size(world) if shrinks else None,
         )
 
     def _world_size(self, backend: LaunchBackend) -> int:

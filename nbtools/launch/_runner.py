@@ -57,6 +57,8 @@ class Plan:
     rich_output: str = "rank0"
     heal: bool = False
     results_device: str = "cpu"
+    #: With ``heal``: the fewest ranks the run may go on with when slots are lost for good.
+    min_world_size: int | None = None
 
     @property
     def backend(self) -> str:
@@ -105,6 +107,7 @@ def _run(
     indexes = itertools.count()
     restarts = 0
     first_steps = _watch.FirstSteps()  # the start-up bound learned carries across restarts
+    world = plan.world_size  # fewer once the group shrank: its lost slots stay lost
     began = time.perf_counter()
 
     def attempt() -> Outcome:
@@ -112,13 +115,14 @@ def _run(
         attempt_dir = os.path.join(run_dir, f"attempt{index}")
         spec = GroupSpec(
             payload=payload,
-            world_size=plan.world_size,
+            world_size=world,
             use_cuda=plan.use_cuda,
             run_id=run_id,
             restart_count=restarts,
             max_restarts=plan.max_restarts,
             attempt_dir=attempt_dir,
             heal=plan.heal,
+            min_world_size=plan.min_world_size,
             env={
                 **collector.environment(),
                 **setup_environment(attempt_dir, plan.rich_output, plan.results_device),
@@ -134,10 +138,12 @@ def _run(
         while True:
             outcome = until_formed(attempt)
             restarts += outcome.heals  # each rank healed in place was one restart
+            if outcome.world_size is not None:
+                world = outcome.world_size
             if not isinstance(outcome, Failed):
                 events.emit(
                     "finished",
-                    f"{plan.world_size} ranks returned",
+                    f"{world} ranks returned",
                     seconds=round(time.perf_counter() - began, 3),
                     restarts=restarts,
                 )
@@ -161,7 +167,7 @@ def _run(
             _log.warning(
                 "%s; restarting all %d ranks (restart %d of %d)",
                 headline,
-                plan.world_size,
+                world,
                 restarts,
                 plan.max_restarts,
             )
@@ -243,7 +249,7 @@ def _attempt(
             rank: dataclasses.replace(f, traceback=localize(f.traceback)) if f.traceback else f
             for rank, f in outcome.failures.items()
         }
-        outcome = Failed(failures, outcome.first, outcome.returned, outcome.heals)
+        outcome = dataclasses.replace(outcome, failures=failures)
     return outcome
 
 

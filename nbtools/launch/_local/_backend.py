@@ -53,7 +53,13 @@ from nbtools.launch._backend import Failed, Finished, GroupSpec, Outcome, wait_f
 from nbtools.launch._failures import RankFailure, from_early_exit, from_exit, from_record
 from nbtools.launch._local import _forkserver
 from nbtools.launch._local._elastic import POLL_S, STOP_GRACE_S, ElasticQuiet, exit_status, start
-from nbtools.launch._local._heal import Heal, Healer
+from nbtools.launch._local._heal import (
+    FAILED_STARTS,
+    START_WAIT_S,
+    Heal,
+    Healer,
+    live_blob_path,
+)
 from nbtools.launch._rank import (
     STACK_SIGNAL,
     RankSpec,
@@ -65,8 +71,10 @@ from nbtools.launch._rank import (
     formed_path,
     heal_environment,
     leftovers_path,
+    rank_variables,
     release_path,
     returned_path,
+    started_path,
     store_path,
 )
 
@@ -286,7 +294,9 @@ class LocalGroup:
             self._groups = []  # ranks that returned ended their own leftovers
             self._collect_later()
             world = self._spec.world_size
-            return Finished([self._result(r) for r in range(world)], heals=heals)
+            return Finished(
+                [self._result(r) for r in range(world)], heals=heals, world_size=self._shrunk()
+            )
         self._healer.report(final=True)
         self._terminate(exclude=gone.rank)
         codes = gone.codes if gone.codes is not None else self._exit_codes()
@@ -296,7 +306,12 @@ class LocalGroup:
             failed = self._failed(None, gone.rank, {}, first=gone.rank)
         else:
             failed = self._ended(gone.rank, codes)
-        return dataclasses.replace(failed, heals=heals)
+        return dataclasses.replace(failed, heals=heals, world_size=self._shrunk())
+
+    def _shrunk(self) -> int | None:
+        """The group's world size where it shrank in place, else None."""
+        world = self._spec.world_size
+        return world if world != len(self.starts.envs if self.starts else self._procs) else None
 
     def _refuse_waiting(self) -> None:
         """Every rank still running waits for a verdict and none died: tell them to fail."""
@@ -329,27 +344,95 @@ class LocalGroup:
             return False
         heal = self._healer.begin(dead, {r: self._code(r) for r in dead})
         kept = [p.pid for r, p in self._procs.items() if r not in dead and p is not None]
-        for rank in dead:
-            self._replace(rank, heal)
+        if self._healer.min_world is None:
+            for rank in dead:
+                self._replace(rank, heal)
+        else:
+            lost = [r for r in dead if not self._start_replacement(r, heal)]
+            if lost:
+                self._shrink(heal, lost)
         self._healer.publish(heal, kept)
         return True
 
+    def _start_replacement(self, rank: int, heal: Heal) -> bool:
+        """Start rank ``rank``'s replacement and wait until it has started (a group that may
+        shrink); whether it did, within :data:`FAILED_STARTS` tries."""
+        for tries in range(1, FAILED_STARTS + 1):
+            self._replace(rank, heal)
+            started, code = self._await_start(rank, heal.generation)
+            if started:
+                return True
+            self._healer.failed_start(rank, tries, code)
+            with contextlib.suppress(OSError):  # its record would be read as a later rank's
+                os.unlink(failure_path(self._spec.attempt_dir, rank))
+        return False
+
+    def _await_start(self, rank: int, generation: int) -> tuple[bool, int | None]:
+        """Whether rank ``rank``'s new process started, else its exit code (None: it did not
+        start within :data:`START_WAIT_S` and was killed)."""
+        path = started_path(self._spec.attempt_dir, generation, rank)
+        proc = self._procs[rank]
+        deadline = time.monotonic() + START_WAIT_S
+        while time.monotonic() < deadline:
+            if os.path.exists(path):
+                return True, None
+            if not _running(proc):
+                killed = await_ending({rank: proc}, STOP_GRACE_S)
+                return False, None if killed is None else self._code(rank)
+            time.sleep(POLL_S * 4)
+        if proc is not None:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+            await_ending({rank: proc}, STOP_GRACE_S)
+        return False, None
+
+    def _shrink(self, heal: Heal, lost: list[int]) -> None:
+        """Go on without ``lost`` (their slots failed to start): renumber the ranks densely;
+        a replacement of this heal whose number changes starts again under its new one."""
+        ranks = self._healer.shrink(heal, lost)  # raises under the minimum
+        self._spec = self._healer.spec
+        moved = [old for old in heal.how if old in ranks and ranks[old] != old]
+        for old in moved:
+            proc = self._procs[old]
+            if proc is not None:
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+                await_ending({old: proc}, STOP_GRACE_S)
+        self._procs = {new: self._procs[old] for old, new in ranks.items()}
+        self._where = {new: self._where[old] for old, new in ranks.items()}
+        attempt_dir = self._spec.attempt_dir
+        for old in lost:  # a lost rank's per-rank state is no one's now
+            with contextlib.suppress(OSError):
+                os.unlink(live_blob_path(attempt_dir, old))
+        for old, new in sorted(ranks.items(), key=lambda item: item[1]):
+            if new != old and os.path.exists(live_blob_path(attempt_dir, old)):
+                os.replace(live_blob_path(attempt_dir, old), live_blob_path(attempt_dir, new))
+        for old in moved:
+            self._replace(ranks[old], heal)
+
     def _replace(self, rank: int, heal: Heal) -> None:
-        """Start a fresh rank ``rank`` from the forkserver, in generation ``heal.generation``."""
+        """Start a fresh rank ``rank`` from the forkserver, in generation ``heal.generation``
+        (on the slot the group runs that rank on: as first started, or after a shrink)."""
         assert self.starts is not None
         attempt_dir = self._spec.attempt_dir
-        env = dict(self.starts.envs[rank])
+        slot = self._healer.slots[rank]
+        env = dict(self.starts.envs[slot])
+        env.update(rank_variables(rank, self._spec.world_size))
         env.update(self._healer.environment(heal.ranks))
-        payload, rank_spec = self.starts.args[rank]
+        payload, rank_spec = self.starts.args[slot]
         spec = dataclasses.replace(
             rank_spec,
+            rank=rank,
+            world_size=self._spec.world_size,
             generation=heal.generation,
             init_method="file://" + store_path(attempt_dir, heal.generation),
-            output=(self.stdouts[rank], self.stderrs[rank]),
+            output=(self.stdouts[slot], self.stderrs[slot]),
             report_formed=False,
         )
         logs = DefaultLogsSpecs(
-            log_dir=os.path.join(attempt_dir, "logs", f"g{heal.generation}-rank{rank}"),
+            log_dir=os.path.join(
+                attempt_dir, "logs", f"g{heal.generation}-rank{rank}-{len(self._replacements)}"
+            ),
             redirects=Std.NONE,
         )
         ctx = start({0: (payload, spec)}, {0: env}, logs, _env.START_METHOD)

@@ -17,10 +17,24 @@ With ``@distributed(heal=True)`` (CPU ranks), a rank that dies without a word
   and the ``healed`` event on the pane's time axis.
 
 Each heal counts as one restart against ``max_restarts``.
+
+With a minimum (``min_processes``: :attr:`GroupSpec.min_world_size`) the group
+may also shrink in place. A replacement must then say it has started (its
+function unpickled, :func:`~nbtools.launch._rank.started_path`) before the
+verdict is written; a slot whose replacement fails to start
+:data:`FAILED_STARTS` times in a row is lost for good (:meth:`Healer.shrink`).
+The survivors, numbered densely again, form a group of the remaining world
+size in the next generation and run the function again in their processes (a
+replaced rank of the same heal is started again under its new number); the
+cell says so in one line and a ``shrunk`` event carries the world sizes, the
+cause and the step. Fewer slots than the minimum end the call with an error
+naming the lost slots. Lost slots stay lost for the rest of the call: a restart
+of the whole group starts the smaller world.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -29,6 +43,7 @@ from dataclasses import dataclass, field
 
 from nbtools import events
 from nbtools._internal.log import get_logger
+from nbtools.errors import DistributedError
 from nbtools.launch._backend import GroupSpec
 from nbtools.launch._rank import (
     GENERATION_ENV,
@@ -38,16 +53,26 @@ from nbtools.launch._rank import (
     write_verdict,
 )
 
-__all__ = ["Heal", "Healer", "live_note_path"]
+__all__ = ["FAILED_STARTS", "START_WAIT_S", "Heal", "Healer", "live_blob_path", "live_note_path"]
 
 _log = get_logger("launch")
 # Deaths seen this close together are healed as one (two ranks killed at once).
 _TOGETHER_S = 0.05
+#: A slot whose replacement fails to start this many times in a row is lost for good.
+FAILED_STARTS = 2
+#: The longest a replacement may take to start (its function unpickled) in a group that may
+#: shrink; longer counts as a failed start. Twice this stays under the ranks' verdict wait.
+START_WAIT_S = 20.0
 
 
 def live_note_path(run_dir: str, generation: int) -> str:
     """Where the healed group's rank 0 says which step the survivors held (``_live``)."""
     return os.path.join(run_dir, f"heal-live-g{generation}.json")
+
+
+def live_blob_path(run_dir: str, rank: int) -> str:
+    """Where rank ``rank`` keeps its latest per-rank state for a heal (``_live``)."""
+    return os.path.join(run_dir, f"live-rank{rank}.pt")
 
 
 @dataclass
@@ -62,6 +87,11 @@ class Heal:
     kept: list[int] = field(default_factory=list)
     restores: bool = False  # the group restored a checkpoint before: it will again
     reported: bool = False
+    #: Where the group shrank: ``{old rank: new rank}`` of the ranks that go on, the world
+    #: sizes before and after, and the slots lost for good (numbered as first started).
+    renumbered: dict[int, int] | None = None
+    worlds: tuple[int, int] = (0, 0)
+    lost: list[int] = field(default_factory=list)
 
 
 class Healer:
@@ -73,8 +103,64 @@ class Healer:
         self.generation = 0
         self.heals: list[Heal] = []
         self._started = time.time()
+        #: The fewest ranks the group may go on with (None: it never shrinks).
+        self.min_world = spec.min_world_size if self.enabled else None
+        #: The slot (rank as first started) each rank of the group runs on now.
+        self.slots = list(range(spec.world_size))
         #: Whether :meth:`report` says each heal (False: the caller says it in its own words).
         self.announce = True
+
+    @property
+    def spec(self) -> GroupSpec:
+        """The group as it runs now (its world size after a shrink)."""
+        return self._spec
+
+    @property
+    def elastic(self) -> bool:
+        """Whether a slot lost for good makes the group go on with fewer ranks."""
+        return self.min_world is not None and self.min_world < self._spec.world_size
+
+    def failed_start(self, rank: int, tries: int, code: int | None) -> None:
+        """Say that the replacement for rank ``rank``'s slot failed to start (try ``tries``)."""
+        left = "its slot counts as lost" if tries >= FAILED_STARTS else "starting it again"
+        _log.warning(
+            "the replacement for slot %d failed to start (%s, try %d of %d); %s",
+            self.slots[rank],
+            _how(code) if code is not None else f"not started within {START_WAIT_S:.0f} s",
+            tries,
+            FAILED_STARTS,
+            left,
+        )
+
+    def shrink(self, heal: Heal, lost: list[int]) -> dict[int, int]:
+        """Go on without the ranks ``lost`` (their slots failed to start): ``{old: new}`` of
+        the ranks that remain, numbered densely.
+
+        Raises:
+            DistributedError: fewer than the minimum would remain.
+        """
+        assert self.min_world is not None
+        world = self._spec.world_size
+        remaining = world - len(lost)
+        slots = sorted(self.slots[r] for r in lost)
+        if remaining < self.min_world:
+            message = (
+                f"{_slots(slots)} failed to start {_times()}: {remaining} of "
+                f"{world} processes remain, under the minimum min_processes={self.min_world}. "
+                f"Free what keeps the slot from starting, or allow fewer with a lower "
+                f"min_processes"
+            )
+            events.emit("failure", message, slots=",".join(map(str, slots)))
+            raise DistributedError(message)
+        ranks = {old: new for new, old in enumerate(r for r in range(world) if r not in lost)}
+        self.slots = [self.slots[old] for old in sorted(ranks)]
+        self._spec = dataclasses.replace(self._spec, world_size=remaining)
+        heal.renumbered = ranks
+        heal.worlds = (world, remaining)
+        heal.lost = slots
+        heal.ranks = [ranks[r] for r in heal.ranks if r in ranks]
+        heal.kept = [ranks[r] for r in heal.kept]
+        return ranks
 
     @property
     def count(self) -> int:
@@ -136,14 +222,19 @@ class Healer:
     def publish(self, heal: Heal, pids: list[int]) -> None:
         """Tell the waiting ranks to join generation ``heal.generation`` (replacements started;
         ``pids``: the processes of the ranks that kept theirs)."""
-        verdict = {
+        verdict: dict = {
             "heal": True,
             "generation": heal.generation,
             "attempt": heal.attempt,
             "replaced": heal.ranks,
             "pids": pids,
         }
+        if heal.renumbered is not None:
+            verdict["world_size"] = heal.worlds[1]
+            verdict["ranks"] = {str(old): new for old, new in heal.renumbered.items()}
         write_verdict(self._spec.attempt_dir, heal.generation - 1, verdict)
+        if heal.renumbered is not None:
+            return
         _log.info(
             "%s; healing in place: %s keep their processes (restart %d of %d)",
             _died(heal),
@@ -185,6 +276,9 @@ class Healer:
                 self._say(heal, restored[0] if restored else None, formed)
 
     def _say(self, heal: Heal, restored: events.Event | None, formed: bool) -> None:
+        if heal.renumbered is not None:
+            self._say_shrunk(heal, restored)
+            return
         took = (restored.time if restored is not None else time.time()) - heal.seen
         where = f"{_ranks(heal.kept)} kept their processes, {_ranks(heal.ranks)} replaced"
         fields: dict = {
@@ -214,6 +308,34 @@ class Healer:
         _log.warning("%s", message)
         events.emit("healed", message, **fields)
 
+    def _say_shrunk(self, heal: Heal, restored: events.Event | None) -> None:
+        """The line in the cell and the ``shrunk`` event of a group that went on with fewer."""
+        before, after = heal.worlds
+        cause = f"{_died(heal)} and {_slots(heal.lost)} failed to start {_times()}"
+        text = f"{cause}: continuing on {after} of {before} processes"
+        step = restored.step if restored is not None else None
+        tier = restored.fields.get("tier") if restored is not None and restored.fields else None
+        if restored is not None:
+            text += f" from step {(step or 0) + 1} ({tier})"
+        else:
+            text += ", the function runs again from its start"
+        batch = self._live_note(heal.generation).get("batch")
+        if isinstance(batch, str):
+            text += f"; {batch}"
+        _log.warning("%s", text)
+        events.emit(
+            "shrunk",
+            text,
+            from_world=before,
+            to_world=after,
+            cause=cause,
+            slots=",".join(str(s) for s in heal.lost),
+            step=step,
+            tier=tier,
+            attempt=heal.attempt,
+            seconds=round((restored.time if restored is not None else time.time()) - heal.seen, 3),
+        )
+
     def _live_note(self, generation: int) -> dict:
         try:
             with open(live_note_path(self._spec.attempt_dir, generation)) as fh:
@@ -234,8 +356,18 @@ def _how(code: int | None) -> str:
 
 
 def _died(heal: Heal) -> str:
-    parts = [f"rank {r} died ({heal.how[r]})" for r in heal.ranks]
+    parts = [f"rank {r} died ({heal.how[r]})" for r in sorted(heal.how)]
     return " and ".join(parts)
+
+
+def _times() -> str:
+    return "twice" if FAILED_STARTS == 2 else f"{FAILED_STARTS} times"
+
+
+def _slots(slots: list[int]) -> str:
+    if len(slots) == 1:
+        return f"slot {slots[0]}"
+    return "slots " + ", ".join(str(s) for s in slots[:-1]) + f" and {slots[-1]}"
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -52,12 +52,15 @@ __all__ = [
     "waiting_path",
     "verdict_path",
     "generation_formed_path",
+    "started_path",
     "write_verdict",
     "read_verdict",
     "after_error",
     "before_rerun",
     "heal_environment",
     "mark_formed",
+    "mark_started",
+    "rank_variables",
 ]
 
 #: The group's generation: 0 as started, one more after each heal (set in every rank).
@@ -66,8 +69,9 @@ GENERATION_ENV = "NBTOOLS_HEAL_GENERATION"
 REPLACED_ENV = "NBTOOLS_HEAL_REPLACED"
 #: The launch's directory, where each rank keeps its latest per-rank state for a heal.
 DIR_ENV = "NBTOOLS_HEAL_DIR"
-#: The longest a rank waits for the caller's verdict before it fails as without healing.
-VERDICT_WAIT_S = 30.0
+#: The longest a rank waits for the caller's verdict before it fails as without healing (the
+#: caller may first try twice to start a replacement in a group that may shrink).
+VERDICT_WAIT_S = 60.0
 _POLL_S = (0.001, 0.02)
 
 
@@ -96,6 +100,12 @@ def generation_formed_path(run_dir: str, generation: int, rank: int) -> str:
     return os.path.join(run_dir, f"heal-formed-g{generation}-rank{rank}")
 
 
+def started_path(run_dir: str, generation: int, rank: int) -> str:
+    """Exists once rank ``rank``'s process of generation ``generation`` has started (its
+    function unpickled) and is about to join the group: a replacement's slot works."""
+    return os.path.join(run_dir, f"heal-started-g{generation}-rank{rank}")
+
+
 def write_verdict(run_dir: str, generation: int, verdict: dict[str, Any]) -> None:
     """Publish the verdict on ``generation`` atomically (the caller's side)."""
     path = verdict_path(run_dir, generation)
@@ -120,6 +130,12 @@ def mark_formed(spec: RankSpec) -> None:
         pass
 
 
+def mark_started(spec: RankSpec) -> None:
+    """Say that this rank's process has started and joins the group of its generation."""
+    with open(started_path(spec.run_dir, spec.generation, spec.rank), "w"):
+        pass
+
+
 def after_error(spec: RankSpec, exc: BaseException) -> RankSpec | None:
     """After the user's function raised ``exc``: this rank's spec for the next generation when
     the caller heals the group, else None (the rank fails as without healing)."""
@@ -141,11 +157,33 @@ def after_error(spec: RankSpec, exc: BaseException) -> RankSpec | None:
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(int(verdict["attempt"]))
     os.environ[GENERATION_ENV] = str(generation)
     os.environ[REPLACED_ENV] = ",".join(str(r) for r in verdict["replaced"])
+    rank, world = spec.rank, spec.world_size
+    if "world_size" in verdict:  # the group shrank or grew: ranks numbered densely again
+        rank = int(verdict["ranks"][str(spec.rank)])
+        world = int(verdict["world_size"])
+        renumber(rank, world)
     return dataclasses.replace(
         spec,
+        rank=rank,
+        world_size=world,
         generation=generation,
         init_method="file://" + store_path(spec.run_dir, generation),
     )
+
+
+def rank_variables(rank: int, world_size: int) -> dict[str, str]:
+    """The rank variables torchrun sets for rank ``rank`` of ``world_size`` on one node."""
+    names = {name: str(rank) for name in ("RANK", "LOCAL_RANK", "ROLE_RANK")}
+    names.update(
+        (name, str(world_size)) for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE")
+    )
+    return names
+
+
+def renumber(rank: int, world_size: int) -> None:
+    """Make this process rank ``rank`` of ``world_size`` in its variables (what
+    ``nbtools.runtime`` reads before the group forms)."""
+    os.environ.update(rank_variables(rank, world_size))
 
 
 def before_rerun() -> None:

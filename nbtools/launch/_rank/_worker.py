@@ -118,9 +118,11 @@ def run_rank(payload: bytes, spec: RankSpec) -> None:
         if reconfigure is not None:
             reconfigure(line_buffering=True)
     faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
+    current = [spec]  # the rank's spec now: a group that shrank or grew numbers it anew
     try:
-        _run(payload, spec)
+        _run(payload, current)
     except BaseException as exc:  # noqa: BLE001 - every way out of user code is reported
+        spec = current[0]
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             _publish_result(None, spec)
             _mark_returned(spec)
@@ -134,11 +136,12 @@ def run_rank(payload: bytes, spec: RankSpec) -> None:
         # SystemExit passes through torch's wrappers without writing their own error files.
         sys.exit(1)
     flush_events()
-    _finish(spec)
+    _finish(current[0])
     return None
 
 
-def _run(payload: bytes, spec: RankSpec) -> None:
+def _run(payload: bytes, current: list[RankSpec]) -> None:
+    spec = current[0]
     fn, args, kwargs = _inrank.enter_rank(
         payload, backend=spec.backend, device=spec.rank if spec.use_cuda else None
     )
@@ -156,7 +159,7 @@ def _run(payload: bytes, spec: RankSpec) -> None:
             if healed is None:
                 _publish_record(spec, record)
                 raise
-            spec = healed
+            spec = current[0] = healed
         else:
             break
         # Healed: the same function object again, in this process, in the new group.
@@ -170,6 +173,8 @@ def _form(spec: RankSpec) -> None:
     """Form the default process group of ``spec``'s generation, every rank connected."""
     import torch.distributed as dist
 
+    if spec.heal and spec.generation:
+        _heal.mark_started(spec)
     try:
         dist.init_process_group(
             backend=spec.backend,
