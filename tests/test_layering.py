@@ -328,7 +328,6 @@ def _rooms() -> list[str]:
 #: when its front door exports what the rest of the package uses and nothing reaches past it;
 #: the set only shrinks (a test below fails on an entry that no longer needs to be here).
 _NOT_YET_FRONT_DOOR = {
-    "nbtools._internal",
     "nbtools._magics",
     "nbtools.events",
     "nbtools.launch._local",
@@ -415,10 +414,104 @@ def _front_door_breaches(room: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("room", [r for r in _rooms() if r not in _NOT_YET_FRONT_DOOR])
+@pytest.mark.parametrize(
+    "room", [r for r in _rooms() if r not in _NOT_YET_FRONT_DOOR | _LIBRARY_ROOMS]
+)
 def test_outside_code_enters_a_room_only_through_its_front_door(room):
     found = _front_door_breaches(room)
     assert not found, found
+
+
+#: Rooms that are a shelf of small stdlib-only libraries every other room uses
+#: (``nbtools._internal``: the logger, the settings table, the hooks...): each public
+#: module is a door of its own, its ``__all__`` what it lets in.
+_LIBRARY_ROOMS = {"nbtools._internal"}
+
+
+def _exports(path: Path) -> set[str] | None:
+    """The names in the ``__all__`` of the module at ``path``; None when it has none."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return set(ast.literal_eval(node.value))
+    return None
+
+
+def _library_breaches(room: str) -> list[str]:
+    """Where code outside the library room ``room`` enters other than through one of its
+    public modules' ``__all__``: a private module, a name a module does not export, a
+    module the room does not hold, or a dotted string (a hook) naming one of those."""
+    root = Path(nbtools.__file__).parent
+    shelf = root.parent.joinpath(*room.split("."))
+    doors = {
+        p.stem: _exports(p) or set()
+        for p in shelf.glob("*.py")
+        if p.stem != "__init__" and not p.stem.startswith("_")
+    }
+
+    def way_in(module: str, names: list[str]) -> str | None:
+        inner = module[len(room) + 1 :].split(".") if module != room else []
+        if not inner:  # ``from room import x``: x must be one of its public modules
+            bad = [n for n in names if n not in doors]
+            return f"{', '.join(bad)}, not one of {room}'s public modules" if bad else None
+        if len(inner) != 1 or inner[0] not in doors:
+            return f"{module}, not one of {room}'s public modules"
+        bad = [n for n in names if n not in doors[inner[0]]]
+        return f"{', '.join(bad)}, which {module} does not export" if bad else None
+
+    found = []
+    for path, name, nodes in _sources(str(root)):
+        if name == room or name.startswith(room + "."):
+            continue
+        where = path.relative_to(root.parent)
+        for node in nodes:
+            reasons: list[str | None] = []
+            if isinstance(node, ast.Import):
+                reasons = [way_in(a.name, []) for a in node.names if a.name.startswith(room + ".")]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                target = node.module or ""
+                if target == room or target.startswith(room + "."):
+                    reasons = [way_in(target, [a.name for a in node.names])]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                ref = node.value
+                if re.fullmatch(re.escape(room) + r"[.:][\w.]+", ref):
+                    module, _, attr = ref.partition(":")
+                    reasons = [way_in(module, [attr] if attr else [])]
+            found += [f"{where}:{node.lineno} enters through {r}" for r in reasons if r]
+    return found
+
+
+@pytest.mark.parametrize("room", sorted(_LIBRARY_ROOMS))
+def test_outside_code_enters_a_library_room_only_through_its_public_modules(room):
+    found = _library_breaches(room)
+    assert not found, found
+
+
+def test_the_library_room_check_sees_a_private_module_and_an_unexported_name(tmp_path, monkeypatch):
+    fake = tmp_path / "nbtools"
+    (fake / "_shelf").mkdir(parents=True)
+    (fake / "__init__.py").write_text('HOOK = "nbtools._shelf.log:_hidden"\n')
+    (fake / "_shelf" / "__init__.py").write_text("")
+    (fake / "_shelf" / "log.py").write_text('__all__ = ["get"]\nget = _hidden = 1\n')
+    (fake / "_shelf" / "_inner.py").write_text("x = 1\n")
+    (fake / "user.py").write_text(
+        "from nbtools._shelf import log\n"
+        "from nbtools._shelf.log import get\n"
+        "def f():\n"
+        "    from nbtools._shelf.log import _hidden\n"
+        "    from nbtools._shelf import _inner\n"
+        "    import nbtools._shelf._inner\n"
+    )
+    monkeypatch.setattr(nbtools, "__file__", str(fake / "__init__.py"))
+    found = _library_breaches("nbtools._shelf")
+    assert found == [
+        "nbtools/__init__.py:1 enters through _hidden, which nbtools._shelf.log does not export",
+        "nbtools/user.py:4 enters through _hidden, which nbtools._shelf.log does not export",
+        "nbtools/user.py:5 enters through _inner, not one of nbtools._shelf's public modules",
+        "nbtools/user.py:6 enters through nbtools._shelf._inner, not one of nbtools._shelf's "
+        "public modules",
+    ]
 
 
 def test_the_rooms_not_yet_behind_a_front_door_are_still_entered_past_it():
@@ -681,7 +774,7 @@ _ARROW_BUDGET = {
     "nbtools.data._cache": 5,
     "nbtools.data._listing": 4,
     "nbtools.data._stream": 7,
-    "nbtools.events": 22,
+    "nbtools.events": 23,
     "nbtools.integrations": 2,
     "nbtools.launch": 50,
     "nbtools.launch._local": 4,
