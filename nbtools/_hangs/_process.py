@@ -8,6 +8,10 @@ reads files or waits for its loader is anywhere else. That split is the
 "time outside collectives" the straggler score is built on, measured with no
 code in the rank and nothing on its training thread.
 
+The readers (:func:`sample`, :func:`usage`) live in :mod:`nbtools.events._probe`,
+where a rank also uses them on itself (a rank on another machine reports what
+they read with its progress).
+
 Busy or stuck. A rank outside collectives may be working (an evaluation, a
 compile whose workers are its child processes, a save whose threads write) or
 stuck (a deadlock, a lost wake-up). :func:`usage` reads the CPU time and the
@@ -30,6 +34,8 @@ import subprocess
 import sys
 from collections.abc import Iterable
 
+from nbtools.events._probe import GONE, STOPPED, WAITING, WORKING, sample, usage
+
 __all__ = [
     "WORKING",
     "WAITING",
@@ -42,135 +48,7 @@ __all__ = [
     "python_stacks",
 ]
 
-#: Running, or blocked anywhere but a futex: computing, sleeping, reading.
-WORKING = "working"
-#: Blocked in a futex: waiting for peers in a collective (or for a lock).
-WAITING = "waiting"
-#: Stopped by a signal (SIGSTOP, SIGTSTP) or a tracer.
-STOPPED = "stopped"
-#: The process is gone or cannot be read.
-GONE = "gone"
-
-_FUTEX = {"202", "98"}  # futex on x86_64 and on aarch64
-_SYSCALL_NAMES = {
-    "0": "read",
-    "7": "poll",
-    "23": "select",
-    "35": "nanosleep",
-    "202": "futex",
-    "230": "clock_nanosleep",
-    "232": "epoll_wait",
-    "281": "epoll_pwait",
-    "61": "wait4",
-    "271": "ppoll",
-    "45": "recvfrom",
-    "47": "recvmsg",
-    "101": "nanosleep",
-    "73": "ppoll",
-    "63": "read",
-}
 PY_SPY_TIMEOUT_S = 15.0
-
-
-def sample(pid: int, tid: int = 0) -> tuple[str, str]:
-    """``(state, detail)`` of ``pid``'s thread ``tid`` (its main thread when 0 or gone).
-
-    The state is one of the four above, the detail a word. Never raises: a
-    process that is gone or unreadable is :data:`GONE`.
-    """
-    base = f"/proc/{pid}/task/{tid}" if tid and tid != pid else f"/proc/{pid}"
-    try:
-        with open(f"{base}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return sample(pid) if base != f"/proc/{pid}" else (GONE, "gone")
-    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
-    if state in (b"T", b"t"):
-        return STOPPED, "stopped by a signal"
-    if state in (b"Z", b"X"):
-        return GONE, "exited"
-    if state == b"R":
-        return WORKING, "running"
-    try:
-        with open(f"{base}/syscall", "rb") as f:
-            call = f.read().split(b" ", 1)[0].decode()
-    except OSError:
-        wchan = _wchan(base)
-        if wchan is None:
-            return WORKING, "blocked"
-        return (WAITING if "futex" in wchan else WORKING), wchan
-    if call in _FUTEX:
-        return WAITING, "futex"
-    if call == "running":
-        return WORKING, "running"
-    return WORKING, _SYSCALL_NAMES.get(call, f"syscall {call}")
-
-
-_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-_MAX_TREE = 256  # processes read per rank's tree, at most
-
-
-def usage(pid: int) -> tuple[float, int] | None:
-    """``(CPU seconds, bytes read and written)`` of ``pid`` and its descendants so far.
-
-    None when ``pid`` is gone or cannot be read. Threads count with their process;
-    children that exited and were waited for count in their parent's CPU time.
-    """
-    cpu, io = 0.0, 0
-    seen: set[int] = set()
-    todo = [pid]
-    while todo and len(seen) < _MAX_TREE:
-        current = todo.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        try:
-            with open(f"/proc/{current}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            if current == pid:
-                return None
-            continue
-        # After the name: state is field 3, utime..cstime are fields 14-17.
-        cpu += sum(int(v) for v in fields[11:15]) / _TICKS
-        io += _io_bytes(current)
-        todo.extend(_children(current))
-    return cpu, io
-
-
-def _io_bytes(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/io", "rb") as f:
-            values = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
-    except (OSError, ValueError):
-        return 0
-    try:
-        return int(values.get(b"rchar", 0)) + int(values.get(b"wchar", 0))
-    except ValueError:
-        return 0
-
-
-def _children(pid: int) -> list[int]:
-    found: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
-                found.extend(int(c) for c in f.read().split())
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-def _wchan(base: str) -> str | None:
-    try:
-        with open(f"{base}/wchan") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
 
 
 def stuck_by_state(

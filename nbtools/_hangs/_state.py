@@ -29,6 +29,7 @@ __all__ = [
     "lower_median",
     "is_busy",
     "FirstSteps",
+    "sampled",
 ]
 
 _BUSY_WINDOW_S = 10.0  # a rank is busy when, over this window, its process tree used...
@@ -68,6 +69,7 @@ class RankState:
     usage: deque[tuple[float, float, int]] = field(default_factory=lambda: deque(maxlen=64))
     long_since: float | None = None  # the start of the long phase the cell was told of
     device_outside: float | None = None  # share outside NCCL's collectives, as it reported
+    probed_at: float = 0.0  # kernel time of its own probe's latest findings (another node)
     score: float | None = None
     low_since: float | None = None
     high_since: float | None = None
@@ -90,8 +92,9 @@ def last_sign(state: RankState) -> float:
 
 
 def now_state(state: RankState) -> str | None:
-    """The majority of a local rank's latest samples; None when it cannot be sampled."""
-    if not state.local or not state.recent:
+    """The majority of a local rank's latest samples, or what a rank on another node said
+    of itself (:meth:`nbtools.events._probe.Probe.take`); None when neither is known."""
+    if not (state.local or state.probed_at) or not state.recent:
         return None
     counts: dict[str, int] = {}
     for kind, _ in state.recent:
@@ -169,3 +172,8 @@ class FirstSteps:
         """The slowest first step seen; None before any."""
         with self._lock:
             return max(self._seen, default=None)
+
+
+def sampled(state: RankState) -> bool:
+    """Whether the rank's training thread is sampled: by the kernel, or by its own probe."""
+    return state.local or bool(state.probed_at)

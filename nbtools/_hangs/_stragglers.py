@@ -10,8 +10,9 @@ training thread (:mod:`._process`) and counts the samples in one-second bins;
 :class:`Stragglers` keeps a rolling window of those bins per rank, scores each
 rank as the (lower) median share over the ranks divided by its own, and opens
 a flag when a score stays under the threshold for ``confirm_s`` (and ends it
-when it stays back over it for as long). Ranks that cannot be sampled (on
-another node) are scored by their step rate instead.
+when it stays back over it for as long). A rank on another node samples
+itself and sends its counts with its progress reports (``events._probe``);
+ranks that sent none (an older rank) are scored by their step rate instead.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Iterable
 
 from nbtools._hangs._flags import FlagBook
 from nbtools._hangs._report import clock_text
-from nbtools._hangs._state import Flag, RankState, lower_median
+from nbtools._hangs._state import Flag, RankState, lower_median, sampled
 
 __all__ = ["Stragglers"]
 
@@ -84,7 +85,7 @@ class Stragglers:
                     shares[state.rank] = state.device_outside
                 continue
             total = sum(w + x for _, w, x in state.bins)
-            if state.local and total * self.sample_s >= self.window_s / 2:
+            if sampled(state) and total * self.sample_s >= self.window_s / 2:
                 shares[state.rank] = sum(w for _, w, _ in state.bins) / total
         scores: dict[int, float] = {}
         measured: dict[int, str] = {}
@@ -99,7 +100,7 @@ class Stragglers:
         rates = {
             s.rank: 1.0 / statistics.median(s.step_times)
             for s in ranks.values()
-            if not s.local
+            if not sampled(s)
             and s.device_outside is None
             and len(s.step_times) >= 5
             and statistics.median(s.step_times) > 0

@@ -102,6 +102,7 @@ _ANSWERS_FRESH_S = 10.0  # the ranks' answers about their collectives count this
 #: tick before it: the hang is named at the bound, not a look after it.
 LOOK_AHEAD_S = 10.0
 _TICK_S = 1.0  # the watchdog judges the ranks this often (and at the bound)
+_SILENT_S = 5.0  # a rank on another node whose probe has not reported for this long
 # Kinds whose time, around it, is left out of straggler scores.
 _PAUSES = ("checkpoint_saved", "checkpoint_restored", "checkpoint_skipped", "restart")
 _PAUSE_S = 5.0
@@ -332,6 +333,8 @@ class Watchdog:
             self._ranks[event.rank] = state  # type: ignore[index]
         tid = event.fields.get("tid")
         state.tid = tid if type(tid) is int else 0
+        if not state.local:  # what the rank saw of itself: the kernel cannot look
+            self._probed(state, event.fields)
         outside = event.fields.get("outside")
         if isinstance(outside, (int, float)) and 0 <= outside <= 1:
             state.device_outside = float(outside)
@@ -361,6 +364,22 @@ class Watchdog:
         if state.steps and event.time > state.stepped_at:
             state.step_times.append((event.time - state.stepped_at) / (steps - state.steps))
         state.steps, state.step, state.stepped_at = steps, event.step, event.time
+
+    def _probed(self, state: RankState, fields: dict[str, Any]) -> None:
+        """Take in a rank's own look at its training thread (``events._probe``)."""
+        working, waiting = fields.get("working"), fields.get("waiting")
+        if type(working) is not int or type(waiting) is not int:
+            return  # a rank that does not sample itself
+        state.probed_at = self._clock()
+        state.working += working
+        state.waiting += waiting
+        kind, detail = fields.get("state"), fields.get("detail")
+        if kind in (_process.WORKING, _process.WAITING, _process.STOPPED):
+            state.recent.clear()  # its own majority of its latest samples
+            state.recent.append((kind, detail if isinstance(detail, str) else kind))
+        cpu, io = fields.get("tree_cpu"), fields.get("tree_io")
+        if isinstance(cpu, (int, float)) and type(io) is int:
+            state.usage.append((state.probed_at, float(cpu), io))
 
     def _arrived(self, state: RankState) -> float:
         """A report that shows progress arrived now; returns now."""
@@ -400,6 +419,12 @@ class Watchdog:
 
     def _sample(self) -> None:
         with self._lock:
+            now = self._clock()
+            for state in self._ranks.values():
+                if not state.local and state.probed_at and now - state.probed_at > _SILENT_S:
+                    # Its probe reports every second: what it said last is no longer
+                    # known to hold (a stopped rank, or one starved of CPU or the GIL).
+                    state.recent.clear()
             local = [(s, s.pid, s.tid) for s in self._ranks.values() if s.local]
         for state, pid, tid in local:
             kind, detail = _process.sample(pid, tid)

@@ -202,8 +202,11 @@ class Bus:
 
 def _start_report(event: Event) -> bool:
     """Whether ``event`` is a rank's progress report at its start: no step, no sign of life
-    but the report itself (see ``events._progress.started``)."""
+    but the report itself (see ``events._progress.started``); or one that only carries what
+    the rank's probe saw while nothing moved (``still``)."""
     fields = event.fields
+    if event.kind == "progress" and fields.get("still") is True:
+        return True
     return (
         event.kind == "progress"
         and event.step is None

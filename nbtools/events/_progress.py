@@ -30,6 +30,12 @@ much longer bound (see ``nbtools._hangs``). A rank also reports once as it
 starts (:func:`started`, run by the launcher's rank set-up), so the kernel
 knows its process before its first step.
 
+A rank also samples its own training thread (:mod:`._probe`): the reports
+carry how much of the time it waited in a collective, what it does now, and
+its process tree's CPU and I/O, and while it makes no progress one such
+report still leaves every second. A kernel on another machine (Ray) judges
+the rank by these, as it judges a rank on its own machine by looking at it.
+
 A process without a channel (the kernel, a plain script) keeps the count
 only; nothing is sent.
 """
@@ -43,7 +49,7 @@ import time
 from typing import Any
 
 from nbtools._internal import hooks, settings
-from nbtools.events import _emit, _recorder
+from nbtools.events import _emit, _probe, _recorder
 from nbtools.events._wire import Record
 
 __all__ = ["step", "phase", "started", "PROGRESS_KIND", "progress_so_far", "new_call"]
@@ -59,6 +65,10 @@ _latest: list[Any] = [None, 0, 0.0, 0.0, False]
 _shipped: list[Any] = [0, 0.0, None]  # the count, the last mark and the phase last sent
 _phases: list[str] = []  # the open phases of this process, innermost last
 _tid = [0]  # the native id of the thread that reports (the training thread)
+_probes: list[_probe.Probe] = []  # this rank's look at its training thread (one, once hooked)
+_sent_at = [0.0]  # monotonic time of the last report sent
+#: While a rank makes no progress, its probe's findings still leave this often.
+PROBE_REPORT_S = 1.0
 _hooked = [False]  # reset in a forked child, which hooks its own flusher
 _hook_lock = threading.Lock()
 _time = time.time
@@ -183,22 +193,29 @@ def _hook() -> None:
         _emit._setup()  # choose this process's route now
         emitter = _emit._emitter
         if emitter is not None:
+            _probes[:] = [_probe.Probe(_tid[0]).start()]  # a rank: it samples itself
             emitter.add_source(_collect)
         _hooked[0] = True
 
 
 def _collect() -> list[Record]:
-    """On the flusher thread: the report to send, if any step or mark happened since the last.
+    """On the flusher thread: the report to send, if any step or mark happened since the last,
+    or if the last report left :data:`PROBE_REPORT_S` ago (with the probe's findings only).
 
     The report is stamped with the time of the last step (before the first, with
     its own); a later mark that counts no step (see the module docstring) travels
-    as ``alive``, and the open phase, if any, as ``phase``.
+    as ``alive``, and the open phase, if any, as ``phase``. What the rank's probe
+    saw since the last report rides along (:meth:`nbtools.events._probe.Probe.take`),
+    for a kernel on another machine, which cannot look at this process itself.
     """
     step_, count, at, marked, _ = _latest
     current = _phases[-1] if _phases else None
-    if count == _shipped[0] and marked <= _shipped[1] and current == _shipped[2]:
+    moved = count != _shipped[0] or marked > _shipped[1] or current != _shipped[2]
+    now = time.monotonic()
+    if not moved and not (_probes and now - _sent_at[0] >= PROBE_REPORT_S):
         return []
     _shipped[0], _shipped[1], _shipped[2] = count, marked, current
+    _sent_at[0] = now
     fields: dict[str, Any] = {"steps": count, "cpu": round(time.process_time(), 3)}
     if marked > at:
         fields["alive"] = round(marked, 3)
@@ -210,6 +227,10 @@ def _collect() -> list[Record]:
         outside = _recorder.device_outside(_window_s())
         if outside is not None:  # a GPU rank: its share outside NCCL's collectives
             fields["outside"] = round(outside, 4)
+    if not moved:
+        fields["still"] = True  # the probe's findings only: nothing moved since the last
+    for probe in _probes:
+        fields.update(probe.take())
     stamp = at if count else _time()  # a report before the first step: its own time
     return [(stamp, _emit._rank, PROGRESS_KIND, None, step_, fields)]
 
@@ -228,6 +249,8 @@ def _after_fork_in_child() -> None:
     _shipped[:] = [0, 0.0, None]
     _phases.clear()
     _tid[0] = 0
+    _probes.clear()  # the parent's probe thread is not in the child
+    _sent_at[0] = 0.0
     _hooked[0] = False
 
 

@@ -123,8 +123,16 @@ def test_a_phase_travels_in_the_rank_s_reports_while_it_is_open():
             [sys.executable, "-c", textwrap.dedent(code)], env=env, check=True, timeout=120
         )
         collector.drain()
-    reports = [(e.fields["steps"], e.fields.get("phase")) for e in seen if e.kind == "progress"]
+    progress = [e for e in seen if e.kind == "progress"]
+    reports = [
+        (e.fields["steps"], e.fields.get("phase")) for e in progress if "still" not in e.fields
+    ]
     assert reports == [(0, None), (0, "evaluate"), (0, "save"), (1, None)], reports
+    # While nothing moves, the rank's look at itself still leaves every second: its
+    # training thread sleeps (working, outside any collective), its tree's use so far.
+    still = [e.fields for e in progress if e.fields.get("still")]
+    assert still and {f["phase"] for f in still if "phase" in f} <= {"evaluate", "save"}
+    assert all(f["state"] == "working" and f["tree_cpu"] > 0 for f in still), still
     # The start report reaches the hang watch (a subscriber) but not the user's log.
     logged = [(e.fields["steps"], e.fields.get("phase")) for e in bus.log(kinds=["progress"])]
     assert logged == reports[1:], logged

@@ -1,0 +1,117 @@
+"""Ranks the kernel cannot look at (on another node) are judged by what they see of themselves.
+
+The ranks here are real processes in a real gloo group on this machine, but each names
+another node (``NBTOOLS_NODE``), as Ray's ranks do when the kernel runs on another host:
+the watchdog does not read their ``/proc``. Each rank samples its own training thread
+(``events._probe``) and its progress reports carry what it saw; the kernel scores
+stragglers and tells busy from stuck from that alone.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from nbtools import events
+from nbtools._hangs import Watchdog
+from nbtools.events import _probe
+
+pytestmark = pytest.mark.slow
+
+_RANK = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch, torch.distributed as dist
+    from nbtools import events
+    from nbtools._internal import hooks
+    hooks.rank_started()  # what the launcher's rank set-up runs
+    dist.init_process_group(
+        "gloo", init_method=f"file://{sys.argv[1]}", rank=int(os.environ["RANK"]), world_size=2
+    )
+    rank, mode, steps = dist.get_rank(), sys.argv[2], int(sys.argv[3])
+    t = torch.ones(4)
+    for step in range(steps):
+        time.sleep(0.2 if mode == "slow" and rank == 1 else 0.05)
+        if mode == "busy" and rank == 0 and step == 10:  # rank 0 alone evaluates, at full CPU
+            end = time.monotonic() + 14
+            while time.monotonic() < end:
+                torch.randn(256, 256) @ torch.randn(256, 256)
+        dist.all_reduce(t)
+        events.step(step)
+    events.emit("rank_done")  # the watch ends here, as a launcher's ends with its group
+    events.flush()
+    dist.destroy_process_group()
+    """
+)
+
+
+def _run(tmp_path, mode: str, steps: int, dog_args: dict) -> tuple[Watchdog, list, list[str]]:
+    bus = events.Bus()
+    reports: list = []
+    notices: list[str] = []
+    with events.Collector(bus=bus) as collector:
+        env = dict(os.environ, **collector.environment(), **{events.NODE_ENV: "another-node"})
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _RANK, str(tmp_path / "store"), mode, str(steps)],
+                env=dict(env, RANK=str(rank)),
+            )
+            for rank in (0, 1)
+        ]
+        dog = Watchdog(2, on_hang=reports.append, bus=bus, **dog_args).start()
+        try:
+            deadline = time.monotonic() + 120
+            while len(bus.log(kinds=["rank_done"])) < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            notices += dog.take_notices()
+        finally:
+            dog.stop()
+            for proc in procs:
+                try:
+                    proc.wait(timeout=60)
+                finally:
+                    proc.kill()
+                    proc.wait()
+    assert [p.returncode for p in procs] == [0, 0]
+    return dog, reports, notices
+
+
+def test_a_rank_on_another_node_evaluating_while_its_peer_waits_is_a_long_phase(tmp_path):
+    dog, reports, notices = _run(tmp_path, "busy", 20, {"hang_timeout": 6.0})
+    assert not dog._ranks[0].local and dog._ranks[0].probed_at  # judged by its own look
+    assert reports == []  # its peer waits for it; it computes: no hang
+    (line,) = [n for n in notices if "long phase" in n]
+    assert line.startswith("rank 0 on another-node is in a long phase outside collectives")
+
+
+def test_a_slow_rank_on_another_node_is_a_straggler_by_its_own_samples(tmp_path, monkeypatch):
+    # In lockstep every rank steps at the pace of the slowest: only the time each spends
+    # outside the all-reduce, which the ranks sample themselves, tells the slow one.
+    monkeypatch.setenv("NBTOOLS_STRAGGLER_WINDOW_S", "6")
+    monkeypatch.setenv("NBTOOLS_STRAGGLER_CONFIRM_S", "2")
+    dog, reports, notices = _run(tmp_path, "slow", 70, {})
+    assert reports == []
+    flagged = [n for n in notices if "is a straggler" in n]
+    assert flagged and all(n.startswith("rank 1 on another-node") for n in flagged), notices
+    assert "of its time outside collectives" in flagged[0]
+
+
+def test_a_rank_s_probe_reads_its_training_thread_and_its_tree(tmp_path):
+    probe = _probe.Probe(0).start()  # this process's main thread: this test, running
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            sum(i * i for i in range(10_000))
+            fields = probe.take()
+            if fields["working"] and fields.get("state") == "working":
+                break
+            time.sleep(0.3)
+    finally:
+        probe.stop()
+    assert fields["working"] > 0 and fields["state"] == "working"
+    assert fields["tree_cpu"] > 0 and fields["tree_io"] >= 0
