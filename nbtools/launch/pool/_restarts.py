@@ -18,9 +18,10 @@ here:
   restart; then the pool stops and says how to start it again;
 - ``restart()``: fresh ranks on request, also after the pool stopped.
 
-Every replacement emits a ``pool_restarted`` event, every heal a ``healed`` event. A ``keep_alive=True`` call
-also runs its function again after a failure, up to its ``max_restarts``
-(:mod:`nbtools.launch.pool._kept`); the ranks under it are replaced here.
+Every replacement emits a ``pool_restarted`` event, every heal a ``healed``
+event. A ``keep_alive=True`` call also runs its function again after a
+failure, up to its ``max_restarts`` (:mod:`nbtools.launch.pool._kept`); the
+ranks under it are replaced here.
 """
 
 from __future__ import annotations
@@ -233,8 +234,8 @@ class Generations:
             return self.after_loss(lost)
         self._deaths += 1
         self.restarts += 1
+        # Said once, by the error that ends the call (and by the event on the time axis).
         message = _healed_line(heal, kept, time.time() - heal.seen, ended)
-        _log.warning("%s", message)
         names = sorted({name for names in kept.values() for name in names})
         events.emit(
             "healed",
