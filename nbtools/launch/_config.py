@@ -74,7 +74,8 @@ class LaunchConfig:
         if self.heal and (self.keep_alive or self.cluster is not None):
             raise ValueError(
                 "heal=True heals the local ranks of a @distributed call; a kept pool "
-                "(keep_alive=True) and cluster='ray' restart instead: drop heal=True there"
+                "(keep_alive=True) heals its CPU ranks in place by itself, and cluster='ray' "
+                "restarts every rank: drop heal=True there"
             )
         if self.results_device not in RESULTS_DEVICES:
             raise ValueError(
