@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from nbtools import events
+from nbtools import distributed, events
 from nbtools.errors import DistributedError, PoolError
 from nbtools.launch import RankPool
 
@@ -103,3 +103,30 @@ def test_on_hang_restart_ends_the_hung_rank_and_heals_it_in_place():
     hangs = [e.rank for e in events.log(since=since, kinds=["hang"]) if not e.fields.get("ended")]
     assert hangs == [1]
     assert [e.fields["ranks"] for e in events.log(since=since, kinds=["healed"])] == ["1"]
+
+
+def test_a_kept_pool_heals_a_killed_rank_and_runs_the_call_again(tmp_path):
+    @distributed(processes=2, keep_alive=True, max_restarts=1, output="none")
+    def step(kill: str) -> int:
+        import os
+        import signal
+
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1 and os.path.exists(kill):
+            os.unlink(kill)
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.barrier()
+        return os.getpid()
+
+    kill = tmp_path / "kill"
+    since = _since()
+    try:
+        first = step.distributed(str(kill))
+        kill.touch()
+        again = step.distributed(str(kill))
+    finally:
+        distributed.shutdown()
+    assert again[0] == first[0] and again[1] != first[1]
+    assert [e.fields["ranks"] for e in events.log(since=since, kinds=["healed"])] == ["1"]
+    assert [e.fields["attempt"] for e in events.log(since=since, kinds=["restart"])] == [1]
