@@ -21,10 +21,21 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import deque
 from typing import Any
 
-__all__ = ["WORKING", "WAITING", "STOPPED", "GONE", "sample", "usage", "Probe", "PERIOD_S"]
+__all__ = [
+    "WORKING",
+    "WAITING",
+    "STOPPED",
+    "GONE",
+    "sample",
+    "usage",
+    "gil_range",
+    "Probe",
+    "PERIOD_S",
+]
 
 #: How often a rank's probe samples its training thread.
 PERIOD_S = 0.1
@@ -59,11 +70,13 @@ _SYSCALL_NAMES = {
 }
 
 
-def sample(pid: int, tid: int = 0) -> tuple[str, str]:
+def sample(pid: int, tid: int = 0, gil: tuple[int, int] | None = None) -> tuple[str, str]:
     """``(state, detail)`` of ``pid``'s thread ``tid`` (its main thread when 0 or gone).
 
     The state is one of the four above, the detail a word. Never raises: a
-    process that is gone or unreadable is :data:`GONE`.
+    process that is gone or unreadable is :data:`GONE`. ``gil``: the range of
+    futex addresses a thread of this process waits on for the interpreter lock
+    (:func:`gil_range`): such a wait is work to do, not a wait for peers.
     """
     base = f"/proc/{pid}/task/{tid}" if tid and tid != pid else f"/proc/{pid}"
     try:
@@ -80,17 +93,68 @@ def sample(pid: int, tid: int = 0) -> tuple[str, str]:
         return WORKING, "running"
     try:
         with open(f"{base}/syscall", "rb") as f:
-            call = f.read().split(b" ", 1)[0].decode()
+            parts = f.read().split()
+        call = parts[0].decode() if parts else "running"
     except OSError:
         wchan = _wchan(base)
         if wchan is None:
             return WORKING, "blocked"
         return (WAITING if "futex" in wchan else WORKING), wchan
     if call in _FUTEX:
+        if gil is not None and len(parts) > 1 and gil[0] <= _address(parts[1]) <= gil[1]:
+            return WORKING, "waiting for the GIL"
         return WAITING, "futex"
     if call == "running":
         return WORKING, "running"
     return WORKING, _SYSCALL_NAMES.get(call, f"syscall {call}")
+
+
+def _address(word: bytes) -> int:
+    try:
+        return int(word, 16)
+    except ValueError:
+        return -1
+
+
+_GIL_SPAN = 256  # bytes around the addresses seen: the lock's mutex and conditions
+
+
+def gil_range(seconds: float = 0.1) -> tuple[int, int] | None:
+    """The futex addresses a thread of this process waits on for the interpreter lock.
+
+    A probe that samples its own process holds the lock as it looks, so a training
+    thread that runs Python code is always found waiting for it. To tell that wait
+    from a wait for peers, a short-lived thread spins in Python while this one reads
+    where it waits. None when none was seen (then every futex is a wait).
+    """
+    done = threading.Event()
+    tids: list[int] = []
+
+    def spin() -> None:
+        tids.append(threading.get_native_id())
+        while not done.is_set():
+            pass
+
+    spinner = threading.Thread(target=spin, name="nbtools-probe-gil", daemon=True)
+    spinner.start()
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if not tids:
+                continue
+            try:
+                with open(f"/proc/self/task/{tids[0]}/syscall", "rb") as f:
+                    parts = f.read().split()
+            except OSError:
+                break
+            if len(parts) > 1 and parts[0].decode() in _FUTEX:
+                seen.add(_address(parts[1]))
+    finally:
+        done.set()
+        spinner.join(1.0)
+    seen.discard(-1)
+    return (min(seen) - _GIL_SPAN, max(seen) + _GIL_SPAN) if seen else None
 
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -189,8 +253,9 @@ class Probe:
             self._thread.join(1.0)
 
     def _run(self) -> None:
+        gil = gil_range()
         while not self._stop.wait(PERIOD_S):
-            kind, detail = sample(self._pid, self.tid)
+            kind, detail = sample(self._pid, self.tid, gil)
             with self._lock:
                 self._recent.append((kind, detail))
                 if kind == WAITING:

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -115,3 +116,30 @@ def test_a_rank_s_probe_reads_its_training_thread_and_its_tree(tmp_path):
         probe.stop()
     assert fields["working"] > 0 and fields["state"] == "working"
     assert fields["tree_cpu"] > 0 and fields["tree_io"] >= 0
+
+
+def test_a_thread_blocked_on_a_lock_waits_whatever_the_probe_learned_of_the_gil():
+    # The probe learns where threads wait for the interpreter lock (a wait that is work to
+    # do); a thread blocked on any other lock is still waiting.
+    gil = _probe.gil_range(0.3)
+    assert gil is None or gil[1] - gil[0] < 1 << 16  # a few addresses, not all memory
+    lock = threading.Lock()
+    lock.acquire()
+    tids: list[int] = []
+
+    def blocked():
+        tids.append(threading.get_native_id())
+        lock.acquire(timeout=20)
+
+    thread = threading.Thread(target=blocked)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if tids and _probe.sample(os.getpid(), tids[0], gil) == ("waiting", "futex"):
+                break
+            time.sleep(0.05)
+        assert tids and _probe.sample(os.getpid(), tids[0], gil) == ("waiting", "futex")
+    finally:
+        lock.release()
+        thread.join(10)
