@@ -43,7 +43,9 @@ of a rank busy outside collectives):
 - Busy or stuck: the kernel's CPU time for one look at a rank (its process
   tree's CPU time and bytes read and written, and its training thread's
   state), on a process with torch loaded and one child; the watchdog looks
-  once a second per rank for the tree and ten times for the thread.
+  once a second per rank for the tree and ten times for the thread. A rank's
+  probe of itself (``events._probe``) does as much each second: its share of
+  one core (``rank_probe_cpu_share``).
 """
 
 from __future__ import annotations
@@ -272,6 +274,16 @@ def _long_phases(out: dict) -> None:
             _process.usage(rank.pid)
             _process.sample(rank.pid)
         out["busy_probe_cpu_us_per_rank_look"] = round((time.process_time() - t0) / looks * 1e6, 1)
+        # A rank's probe of itself: ten thread samples and one tree read a second.
+        t0 = time.process_time()
+        for _ in range(looks):
+            _process.sample(rank.pid)
+        sample_s = (time.process_time() - t0) / looks
+        t0 = time.process_time()
+        for _ in range(looks):
+            _process.usage(rank.pid)
+        usage_s = (time.process_time() - t0) / looks
+        out["rank_probe_cpu_share"] = round(10 * sample_s + usage_s, 6)
     finally:
         rank.kill()
         rank.wait()
