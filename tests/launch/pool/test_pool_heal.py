@@ -130,3 +130,14 @@ def test_a_kept_pool_heals_a_killed_rank_and_runs_the_call_again(tmp_path):
     assert again[0] == first[0] and again[1] != first[1]
     assert [e.fields["ranks"] for e in events.log(since=since, kinds=["healed"])] == ["1"]
     assert [e.fields["attempt"] for e in events.log(since=since, kinds=["restart"])] == [1]
+
+
+def test_distributed_start_no_heal_restarts_every_rank(ip):
+    ip.run_line_magic("distributed", "start --processes 2 --output none --no-heal")
+    ip.run_cell_magic("distributed", "", "x = 1")
+    pool = ip.magics_manager.registry["DistributedMagics"].pool
+    pids = pool.pids
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(DistributedError, match="restarted with 2 fresh ranks"):
+        ip.run_cell_magic("distributed", "", "x")
+    assert set(pool.pids).isdisjoint(pids)
