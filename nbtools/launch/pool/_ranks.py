@@ -458,9 +458,10 @@ class Ranks:
         """Take the healed group in: the surviving ranks form the group again with the
         replacements (their processes and namespaces kept), and every rank connects anew.
 
-        Each survivor is told to heal; it finishes what it runs (its collectives with the
-        dead rank fail), leaves its group and its channel, joins the next generation of
-        the group and connects again, with the names its namespace kept.
+        Each survivor is told to heal; the call the death cut short is interrupted where it
+        still runs there (``KeyboardInterrupt``; its collectives with the dead rank fail
+        anyway), then it leaves its group and its channel, joins the next generation of the
+        group and connects again, with the names its namespace kept.
 
         Returns:
             The names each surviving rank kept, by rank.
@@ -471,11 +472,13 @@ class Ranks:
         """
         old = self.links
         self.links, self.hellos = {}, {}
+        cut_short = self._seq  # the call the death cut short: its user code is interrupted
         self._seq += 1
         survivors = [rank for rank in old if rank not in replaced]
         closing: dict[int, Link] = {}
         for rank in survivors:
             try:
+                old[rank].send((cut_short, "interrupt", None))
                 old[rank].send((self._seq, "heal", None))
                 closing[rank] = old[rank]
             except (ChannelClosed, OSError):

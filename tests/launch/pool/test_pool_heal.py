@@ -68,6 +68,16 @@ def test_a_rank_killed_in_a_collective_heals_and_the_budget_holds():
             pool.execute("1")
 
 
+def test_a_survivor_busy_outside_any_collective_is_interrupted_and_keeps_its_names():
+    with RankPool(processes=2, output="none") as pool:
+        pool.execute(_SETUP + "\nimport time")
+        pids = pool.pids
+        with pytest.raises(DistributedError, match=r"rank 1 died \(SIGKILL\); healed in"):
+            pool.execute("if dist.get_rank() == 1:\n    os.kill(os.getpid(), 9)\ntime.sleep(600)")
+        assert pool.pids[0] == pids[0] and pool.restarts == 1
+        assert pool.execute("'w' in globals()") == [True, False]
+
+
 def test_a_rank_that_raises_keeps_every_process_and_heals_nothing():
     since = _since()
     with RankPool(processes=2, output="none") as pool:
