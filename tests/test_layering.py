@@ -414,18 +414,18 @@ def _front_door_breaches(room: str) -> list[str]:
     return found
 
 
+#: Rooms that are a shelf of small stdlib-only libraries every other room uses
+#: (``nbtools._internal``: the logger, the settings table, the hooks...): each public
+#: module is a door of its own, its ``__all__`` what it lets in.
+_LIBRARY_ROOMS = {"nbtools._internal"}
+
+
 @pytest.mark.parametrize(
     "room", [r for r in _rooms() if r not in _NOT_YET_FRONT_DOOR | _LIBRARY_ROOMS]
 )
 def test_outside_code_enters_a_room_only_through_its_front_door(room):
     found = _front_door_breaches(room)
     assert not found, found
-
-
-#: Rooms that are a shelf of small stdlib-only libraries every other room uses
-#: (``nbtools._internal``: the logger, the settings table, the hooks...): each public
-#: module is a door of its own, its ``__all__`` what it lets in.
-_LIBRARY_ROOMS = {"nbtools._internal"}
 
 
 def _exports(path: Path) -> set[str] | None:
@@ -475,7 +475,7 @@ def _library_breaches(room: str) -> list[str]:
                     reasons = [way_in(target, [a.name for a in node.names])]
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
                 ref = node.value
-                if re.fullmatch(re.escape(room) + r"[.:][\w.]+", ref):
+                if re.fullmatch(re.escape(room) + r"[.:][\w.]+(:\w+)?", ref):
                     module, _, attr = ref.partition(":")
                     reasons = [way_in(module, [attr] if attr else [])]
             found += [f"{where}:{node.lineno} enters through {r}" for r in reasons if r]
