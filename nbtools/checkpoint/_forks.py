@@ -17,6 +17,7 @@ import concurrent.futures
 import os
 import time
 from concurrent.futures import Future
+from typing import Any
 
 from nbtools._internal.log import get_logger
 
@@ -27,10 +28,10 @@ FORK_WAIT_S = 600.0
 
 _log = get_logger("checkpoint")
 # Plain set operations are atomic under the GIL: no lock that a fork could copy while held.
-_IN_FLIGHT: set[Future] = set()
+_IN_FLIGHT: set[Future[Any]] = set()
 
 
-def track(future: Future) -> None:
+def track(future: Future[Any]) -> None:
     """Make forks of this process wait for ``future`` (a background save) while it runs."""
     _IN_FLIGHT.add(future)
     future.add_done_callback(_IN_FLIGHT.discard)

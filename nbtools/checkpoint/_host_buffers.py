@@ -19,7 +19,7 @@ from nbtools import _torch_compat
 __all__ = ["ReusableStager"]
 
 
-def _signature(obj: Any, prefix: str = "") -> list[tuple]:
+def _signature(obj: Any, prefix: str = "") -> list[tuple[Any, ...]]:
     if isinstance(obj, torch.Tensor):
         return [(prefix, tuple(obj.shape), obj.dtype, type(obj).__name__)]
     if isinstance(obj, dict):
@@ -35,7 +35,7 @@ class ReusableStager(AsyncStager):
     def __init__(self) -> None:
         self._pin = torch.cuda.is_available()
         self._buffers: dict[str, Any] | None = None
-        self._sig: list[tuple] | None = None
+        self._sig: list[tuple[Any, ...]] | None = None
 
     @torch.no_grad()
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:

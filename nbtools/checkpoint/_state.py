@@ -95,7 +95,7 @@ def _dumps(obj: Any) -> bytes:
 
 
 def build_state(
-    step: int, objs: Objects, rank: int, world: int, extra: dict, run_id: str | None
+    step: int, objs: Objects, rank: int, world: int, extra: dict[str, Any], run_id: str | None
 ) -> dict[str, Any]:
     """The DCP state dict of a save at this moment."""
     state: dict[str, Any] = {"step": step}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -62,7 +63,7 @@ def export(
         models = [model]
     if not models:
         raise CheckpointError(f"{target.url} holds no model weights (saved: {sorted(kinds)})")
-    state: dict = {name: {} for name in models}
+    state: dict[str, Any] = {name: {} for name in models}
     for key, md in metadata.state_dict_metadata.items():
         name, _, rest = key.partition(".")
         if name in state:

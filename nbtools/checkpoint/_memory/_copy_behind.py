@@ -95,7 +95,7 @@ class Mirrors:
     """
 
     def __init__(self) -> None:
-        self._signature: tuple | None = None
+        self._signature: tuple[Any, ...] | None = None
         self._hosts: list[torch.Tensor | None] = []
         self._side: dict[torch.device, Any] = {}
 

@@ -57,6 +57,7 @@ import shutil
 import stat
 import tempfile
 import time
+from typing import Any
 
 from nbtools import runtime
 from nbtools._internal import settings
@@ -409,7 +410,7 @@ def write_record(directory: str, key: str, rank: int, bound: int | None) -> None
         raise
 
 
-def _load_record(path: str) -> dict | None:
+def _load_record(path: str) -> dict[str, Any] | None:
     """A record file's content when this user wrote it and nobody else can; else None."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)

@@ -108,7 +108,7 @@ class Layout:
     table: list[tuple[str, tuple[int, ...], int]]
     skeleton: Any
     data_len: int
-    signature: tuple
+    signature: tuple[Any, ...]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -426,6 +426,6 @@ def agree(
     reports = [tuple(r) for r in gather(group, mine)]
     groups = {}
     for other in range(len(reports)):
-        share = decide(other, reports)  # type: ignore[arg-type]
+        share = decide(other, reports)
         groups[other] = (share.base, share.count) if share else (other, 1)
-    return decide(rank, reports), groups  # type: ignore[arg-type]
+    return decide(rank, reports), groups

@@ -67,7 +67,7 @@ class Mapped:
     mm: mmap.mmap
     data_len: int
     body: torch.Tensor
-    signature: tuple | None = None
+    signature: tuple[Any, ...] | None = None
     dests: list[torch.Tensor] = field(default_factory=list)
 
     def destinations(self, layout: _layout.Layout) -> list[torch.Tensor]:
