@@ -29,6 +29,13 @@ broadcast over a group of the two. Every rank then takes its per-rank state
 (the survivors their own, as of that step). Otherwise the tier says why in one
 line and the memory snapshots, or the volume, are asked next, as after a
 restart.
+
+The same holds when the group changed size (``min_processes``): after a shrink
+the survivors are renumbered and none is replaced; when the group grows back,
+every rank of the smaller group checks at each ``maybe_save`` whether the
+launcher asks it to (one all-reduce of a flag, only while it is smaller) and
+raises :class:`GrowBoundary` there, all at the same step, after publishing that
+step's state; the ranks that join are the replaced ones.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from nbtools._internal.log import get_logger
 from nbtools.checkpoint import _objects, _state
 from nbtools.checkpoint._restore import Known, Newest, Offer, Restored
 
-__all__ = ["LiveTier", "DIR_ENV", "GENERATION_ENV", "REPLACED_ENV"]
+__all__ = ["LiveTier", "GrowBoundary", "DIR_ENV", "GENERATION_ENV", "REPLACED_ENV", "TARGET_ENV"]
 
 _log = get_logger("checkpoint")
 
@@ -60,6 +67,13 @@ _log = get_logger("checkpoint")
 DIR_ENV = "NBTOOLS_HEAL_DIR"
 GENERATION_ENV = "NBTOOLS_HEAL_GENERATION"
 REPLACED_ENV = "NBTOOLS_HEAL_REPLACED"
+TARGET_ENV = "NBTOOLS_HEAL_TARGET"
+
+
+class GrowBoundary(RuntimeError):
+    """Raised by ``maybe_save`` in every rank of a group that shrank, at the same step, once
+    the launcher has a lost slot started again: the function unwinds, and runs again in a
+    group of the size it was started with (the state of that step held, as after a heal)."""
 
 
 @dataclass
@@ -164,7 +178,26 @@ class LiveTier:
                 os.replace(tmp, path)
             except OSError:  # the launch's directory is gone: the call is ending
                 return False
+            self._grow_here(step)
         return False
+
+    def _grow_here(self, step: int) -> None:
+        """In a group that shrank: raise :class:`GrowBoundary` when every rank sees that the
+        launcher asks it to grow (one all-reduce of a flag a step, only while it is smaller)."""
+        try:
+            target = int(os.environ.get(TARGET_ENV) or 0)
+        except ValueError:
+            return
+        if not dist.is_initialized() or dist.get_world_size() >= target:
+            return
+        asked = os.path.exists(os.path.join(self._dir, f"heal-grow-g{_generation()}"))
+        flag = torch.tensor([1 if asked else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if flag.item():
+            raise GrowBoundary(
+                f"the group of {dist.get_world_size()} ranks grows back to {target} after step "
+                f"{step}"
+            )
 
     def offers(self, pg: dist.ProcessGroup | None, below: Newest) -> Offer | None:
         """The step the survivors hold, when every rank can take it (see the module docstring)."""

@@ -177,13 +177,21 @@ def distributed(
             (or the end of the kernel) stops them.
         min_gpus: the fewest GPUs (``min_processes``: CPU ranks; ``min_nodes``:
             Ray nodes) the run may go on with when some are lost for good; at
-            most ``gpus`` (``processes``, ``nodes``). Validated now; the launch
-            itself still restarts at the full size (going on with fewer ranks
-            comes with the elastic launch). Without a minimum nothing changes.
-            Size batches with ``nbtools.runtime.batch_plan`` or
-            ``DataLoader(global_batch_size=)`` so the global batch survives a
-            change of world size.
-        min_processes: see ``min_gpus``.
+            most ``gpus`` (``processes``, ``nodes``). Validated when the call is
+            made. Without a minimum nothing changes. Size batches with
+            ``nbtools.runtime.batch_plan`` or ``DataLoader(global_batch_size=)``
+            so the global batch survives a change of world size.
+        min_processes: CPU ranks on this machine heal in place (as with
+            ``heal=True``), and a slot whose replacement fails to start twice is
+            lost for good: the survivors keep their processes and go on as a
+            group of the remaining size, numbered densely, from the state they
+            hold (``restore()`` takes it: no volume read), the global batch kept;
+            one line in the cell and a ``shrunk`` event say so. A lost slot is
+            tried again every second; once it starts, the group grows back at
+            its next ``maybe_save`` (a ``grew`` event). Each shrink and each
+            grow counts as one restart. Fewer slots than the minimum fail the
+            call, naming them. ``min_gpus`` and ``min_nodes`` are checked, and
+            such runs still restart at their full size.
         min_nodes: see ``min_gpus``; with ``cluster="ray"`` and ``nodes=``.
         replace_within: with ``min_nodes``: seconds a lost Ray node may take to
             be replaced before the run counts it as gone (default 60).

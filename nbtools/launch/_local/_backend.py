@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import threading
 import time
@@ -52,7 +51,16 @@ from nbtools.launch import _env, _results
 from nbtools.launch._backend import Failed, Finished, GroupSpec, Outcome, wait_for_stacks
 from nbtools.launch._failures import RankFailure, from_early_exit, from_exit, from_record
 from nbtools.launch._local import _forkserver
-from nbtools.launch._local._elastic import POLL_S, STOP_GRACE_S, ElasticQuiet, exit_status, start
+from nbtools.launch._local._elastic import (
+    POLL_S,
+    STOP_GRACE_S,
+    ElasticQuiet,
+    catches,
+    exit_status,
+    start,
+    with_full_disk,
+)
+from nbtools.launch._local._grow import Grower
 from nbtools.launch._local._heal import (
     FAILED_STARTS,
     START_WAIT_S,
@@ -61,6 +69,8 @@ from nbtools.launch._local._heal import (
     live_blob_path,
 )
 from nbtools.launch._rank import (
+    GENERATION_ENV,
+    REPLACED_ENV,
     STACK_SIGNAL,
     RankSpec,
     await_ending,
@@ -85,8 +95,6 @@ _COLLECT_S = 30
 # How long a first call waits for a forkserver started a moment ago to settle, so that it
 # can be stopped while the ranks start fresh (it settles in a fraction of a second).
 _SETTLE_WAIT_S = 2.0
-# Under this much free space, a rank that left no failure record is taken to have had no room.
-_FULL_DISK_BYTES = 1024 * 1024
 
 
 class LocalBackend:
@@ -126,7 +134,7 @@ class LocalBackend:
         base.update(spec.env)
         base.update(_forkserver.rank_environment(base))
         if spec.heal and not spec.use_cuda:
-            base.update(heal_environment(spec.attempt_dir))
+            base.update(heal_environment(spec.attempt_dir, spec.world_size))
         if spec.run_id not in self._runs:
             # Should this process die before the launch ends, the forkserver ends it.
             _forkserver.note_launch(spec.run_id, os.path.dirname(spec.attempt_dir), base)
@@ -232,6 +240,12 @@ class LocalGroup:
         self._replacements: list[PContext] = []
         self._where: dict[int, tuple[PContext, int]] = {r: (ctx, r) for r in self._procs}
         self._refused = -1  # the generation whose waiting ranks were told to fail
+        # A group that may shrink grows back when its lost slots start again.
+        self._grower = (
+            Grower(spec.attempt_dir, self._healer, self._spawn)
+            if self._healer.min_world is not None
+            else None
+        )
 
     @property
     def healer(self) -> Healer:
@@ -281,6 +295,11 @@ class LocalGroup:
         heals = self._healer.count
         if gone is None:
             self._healer.report()
+            if self._grower is not None:
+                if self._released:
+                    self._grower.drop()
+                elif self._grow():
+                    return None
             self._refuse_waiting()
             if not self._released:
                 time.sleep(POLL_S)
@@ -316,7 +335,7 @@ class LocalGroup:
     def _refuse_waiting(self) -> None:
         """Every rank still running waits for a verdict and none died: tell them to fail."""
         generation = self._healer.generation
-        if self._refused == generation:
+        if self._refused == generation or (self._grower is not None and self._grower.waiting()):
             return
         attempt_dir = self._spec.attempt_dir
         running = [
@@ -329,6 +348,8 @@ class LocalGroup:
 
     def _heal(self, returned: set[int]) -> bool:
         """Replace the ranks that died without a word, the others kept; whether it did."""
+        if self._grower is not None:
+            self._grower.drop()  # a lost slot is tried again once the group has healed
         self._healer.together()
         attempt_dir = self._spec.attempt_dir
         dead = [
@@ -413,36 +434,72 @@ class LocalGroup:
     def _replace(self, rank: int, heal: Heal) -> None:
         """Start a fresh rank ``rank`` from the forkserver, in generation ``heal.generation``
         (on the slot the group runs that rank on: as first started, or after a shrink)."""
+        ctx, proc = self._spawn(
+            rank,
+            self._healer.slots[rank],
+            self._spec.world_size,
+            heal.generation,
+            heal.ranks,
+            heal.attempt,
+        )
+        self._procs[rank] = proc
+        self._where[rank] = (ctx, 0)
+
+    def _spawn(
+        self, rank: int, slot: int, world: int, generation: int, new: list[int], attempt: int
+    ) -> tuple[PContext, psutil.Process | None]:
+        """Start rank ``rank`` of ``world`` on ``slot`` from the forkserver, in ``generation``
+        (``new``: the ranks that join the group in it, ``attempt`` its attempt number)."""
         assert self.starts is not None
         attempt_dir = self._spec.attempt_dir
-        slot = self._healer.slots[rank]
         env = dict(self.starts.envs[slot])
-        env.update(rank_variables(rank, self._spec.world_size))
-        env.update(self._healer.environment(heal.ranks))
+        env.update(rank_variables(rank, world))
+        env.update(
+            {
+                GENERATION_ENV: str(generation),
+                REPLACED_ENV: ",".join(str(r) for r in new),
+                "TORCHELASTIC_RESTART_COUNT": str(attempt),
+            }
+        )
         payload, rank_spec = self.starts.args[slot]
         spec = dataclasses.replace(
             rank_spec,
             rank=rank,
-            world_size=self._spec.world_size,
-            generation=heal.generation,
-            init_method="file://" + store_path(attempt_dir, heal.generation),
+            world_size=world,
+            generation=generation,
+            init_method="file://" + store_path(attempt_dir, generation),
             output=(self.stdouts[slot], self.stderrs[slot]),
             report_formed=False,
         )
         logs = DefaultLogsSpecs(
             log_dir=os.path.join(
-                attempt_dir, "logs", f"g{heal.generation}-rank{rank}-{len(self._replacements)}"
+                attempt_dir, "logs", f"g{generation}-rank{rank}-{len(self._replacements)}"
             ),
             redirects=Std.NONE,
         )
         ctx = start({0: (payload, spec)}, {0: env}, logs, _env.START_METHOD)
         self._replacements.append(ctx)
         pid = ctx.pids()[0]
-        self._procs[rank] = _process(pid)
-        self._where[rank] = (ctx, 0)
         self._groups.append(pid)
         run_dir = os.path.dirname(attempt_dir)
         _forkserver.note_launch(self._spec.run_id, run_dir, self.starts.base, self._groups)
+        return ctx, _process(pid)
+
+    def _grow(self) -> bool:
+        """Try the lost slots again; once the ranks wait at their boundary, grow (whether it
+        did, this poll)."""
+        assert self._grower is not None
+        grown = self._grower.poll(self._procs)
+        if grown is None:
+            return False
+        heal, probes = grown
+        kept = [p.pid for p in self._procs.values() if p is not None]
+        for probe in probes:
+            self._procs[probe.rank] = probe.proc
+            self._where[probe.rank] = (probe.ctx, 0)
+        self._spec = self._healer.spec
+        self._healer.publish(heal, kept)
+        return True
 
     def _code(self, rank: int) -> int | None:
         """The exit code of rank ``rank``'s current process (None: unknown or running)."""
@@ -576,7 +633,7 @@ class LocalGroup:
             # code, says how; "exited with code 0" only when that is what happened.
             if early not in failures:
                 code = exited.get(early)
-                failures[early] = _with_full_disk(
+                failures[early] = with_full_disk(
                     from_exit(early, code, attempt) if code else from_early_exit(early, attempt),
                     attempt_dir,
                 )
@@ -605,7 +662,7 @@ class LocalGroup:
             # to, even when a peer's error in the collective was recorded (or reported
             # by torch) first.
             for rank in silent:
-                failures[rank] = _with_full_disk(from_exit(rank, codes[rank], attempt), attempt_dir)
+                failures[rank] = with_full_disk(from_exit(rank, codes[rank], attempt), attempt_dir)
             return Failed(failures, silent[0], returned)
         # Every rank that raised wrote a record; the earliest one is the cause, since
         # peers of a failed rank fail later, in the collective they were waiting in.
@@ -616,7 +673,7 @@ class LocalGroup:
         sent = False
         for proc in self._procs.values():
             # A rank still starting has no handler yet: the signal would kill it.
-            if _running(proc) and _catches(proc.pid, STACK_SIGNAL):
+            if _running(proc) and catches(proc.pid, STACK_SIGNAL):
                 with contextlib.suppress(psutil.Error, OSError):
                     proc.send_signal(STACK_SIGNAL)
                     sent = True
@@ -695,27 +752,6 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _with_full_disk(failure: RankFailure, attempt_dir: str) -> RankFailure:
-    """``failure`` of a rank that left no record, saying so when its directory is full.
-
-    A rank whose failure record cannot be written (a full ``TMPDIR``) would otherwise
-    read as an unexplained exit.
-    """
-    if failure.exitcode is not None and failure.exitcode < 0:
-        return failure  # killed by a signal: not for want of space
-    try:
-        free = shutil.disk_usage(attempt_dir).free
-    except OSError:
-        return failure
-    if free >= _FULL_DISK_BYTES:
-        return failure
-    return dataclasses.replace(
-        failure,
-        message=f"{failure.message}; its launch directory {attempt_dir} is full ({free} bytes "
-        "free), so it could not report why: free space in TMPDIR",
-    )
-
-
 def _process(pid: int) -> psutil.Process | None:
     try:
         return psutil.Process(pid)
@@ -731,15 +767,3 @@ def _running(proc: psutil.Process | None) -> bool:
         return proc.is_running() and not ending(proc.pid)
     except psutil.Error:
         return False
-
-
-def _catches(pid: int, sig: int) -> bool:
-    """Whether the process ``pid`` has a handler for ``sig`` (its ``SigCgt`` mask in /proc)."""
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return False

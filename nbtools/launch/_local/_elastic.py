@@ -1,5 +1,8 @@
 """torch elastic's process context for one attempt: starting it, its exit status, quiet loggers.
 
+Also what the local group reads of a rank's process from outside: whether it handles a
+signal (``catches``), and whether a silent end was for want of disk (``with_full_disk``).
+
 ``start`` is what ``torch.distributed.elastic.multiprocessing.start_processes``
 does for a function entry point, except that an interrupt during the start also
 stops what has already started; ``exit_status`` waits briefly for torch to
@@ -9,8 +12,10 @@ reports while :mod:`nbtools.launch._local` reports the attempt as one error.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
+import shutil
 import signal
 import time
 
@@ -24,13 +29,24 @@ from torch.distributed.elastic.multiprocessing import (
 
 from nbtools.errors import LaunchError
 from nbtools.launch import _env
+from nbtools.launch._failures import RankFailure
 from nbtools.launch._rank import run_rank
 
-__all__ = ["POLL_S", "STOP_GRACE_S", "ElasticQuiet", "exit_status", "start"]
+__all__ = [
+    "POLL_S",
+    "STOP_GRACE_S",
+    "ElasticQuiet",
+    "catches",
+    "exit_status",
+    "start",
+    "with_full_disk",
+]
 
 POLL_S = 0.005
 # Grace between SIGTERM and SIGKILL when ranks are stopped (must stay well under 5 s).
 STOP_GRACE_S = 2
+# Under this much free space, a rank that left no failure record is taken to have had no room.
+_FULL_DISK_BYTES = 1024 * 1024
 # How long a rank that vanished may take to have its exit status reach torch.
 _EXIT_STATUS_WAIT_S = 1.0
 # torch's elastic loggers report every closed process; the caller gets one DistributedError instead.
@@ -95,3 +111,36 @@ class ElasticQuiet:
         for logger in self._loggers:
             logger.removeFilter(self._dropper)
         self._loggers = []
+
+
+def with_full_disk(failure: RankFailure, attempt_dir: str) -> RankFailure:
+    """``failure`` of a rank that left no record, saying so when its directory is full.
+
+    A rank whose failure record cannot be written (a full ``TMPDIR``) would otherwise
+    read as an unexplained exit.
+    """
+    if failure.exitcode is not None and failure.exitcode < 0:
+        return failure  # killed by a signal: not for want of space
+    try:
+        free = shutil.disk_usage(attempt_dir).free
+    except OSError:
+        return failure
+    if free >= _FULL_DISK_BYTES:
+        return failure
+    return dataclasses.replace(
+        failure,
+        message=f"{failure.message}; its launch directory {attempt_dir} is full ({free} bytes "
+        "free), so it could not report why: free space in TMPDIR",
+    )
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether the process ``pid`` has a handler for ``sig`` (its ``SigCgt`` mask in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False

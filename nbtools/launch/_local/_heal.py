@@ -107,6 +107,8 @@ class Healer:
         self.min_world = spec.min_world_size if self.enabled else None
         #: The slot (rank as first started) each rank of the group runs on now.
         self.slots = list(range(spec.world_size))
+        #: The slots lost for good and not back yet (:mod:`._grow` tries them again).
+        self.lost: list[int] = []
         #: Whether :meth:`report` says each heal (False: the caller says it in its own words).
         self.announce = True
 
@@ -154,6 +156,7 @@ class Healer:
             raise DistributedError(message)
         ranks = {old: new for new, old in enumerate(r for r in range(world) if r not in lost)}
         self.slots = [self.slots[old] for old in sorted(ranks)]
+        self.lost += slots
         self._spec = dataclasses.replace(self._spec, world_size=remaining)
         heal.renumbered = ranks
         heal.worlds = (world, remaining)
@@ -177,6 +180,11 @@ class Healer:
 
     def _attempt(self) -> int:
         return self._spec.restart_count + len(self.heals)
+
+    @property
+    def attempt(self) -> int:
+        """The group's attempt number now (``TORCHELASTIC_RESTART_COUNT``)."""
+        return self._attempt()
 
     def why_not(self, dead: list[int], returned: set[int]) -> str | None:
         """Why the death of ``dead`` cannot heal (one line), or None when it can."""
@@ -308,11 +316,41 @@ class Healer:
         _log.warning("%s", message)
         events.emit("healed", message, **fields)
 
+    def grow(self, new: list[int], slots: list[int]) -> Heal:
+        """Grow back: ranks ``new`` join on the lost ``slots`` in the next generation, the
+        ranks that wait keep their processes and numbers (see :mod:`._grow`)."""
+        world = self._spec.world_size
+        target = world + len(new)
+        self.generation += 1
+        heal = Heal(
+            ranks=list(new),
+            how={},
+            generation=self.generation,
+            attempt=self._attempt() + 1,
+            seen=time.time(),
+            kept=list(range(world)),
+            restores=True,
+            renumbered={r: r for r in range(world)},
+            worlds=(world, target),
+            lost=list(slots),
+        )
+        self.heals.append(heal)
+        self.slots += slots
+        self.lost = [s for s in self.lost if s not in slots]
+        self._spec = dataclasses.replace(self._spec, world_size=target)
+        return heal
+
     def _say_shrunk(self, heal: Heal, restored: events.Event | None) -> None:
-        """The line in the cell and the ``shrunk`` event of a group that went on with fewer."""
+        """The line in the cell and the ``shrunk`` (or ``grew``) event of a group that went
+        on with fewer ranks (or grew back)."""
         before, after = heal.worlds
-        cause = f"{_died(heal)} and {_slots(heal.lost)} failed to start {_times()}"
-        text = f"{cause}: continuing on {after} of {before} processes"
+        grew = after > before
+        if grew:
+            cause = f"{_slots(heal.lost)} started again"
+            text = f"{cause}: grew from {before} to {after} processes"
+        else:
+            cause = f"{_died(heal)} and {_slots(heal.lost)} failed to start {_times()}"
+            text = f"{cause}: continuing on {after} of {before} processes"
         step = restored.step if restored is not None else None
         tier = restored.fields.get("tier") if restored is not None and restored.fields else None
         if restored is not None:
@@ -324,7 +362,7 @@ class Healer:
             text += f"; {batch}"
         _log.warning("%s", text)
         events.emit(
-            "shrunk",
+            "grew" if grew else "shrunk",
             text,
             from_world=before,
             to_world=after,

@@ -47,6 +47,8 @@ __all__ = [
     "GENERATION_ENV",
     "REPLACED_ENV",
     "DIR_ENV",
+    "TARGET_ENV",
+    "grow_path",
     "VERDICT_WAIT_S",
     "store_path",
     "waiting_path",
@@ -69,15 +71,23 @@ GENERATION_ENV = "NBTOOLS_HEAL_GENERATION"
 REPLACED_ENV = "NBTOOLS_HEAL_REPLACED"
 #: The launch's directory, where each rank keeps its latest per-rank state for a heal.
 DIR_ENV = "NBTOOLS_HEAL_DIR"
+#: The world size the group was started with: a group that shrank grows back to it.
+TARGET_ENV = "NBTOOLS_HEAL_TARGET"
 #: The longest a rank waits for the caller's verdict before it fails as without healing (the
 #: caller may first try twice to start a replacement in a group that may shrink).
 VERDICT_WAIT_S = 60.0
 _POLL_S = (0.001, 0.02)
 
 
-def heal_environment(run_dir: str) -> dict[str, str]:
+def heal_environment(run_dir: str, world_size: int) -> dict[str, str]:
     """What every rank of a group that heals starts with (generation 0, nothing replaced)."""
-    return {DIR_ENV: run_dir, GENERATION_ENV: "0", REPLACED_ENV: ""}
+    return {DIR_ENV: run_dir, GENERATION_ENV: "0", REPLACED_ENV: "", TARGET_ENV: str(world_size)}
+
+
+def grow_path(run_dir: str, generation: int) -> str:
+    """Exists while the caller asks the ranks of generation ``generation`` to stop at their next
+    ``maybe_save``, so that the group grows back (``nbtools.checkpoint._live`` names it too)."""
+    return os.path.join(run_dir, f"heal-grow-g{generation}")
 
 
 def store_path(run_dir: str, generation: int) -> str:

@@ -28,7 +28,7 @@ import pytest
 pytestmark = [pytest.mark.slow]
 
 CELL = r"""
-import json, os, signal, sys
+import json, os, signal, sys, time
 import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset
@@ -66,7 +66,7 @@ class Gate:
         return (_gate, (self.path, self.slot))
 
 
-def train(base, name, gate, kills, snapshot_kill):
+def train(base, name, gate, kills, snapshot_kill, back_at):
     rank, world, attempt = dist.get_rank(), dist.get_world_size(), get_restart_count()
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 1, dtype=torch.float64)
@@ -89,10 +89,14 @@ def train(base, name, gate, kills, snapshot_kill):
             for p in model.parameters():
                 dist.all_reduce(p.grad)
             opt.step()
-            ckpt.maybe_save(step, model=model, optimizer=opt, data=loader)
             with open(f"{base}/log-{name}/ids-{rank}-{os.getpid()}.jsonl", "a") as fh:
                 record = {"step": step, "ids": ids.tolist(), "world": world, "attempt": attempt}
                 fh.write(json.dumps(record) + "\n")
+            if back_at is not None and world < 4:
+                if rank == 0 and step == back_at and os.path.exists(gate.path):
+                    os.unlink(gate.path)  # the slot works again
+                time.sleep(0.4)  # the time a real step takes: the slot is tried meanwhile
+            ckpt.maybe_save(step, model=model, optimizer=opt, data=loader)
             if snapshot_kill and attempt == 0 and [rank, step] == snapshot_kill:
                 # Killed while the memory snapshot maybe_save started is written behind.
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -101,6 +105,7 @@ def train(base, name, gate, kills, snapshot_kill):
 
 
 base, case = sys.argv[1], json.loads(sys.argv[2])
+FILES = case.get("files", FILES)
 os.makedirs(f"{base}/src")
 for i in range(FILES):
     with open(f"{base}/src/f{i:05d}.bin", "wb") as fh:
@@ -111,13 +116,15 @@ for name in ("ref", "run"):
     os.makedirs(f"{base}/log-{name}")
 out = {}
 ref = distributed(processes=4, output="none")(train).distributed(
-    base, "ref", Gate(gate, case["slot"]), {}, None
+    base, "ref", Gate(gate, case["slot"]), {}, None, None
 )
 job = distributed(
     processes=4, min_processes=case["min"], max_restarts=case["restarts"], output="none"
 )(train)
 try:
-    got = job.distributed(base, "run", Gate(gate, case["slot"]), case["kills"], case.get("snap"))
+    got = job.distributed(
+        base, "run", Gate(gate, case["slot"]), case["kills"], case.get("snap"), case.get("back")
+    )
 except DistributedError as exc:
     out["error"] = str(exc).splitlines()[0]
 else:
@@ -133,6 +140,7 @@ for fn in os.listdir(f"{base}/log-run"):
             record = json.loads(line)
             steps.setdefault(record["step"], []).append(record)
 ids = [i for records in steps.values() for r in records for i in r["ids"]]
+out["files"] = FILES
 out["steps"] = sorted(steps)
 out["sizes"] = sorted({sum(len(r["ids"]) for r in records) for records in steps.values()})
 out["worlds"] = [steps[s][0]["world"] for s in sorted(steps)]
@@ -144,7 +152,8 @@ out["starts"] = {
     if fn.startswith("start-")
 }
 out["shrunk"] = [dict(e.fields, step=e.step) for e in events.log(kinds=["shrunk"])]
-out["lines"] = [e.message for e in events.log(kinds=["shrunk", "healed"])]
+out["grew"] = [dict(e.fields, step=e.step) for e in events.log(kinds=["grew"])]
+out["lines"] = [e.message for e in events.log(kinds=["shrunk", "grew", "healed"])]
 print("RESULT " + json.dumps(out))
 """
 
@@ -179,7 +188,7 @@ def shm(tmp_path, monkeypatch):
 def _exact(result: dict) -> None:
     """Every sample of the epoch once, every step the same global batch, the weights of the
     uninterrupted run (see the module docstring for the tolerance)."""
-    assert result["steps"] == list(range(10)), result
+    assert result["steps"] == list(range(result["files"] // 12)), result
     assert result["sizes"] == [12], result
     assert (result["dups"], result["drops"]) == (0, 0), result
     assert result["max_diff"] <= 1e-12, result
@@ -242,3 +251,25 @@ def test_a_slot_lost_while_its_rank_writes_a_snapshot_shrinks_exactly(tmp_path, 
     assert result["worlds"] == [4] * 5 + [3] * 5, result
     (shrunk,) = result["shrunk"]
     assert (shrunk["to_world"], shrunk["step"], shrunk["tier"]) == (3, 4, "live"), shrunk
+
+
+def test_a_lost_slot_that_starts_again_grows_the_group_back_exactly(tmp_path, shm):
+    # 4 -> 3 at step 4; the slot works again from step 6 on, and the group grows back to 4
+    # at a maybe_save after that: every sample once, the global batch kept throughout.
+    result = _run(tmp_path, slot=3, min=3, restarts=3, kills={"0": {"4": [3]}}, files=240, back=6)
+    _exact(result)
+    assert result["ranks"] == 4
+    worlds = result["worlds"]
+    back = worlds.index(4, 4)
+    assert worlds == [4] * 4 + [3] * (back - 4) + [4] * (20 - back), worlds
+    assert back > 6, worlds
+    (grew,) = result["grew"]
+    assert (grew["from_world"], grew["to_world"], grew["slots"]) == (3, 4, "3"), grew
+    assert (grew["step"], grew["tier"]) == (back - 1, "live"), grew
+    starts = result["starts"]
+    for rank in range(3):  # the ranks kept their processes through the shrink and the grow
+        assert starts[f"2-{rank}"]["pid"] == starts[f"0-{rank}"]["pid"], starts
+    assert starts["2-3"]["pid"] != starts["0-3"]["pid"]
+    assert f"slot 3 started again: grew from 3 to 4 processes from step {back}" in str(
+        result["lines"]
+    )
