@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from nbtools.launch._local._backend import _catches
+from nbtools.launch._local._elastic import catches
 
 
 def _started(code: str) -> subprocess.Popen[bytes]:
@@ -29,8 +29,8 @@ def test_only_a_process_with_a_stack_handler_is_asked_for_its_stacks():
         "print('ready', flush=True); time.sleep(60)"
     )
     try:
-        assert not _catches(bare.pid, signal.SIGUSR2)
-        assert _catches(handled.pid, signal.SIGUSR2)
+        assert not catches(bare.pid, signal.SIGUSR2)
+        assert catches(handled.pid, signal.SIGUSR2)
         handled.send_signal(signal.SIGUSR2)  # answers with its stacks and lives on
         time.sleep(0.5)
         assert handled.poll() is None
@@ -40,4 +40,4 @@ def test_only_a_process_with_a_stack_handler_is_asked_for_its_stacks():
             proc.wait()
             assert proc.stdout is not None
             proc.stdout.close()
-    assert not _catches(bare.pid, signal.SIGUSR2)  # gone: nothing to ask
+    assert not catches(bare.pid, signal.SIGUSR2)  # gone: nothing to ask
