@@ -147,6 +147,8 @@ def _end_to_heal(group: RankGroup, failed: Failed) -> bool:
     seen = {e.rank: e.fields.get("rank_pid") for e in events.log(kinds=["hang"]) if e.fields}
     pids = [seen.get(rank) for rank in ranks]
     if not all(isinstance(pid, int) for pid in pids):
+        # A rank that hung before its first progress report reached the kernel.
+        _log.warning("the hung rank's process is not known yet: not healed in place")
         return False
     _log.warning("ending the hung rank%s with SIGKILL to heal in place", "s"[: len(ranks) - 1])
     for pid in pids:
