@@ -25,9 +25,10 @@ def _stalls_once(work: str) -> tuple[int, int]:
     rank, attempt = dist.get_rank(), runtime.get_restart_count()
     with open(os.path.join(work, f"pid-{attempt}-{rank}"), "w") as fh:
         fh.write(str(os.getpid()))
-    for step in range(30):
+    for step in range(60):
         time.sleep(0.05)
-        if rank == 1 and step == 10 and attempt == 0:
+        # Late enough that its progress reports (shipped about once a second) arrived.
+        if rank == 1 and step == 40 and attempt == 0:
             os.kill(os.getpid(), signal.SIGSTOP)  # stopped: its peers wait in the collective
         dist.all_reduce(torch.ones(1))
         rank_events.step(step)
