@@ -368,6 +368,11 @@ def main() -> None:
         from nbtools import distributed
 
         distributed(processes=2, output="none")(_warm).distributed()
+        from nbtools.launch._local import _forkserver
+
+        deadline = time.monotonic() + 120
+        while not _forkserver.ready() and time.monotonic() < deadline:
+            time.sleep(0.1)  # its preloads imported, as in a notebook some calls later
         backend_files = min(files, 240)
         sub = work / "backend"
         sub.mkdir()
