@@ -52,6 +52,23 @@ def test_a_rank_killed_between_calls_is_replaced_and_the_others_keep_their_names
     assert not events.log(since=since, kinds=["pool_restarted"])
 
 
+def test_two_ranks_killed_at_once_are_replaced_in_one_heal():
+    with RankPool(processes=3, output="none") as pool:
+        pool.execute(_SETUP)
+        pids = pool.pids
+        os.kill(pids[1], signal.SIGKILL)
+        os.kill(pids[2], signal.SIGKILL)
+        with pytest.raises(DistributedError) as info:
+            pool.execute("1")
+        message = str(info.value)
+        assert message.startswith("rank 1 died (SIGKILL) and rank 2 died (SIGKILL); healed in")
+        assert "rank 0 kept its process and names, ranks 1, 2 replaced" in message, message
+        assert "(their namespaces are new): lr, w" in message, message
+        assert pool.pids[0] == pids[0] and not {pids[1], pids[2]} & set(pool.pids)
+        assert pool.restarts == 1
+        assert pool.execute("'w' in globals()") == [True, False, False]
+
+
 def test_a_rank_killed_in_a_collective_heals_and_the_budget_holds():
     with RankPool(processes=2, max_restarts=1, output="none") as pool:
         pool.execute(_SETUP)
