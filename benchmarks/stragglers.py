@@ -25,10 +25,11 @@ with default settings (hang warnings counted, goal 0, and the one-line notices
 of a rank busy outside collectives):
 
 - Save: both ranks save a 64 MB model with ``CheckpointManager`` (``async_save=False``)
-  to a slow directory: an fsspec filesystem whose uploads from rank 0 go at 256 KB/s
-  for 90 s (64 KB writes, each after a 0.25 s wait, as to a remote mount; the FUSE
-  passthrough of ``benchmarks/_slowfs.py`` is read-only). Rank 0 waits on the
-  manager's upload threads while rank 1 waits for it in the manager's collectives.
+  to a slow directory: an fsspec filesystem whose uploads go at 256 KB/s for 90 s
+  from a rank's first (64 KB writes, each after a 0.25 s wait, as to a remote mount;
+  the FUSE passthrough of ``benchmarks/_slowfs.py`` is read-only). The rank that
+  holds the 64 MB weight (DCP writes a replicated tensor once) waits on the
+  manager's upload threads while the other waits for it in the manager's collectives.
 - Compile: rank 0's first step takes 70 s, its main thread waiting for two
   worker processes that compute, while rank 1 waits in DDP's all-reduce.
 - Evaluate: rank 0 alone computes for 100 s (``if rank == 0: evaluate()``)
@@ -171,7 +172,7 @@ def _phases(mode: str, seconds: float, root: str = ""):
         model(torch.randn(8, 16)).sum().backward()
         events.step(step)
         if step == 20 and mode in ("save", "evaluate"):
-            if ckpt is not None:  # rank 0's upload takes `seconds`; rank 1 waits for it
+            if ckpt is not None:  # the rank with the weight uploads for `seconds`
                 ckpt.save(step, model=big)
             if rank == 0 and mode == "evaluate":
                 end = time.monotonic() + seconds
@@ -189,12 +190,11 @@ def _phases(mode: str, seconds: float, root: str = ""):
 
 
 def _slow_manager(root: str, seconds: float):
-    """A ``CheckpointManager`` saving to ``root`` through a slow fsspec filesystem: rank 0's
-    uploads go 64 KB at a time, each after a 0.25 s wait, for ``seconds`` from the first."""
+    """A ``CheckpointManager`` saving to ``root`` through a slow fsspec filesystem: a rank's
+    uploads go 64 KB at a time, each after a 0.25 s wait, for ``seconds`` from its first."""
     import threading
 
     import fsspec
-    import torch.distributed as dist
     from fsspec.implementations.local import LocalFileSystem
 
     from nbtools.checkpoint import CheckpointManager
@@ -203,7 +203,7 @@ def _slow_manager(root: str, seconds: float):
     began: list[float] = []
 
     class SlowMount(LocalFileSystem):
-        """A remote volume that rank 0 reaches at 256 KB/s."""
+        """A remote volume that each rank reaches at 256 KB/s."""
 
         protocol = "nbtslowbench"
 
@@ -212,8 +212,6 @@ def _slow_manager(root: str, seconds: float):
             return super()._strip_protocol(str(path).removeprefix("nbtslowbench://"))
 
         def put_file(self, lpath, rpath, **kwargs):
-            if dist.get_rank() != 0:
-                return super().put_file(lpath, rpath, **kwargs)
             if not began:
                 began.append(time.monotonic())
             rpath = self._strip_protocol(rpath)
