@@ -187,7 +187,7 @@ def distributed(
             group of the remaining size, numbered densely, from the state they
             hold (``restore()`` takes it: no volume read), the global batch kept;
             one line in the cell and a ``shrunk`` event say so. A lost slot is
-            tried again every second; once it starts, the group grows back at
+            tried again (after 1 s, doubling up to 30 s); once it starts, the group grows back at
             its next ``maybe_save`` (a ``grew`` event). Each shrink and each
             grow counts as one restart. Fewer slots than the minimum fail the
             call, naming them. ``min_gpus`` and ``min_nodes`` are checked, and

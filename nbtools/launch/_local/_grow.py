@@ -1,8 +1,9 @@
 """Growing back: a group that shrank in place gets its lost slots again once they start.
 
 After a shrink (:mod:`nbtools.launch._local._heal`) the slots lost for good are
-tried again every :data:`PROBE_EVERY_S` seconds while the group trains at its
-smaller size: :class:`Grower` starts a rank on each of them, numbered after the
+tried again while the group trains at its smaller size, first
+:data:`PROBE_EVERY_S` seconds apart, then twice as long after each try that fails,
+up to :data:`PROBE_MAX_S`: :class:`Grower` starts a rank on each of them, numbered after the
 ranks that run, for the next generation of the group, the world size it was
 started with. A rank that cannot start yet (its process ends, or does not start
 within the start wait) is stopped and tried again later, saying nothing: the
@@ -38,10 +39,12 @@ from nbtools.launch._rank import (
     waiting_path,
 )
 
-__all__ = ["PROBE_EVERY_S", "Grower", "Probe"]
+__all__ = ["PROBE_EVERY_S", "PROBE_MAX_S", "Grower", "Probe"]
 
-#: How often a lost slot is tried again while the group runs at its smaller size.
+#: How soon a lost slot is tried again while the group runs at its smaller size, and the
+#: longest wait once tries have failed (each failure doubles it).
 PROBE_EVERY_S = 1.0
+PROBE_MAX_S = 30.0
 _STOP_GRACE_S = 2.0
 
 #: Starts rank ``rank`` of ``world`` on ``slot`` in generation ``generation``, with the ranks
@@ -69,6 +72,7 @@ class Grower:
         self._spawn = spawn
         self._probes: list[Probe] = []
         self._next = 0.0
+        self._every = PROBE_EVERY_S
         self._asked: int | None = None  # the generation asked to stop at its next maybe_save
 
     def poll(self, running: dict[int, psutil.Process | None]) -> tuple[Heal, list[Probe]] | None:
@@ -79,13 +83,14 @@ class Grower:
             return None
         if not self._probes:
             if time.monotonic() >= self._next:
-                self._next = time.monotonic() + PROBE_EVERY_S
                 self._start()
             return None
         if self._asked is None:
             state = [self._state(p) for p in self._probes]
             if any(s is False for s in state):
                 self.drop()
+                self._next = time.monotonic() + self._every
+                self._every = min(self._every * 2, PROBE_MAX_S)
             elif all(state):
                 self._asked = healer.generation
                 with open(grow_path(self._dir, healer.generation), "w"):
@@ -95,6 +100,7 @@ class Grower:
             return None
         probes, self._probes = self._probes, []
         self._forget_request()
+        self._every = PROBE_EVERY_S
         new = [p.rank for p in probes]
         heal = healer.grow(new, [p.slot for p in probes])
         for rank in new:  # the per-rank state of the step the ranks stopped at: rank 0's
