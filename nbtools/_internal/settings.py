@@ -259,6 +259,16 @@ SETTINGS: tuple[Setting, ...] = (
         internal=True,
     ),
     Setting(
+        name="NBTOOLS_HEAL_TARGET",
+        type="int",
+        default="unset",
+        meaning="The world size a group that heals in place was started with: a group that "
+        "shrank (`min_processes`) grows back to it.",
+        area="launch",
+        internal=True,
+        parse=_whole,
+    ),
+    Setting(
         name="NBTOOLS_RESULTS_DEVICE",
         type="`cpu` or `cuda`",
         default="cpu",
