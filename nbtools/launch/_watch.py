@@ -60,7 +60,11 @@ def watch(
         first_steps=first_steps,
     ) as dog:
         outcome = _watch(group, forwarder, hang_timeout, on_hang, dog)
-    for notice in dog.take_notices():  # flags still open ended with the group
+    # A hang seen just before the group ended (its report, asked of the ranks, can come after
+    # the flag's event released the rank): still said, then the flags the group's end closed.
+    for report in dog.take_reports():
+        _log.warning("%s", report.text)
+    for notice in dog.take_notices():
         _log.warning("%s", notice)
     return outcome
 
