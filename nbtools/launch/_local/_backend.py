@@ -75,7 +75,6 @@ from nbtools.launch._rank import (
     RankSpec,
     await_ending,
     end_groups,
-    ending,
     exit_code,
     failure_path,
     formed_path,
@@ -84,6 +83,7 @@ from nbtools.launch._rank import (
     rank_variables,
     release_path,
     returned_path,
+    runs_own_code,
     started_path,
     store_path,
 )
@@ -306,7 +306,7 @@ class LocalGroup:
                 return None
             for ctx in self._contexts():
                 _torch_compat.release_returned(ctx)  # torch's wait cannot, for the first
-            if any(_running(p) for p in self._procs.values()):
+            if any(runs_own_code(p) for p in self._procs.values()):
                 time.sleep(POLL_S)
                 return None
             self._healer.report(final=True)
@@ -341,7 +341,7 @@ class LocalGroup:
         running = [
             r
             for r, p in self._procs.items()
-            if _running(p) and not os.path.exists(returned_path(attempt_dir, r))
+            if runs_own_code(p) and not os.path.exists(returned_path(attempt_dir, r))
         ]
         if self._healer.refuse_waiting(running):
             self._refused = generation
@@ -356,7 +356,7 @@ class LocalGroup:
             r
             for r, p in self._procs.items()
             if r not in returned
-            and not _running(p)
+            and not runs_own_code(p)
             and not os.path.exists(failure_path(attempt_dir, r))
         ]
         why = self._healer.why_not(dead, returned)
@@ -397,7 +397,7 @@ class LocalGroup:
         while time.monotonic() < deadline:
             if os.path.exists(path):
                 return True, None
-            if not _running(proc):
+            if not runs_own_code(proc):
                 killed = await_ending({rank: proc}, STOP_GRACE_S)
                 return False, None if killed is None else self._code(rank)
             time.sleep(POLL_S * 4)
@@ -535,7 +535,7 @@ class LocalGroup:
                 pass
             self._released = True
         for rank, proc in self._procs.items():
-            if rank not in returned and not _running(proc):
+            if rank not in returned and not runs_own_code(proc):
                 if self._healer.count and os.path.exists(failure_path(attempt_dir, rank)):
                     return _Vanished(rank, None)  # torch's first context knows no longer
                 if os.path.exists(failure_path(attempt_dir, rank)):
@@ -560,7 +560,7 @@ class LocalGroup:
     def _terminate(self, exclude: int) -> None:
         """SIGTERM every rank but ``exclude`` that still runs."""
         for rank, proc in self._procs.items():
-            if rank != exclude and _running(proc):
+            if rank != exclude and runs_own_code(proc):
                 with contextlib.suppress(psutil.Error, OSError):
                     proc.send_signal(signal.SIGTERM)
                     proc.send_signal(signal.SIGCONT)  # a stopped rank acts on it only so
@@ -673,7 +673,7 @@ class LocalGroup:
         sent = False
         for proc in self._procs.values():
             # A rank still starting has no handler yet: the signal would kill it.
-            if _running(proc) and catches(proc.pid, STACK_SIGNAL):
+            if runs_own_code(proc) and catches(proc.pid, STACK_SIGNAL):
                 with contextlib.suppress(psutil.Error, OSError):
                     proc.send_signal(STACK_SIGNAL)
                     sent = True
@@ -757,13 +757,3 @@ def _process(pid: int) -> psutil.Process | None:
         return psutil.Process(pid)
     except psutil.Error:
         return None
-
-
-def _running(proc: psutil.Process | None) -> bool:
-    """Whether ``proc`` still runs code of its own (see ``_leftovers.ending``)."""
-    if proc is None:
-        return False
-    try:
-        return proc.is_running() and not ending(proc.pid)
-    except psutil.Error:
-        return False

@@ -32,9 +32,9 @@ from torch.distributed.elastic.multiprocessing import PContext
 from nbtools.launch._local._heal import START_WAIT_S, Heal, Healer, live_blob_path
 from nbtools.launch._rank import (
     await_ending,
-    ending,
     failure_path,
     grow_path,
+    runs_own_code,
     started_path,
     waiting_path,
 )
@@ -128,7 +128,7 @@ class Grower:
         """True once ``probe`` started, False when it cannot (ended, or too slow), else None."""
         if os.path.exists(started_path(self._dir, self._healer.generation + 1, probe.rank)):
             return True
-        if not _running(probe.proc) or time.monotonic() - probe.since > START_WAIT_S:
+        if not runs_own_code(probe.proc) or time.monotonic() - probe.since > START_WAIT_S:
             return False
         return None
 
@@ -157,12 +157,3 @@ class Grower:
             with contextlib.suppress(OSError):
                 os.unlink(grow_path(self._dir, self._asked))
             self._asked = None
-
-
-def _running(proc: psutil.Process | None) -> bool:
-    if proc is None:
-        return False
-    try:
-        return proc.is_running() and not ending(proc.pid)
-    except psutil.Error:
-        return False

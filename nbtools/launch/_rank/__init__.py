@@ -57,6 +57,7 @@ from nbtools.launch._rank._leftovers import (
     exit_code,
     is_library_service,
     lead_own_group,
+    runs_own_code,
 )
 from nbtools.launch._rank._records import GROUP_PHASE, failure_record, flush_events
 from nbtools.launch._rank._worker import (
@@ -109,6 +110,7 @@ __all__ = [
     "end_groups",
     "end_rank_leftovers",
     "ending",
+    "runs_own_code",
     "exit_code",
     "is_library_service",
     "lead_own_group",

@@ -35,6 +35,7 @@ __all__ = [
     "has_children",
     "is_library_service",
     "ending",
+    "runs_own_code",
     "exit_code",
     "await_ending",
 ]
@@ -79,6 +80,17 @@ def ending(pid: int) -> bool:
         except psutil.Error:
             return True
     return fields[0] in ("Z", "X", "x") or bool(int(fields[6]) & _PF_EXITING)
+
+
+def runs_own_code(proc: psutil.Process | None) -> bool:
+    """Whether ``proc`` (None: never started) is alive and still runs code of its own
+    (see :func:`ending`)."""
+    if proc is None:
+        return False
+    try:
+        return proc.is_running() and not ending(proc.pid)
+    except psutil.Error:
+        return False
 
 
 def exit_code(pid: int) -> int | None:
