@@ -238,17 +238,21 @@ class Ranks:
     def pids(self) -> list[int]:
         return [self.hellos[r]["pid"] for r in range(self.world_size)]
 
+    def _accept(self) -> None:
+        """Take the ranks' new connections; a second one for a rank already in is refused."""
+        for link, hello in self.listener.poll():
+            if link.rank in self.links:  # holds the key, yet a rank already in: not ours
+                _log.warning("a second connection for rank %d was refused", link.rank)
+                link.close()
+                continue
+            self.links[link.rank] = link
+            self.hellos[link.rank] = hello
+
     def _connect(self) -> None:
         next_poll = 0.0
         while len(self.links) < self.world_size:
             wait_readable([], self.listener, _PUMP_S)
-            for link, hello in self.listener.poll():
-                if link.rank in self.links:  # holds the key, yet a rank already in: not ours
-                    _log.warning("a second connection for rank %d was refused", link.rank)
-                    link.close()
-                    continue
-                self.links[link.rank] = link
-                self.hellos[link.rank] = hello
+            self._accept()
             self.forwarder.poll()
             if time.monotonic() >= next_poll:
                 outcome = self.group.poll()
@@ -498,13 +502,7 @@ class Ranks:
                     except ChannelClosed:
                         link.close()
                         del closing[rank]
-                for link, hello in self.listener.poll():
-                    if link.rank in self.links:
-                        _log.warning("a second connection for rank %d was refused", link.rank)
-                        link.close()
-                        continue
-                    self.links[link.rank] = link
-                    self.hellos[link.rank] = hello
+                self._accept()
                 self.forwarder.poll()
                 if time.monotonic() >= next_poll:
                     outcome = self.group.poll()
