@@ -303,6 +303,31 @@ requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
 
 @pytest.fixture(scope="session")
+def mlflow_store(tmp_path_factory: pytest.TempPathFactory):
+    """Make new MLflow sqlite stores: ``mlflow_store(path)`` returns the ``sqlite:///`` URI.
+
+    Creating a store runs MLflow's migrations (seconds; tens of seconds on a busy machine);
+    they run once per test process, into a template, and each store is a copy of it: the
+    same tables and Default experiment a fresh store has. For tests whose store is only
+    where their runs go, not for those about creating one.
+    """
+    template: list[str] = []
+
+    def new(path: os.PathLike[str] | str) -> str:
+        if not template:
+            from mlflow import MlflowClient
+
+            made = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+            MlflowClient(tracking_uri=f"sqlite:///{made}").search_experiments()
+            template.append(str(made))
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        shutil.copyfile(template[0], path)
+        return f"sqlite:///{path}"
+
+    return new
+
+
+@pytest.fixture(scope="session")
 def _shell():
     """One IPython shell for the session (magics and pool tests), as a notebook kernel has."""
     from IPython.core.interactiveshell import InteractiveShell

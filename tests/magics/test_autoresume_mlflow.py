@@ -31,12 +31,12 @@ for step in range(start_step, 12):
 
 
 @pytest.fixture
-def tracking(tmp_path, monkeypatch):
+def tracking(tmp_path, monkeypatch, mlflow_store):
     from mlflow import MlflowClient
 
     for name in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
         monkeypatch.delenv(name, raising=False)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store(tmp_path / "mlflow.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     return MlflowClient(tracking_uri=uri)
 

@@ -20,13 +20,9 @@ _MLFLOW_ENV = (
 
 
 @pytest.fixture(scope="module")
-def _store_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
-    # Creating an MLflow sqlite store runs its migrations (about 2 s): once per module.
-    from mlflow import MlflowClient
-
-    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
-    MlflowClient(tracking_uri=uri).search_experiments()
-    return uri
+def _store_uri(tmp_path_factory: pytest.TempPathFactory, mlflow_store) -> str:
+    # A store of the module's own, copied from the test process's migrated one (tests/conftest.py).
+    return mlflow_store(tmp_path_factory.mktemp("mlflow") / "mlflow.db")
 
 
 @pytest.fixture
