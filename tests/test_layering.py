@@ -777,7 +777,7 @@ _ARROW_BUDGET = {
     "nbtools.events": 23,
     "nbtools.integrations": 2,
     "nbtools.launch": 50,
-    "nbtools.launch._local": 6,
+    "nbtools.launch._local": 9,
     "nbtools.launch._rank": 10,
     "nbtools.launch._ray": 4,
     "nbtools.launch.pool": 13,
