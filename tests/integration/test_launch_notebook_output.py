@@ -32,27 +32,34 @@ bars.distributed()
 """
 
 
-def _run(tmp_path, coalesce: bool):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The cell's outputs as a saved notebook keeps them, by whether the client coalesces
+    streams: the cell runs twice in one kernel (a warm second call), once each way."""
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(CELL)]
     client = nbclient.NotebookClient(
         nb,
         timeout=240,
         kernel_name="python3",
-        coalesce_streams=coalesce,
-        resources={"metadata": {"path": str(tmp_path)}},
+        resources={"metadata": {"path": str(tmp_path_factory.mktemp("notebook"))}},
     )
-    client.execute()
-    outputs = nb.cells[0].outputs
-    streams = {}
-    for output in outputs:
-        if output.output_type == "stream":
-            streams[output.name] = streams.get(output.name, "") + output.text
-    return streams, outputs
+    found = {}
+    with client.setup_kernel():
+        for coalesce in (False, True):
+            client.coalesce_streams = coalesce
+            cell = nbformat.v4.new_code_cell(CELL)
+            nb.cells.append(cell)
+            client.execute_cell(cell, len(nb.cells) - 1)
+            streams = {}
+            for output in cell.outputs:
+                if output.output_type == "stream":
+                    streams[output.name] = streams.get(output.name, "") + output.text
+            found[coalesce] = streams, cell.outputs
+    return found
 
 
-def test_progress_bars_of_two_ranks_read_cleanly_in_a_saved_notebook(tmp_path):
-    streams, outputs = _run(tmp_path, coalesce=True)
+def test_progress_bars_of_two_ranks_read_cleanly_in_a_saved_notebook(runs):
+    streams, outputs = runs[True]
     assert any(
         o.output_type == "execute_result" and "[0, 1]" in o.data["text/plain"] for o in outputs
     )
@@ -67,7 +74,7 @@ def test_progress_bars_of_two_ranks_read_cleanly_in_a_saved_notebook(tmp_path):
         assert re.fullmatch(r"\[rank [01]\] epoch: 100%\|█+\| 30/30 .*", line.rstrip()), line
 
 
-def test_only_rank0_bar_updates_reach_the_notebook(tmp_path):
-    streams, _ = _run(tmp_path, coalesce=False)
+def test_only_rank0_bar_updates_reach_the_notebook(runs):
+    streams, _ = runs[False]
     updates = re.findall(r"\[rank (\d)\][^\n\r]*\r", streams["stderr"])
     assert updates and set(updates) == {"0"}
