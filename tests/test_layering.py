@@ -780,7 +780,7 @@ _ARROW_BUDGET = {
     "nbtools.launch._local": 9,
     "nbtools.launch._rank": 10,
     "nbtools.launch._ray": 4,
-    "nbtools.launch.pool": 13,
+    "nbtools.launch.pool": 16,
     "nbtools.monitor": 35,
     "nbtools.tracking": 17,
 }
