@@ -71,6 +71,16 @@ class DatasetLink:
         """The training loop received one more batch."""
         self.dataset._record_batch()
 
+    def position(self) -> tuple[dict[int, int], int]:
+        """What the training loop received so far under the current plan, to put back with
+        :meth:`restore` when a batch marked received never reached the loop."""
+        return dict(self.dataset._counts), self.dataset._batches
+
+    def restore(self, position: tuple[dict[int, int], int]) -> None:
+        """Put back a position taken with :meth:`position`."""
+        counts, batches = position
+        self.dataset._counts, self.dataset._batches = dict(counts), batches
+
     def finished(self) -> None:
         """The loader reached the end of its iteration on this rank."""
         self.dataset._finish_local()

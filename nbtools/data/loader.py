@@ -338,18 +338,30 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
                 return
             self.last_wait = time.perf_counter() - start
             events.step(None)  # a batch boundary: the kernel sees this rank progress
-            self.wait_times.append(self.last_wait)
-            self._stalls.observe(self.last_wait, first=len(self.wait_times) == 1)
-            if not isinstance(item, Tagged):
-                yield item
-                continue
-            for uid, (plan_id, slot, count) in item.tags.items():
-                target = by_id.get(uid)
-                if target is not None:
-                    target.received(plan_id, slot, count)
-            for link in self._links:
-                link.received_batch()
-            yield item.batch
+            self._stalls.observe(self.last_wait, first=not self.wait_times)
+            batch = item.batch if isinstance(item, Tagged) else item
+            # The batch counts as received in the same step as the loop gets it. A Ctrl-C
+            # (or any exception) while it is being marked puts the marks back, so the batch
+            # is served again; between the end of this block and the ``yield`` nothing lets
+            # a signal handler run (no call, no backward jump), so a Ctrl-C lands either
+            # before the marks are kept or after the loop holds the batch.
+            waits = len(self.wait_times)
+            before = [link.position() for link in self._links]
+            try:
+                self.wait_times.append(self.last_wait)
+                if isinstance(item, Tagged):
+                    for uid, (plan_id, slot, count) in item.tags.items():
+                        target = by_id.get(uid)
+                        if target is not None:
+                            target.received(plan_id, slot, count)
+                    for link in self._links:
+                        link.received_batch()
+            except BaseException:
+                for link, position in zip(self._links, before, strict=True):
+                    link.restore(position)
+                del self.wait_times[waits:]
+                raise
+            yield batch
 
     @property
     def loss_scale(self) -> float:

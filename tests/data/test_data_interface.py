@@ -39,6 +39,8 @@ def test_the_declared_interface_is_small():
             "give_workers",
             "received",
             "received_batch",
+            "position",
+            "restore",
             "finished",
             "cache",
             "stream_share",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 
@@ -123,18 +124,21 @@ def test_loop_interrupted_by_ctrl_c_continues_exactly_and_leaves_nothing(tree):
 
     with _loader(src, cache, 2, batch_size=2, prefetch_factor=2) as loader:
         loader.dataset.delay = 0.05
-        seen = []
+        got = []
         sender = threading.Thread(target=interrupt)
         sender.start()
         interrupted = False
         try:
             for batch in loader:
-                seen += _ids(batch)
+                # The loop's first act keeps the batch: a C call, after which the
+                # interpreter looks for signals only once the batch is kept.
+                got.append(batch)
                 received.set()
             time.sleep(10)  # the signal is on its way
         except KeyboardInterrupt:
             interrupted = True
         sender.join()
+        seen = [i for b in got for i in _ids(b)]
         assert interrupted and len(seen) < 40
         rest = [i for b in loader for i in _ids(b)]
         assert sorted(seen + rest) == list(range(40))
@@ -143,6 +147,40 @@ def test_loop_interrupted_by_ctrl_c_continues_exactly_and_leaves_nothing(tree):
     assert {
         e for e in set(os.listdir("/dev/shm")) - shm_before if not e.startswith("sem.")
     } == set()
+
+
+@pytest.mark.parametrize("where", ["_record", "_record_batch"])
+def test_ctrl_c_while_a_batch_is_marked_received_serves_it_again(tree, where):
+    # A real SIGINT, with Python's own handler, raised at the moment the loader
+    # marks the third batch received: the batch never reached the loop, so the
+    # next iteration serves it; every sample is seen exactly once.
+    src, cache = tree
+    marks = 0
+
+    def trace(frame, event, arg):
+        nonlocal marks
+        if event == "call" and frame.f_code.co_name == where:
+            marks += 1
+            if marks == 3:
+                sys.settrace(None)
+                signal.raise_signal(signal.SIGINT)  # the handler raises here
+        return None
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with _loader(src, cache, 2, batch_size=2) as loader:
+        got = []
+        sys.settrace(trace)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                for batch in loader:
+                    got.append(batch)
+        finally:
+            sys.settrace(None)
+        seen = [i for b in got for i in _ids(b)]
+        assert len(seen) == 4  # two batches reached the loop; the third was being marked
+        assert loader.state_dict()["datasets"][0]["prefix"] <= 4
+        rest = [i for b in loader for i in _ids(b)]
+        assert sorted(seen + rest) == list(range(40))
 
 
 def test_drop_last_finishes_the_epoch(tree):
