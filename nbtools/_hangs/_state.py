@@ -64,7 +64,7 @@ class RankState:
     working: int = 0
     waiting: int = 0
     recent: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
-    started_at: float = 0.0  # kernel time of its first report (its start, or its first step)
+    started_at: float = 0.0  # kernel time of its launch (a replacing process: its first report)
     phase: str | None = None  # the phase it named (events.phase), as its latest report said
     usage: deque[tuple[float, float, int]] = field(default_factory=lambda: deque(maxlen=64))
     long_since: float | None = None  # the start of the long phase the cell was told of

@@ -11,8 +11,8 @@ Hangs. A rank is hung when it made no progress for longer than its bound
 while others made progress, or while every rank stopped and the others wait
 in a collective for it. The bound is ``hang_timeout`` when given, else ten
 median step times and at least 45 s; before a rank's first step it is the
-start-up bound (counted from the rank's start: imports, a restore, a cold
-compile): ``startup_timeout`` (or ``NBTOOLS_STARTUP_TIMEOUT_S``) when given,
+start-up bound (counted from when the kernel launched the rank, on its own clock:
+the process start, imports, a restore, a cold compile): ``startup_timeout`` (or ``NBTOOLS_STARTUP_TIMEOUT_S``) when given,
 else three times the slowest first step a rank of the run reported (in this
 attempt or an earlier one, or a pool's earlier call: :class:`FirstSteps`), and 3
 minutes before any did; in a phase the rank named (``events.phase``) it is the
@@ -123,7 +123,7 @@ class Watchdog:
         confirm_s: How long a score must stay under (or back over) the threshold
             (default 10, or ``NBTOOLS_STRAGGLER_CONFIRM_S``).
         sample_s: Period of the /proc samples of local ranks.
-        startup_timeout: Seconds a rank has, from its start, to report its first
+        startup_timeout: Seconds a rank has, from its launch, to report its first
             step (at least ``hang_timeout``). None: ``NBTOOLS_STARTUP_TIMEOUT_S`` when
             set, else learned from the run, three
             times the slowest first step a rank of the group reported (at least the
@@ -140,6 +140,8 @@ class Watchdog:
             keeps one per run. None: this watch's own.
         bus: Where the reports come from and the flags go (this process's bus).
         clock: The kernel's monotonic clock (``time.monotonic``).
+        launched_at: When the kernel launched the ranks, on ``clock``; the start-up
+            bound counts from it. None: now (the watch starts with the ranks).
 
     Example:
         >>> dog = Watchdog(world_size=4).start()
@@ -163,6 +165,7 @@ class Watchdog:
         first_steps: FirstSteps | None = None,
         bus: events.Bus | None = None,
         clock: Callable[[], float] = time.monotonic,
+        launched_at: float | None = None,
     ) -> None:
         threshold = setting(threshold, "NBTOOLS_STRAGGLER_THRESHOLD", THRESHOLD)
         window_s = setting(window_s, "NBTOOLS_STRAGGLER_WINDOW_S", 30.0)
@@ -194,7 +197,8 @@ class Watchdog:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._started_at = clock()  # the launch: ranks never heard of count from here
+        # The launch: the start-up bound of the ranks launched with the group counts from here.
+        self._started_at = clock() if launched_at is None else float(launched_at)
         self._answers: dict[int, list[_collectives.Position]] = {}
         self._answered_at = -1e9
         self._earlier: dict[int, list[_collectives.Position]] = {}  # the answers before
@@ -296,7 +300,7 @@ class Watchdog:
         return self.bound()
 
     def startup_bound(self) -> float:
-        """Seconds a rank has, from its start, to report its first step now."""
+        """Seconds a rank has, from its launch, to report its first step now."""
         slowest = self._first_steps.slowest() if self._learn_startup else None
         if slowest is not None:
             return max(self.bound(), STARTUP_STEPS * slowest)
@@ -329,7 +333,9 @@ class Watchdog:
             # Its process can be read here when it runs on this machine.
             local = event.host.split(events.NODE_SEPARATOR, 1)[0] == self._host
             state = RankState(event.rank, event.host, event.pid, local)  # type: ignore[arg-type]
-            state.started_at = self._clock()
+            # Launched with the group: from the launch; a process that replaced the rank's
+            # (a healed rank): from its first report, the kernel's first sign of its start.
+            state.started_at = self._started_at if known is None else self._clock()
             self._ranks[event.rank] = state  # type: ignore[index]
         tid = event.fields.get("tid")
         state.tid = tid if type(tid) is int else 0
@@ -357,8 +363,7 @@ class Watchdog:
             return
         state.progressed_at = self._arrived(state)
         if not state.steps:  # its first step: how long a start takes in this group
-            began = self._started_at if new else state.started_at  # unheard of: the launch
-            self._first_steps.add(state.progressed_at - began)
+            self._first_steps.add(state.progressed_at - state.started_at)
         if marked:
             state.alive_at = state.progressed_at
         if state.steps and event.time > state.stepped_at:

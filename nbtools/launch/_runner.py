@@ -218,6 +218,7 @@ def _attempt(
     began: float | None = None,
     first_steps: _watch.FirstSteps | None = None,
 ):
+    launched = time.monotonic()  # the ranks' start-up bound counts from here
     group = backend.start(spec)
     if began is not None:  # the first attempt: the launch as the timeline shows it
         events.emit(
@@ -232,7 +233,9 @@ def _attempt(
     )
     forwarder.start()
     try:
-        outcome = _watch.watch(group, forwarder, plan.hang_timeout, plan.on_hang, first_steps)
+        outcome = _watch.watch(
+            group, forwarder, plan.hang_timeout, plan.on_hang, first_steps, launched
+        )
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             _watch.interrupted_stacks(group, forwarder)

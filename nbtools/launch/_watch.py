@@ -38,6 +38,7 @@ def watch(
     hang_timeout: float | None,
     on_hang: str = "report",
     first_steps: _hangs.FirstSteps | None = None,
+    launched_at: float | None = None,
 ) -> Outcome:
     """Poll ``group`` until every rank returned or one failed, watching for hangs.
 
@@ -48,7 +49,8 @@ def watch(
     the plain rule: once no rank has written anything for ``hang_timeout``,
     print every rank's Python stack (once); the call keeps running.
     ``first_steps``, kept by the caller across a run's attempts, carries the
-    start-up bound learned in one attempt to the next.
+    start-up bound learned in one attempt to the next. ``launched_at``: when the
+    group was launched (``time.monotonic``), which the start-up bound counts from.
 
     Raises:
         KeyboardInterrupt: the caller was interrupted (ranks still running).
@@ -58,6 +60,7 @@ def watch(
         hang_timeout=hang_timeout,
         localize=forwarder.localize,
         first_steps=first_steps,
+        launched_at=launched_at,
     ) as dog:
         outcome = _watch(group, forwarder, hang_timeout, on_hang, dog)
     # A hang seen just before the group ended (its report, asked of the ranks, can come after

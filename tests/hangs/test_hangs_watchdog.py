@@ -323,19 +323,23 @@ def test_a_rank_deadlocked_before_its_first_step_is_named_by_the_start_up_bound(
 
 
 @pytest.mark.slow
-def test_the_looks_that_confirm_a_deadlock_before_the_first_step_come_before_the_bound(
+def test_a_deadlock_before_the_first_step_is_named_at_the_bound_counted_from_the_launch(
     tmp_path, monkeypatch
 ):
     # The watchdog's clock is the test's: it judges at each second the test moves it on,
-    # and the ranks are real processes in a real gloo all-reduce.
+    # and the ranks are real processes in a real gloo all-reduce. The ranks start some
+    # seconds after their launch; the bound counts from the launch, and both looks at
+    # the collectives come before it.
     pytest.importorskip("torch")
     monkeypatch.setenv("NBTOOLS_STARTUP_TIMEOUT_S", "20")
     clock = _Clock()
+    launched = clock.now
     reports = []
     bus = events.Bus()
     with events.Collector(bus=bus) as collector:
         procs = _ranks(tmp_path, collector)
-        dog = Watchdog(2, on_hang=reports.append, bus=bus, clock=clock)
+        clock.now += 3.0  # the ranks' first reports come after their launch
+        dog = Watchdog(2, on_hang=reports.append, bus=bus, clock=clock, launched_at=launched)
         bus.subscribe(dog._on_events)  # its input, without its thread: the test ticks
         try:
             assert _wait_until(lambda: len(dog._ranks) == 2)
@@ -348,7 +352,8 @@ def test_the_looks_that_confirm_a_deadlock_before_the_first_step_come_before_the
                 )
 
             assert _wait_until(in_place, timeout=60)
-            edge = max(s.started_at for s in dog._ranks.values()) + 20.0
+            assert all(s.started_at == launched for s in dog._ranks.values())
+            edge = launched + 20.0
             looks, flagged = [], None
             while clock.now < edge + 5 and flagged is None:
                 clock.now += 1.0
@@ -367,6 +372,8 @@ def test_the_looks_that_confirm_a_deadlock_before_the_first_step_come_before_the
     assert len(looks) == 2 and looks[-1] < edge, (looks, edge)  # both looks before the bound
     assert flagged is not None and edge < flagged <= edge + 1.0  # named at the bound
     (report,) = reports
+    (culprit,) = report.culprits  # stalled since its launch, not since its first report
+    assert f"made no progress for {flagged - launched:.0f} s" in culprit.why, culprit.why
     assert report.ranks == (1,) and "which rank 1 never entered" in report.headline
 
 
