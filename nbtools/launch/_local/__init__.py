@@ -3,7 +3,9 @@
 - ``_backend``: :class:`LocalBackend` and :class:`LocalGroup`, what the runner
   and the pool drive (start a group, poll it, stop it, read its failures);
 - ``_elastic``: torch elastic's ``MultiprocessContext`` started quietly, its
-  exit statuses read;
+  exit statuses read, an attempt's failure told from them and the ranks' records;
+- ``_mend`` (with ``_heal`` and ``_grow``): healing and shrinking a group in
+  place, and growing it back;
 - ``_forkserver`` (with ``_forkserver_ready``): the forkserver's own side,
   preloaded first, and what it ends when the caller is gone.
 

@@ -49,7 +49,6 @@ from torch.distributed.elastic.multiprocessing import (
 from nbtools import _torch_compat
 from nbtools.launch import _env, _results
 from nbtools.launch._backend import Failed, Finished, GroupSpec, Outcome, wait_for_stacks
-from nbtools.launch._failures import RankFailure, from_early_exit, from_exit, from_record
 from nbtools.launch._local import _forkserver
 from nbtools.launch._local._elastic import (
     POLL_S,
@@ -57,34 +56,22 @@ from nbtools.launch._local._elastic import (
     ElasticQuiet,
     catches,
     exit_status,
+    failed,
     start,
-    with_full_disk,
 )
-from nbtools.launch._local._grow import Grower
-from nbtools.launch._local._heal import (
-    FAILED_STARTS,
-    START_WAIT_S,
-    Heal,
-    Healer,
-    live_blob_path,
-)
+from nbtools.launch._local._mend import Healer, Mender, Starts, process
 from nbtools.launch._rank import (
-    GENERATION_ENV,
-    REPLACED_ENV,
     STACK_SIGNAL,
     RankSpec,
     await_ending,
     end_groups,
-    exit_code,
     failure_path,
     formed_path,
     heal_environment,
     leftovers_path,
-    rank_variables,
     release_path,
     returned_path,
     runs_own_code,
-    started_path,
     store_path,
 )
 
@@ -175,7 +162,7 @@ class LocalBackend:
             quiet.close()
             raise
         group = LocalGroup(ctx, spec, quiet, paused)
-        group.starts = _Starts(base, envs, args)
+        group.mender.starts = Starts(base, envs, args)
         groups = list(ctx.pids().values())  # each rank leads its own process group
         _forkserver.note_launch(spec.run_id, os.path.dirname(spec.attempt_dir), base, groups)
         return group
@@ -188,15 +175,6 @@ class LocalBackend:
         runs, self._runs = self._runs, set()
         for run_id in runs:
             _forkserver.forget_launch(run_id)
-
-
-@dataclass(frozen=True)
-class _Starts:
-    """What started the group's ranks, to start a replacement for one of them (a heal)."""
-
-    base: dict[str, str]
-    envs: dict[int, dict[str, str]]
-    args: dict[int, tuple[bytes, RankSpec]]
 
 
 @dataclass(frozen=True)
@@ -221,11 +199,10 @@ class LocalGroup:
     ) -> None:
         self._ctx = ctx
         self._paused = paused  # the forkserver, stopped until this group has formed
-        self._spec = spec
         self._quiet = quiet
         self.stdouts: dict[int, str] = ctx.stdouts
         self.stderrs: dict[int, str] = ctx.stderrs
-        self._procs = {rank: _process(pid) for rank, pid in ctx.pids().items()}
+        self._procs = {rank: process(pid) for rank, pid in ctx.pids().items()}
         self._groups = list(ctx.pids().values())  # each rank leads its own process group
         self._released = False
         self._stopped = False
@@ -233,24 +210,18 @@ class LocalGroup:
         self._outcome: Outcome | None = None
         self._collector: threading.Thread | None = None  # see _collect_later
         self._killed: set[int] = set()  # ranks that needed SIGKILL to end (_exit_codes)
-        self.starts: _Starts | None = None  # set by LocalBackend._start
-        self._healer = Healer(spec)
-        # Replacements started by heals, each a context of its own; where each rank's
-        # current process is: (context, index in it).
-        self._replacements: list[PContext] = []
-        self._where: dict[int, tuple[PContext, int]] = {r: (ctx, r) for r in self._procs}
-        self._refused = -1  # the generation whose waiting ranks were told to fail
-        # A group that may shrink grows back when its lost slots start again.
-        self._grower = (
-            Grower(spec.attempt_dir, self._healer, self._spawn)
-            if self._healer.min_world is not None
-            else None
-        )
+        # Heals and shrinks in place; shares the group's processes and process groups.
+        self.mender = Mender(ctx, spec, self._procs, self._groups, (self.stdouts, self.stderrs))
+
+    @property
+    def _spec(self) -> GroupSpec:
+        """The group as it runs now (its world size after a shrink or a grow)."""
+        return self.mender.spec
 
     @property
     def healer(self) -> Healer:
         """What decides and says this group's heals in place (``heals``, ``announce``)."""
-        return self._healer
+        return self.mender.healer
 
     def poll(self) -> Outcome | None:
         if self._outcome is not None:
@@ -261,11 +232,11 @@ class LocalGroup:
             # A rank that has ended is seen before torch collects it (see the module
             # docstring); torch's own poll then reports the rest.
             gone = self._vanished()
-            if self._healer.count:
+            if self.mender.healer.count:
                 self._outcome = self._poll_healed(gone)
                 return self._outcome
-            if gone is None and self._healer.enabled:
-                self._refuse_waiting()
+            if gone is None and self.mender.healer.enabled:
+                self.mender.refuse_waiting()
             if gone is not None and gone.codes is not None:
                 self._collect_later()
                 self._outcome = self._ended(gone.rank, gone.codes)
@@ -280,7 +251,7 @@ class LocalGroup:
         except SignalException as exc:
             raise KeyboardInterrupt from exc
         if early is None and not result.is_failed():
-            self._groups = []  # ranks that returned ended their own leftovers
+            self._groups.clear()  # ranks that returned ended their own leftovers
             world = self._spec.world_size
             self._outcome = Finished([self._result(r) for r in range(world)])
             return self._outcome
@@ -292,15 +263,15 @@ class LocalGroup:
 
     def _poll_healed(self, gone: _Vanished | None) -> Outcome | None:
         """The outcome of a group that healed: torch's first context no longer knows it."""
-        heals = self._healer.count
+        heals = self.mender.healer.count
         if gone is None:
-            self._healer.report()
-            if self._grower is not None:
+            self.mender.healer.report()
+            if self.mender.grower is not None:
                 if self._released:
-                    self._grower.drop()
-                elif self._grow():
+                    self.mender.grower.drop()
+                elif self.mender.grow():
                     return None
-            self._refuse_waiting()
+            self.mender.refuse_waiting()
             if not self._released:
                 time.sleep(POLL_S)
                 return None
@@ -309,14 +280,16 @@ class LocalGroup:
             if any(runs_own_code(p) for p in self._procs.values()):
                 time.sleep(POLL_S)
                 return None
-            self._healer.report(final=True)
-            self._groups = []  # ranks that returned ended their own leftovers
+            self.mender.healer.report(final=True)
+            self._groups.clear()  # ranks that returned ended their own leftovers
             self._collect_later()
             world = self._spec.world_size
             return Finished(
-                [self._result(r) for r in range(world)], heals=heals, world_size=self._shrunk()
+                [self._result(r) for r in range(world)],
+                heals=heals,
+                world_size=self.mender.shrunk(),
             )
-        self._healer.report(final=True)
+        self.mender.healer.report(final=True)
         self._terminate(exclude=gone.rank)
         codes = gone.codes if gone.codes is not None else self._exit_codes()
         self._collect_later()
@@ -325,193 +298,10 @@ class LocalGroup:
             failed = self._failed(None, gone.rank, {}, first=gone.rank)
         else:
             failed = self._ended(gone.rank, codes)
-        return dataclasses.replace(failed, heals=heals, world_size=self._shrunk())
-
-    def _shrunk(self) -> int | None:
-        """The group's world size where it shrank in place, else None."""
-        world = self._spec.world_size
-        return world if world != len(self.starts.envs if self.starts else self._procs) else None
-
-    def _refuse_waiting(self) -> None:
-        """Every rank still running waits for a verdict and none died: tell them to fail."""
-        generation = self._healer.generation
-        if self._refused == generation or (self._grower is not None and self._grower.waiting()):
-            return
-        attempt_dir = self._spec.attempt_dir
-        running = [
-            r
-            for r, p in self._procs.items()
-            if runs_own_code(p) and not os.path.exists(returned_path(attempt_dir, r))
-        ]
-        if self._healer.refuse_waiting(running):
-            self._refused = generation
-
-    def _heal(self, returned: set[int]) -> bool:
-        """Replace the ranks that died without a word, the others kept; whether it did."""
-        if self._grower is not None:
-            self._grower.drop()  # a lost slot is tried again once the group has healed
-        self._healer.together()
-        attempt_dir = self._spec.attempt_dir
-        dead = [
-            r
-            for r, p in self._procs.items()
-            if r not in returned
-            and not runs_own_code(p)
-            and not os.path.exists(failure_path(attempt_dir, r))
-        ]
-        why = self._healer.why_not(dead, returned)
-        if why is not None or self.starts is None:
-            self._healer.refuse(why or "the group cannot start a replacement", dead)
-            return False
-        heal = self._healer.begin(dead, {r: self._code(r) for r in dead})
-        kept = [p.pid for r, p in self._procs.items() if r not in dead and p is not None]
-        if self._healer.min_world is None:
-            for rank in dead:
-                self._replace(rank, heal)
-        else:
-            lost = [r for r in dead if not self._start_replacement(r, heal)]
-            if lost:
-                self._shrink(heal, lost)
-        self._healer.publish(heal, kept)
-        return True
-
-    def _start_replacement(self, rank: int, heal: Heal) -> bool:
-        """Start rank ``rank``'s replacement and wait until it has started (a group that may
-        shrink); whether it did, within :data:`FAILED_STARTS` tries."""
-        for tries in range(1, FAILED_STARTS + 1):
-            self._replace(rank, heal)
-            started, code = self._await_start(rank, heal.generation)
-            if started:
-                return True
-            self._healer.failed_start(rank, tries, code)
-            with contextlib.suppress(OSError):  # its record would be read as a later rank's
-                os.unlink(failure_path(self._spec.attempt_dir, rank))
-        return False
-
-    def _await_start(self, rank: int, generation: int) -> tuple[bool, int | None]:
-        """Whether rank ``rank``'s new process started, else its exit code (None: it did not
-        start within :data:`START_WAIT_S` and was killed)."""
-        path = started_path(self._spec.attempt_dir, generation, rank)
-        proc = self._procs[rank]
-        deadline = time.monotonic() + START_WAIT_S
-        while time.monotonic() < deadline:
-            if os.path.exists(path):
-                return True, None
-            if not runs_own_code(proc):
-                killed = await_ending({rank: proc}, STOP_GRACE_S)
-                return False, None if killed is None else self._code(rank)
-            time.sleep(POLL_S * 4)
-        if proc is not None:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-            await_ending({rank: proc}, STOP_GRACE_S)
-        return False, None
-
-    def _shrink(self, heal: Heal, lost: list[int]) -> None:
-        """Go on without ``lost`` (their slots failed to start): renumber the ranks densely;
-        a replacement of this heal whose number changes starts again under its new one."""
-        ranks = self._healer.shrink(heal, lost)  # raises under the minimum
-        self._spec = self._healer.spec
-        moved = [old for old in heal.how if old in ranks and ranks[old] != old]
-        for old in moved:
-            proc = self._procs[old]
-            if proc is not None:
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()
-                await_ending({old: proc}, STOP_GRACE_S)
-        self._procs = {new: self._procs[old] for old, new in ranks.items()}
-        self._where = {new: self._where[old] for old, new in ranks.items()}
-        attempt_dir = self._spec.attempt_dir
-        for old in lost:  # a lost rank's per-rank state is no one's now
-            with contextlib.suppress(OSError):
-                os.unlink(live_blob_path(attempt_dir, old))
-        for old, new in sorted(ranks.items(), key=lambda item: item[1]):
-            if new != old and os.path.exists(live_blob_path(attempt_dir, old)):
-                os.replace(live_blob_path(attempt_dir, old), live_blob_path(attempt_dir, new))
-        for old in moved:
-            self._replace(ranks[old], heal)
-
-    def _replace(self, rank: int, heal: Heal) -> None:
-        """Start a fresh rank ``rank`` from the forkserver, in generation ``heal.generation``
-        (on the slot the group runs that rank on: as first started, or after a shrink)."""
-        ctx, proc = self._spawn(
-            rank,
-            self._healer.slots[rank],
-            self._spec.world_size,
-            heal.generation,
-            heal.ranks,
-            heal.attempt,
-        )
-        self._procs[rank] = proc
-        self._where[rank] = (ctx, 0)
-
-    def _spawn(
-        self, rank: int, slot: int, world: int, generation: int, new: list[int], attempt: int
-    ) -> tuple[PContext, psutil.Process | None]:
-        """Start rank ``rank`` of ``world`` on ``slot`` from the forkserver, in ``generation``
-        (``new``: the ranks that join the group in it, ``attempt`` its attempt number)."""
-        assert self.starts is not None
-        attempt_dir = self._spec.attempt_dir
-        env = dict(self.starts.envs[slot])
-        env.update(rank_variables(rank, world))
-        env.update(
-            {
-                GENERATION_ENV: str(generation),
-                REPLACED_ENV: ",".join(str(r) for r in new),
-                "TORCHELASTIC_RESTART_COUNT": str(attempt),
-            }
-        )
-        payload, rank_spec = self.starts.args[slot]
-        spec = dataclasses.replace(
-            rank_spec,
-            rank=rank,
-            world_size=world,
-            generation=generation,
-            init_method="file://" + store_path(attempt_dir, generation),
-            output=(self.stdouts[slot], self.stderrs[slot]),
-            report_formed=False,
-        )
-        logs = DefaultLogsSpecs(
-            log_dir=os.path.join(
-                attempt_dir, "logs", f"g{generation}-rank{rank}-{len(self._replacements)}"
-            ),
-            redirects=Std.NONE,
-        )
-        ctx = start({0: (payload, spec)}, {0: env}, logs, _env.START_METHOD)
-        self._replacements.append(ctx)
-        pid = ctx.pids()[0]
-        self._groups.append(pid)
-        run_dir = os.path.dirname(attempt_dir)
-        _forkserver.note_launch(self._spec.run_id, run_dir, self.starts.base, self._groups)
-        return ctx, _process(pid)
-
-    def _grow(self) -> bool:
-        """Try the lost slots again; once the ranks wait at their boundary, grow (whether it
-        did, this poll)."""
-        assert self._grower is not None
-        grown = self._grower.poll(self._procs)
-        if grown is None:
-            return False
-        heal, probes = grown
-        kept = [p.pid for p in self._procs.values() if p is not None]
-        for probe in probes:
-            self._procs[probe.rank] = probe.proc
-            self._where[probe.rank] = (probe.ctx, 0)
-        self._spec = self._healer.spec
-        self._healer.publish(heal, kept)
-        return True
-
-    def _code(self, rank: int) -> int | None:
-        """The exit code of rank ``rank``'s current process (None: unknown or running)."""
-        ctx, index = self._where[rank]
-        code = _torch_compat.process_exitcodes(ctx).get(index)
-        proc = self._procs.get(rank)
-        if code is None and proc is not None:
-            code = exit_code(proc.pid)
-        return code
+        return dataclasses.replace(failed, heals=heals, world_size=self.mender.shrunk())
 
     def _contexts(self) -> list[PContext]:
-        return [self._ctx, *self._replacements]
+        return [self._ctx, *self.mender.replacements]
 
     def _formed(self) -> bool:
         attempt_dir = self._spec.attempt_dir
@@ -536,7 +326,7 @@ class LocalGroup:
             self._released = True
         for rank, proc in self._procs.items():
             if rank not in returned and not runs_own_code(proc):
-                if self._healer.count and os.path.exists(failure_path(attempt_dir, rank)):
+                if self.mender.healer.count and os.path.exists(failure_path(attempt_dir, rank)):
                     return _Vanished(rank, None)  # torch's first context knows no longer
                 if os.path.exists(failure_path(attempt_dir, rank)):
                     # It raised: its peers may be raising too, and write their own records,
@@ -545,10 +335,10 @@ class LocalGroup:
                     return _Vanished(rank, exit_status(self._ctx))
                 # Died without a word (a signal, os._exit): the others wait for it in a
                 # collective; heal it in place, or stop them now.
-                if self._healer.enabled and self._heal(returned):
+                if self.mender.healer.enabled and self.mender.heal(returned):
                     return None
                 self._terminate(exclude=rank)
-                if self._healer.count:
+                if self.mender.healer.count:
                     return _Vanished(rank, None)  # torch's first context knows no longer
                 if not self._spec.use_cuda:
                     codes = self._exit_codes()
@@ -574,7 +364,7 @@ class LocalGroup:
         self._killed |= killed
         codes: dict[int, int] = {}
         for rank in self._procs:
-            code = self._code(rank)
+            code = self.mender.code(rank)
             if code is None:
                 return None
             codes[rank] = code
@@ -616,58 +406,8 @@ class LocalGroup:
     ) -> Failed:
         """The failure: from torch's ``result``, or, where it has none, from ``early`` (a
         rank gone without a known exit code) or the ranks' ``exited`` codes and the
-        rank seen to end ``first``."""
-        attempt_dir, attempt = self._spec.attempt_dir, self._spec.restart_count
-        world = self._spec.world_size
-        returned = frozenset(
-            r for r in range(world) if os.path.exists(returned_path(attempt_dir, r))
-        )
-        failures: dict[int, RankFailure] = {}
-        for rank in range(world):
-            path = failure_path(attempt_dir, rank)
-            if os.path.exists(path):
-                with open(path) as fh:
-                    failures[rank] = from_record(json.load(fh), attempt)
-        if early is not None:
-            # Gone before torch reported it (a busy host): its own record, else its exit
-            # code, says how; "exited with code 0" only when that is what happened.
-            if early not in failures:
-                code = exited.get(early)
-                failures[early] = with_full_disk(
-                    from_exit(early, code, attempt) if code else from_early_exit(early, attempt),
-                    attempt_dir,
-                )
-            return Failed(failures, early, returned)
-        if result is not None:
-            codes = {r: f.exitcode for r, f in result.failures.items()}
-        else:
-            codes = {first: exited[first]} if first in exited else {}
-        reported = sorted(r for r in codes if r not in failures)
-        # Ranks torch did not report (it names one): they died before the stop, unless
-        # the caller stopped the group itself, and then torch's report comes first.
-        # torch's own wait also stops the others (SIGTERM) once it sees one fail: a rank
-        # ended so without a record of its own was stopped, and is not a cause.
-        others = sorted(
-            r
-            for r in exited
-            if r not in returned
-            and r not in failures
-            and r not in codes
-            and exited[r] != -signal.SIGTERM
-        )
-        codes.update((r, exited[r]) for r in others)
-        silent = reported + others
-        if silent:
-            # Died without raising (a signal, os._exit): that is what the others reacted
-            # to, even when a peer's error in the collective was recorded (or reported
-            # by torch) first.
-            for rank in silent:
-                failures[rank] = with_full_disk(from_exit(rank, codes[rank], attempt), attempt_dir)
-            return Failed(failures, silent[0], returned)
-        # Every rank that raised wrote a record; the earliest one is the cause, since
-        # peers of a failed rank fail later, in the collective they were waiting in.
-        first = min(failures.values(), key=lambda f: f.time or 0.0).rank if failures else None
-        return Failed(failures, first, returned)
+        rank seen to end ``first`` (:func:`._elastic.failed`)."""
+        return failed(self._spec, result, early, exited, first)
 
     def show_stacks(self, last_output: Callable[[], float]) -> None:
         sent = False
@@ -750,10 +490,3 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def _process(pid: int) -> psutil.Process | None:
-    try:
-        return psutil.Process(pid)
-    except psutil.Error:
-        return None

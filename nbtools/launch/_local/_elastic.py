@@ -13,7 +13,9 @@ reports while :mod:`nbtools.launch._local` reports the attempt as one error.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import pickle
 import shutil
 import signal
@@ -29,14 +31,16 @@ from torch.distributed.elastic.multiprocessing import (
 
 from nbtools.errors import LaunchError
 from nbtools.launch import _env
-from nbtools.launch._failures import RankFailure
-from nbtools.launch._rank import run_rank
+from nbtools.launch._backend import Failed, GroupSpec
+from nbtools.launch._failures import RankFailure, from_early_exit, from_exit, from_record
+from nbtools.launch._rank import failure_path, returned_path, run_rank
 
 __all__ = [
     "POLL_S",
     "STOP_GRACE_S",
     "ElasticQuiet",
     "catches",
+    "failed",
     "exit_status",
     "start",
     "with_full_disk",
@@ -144,3 +148,64 @@ def catches(pid: int, sig: int) -> bool:
     except (OSError, ValueError, IndexError):
         pass
     return False
+
+
+def failed(
+    spec: GroupSpec,
+    result: RunProcsResult | None,
+    early: int | None,
+    exited: dict[int, int],
+    first: int | None = None,
+) -> Failed:
+    """How group ``spec``'s attempt failed: from torch's ``result``, or, where it has none,
+    from ``early`` (a rank gone without a known exit code) or the ranks' ``exited`` codes
+    and the rank seen to end ``first``; each rank's own failure record first."""
+    attempt_dir, attempt = spec.attempt_dir, spec.restart_count
+    world = spec.world_size
+    returned = frozenset(r for r in range(world) if os.path.exists(returned_path(attempt_dir, r)))
+    failures: dict[int, RankFailure] = {}
+    for rank in range(world):
+        path = failure_path(attempt_dir, rank)
+        if os.path.exists(path):
+            with open(path) as fh:
+                failures[rank] = from_record(json.load(fh), attempt)
+    if early is not None:
+        # Gone before torch reported it (a busy host): its own record, else its exit
+        # code, says how; "exited with code 0" only when that is what happened.
+        if early not in failures:
+            code = exited.get(early)
+            failures[early] = with_full_disk(
+                from_exit(early, code, attempt) if code else from_early_exit(early, attempt),
+                attempt_dir,
+            )
+        return Failed(failures, early, returned)
+    if result is not None:
+        codes = {r: f.exitcode for r, f in result.failures.items()}
+    else:
+        codes = {first: exited[first]} if first in exited else {}
+    reported = sorted(r for r in codes if r not in failures)
+    # Ranks torch did not report (it names one): they died before the stop, unless
+    # the caller stopped the group itself, and then torch's report comes first.
+    # torch's own wait also stops the others (SIGTERM) once it sees one fail: a rank
+    # ended so without a record of its own was stopped, and is not a cause.
+    others = sorted(
+        r
+        for r in exited
+        if r not in returned
+        and r not in failures
+        and r not in codes
+        and exited[r] != -signal.SIGTERM
+    )
+    codes.update((r, exited[r]) for r in others)
+    silent = reported + others
+    if silent:
+        # Died without raising (a signal, os._exit): that is what the others reacted
+        # to, even when a peer's error in the collective was recorded (or reported
+        # by torch) first.
+        for rank in silent:
+            failures[rank] = with_full_disk(from_exit(rank, codes[rank], attempt), attempt_dir)
+        return Failed(failures, silent[0], returned)
+    # Every rank that raised wrote a record; the earliest one is the cause, since
+    # peers of a failed rank fail later, in the collective they were waiting in.
+    first = min(failures.values(), key=lambda f: f.time or 0.0).rank if failures else None
+    return Failed(failures, first, returned)
