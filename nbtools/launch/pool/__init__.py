@@ -5,8 +5,10 @@ The pool sits above the backend seam, beside the plain call
 backend whose function is a command loop. One room per concern:
 
 - :mod:`._pool`: ``RankPool``, the calls a user makes;
-- :mod:`._restarts`: how a pool starts, restarts and gives up;
+- :mod:`._restarts`: how a pool starts, restarts, heals in place and gives up;
 - :mod:`._ranks`: one generation of ranks, commanded and watched from the kernel;
+- :mod:`._waits`: how a wait on the ranks ends (lost, healed, stuck, hung,
+  interrupted), and the call's watchdog;
 - :mod:`._rank`: what a pool rank runs (the command loop over its namespace);
 - :mod:`._channel`: the authenticated command channel between the two;
 - :mod:`._errors`: how a call's failures read in the notebook;

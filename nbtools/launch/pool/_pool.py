@@ -39,15 +39,15 @@ from nbtools.launch import _payload, _sources
 from nbtools.launch._config import LaunchConfig, check_restarts
 from nbtools.launch._rank import in_rank
 from nbtools.launch.pool._errors import failures_of, rank_errors
-from nbtools.launch.pool._ranks import (
+from nbtools.launch.pool._registry import CallGuard, owned, register, unregister
+from nbtools.launch.pool._restarts import Generations, release
+from nbtools.launch.pool._waits import (
     RanksHealed,
     RanksHung,
     RanksInterrupted,
     RanksLost,
     RanksStuck,
 )
-from nbtools.launch.pool._registry import CallGuard, owned, register, unregister
-from nbtools.launch.pool._restarts import Generations, release
 
 __all__ = ["RankPool"]
 

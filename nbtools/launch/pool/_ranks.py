@@ -23,14 +23,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import time
-from collections.abc import Callable
 from typing import Any, TextIO
 
 import cloudpickle
 
-from nbtools import _hangs
 from nbtools._internal.log import get_logger
 from nbtools.launch._backend import Failed, Finished, GroupSpec, LaunchBackend, RankGroup
 from nbtools.launch._output import OutputForwarder
@@ -39,18 +36,18 @@ from nbtools.launch._runner import report_leftovers
 from nbtools.launch._watch import FirstSteps, HangPolicy
 from nbtools.launch.pool._channel import ChannelClosed, Link, Listener, frame, wait_readable
 from nbtools.launch.pool._rank import OK, serve
+from nbtools.launch.pool._waits import (
+    Follow,
+    RanksHealed,
+    RanksHung,
+    RanksInterrupted,
+    RanksLost,
+    RanksStuck,
+    Watch,
+    ranks_text,
+)
 
-__all__ = [
-    "Ranks",
-    "RanksHung",
-    "RanksLost",
-    "RanksHealed",
-    "HEAL_WAIT_S",
-    "RanksStuck",
-    "RanksInterrupted",
-    "PEER_GRACE_S",
-    "INTERRUPT_GRACE_S",
-]
+__all__ = ["Ranks", "HEAL_WAIT_S", "PEER_GRACE_S", "INTERRUPT_GRACE_S"]
 
 _log = get_logger("launch")
 
@@ -63,10 +60,6 @@ INTERRUPT_GRACE_S = 5.0
 HEAL_WAIT_S = 60.0
 # How often the backend is asked whether a rank has died while waiting.
 _GROUP_POLL_S = 0.1
-# A call's watchdog starts once the call has run this long: a call of milliseconds
-# (most of a pool's) neither hangs nor straggles, and a thread per call costs a third
-# of its time; a longer one loses no more than this of its first progress reports.
-_WATCH_AFTER_S = 0.25
 # How often output is forwarded while a command runs (the forwarder's own pace).
 _PUMP_S = 0.02
 # A rank whose channel closed: how long its death may take to reach the backend.
@@ -75,70 +68,6 @@ _DEATH_WAIT_S = 10.0
 _STOP_WAIT_S = 10.0
 # Ranks elsewhere ship their output asynchronously: let it arrive before returning.
 _REMOTE_SETTLE_S = 0.3
-
-
-class RanksLost(Exception):
-    """A rank's process ended; ``outcome`` is the backend's account of it (None if unknown)."""
-
-    def __init__(self, outcome: Failed | None, replies: dict[int, tuple[str, Any]]) -> None:
-        super().__init__("ranks lost")
-        self.outcome = outcome
-        self.replies = replies
-
-
-class RanksHealed(RanksLost):
-    """Ranks died and the group healed in place: ``heal`` says which (see :meth:`Ranks.heal`)."""
-
-    def __init__(self, heal: Any, replies: dict[int, tuple[str, Any]]) -> None:
-        super().__init__(None, replies)
-        self.heal = heal  # the backend's record of it (``nbtools.launch._local._heal.Heal``)
-
-
-class RanksStuck(Exception):
-    """Some ranks failed and others did not finish within the grace period."""
-
-    def __init__(self, replies: dict[int, tuple[str, Any]], pending: list[int]) -> None:
-        super().__init__("ranks stuck")
-        self.replies = replies
-        self.pending = pending
-
-
-class RanksHung(Exception):
-    """A hang was reported during a call whose pool restarts on hangs (``on_hang="restart"``)."""
-
-    def __init__(self, outcome: Failed, replies: dict[int, tuple[str, Any]]) -> None:
-        super().__init__("ranks hung")
-        self.outcome = outcome  # the hang as the failure of its culprits (``HangPolicy``)
-        self.replies = replies
-
-
-class RanksInterrupted(Exception):
-    """The call was interrupted; ``kept`` when every rank came back to idle."""
-
-    def __init__(self, kept: bool, replies: dict[int, tuple[str, Any]], pending: list[int]) -> None:
-        super().__init__("interrupted")
-        self.kept = kept
-        self.replies = replies
-        self.pending = pending
-
-
-class _Follow:
-    """A stream that writes to whatever ``sys.<name>`` is at the time: the running cell's."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def write(self, text: str) -> int:
-        return getattr(sys, self.name).write(text)
-
-    def flush(self) -> None:
-        getattr(sys, self.name).flush()
-
-    def isatty(self) -> bool:
-        try:
-            return bool(getattr(sys, self.name).isatty())
-        except (AttributeError, ValueError):
-            return False
 
 
 class Ranks:
@@ -159,7 +88,7 @@ class Ranks:
         self.remote = remote
         self.links: dict[int, Link] = {}
         self.hellos: dict[int, dict] = {}
-        self._seq = 0
+        self.seq = 0
         self._ended = False
         self._wrote = False  # whether a rank wrote output during the current command
         self._next_check = 0.0  # when a long write next looks at the ranks
@@ -171,7 +100,7 @@ class Ranks:
             self.healer = None
         if self.healer is not None:
             self.healer.announce = False
-        self._heals = 0  # heals of the group this pool has taken in
+        self.heals_taken = 0  # heals of the group this pool has taken in
         #: The kernel's logging as these ranks have it (``describe_kernel_logging()``).
         self.logging = ""
 
@@ -222,8 +151,8 @@ class Ranks:
             group.stdouts,
             group.stderrs,
             output,
-            stdout or _Follow("stdout"),
-            stderr or _Follow("stderr"),
+            stdout or Follow("stdout"),
+            stderr or Follow("stderr"),
         )
         ranks = cls(group, forwarder, listener, spec.world_size, remote)
         ranks.logging = spec.env.get(KERNEL_LOGGING_ENV, "")
@@ -238,7 +167,7 @@ class Ranks:
     def pids(self) -> list[int]:
         return [self.hellos[r]["pid"] for r in range(self.world_size)]
 
-    def _accept(self) -> None:
+    def accept(self) -> None:
         """Take the ranks' new connections; a second one for a rank already in is refused."""
         for link, hello in self.listener.poll():
             if link.rank in self.links:  # holds the key, yet a rank already in: not ours
@@ -252,7 +181,7 @@ class Ranks:
         next_poll = 0.0
         while len(self.links) < self.world_size:
             wait_readable([], self.listener, _PUMP_S)
-            self._accept()
+            self.accept()
             self.forwarder.poll()
             if time.monotonic() >= next_poll:
                 outcome = self.group.poll()
@@ -282,8 +211,8 @@ class Ranks:
             RanksLost, RanksStuck, RanksInterrupted: see the module docstring.
             RanksHung: a hang was reported and ``on_hang`` is ``"restart"``.
         """
-        self._seq += 1
-        seq = self._seq
+        self.seq += 1
+        seq = self.seq
         self._wrote = False
         data = frame((seq, op, arg, setup))
         replies: dict[int, tuple] = {}
@@ -336,7 +265,7 @@ class Ranks:
                 "interrupted: rank%s %s did not stop within %.0f s; the Python stack of every "
                 "rank follows",
                 "s" if len(pending) > 1 else "",
-                _ranks_text(pending),
+                ranks_text(pending),
                 INTERRUPT_GRACE_S,
             )
             with contextlib.suppress(KeyboardInterrupt):
@@ -354,7 +283,7 @@ class Ranks:
         on_hang: str = "report",
     ) -> None:
         # Hangs are judged from the ranks' progress reports while a call runs.
-        watch = _Watch(
+        watch = Watch(
             len(self.links),
             hang_timeout,
             active=deadline is None,
@@ -371,7 +300,7 @@ class Ranks:
         self,
         seq: int,
         replies: dict[int, tuple],
-        watch: _Watch,
+        watch: Watch,
         deadline: float | None,
         hang_timeout: float | None,
         on_hang: str = "report",
@@ -437,8 +366,8 @@ class Ranks:
 
     def _check_heal(self, replies: dict[int, tuple]) -> None:
         """Raise :class:`RanksHealed` once the group has started healing dead ranks."""
-        if self.healer is not None and self.healer.count > self._heals:
-            self._heals = self.healer.count
+        if self.healer is not None and self.healer.count > self.heals_taken:
+            self.heals_taken = self.healer.count
             raise RanksHealed(self.healer.heals[-1], replies)
 
     # --- healing in place ------------------------------------------------------------
@@ -457,65 +386,6 @@ class Ranks:
             with contextlib.suppress(OSError):
                 os.kill(int(pid), signal.SIGKILL)
         raise RanksLost(self._death(replies), replies)
-
-    def heal(self, replaced: list[int], wait: float = HEAL_WAIT_S) -> dict[int, list[str]]:
-        """Take the healed group in: the surviving ranks form the group again with the
-        replacements (their processes and namespaces kept), and every rank connects anew.
-
-        Each survivor is told to heal; the call the death cut short is interrupted where it
-        still runs there (``KeyboardInterrupt``; its collectives with the dead rank fail
-        anyway), then it leaves its group and its channel, joins the next generation of the
-        group and connects again, with the names its namespace kept.
-
-        Returns:
-            The names each surviving rank kept, by rank.
-
-        Raises:
-            RanksLost: the group did not heal within ``wait`` seconds, or failed meanwhile
-                (the pool then starts fresh ranks).
-        """
-        old = self.links
-        self.links, self.hellos = {}, {}
-        cut_short = self._seq  # the call the death cut short: its user code is interrupted
-        self._seq += 1
-        survivors = [rank for rank in old if rank not in replaced]
-        closing: dict[int, Link] = {}
-        for rank in survivors:
-            try:
-                old[rank].send((cut_short, "interrupt", None))
-                old[rank].send((self._seq, "heal", None))
-                closing[rank] = old[rank]
-            except (ChannelClosed, OSError):
-                old[rank].close()
-        for rank in replaced:
-            old[rank].close()
-        deadline = time.monotonic() + wait
-        next_poll = 0.0
-        try:
-            while closing or len(self.links) < self.world_size:
-                if time.monotonic() > deadline:
-                    raise RanksLost(None, {})
-                wait_readable(list(closing.values()), self.listener, _PUMP_S)
-                for rank, link in list(closing.items()):
-                    try:
-                        link.frames()  # what it answered before it healed: the call is over
-                    except ChannelClosed:
-                        link.close()
-                        del closing[rank]
-                self._accept()
-                self.forwarder.poll()
-                if time.monotonic() >= next_poll:
-                    outcome = self.group.poll()
-                    if outcome is not None:
-                        raise RanksLost(outcome if isinstance(outcome, Failed) else None, {})
-                    if self.healer is not None and self.healer.count > self._heals:
-                        raise RanksLost(None, {})  # a second heal before the first was over
-                    next_poll = time.monotonic() + _GROUP_POLL_S
-        finally:
-            for link in closing.values():
-                link.close()
-        self.forwarder.poll(final=True)
-        return {rank: list(self.hellos[rank].get("names", ())) for rank in survivors}
 
     def _pumped(self) -> float:
         self.forwarder.poll()
@@ -542,8 +412,8 @@ class Ranks:
         if self._ended:
             return
         try:
-            self._seq += 1
-            seq = self._seq
+            self.seq += 1
+            seq = self.seq
             replies: dict[int, tuple] = {}
             with contextlib.suppress(ChannelClosed, OSError, RanksLost, RanksStuck):
                 for link in self.links.values():
@@ -582,48 +452,3 @@ def _driver_address() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
-
-
-class _Watch:
-    """A call's :class:`nbtools._hangs.Watchdog`, started once the call is past
-    :data:`_WATCH_AFTER_S` (never when not ``active``: a stop's or interrupt's wait)."""
-
-    def __init__(
-        self,
-        world_size: int,
-        hang_timeout: float | None,
-        active: bool,
-        known: dict[int, dict[str, Any]] | None = None,
-        localize: Callable[[str], str] | None = None,
-        first_steps: FirstSteps | None = None,
-    ) -> None:
-        self._world_size = world_size
-        self._first_steps = first_steps  # the pool's: what its earlier calls' first steps took
-        self._known = known or {}  # rank -> its hello: the watchdog samples it at once
-        self._localize = localize  # names frames of code sent by value as the caller knows them
-        self._hang_timeout = hang_timeout
-        self._active = active
-        self._from = time.monotonic() + _WATCH_AFTER_S
-        self._dog: _hangs.Watchdog | None = None
-
-    def due(self, now: float) -> _hangs.Watchdog | None:
-        """The watchdog, started now if the call has run long enough; None before."""
-        if self._dog is None and self._active and now >= self._from:
-            self._dog = _hangs.Watchdog(
-                self._world_size,
-                hang_timeout=self._hang_timeout,
-                localize=self._localize,
-                first_steps=self._first_steps,
-            )
-            for rank, hello in self._known.items():
-                self._dog.know(rank, int(hello["pid"]), str(hello.get("host", "")))
-            self._dog.start()
-        return self._dog
-
-    def stop(self) -> None:
-        if self._dog is not None:
-            self._dog.stop()
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)

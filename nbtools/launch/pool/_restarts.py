@@ -40,11 +40,10 @@ from nbtools.launch._backend import Failed, GroupSpec, LaunchBackend
 from nbtools.launch._failures import RankFailure, describe, from_exit
 from nbtools.launch._rank import setup_environment
 from nbtools.launch._runner import Plan, until_formed
+from nbtools.launch.pool._channel import ChannelClosed, Link, wait_readable
 from nbtools.launch.pool._errors import failures_of, first, plural, ranks_text
-from nbtools.launch.pool._ranks import (
-    INTERRUPT_GRACE_S,
-    PEER_GRACE_S,
-    Ranks,
+from nbtools.launch.pool._ranks import HEAL_WAIT_S, INTERRUPT_GRACE_S, PEER_GRACE_S, Ranks
+from nbtools.launch.pool._waits import (
     RanksHealed,
     RanksHung,
     RanksInterrupted,
@@ -52,11 +51,15 @@ from nbtools.launch.pool._ranks import (
     RanksStuck,
 )
 
-__all__ = ["Generations", "LOST"]
+__all__ = ["Generations", "LOST", "take_healed"]
 
 _log = get_logger("launch")
 #: What every replacement of the ranks tells the user.
 LOST = "rank state (names, models, tensors) was lost"
+# Taking a healed group in: how often the backend is asked whether the group failed while
+# the ranks connect again, and how often the channels and the output are looked at.
+_GROUP_POLL_S = 0.1
+_PUMP_S = 0.02
 
 
 class Generations:
@@ -222,7 +225,7 @@ class Generations:
             rank: from_exit(rank, _code(heal.how.get(rank, "")), attempt) for rank in heal.ranks
         }
         try:
-            kept = self.ranks.heal(list(heal.ranks))
+            kept = take_healed(self.ranks, list(heal.ranks))
         except KeyboardInterrupt:
             # Interrupted halfway through: the next call starts fresh ranks.
             self.discard()
@@ -353,3 +356,65 @@ def release(backend: LaunchBackend, collector: events.Collector, run_dir: str) -
         backend.close()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def take_healed(
+    ranks: Ranks, replaced: list[int], wait: float = HEAL_WAIT_S
+) -> dict[int, list[str]]:
+    """Take the healed group of ``ranks`` in: the surviving ranks form the group again with the
+    replacements (their processes and namespaces kept), and every rank connects anew.
+
+    Each survivor is told to heal; the call the death cut short is interrupted where it
+    still runs there (``KeyboardInterrupt``; its collectives with the dead rank fail
+    anyway), then it leaves its group and its channel, joins the next generation of the
+    group and connects again, with the names its namespace kept.
+
+    Returns:
+        The names each surviving rank kept, by rank.
+
+    Raises:
+        RanksLost: the group did not heal within ``wait`` seconds, or failed meanwhile
+            (the pool then starts fresh ranks).
+    """
+    old = ranks.links
+    ranks.links, ranks.hellos = {}, {}
+    cut_short = ranks.seq  # the call the death cut short: its user code is interrupted
+    ranks.seq += 1
+    survivors = [rank for rank in old if rank not in replaced]
+    closing: dict[int, Link] = {}
+    for rank in survivors:
+        try:
+            old[rank].send((cut_short, "interrupt", None))
+            old[rank].send((ranks.seq, "heal", None))
+            closing[rank] = old[rank]
+        except (ChannelClosed, OSError):
+            old[rank].close()
+    for rank in replaced:
+        old[rank].close()
+    deadline = time.monotonic() + wait
+    next_poll = 0.0
+    try:
+        while closing or len(ranks.links) < ranks.world_size:
+            if time.monotonic() > deadline:
+                raise RanksLost(None, {})
+            wait_readable(list(closing.values()), ranks.listener, _PUMP_S)
+            for rank, link in list(closing.items()):
+                try:
+                    link.frames()  # what it answered before it healed: the call is over
+                except ChannelClosed:
+                    link.close()
+                    del closing[rank]
+            ranks.accept()
+            ranks.forwarder.poll()
+            if time.monotonic() >= next_poll:
+                outcome = ranks.group.poll()
+                if outcome is not None:
+                    raise RanksLost(outcome if isinstance(outcome, Failed) else None, {})
+                if ranks.healer is not None and ranks.healer.count > ranks.heals_taken:
+                    raise RanksLost(None, {})  # a second heal before the first was over
+                next_poll = time.monotonic() + _GROUP_POLL_S
+    finally:
+        for link in closing.values():
+            link.close()
+    ranks.forwarder.poll(final=True)
+    return {rank: list(ranks.hellos[rank].get("names", ())) for rank in survivors}
