@@ -6,9 +6,14 @@ node label carries the start of its Ray node id, as the GPU pane's labels do.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -118,3 +123,103 @@ def test_a_ray_rank_three_times_slower_is_the_only_straggler(ray_cluster, monkey
     opened = [e for e in seen if not e.fields.get("ended")]
     assert {e.rank for e in opened if e.kind == "straggler"} == {2}, [e.message for e in seen]
     assert not [e for e in opened if e.kind == "hang"]
+
+
+# The kernel on another host: a driver of its own, in a UTS namespace whose host name is not
+# the nodes'. The watchdog takes a rank for local when the host in the rank's node label is
+# the kernel's own host name, so here it reads none of the ranks' processes: it judges them by
+# what each rank's probe reports of itself.
+_ELSEWHERE = textwrap.dedent(
+    """
+    import json, os, socket, sys, threading
+    import ray
+    from nbtools import distributed, events
+
+    ray.init(address=sys.argv[1], log_to_driver=False)
+    seen, lock = [], threading.Lock()
+
+    def keep(batch):
+        with lock:
+            seen.extend(e for e in batch if e.kind in ("straggler", "hang", "long_phase"))
+
+    @distributed(processes=3, cluster="ray", nodes=3, hang_timeout=4)
+    def train(seconds):
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        from nbtools import events
+
+        rank, t = dist.get_rank(), torch.ones(1)
+        slow = 3 if rank == 2 else 1
+
+        def steps(count):
+            for _ in range(count):
+                end = time.monotonic() + 0.03 * slow
+                while time.monotonic() < end:  # computes: rank 2 three times as long
+                    pass
+                dist.all_reduce(t)
+                events.step()
+
+        began = time.monotonic()
+        while True:
+            steps(10)
+            done = torch.tensor([float(time.monotonic() - began > seconds)])
+            dist.all_reduce(done)
+            if done.item() > 0:
+                break
+        if rank == 0:  # rank 0 alone evaluates, at full CPU, while the others wait
+            end = time.monotonic() + 10
+            while time.monotonic() < end:
+                torch.randn(128, 128) @ torch.randn(128, 128)
+        dist.barrier()
+        steps(10)
+        if rank == 1:  # stuck in a call that uses no CPU, outside any collective
+            time.sleep(12)
+        steps(10)
+        return os.environ["NBTOOLS_NODE"]
+
+    events.subscribe(keep)
+    try:
+        labels = train.distributed(20)
+    finally:
+        events.unsubscribe(keep)
+        ray.shutdown()
+    with lock:
+        found = [
+            {"kind": e.kind, "rank": e.rank, "ended": bool(e.fields.get("ended"))} for e in seen
+        ]
+    print(json.dumps({"host": socket.gethostname(), "labels": labels, "flags": found}))
+    """
+)
+
+
+def _other_host_prefix() -> list[str]:
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "--uts", "true"]).returncode != 0:
+        pytest.skip("a kernel on another host name needs unshare --uts (root)")
+    return [unshare, "--uts", "sh", "-c", 'hostname nbtools-kernel-elsewhere && exec "$@"', "-"]
+
+
+def test_with_the_kernel_on_another_host_ray_ranks_are_judged_by_their_own_probes(
+    ray_cluster, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("NBTOOLS_STRAGGLER_WINDOW_S", "8")
+    monkeypatch.setenv("NBTOOLS_STRAGGLER_CONFIRM_S", "3")
+    script = tmp_path / "driver.py"
+    script.write_text(_ELSEWHERE)
+    proc = subprocess.run(
+        [*_other_host_prefix(), sys.executable, str(script), ray_cluster.address],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(label.split(events.NODE_SEPARATOR)[0] != out["host"] for label in out["labels"])
+    opened = [f for f in out["flags"] if not f["ended"]]
+    assert {f["rank"] for f in opened if f["kind"] == "straggler"} == {2}, out["flags"]
+    assert [f["rank"] for f in opened if f["kind"] == "long_phase"] == [0], out["flags"]
+    assert [f["rank"] for f in opened if f["kind"] == "hang"] == [1], out["flags"]
+    assert [f["rank"] for f in out["flags"] if f["kind"] == "hang" and f["ended"]] == [1]
