@@ -12,7 +12,9 @@ holding about ``--state-mb`` of model and Adam state. Rank 1 SIGKILLs itself aft
   save_last=True)``) and, on the restarted attempt, ``resume_from_checkpoint=`` the
   last one (HF) / ``ckpt_path=`` its ``last.ckpt`` (Lightning).
 
-Both volumes are local directories (no network cap). Figures, per path:
+Both volumes are local directories (no network cap). Before the first case the
+forkserver is started and its preloads imported, so that every path's ranks start
+forked from it. Figures, per path:
 
 - ``kill_to_first_step_s``: from the kill to the first step the restarted attempt
   completes (rank 0);
@@ -26,6 +28,12 @@ Both volumes are local directories (no network cap). Figures, per path:
   so the launcher's forkserver preloads it) and
   ``after_imports_to_progress_s`` (building the Trainer, its restore, the steps
   trained again: the part a checkpointing path decides);
+- ``timeline_s``: from the kill to each mark of the restarted attempt, in order:
+  ``function`` (rank 0 runs the training function), ``imported`` (the stack's library),
+  ``trainer_built``, Lightning's ``setup`` and ``fit_start`` / HF's ``train_begin``
+  (before any restore), ``restored`` (the callbacks' start hooks done: nbtools's
+  restore; Lightning loads its ``ckpt_path`` between ``setup`` and ``fit_start``, HF its
+  checkpoint before ``train_begin``), ``train_start`` and the first batch or step begun;
 - ``steps_trained_again``: ``kill_at`` minus the step the restarted attempt resumed after;
 - ``..._x``: nbtools / trainer (goal <= 0.3x for ``kill_to_progress_s``).
 
@@ -82,11 +90,20 @@ def _hf(cfg: dict[str, Any], path: str, work: str) -> dict[str, Any]:
             return {"loss": (self.body(x).mean(-1) - labels).pow(2).mean()}
 
     times: dict[int, float] = {}
+    marks: dict[str, float] = {}
     resumed: list[int] = []
+
+    class First(TrainerCallback):  # type: ignore[misc]
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            marks.setdefault("train_begin", time.time())
 
     class Watch(TrainerCallback):  # type: ignore[misc]
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            marks.setdefault("restored", time.time())
             resumed.append(int(state.global_step))
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            marks.setdefault("first_step_begin", time.time())
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             times.setdefault(int(state.global_step), time.time())
@@ -110,21 +127,23 @@ def _hf(cfg: dict[str, Any], path: str, work: str) -> dict[str, Any]:
         save_strategy="no" if ours else "steps",
         save_steps=cfg["every"],
     )
-    callbacks: list[Any] = [Watch()]
+    callbacks: list[Any] = [First(), Watch()]
     ckpt = None
     if ours:
         ckpt = NbtoolsCheckpoint(
             f"{work}/ckpt", every=cfg["every"], memory_every=cfg["memory_every"]
         )
-        callbacks.insert(0, ckpt)
+        callbacks.insert(1, ckpt)
     trainer = Trainer(model=Net(), args=args, train_dataset=data, callbacks=callbacks)
     last = (
         None if ours or not os.path.isdir(args.output_dir) else get_last_checkpoint(args.output_dir)
     )
+    marks["trainer_built"] = time.time()
     trainer.train(resume_from_checkpoint=last)
     after = ckpt.restored_step if ckpt is not None else resumed[0]
     return {
         "times": times,
+        "marks": marks,
         "imported": imported,
         "resumed_after": after or 0,
         "tier": ckpt.restored_tier if ckpt else None,
@@ -154,8 +173,25 @@ def _lightning(cfg: dict[str, Any], path: str, work: str) -> dict[str, Any]:
             return torch.optim.Adam(self.parameters(), lr=1e-4)
 
     times: dict[int, float] = {}
+    marks: dict[str, float] = {}
+
+    class First(pl.Callback):  # type: ignore[misc]
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            marks.setdefault("setup", time.time())
+
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            marks.setdefault("fit_start", time.time())
 
     class Watch(pl.Callback):  # type: ignore[misc]
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            marks.setdefault("restored", time.time())
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            marks.setdefault("train_start", time.time())
+
+        def on_train_batch_start(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+            marks.setdefault("first_batch_start", time.time())
+
         def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
             times.setdefault(int(trainer.global_step), time.time())
             _kill_if_due(int(trainer.global_step), cfg["kill_at"], f"{work}/kill")
@@ -167,16 +203,16 @@ def _lightning(cfg: dict[str, Any], path: str, work: str) -> dict[str, Any]:
         torch.randn(n, HIDDEN, generator=g), torch.randn(n, generator=g)
     )
     ours = path == "nbtools"
-    callbacks: list[Any] = [Watch()]
+    callbacks: list[Any] = [First(), Watch()]
     ckpt = None
     if ours:
         ckpt = NbtoolsCheckpoint(
             f"{work}/ckpt", every=cfg["every"], memory_every=cfg["memory_every"]
         )
-        callbacks.insert(0, ckpt)
+        callbacks.insert(1, ckpt)
     else:
         callbacks.insert(
-            0,
+            1,
             ModelCheckpoint(
                 f"{work}/pl", every_n_train_steps=cfg["every"], save_last=True, save_top_k=-1
             ),
@@ -201,10 +237,12 @@ def _lightning(cfg: dict[str, Any], path: str, work: str) -> dict[str, Any]:
             start.setdefault("step", int(trainer.global_step))
 
     trainer.callbacks.append(Start())
+    marks["trainer_built"] = time.time()
     trainer.fit(Net(), torch.utils.data.DataLoader(data, batch_size=1), ckpt_path=resume)
     after = ckpt.restored_step if ckpt is not None else start.get("step", 0)
     return {
         "times": times,
+        "marks": marks,
         "imported": imported,
         "resumed_after": after or 0,
         "tier": ckpt.restored_tier if ckpt else None,
@@ -240,8 +278,32 @@ def _run(stack: str, path: str, cfg: dict[str, Any]) -> dict[str, Any]:
         "imports_s": round(got["imported"] - got["started"], 3),
         "after_imports_to_progress_s": round(times[cfg["kill_at"] + 1] - got["imported"], 3),
         "steps_trained_again": cfg["kill_at"] - int(got["resumed_after"]),
+        "timeline_s": {
+            name: round(at - killed, 3)
+            for name, at in sorted(
+                {"function": got["started"], "imported": got["imported"], **got["marks"]}.items(),
+                key=lambda item: item[1],
+            )
+        },
         "tier": got["tier"],
     }
+
+
+def _nothing() -> None:
+    """A first launch's function: it starts the forkserver."""
+
+
+def _warm_forkserver(timeout: float = 120.0) -> None:
+    """Start the forkserver and wait until it has imported its preloads (the stack's library
+    among them): both paths' ranks then start forked from it, as a notebook's later calls
+    do. A launch that comes earlier starts its ranks fresh, and a failed fresh rank ends
+    through the interpreter's exit, which would add seconds to whichever path ran first."""
+    from nbtools.launch._local import _forkserver
+
+    distributed(processes=2, output="none")(_nothing).distributed()
+    deadline = time.monotonic() + timeout
+    while not _forkserver.ready() and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def main() -> None:
@@ -259,6 +321,7 @@ def main() -> None:
     # from then holds the libraries too, and a restarted rank does not import them again.
     for stack in stacks:
         importlib.import_module("transformers.trainer" if stack == "hf" else "lightning.pytorch")
+    _warm_forkserver()
     for stack in stacks:
         theirs = _run(stack, "trainer", cfg)  # today's path first
         ours = _run(stack, "nbtools", cfg)
