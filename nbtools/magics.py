@@ -22,9 +22,12 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from nbtools._magics import strip_comment
-from nbtools._magics.autoresume import AutoresumeOptions, run_autoresume
-from nbtools._magics.distributed import DistributedMagics
+from nbtools._magics import (
+    AutoresumeOptions,
+    DistributedMagics,
+    run_autoresume,
+    strip_comment,
+)
 
 __all__ = ["NbtoolsMagics", "load", "unload"]
 

@@ -25,7 +25,7 @@ from IPython.core.error import UsageError
 from IPython.display import display
 
 from nbtools._internal.location import local_path, unwritable_reason
-from nbtools._magics import cell_number
+from nbtools._magics._cells import cell_number
 from nbtools.errors import CheckpointError
 
 __all__ = ["AutoresumeOptions", "run_autoresume"]

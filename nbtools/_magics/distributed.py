@@ -22,7 +22,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
-from nbtools._magics import cell_number, strip_comment
+from nbtools._magics._cells import cell_number, strip_comment
 
 __all__ = ["DistributedMagics", "format_status"]
 
