@@ -70,6 +70,7 @@ class RankState:
     long_since: float | None = None  # the start of the long phase the cell was told of
     device_outside: float | None = None  # share outside NCCL's collectives, as it reported
     probed_at: float = 0.0  # kernel time of its own probe's latest findings (another node)
+    looked_at: float = 0.0  # kernel time of the latest look at it from its node (another node)
     score: float | None = None
     low_since: float | None = None
     high_since: float | None = None

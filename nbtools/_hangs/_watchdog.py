@@ -103,6 +103,7 @@ _ANSWERS_FRESH_S = 10.0  # the ranks' answers about their collectives count this
 LOOK_AHEAD_S = 10.0
 _TICK_S = 1.0  # the watchdog judges the ranks this often (and at the bound)
 _SILENT_S = 5.0  # a rank on another node whose probe has not reported for this long
+_LOOK_AFTER_S = 2.0  # ...is looked at from its node (``look``) after this long
 # Kinds whose time, around it, is left out of straggler scores.
 _PAUSES = ("checkpoint_saved", "checkpoint_restored", "checkpoint_skipped", "restart")
 _PAUSE_S = 5.0
@@ -142,6 +143,11 @@ class Watchdog:
         clock: The kernel's monotonic clock (``time.monotonic``).
         launched_at: When the kernel launched the ranks, on ``clock``; the start-up
             bound counts from it. None: now (the watch starts with the ranks).
+        look: Looks at a rank on another machine from its own node,
+            ``look(rank, tid) -> (CPU s, I/O bytes, state, detail) | None``, never
+            blocking (the Ray launcher's :meth:`RayGroup.look_at`): asked once a tick
+            for a rank whose own reports stopped (a training thread that holds the GIL
+            starves the rank's probe), so that busy is still told from stuck.
 
     Example:
         >>> dog = Watchdog(world_size=4).start()
@@ -166,6 +172,7 @@ class Watchdog:
         bus: events.Bus | None = None,
         clock: Callable[[], float] = time.monotonic,
         launched_at: float | None = None,
+        look: Callable[[int, int], tuple[float, int, str, str] | None] | None = None,
     ) -> None:
         threshold = setting(threshold, "NBTOOLS_STRAGGLER_THRESHOLD", THRESHOLD)
         window_s = setting(window_s, "NBTOOLS_STRAGGLER_WINDOW_S", 30.0)
@@ -187,6 +194,7 @@ class Watchdog:
         self.phase_timeout = phase_timeout
         self._on_hang = on_hang
         self._localize = localize
+        self._look = look
         self._clock = clock
         self._bus = bus if bus is not None else events.bus()
         self._ranks: dict[int, RankState] = {}
@@ -426,7 +434,11 @@ class Watchdog:
         with self._lock:
             now = self._clock()
             for state in self._ranks.values():
-                if not state.local and state.probed_at and now - state.probed_at > _SILENT_S:
+                if (
+                    not state.local
+                    and state.probed_at
+                    and now - max(state.probed_at, state.looked_at) > _SILENT_S
+                ):
                     # Its probe reports every second: what it said last is no longer
                     # known to hold (a stopped rank, or one starved of CPU or the GIL).
                     state.recent.clear()
@@ -462,14 +474,31 @@ class Watchdog:
             self._report(new_hangs, now)
 
     def _measure(self, now: float) -> None:
-        """Read each local rank's process tree's CPU time and I/O (once a tick)."""
+        """Read each local rank's process tree's CPU time and I/O (once a tick), and have
+        a rank on another machine whose probe fell silent looked at from its node."""
         with self._lock:
             local = [(s, s.pid) for s in self._ranks.values() if s.local and s.pid]
+            silent = [
+                s
+                for s in self._ranks.values()
+                if self._look is not None
+                and not s.local
+                and s.probed_at
+                and now - s.probed_at > _LOOK_AFTER_S
+            ]
         read = [(state, _process.usage(pid)) for state, pid in local]
+        looked = [(state, self._look(state.rank, state.tid)) for state in silent if self._look]
         with self._lock:
             for state, used in read:
                 if used is not None:
                     state.usage.append((now, *used))
+            for state, seen in looked:
+                if seen is not None and now - state.probed_at > _LOOK_AFTER_S:
+                    cpu, io, kind, detail = seen
+                    state.usage.append((now, cpu, io))
+                    state.recent.clear()
+                    state.recent.append((kind, detail))
+                    state.looked_at = now
 
     def _busy(self, state: RankState) -> bool:
         return is_busy(state, self._since(state))

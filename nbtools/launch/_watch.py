@@ -61,6 +61,8 @@ def watch(
         localize=forwarder.localize,
         first_steps=first_steps,
         launched_at=launched_at,
+        # Ranks on other machines, looked at from their nodes when their reports stop.
+        look=getattr(group, "look_at", None),
     ) as dog:
         outcome = _watch(group, forwarder, hang_timeout, on_hang, dog)
     # A hang seen just before the group ended (its report, asked of the ranks, can come after

@@ -21,6 +21,7 @@ import pytest
 from nbtools import events
 from nbtools._hangs import Watchdog
 from nbtools.events import _probe
+from nbtools.launch._ray._backend import look_at_process
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +43,12 @@ _RANK = textwrap.dedent(
             end = time.monotonic() + 14
             while time.monotonic() < end:
                 torch.randn(256, 256) @ torch.randn(256, 256)
+        if mode == "gil-stuck" and rank == 0 and step == 40:
+            import ctypes  # libc's sleep through PyDLL: blocked, and holding the GIL
+            ctypes.PyDLL(None).sleep(20)
+        if mode == "gil-busy" and rank == 0 and step == 40:
+            import re  # a match that backtracks for many seconds in C, holding the GIL
+            re.match(r"(a+)+$", "a" * 29 + "b")
         dist.all_reduce(t)
         events.step(step)
     events.emit("rank_done")  # the watch ends here, as a launcher's ends with its group
@@ -51,7 +58,12 @@ _RANK = textwrap.dedent(
 )
 
 
-def _run(tmp_path, mode: str, steps: int, dog_args: dict) -> tuple[Watchdog, list, list[str]]:
+def _run(
+    tmp_path, mode: str, steps: int, dog_args: dict, look: bool = False
+) -> tuple[Watchdog, list, list[str]]:
+    """Two ranks naming another node, watched by a kernel that cannot read their processes;
+    ``look``: but that has them looked at from their node when their reports stop, as the
+    Ray launcher does (here the node is this machine, and the look runs in the kernel)."""
     bus = events.Bus()
     reports: list = []
     notices: list[str] = []
@@ -64,6 +76,8 @@ def _run(tmp_path, mode: str, steps: int, dog_args: dict) -> tuple[Watchdog, lis
             )
             for rank in (0, 1)
         ]
+        if look:
+            dog_args["look"] = lambda rank, tid: look_at_process(procs[rank].pid, tid)
         dog = Watchdog(2, on_hang=reports.append, bus=bus, **dog_args).start()
         try:
             deadline = time.monotonic() + 120
@@ -143,3 +157,31 @@ def test_a_thread_blocked_on_a_lock_waits_whatever_the_probe_learned_of_the_gil(
     finally:
         lock.release()
         thread.join(10)
+
+
+# A training thread that holds the GIL starves the rank's probe thread: the rank falls
+# silent, busy or stuck. Looked at from its node, it is told apart again.
+
+
+def test_a_rank_on_another_node_stuck_holding_the_gil_is_named_a_hang(tmp_path):
+    dog, reports, notices = _run(tmp_path, "gil-stuck", 60, {"hang_timeout": 6.0}, look=True)
+    assert [r.ranks for r in reports] == [(0,)], [r.headline for r in reports]
+    assert "blocked in clock_nanosleep, outside any collective" in reports[0].headline
+    assert not [n for n in notices if "long phase" in n], notices
+
+
+def test_a_rank_on_another_node_busy_holding_the_gil_is_a_long_phase(tmp_path):
+    dog, reports, notices = _run(tmp_path, "gil-busy", 60, {"hang_timeout": 6.0}, look=True)
+    assert dog._ranks[0].looked_at  # its probe was silent: it was looked at from its node
+    assert reports == [], [r.headline for r in reports]
+    (line,) = [n for n in notices if "long phase" in n]
+    assert line.startswith("rank 0 on another-node is in a long phase outside collectives")
+
+
+def test_without_a_look_from_its_node_a_rank_busy_holding_the_gil_is_not_told_from_stuck(
+    tmp_path,
+):
+    # What the kernel can say of a silent rank it cannot see: it could not answer.
+    dog, reports, notices = _run(tmp_path, "gil-busy", 60, {"hang_timeout": 6.0})
+    assert [r.ranks for r in reports] == [(0,)], [r.headline for r in reports]
+    assert "could not answer" in reports[0].headline

@@ -50,7 +50,7 @@ from nbtools.launch._ray import _cluster
 from nbtools.launch._ray._pump import OutputPump
 from nbtools.launch._ray._rank import RankActor
 
-__all__ = ["RayBackend", "RayGroup", "end_run_on_node"]
+__all__ = ["RayBackend", "RayGroup", "end_run_on_node", "look_at_process"]
 
 _log = get_logger("launch")
 _POLL_S = 0.05
@@ -59,6 +59,7 @@ _END_RUN_S = 120.0
 # Output a failed attempt's other ranks may still deliver before they are killed.
 _LAST_OUTPUT_S = 1.0
 _actor_class: Any = None
+_look_task: Any = None
 
 
 def _actor(ray: Any) -> Any:
@@ -238,6 +239,18 @@ class _Kept:
             remove_placement_group(self.group)
 
 
+def look_at_process(pid: int, tid: int) -> tuple[float, int, str, str] | None:
+    """On a rank's node: its process tree's CPU seconds and I/O bytes, and its thread
+    ``tid``'s state (:mod:`nbtools.events._probe`); None when the process is gone."""
+    from nbtools.events import _probe
+
+    used = _probe.usage(pid)
+    if used is None:
+        return None
+    kind, detail = _probe.sample(pid, tid)
+    return used[0], used[1], kind, detail
+
+
 def end_run_on_node(run_id: str, env: dict[str, str]) -> None:
     """In a Ray task on one node: run the launch-end hooks for ``run_id`` there, with the
     variables of the ranks' ``runtime_env`` (``env``) set as the ranks had them."""
@@ -403,6 +416,7 @@ class RayGroup:
         self._stopped = False
         self._closed = False
         self._outcome: Outcome | None = None
+        self._looks: dict[int, Any] = {}  # rank -> the look at its process in flight
 
     def begin(self, runs: list[Any]) -> None:
         self._runs = {ref: rank for rank, ref in enumerate(runs)}
@@ -415,6 +429,40 @@ class RayGroup:
         for actor in running:
             actor.ask_collectives.remote()  # the answer travels with the rank's events
         return len(running)
+
+    def look_at(self, rank: int, tid: int = 0) -> tuple[float, int, str, str] | None:
+        """A look at rank ``rank``'s process from its own node, for the watchdog.
+
+        A rank reports what its probe sees of itself, but a probe cannot run while the
+        rank's training thread holds the GIL (a long C call): the kernel on another
+        machine then hears nothing. A task on the rank's node reads its process from
+        outside: ``(CPU seconds and bytes read and written of its process tree, its
+        thread ``tid``'s state and a word)`` (:func:`look_at_process`). Never blocks:
+        returns the look that came back since the last call, if any, and starts the
+        next one; None while one is in flight, or when it failed.
+        """
+        global _look_task
+        seen = None
+        pending = self._looks.pop(rank, None)
+        if pending is not None:
+            ready, _ = self._ray.wait([pending], timeout=0)
+            if not ready:
+                self._looks[rank] = pending
+                return None
+            with contextlib.suppress(Exception):  # the node or its worker is gone: no look
+                seen = self._ray.get(pending, timeout=0)
+        if self._stopped:
+            return seen
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if _look_task is None:
+            _look_task = self._ray.remote(num_cpus=0, max_retries=0)(look_at_process)
+        info = self._where[rank]
+        strategy = NodeAffinitySchedulingStrategy(info["node_id"], soft=False)
+        self._looks[rank] = _look_task.options(scheduling_strategy=strategy).remote(
+            info["pid"], tid
+        )
+        return seen
 
     def node_label(self, rank: int) -> str:
         """Where rank ``rank`` runs, for messages."""
