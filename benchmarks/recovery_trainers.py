@@ -10,11 +10,26 @@ holding about ``--state-mb`` of model and Adam state. Rank 1 SIGKILLs itself aft
 - ``trainer`` (today's path, the baseline): the Trainer's own checkpoints every ``E``
   steps (HF ``save_steps``; Lightning ``ModelCheckpoint(every_n_train_steps=E,
   save_last=True)``) and, on the restarted attempt, ``resume_from_checkpoint=`` the
-  last one (HF) / ``ckpt_path=`` its ``last.ckpt`` (Lightning).
+  last one (HF) / ``ckpt_path=`` the newest one (Lightning).
 
-Both volumes are local directories (no network cap). Before the first case the
-forkserver is started and its preloads imported, so that every path's ranks start
-forked from it. Figures, per path:
+The default setup is the one recovery from memory is judged by: 4 ranks, 252 MB of
+state per rank, ``every=200``, ``memory_every=10``, a kill after step 257 (57 steps
+after the last volume checkpoint: fewer than the ``every / 2`` a kill at a random
+step costs on average, which favours the Trainer's own checkpoints), and both paths'
+checkpoints on one volume: an S3-compatible server on loopback (moto behind
+``benchmarks/_capped_s3.py``) that serves at most ``--mbps`` (100 MB/s). Lightning's
+``ModelCheckpoint`` writes to and its ``ckpt_path`` reads from the ``s3://`` URL
+itself (every rank reads the checkpoint); HF's ``Trainer`` saves to a local
+``output_dir`` only, so its checkpoints are uploaded to the volume as each is saved
+and the restarted attempt downloads the newest one (once per node) before
+``resume_from_checkpoint=``, as a job whose local disk went with its node does. Both
+runs take about 20 minutes on 2 busy cores.
+
+``--quick``: a short look (2 ranks, 48 MB, ``every=50``, a kill after step 87, the
+volumes in local directories).
+
+Before the first case the forkserver is started and its preloads imported, so that
+every path's ranks start forked from it. Figures, per path:
 
 - ``kill_to_first_step_s``: from the kill to the first step the restarted attempt
   completes (rank 0);
@@ -35,10 +50,13 @@ forked from it. Figures, per path:
   restore; Lightning loads its ``ckpt_path`` between ``setup`` and ``fit_start``, HF its
   checkpoint before ``train_begin``), ``train_start`` and the first batch or step begun;
 - ``steps_trained_again``: ``kill_at`` minus the step the restarted attempt resumed after;
+- ``volume_bytes_read``: object bytes the capped volume sent from the kill to the
+  completion of step ``kill_at + 1`` (None with local directories);
 - ``..._x``: nbtools / trainer (goal <= 0.3x for ``kill_to_progress_s``).
 
-    python benchmarks/recovery_trainers.py [--stack hf|lightning|both] [--state-mb 48]
-        [--every 50] [--memory-every 10] [--kill-at 87] [--steps 100] [--processes 2]
+    python benchmarks/recovery_trainers.py [--stack hf|lightning|both] [--quick]
+        [--state-mb 252] [--every 200] [--memory-every 10] [--kill-at 257]
+        [--processes 4] [--mbps 100]
 """
 
 from __future__ import annotations
@@ -47,7 +65,9 @@ import argparse
 import importlib
 import json
 import os
+import re
 import signal
+import sys
 import tempfile
 import time
 from typing import Any
@@ -57,6 +77,16 @@ import torch
 from nbtools import distributed, runtime
 
 HIDDEN = 1024
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_TESTS = os.path.join(_HERE, "..", "tests", "checkpoint")
+BUCKET = "bench"
+#: The steps trained after ``kill_at + 1`` by the restarted attempt.
+_AFTER = 2
+#: The setups: the one the goals are set for, and a short look.
+SETUPS = {
+    "issue": {"processes": 4, "state_mb": 252, "every": 200, "memory_every": 10, "kill_at": 257},
+    "quick": {"processes": 2, "state_mb": 48, "every": 50, "memory_every": 10, "kill_at": 87},
+}
 
 
 def _layers(state_mb: int) -> int:
@@ -64,16 +94,46 @@ def _layers(state_mb: int) -> int:
     return max(1, round(state_mb * 1e6 / 12 / (HIDDEN * HIDDEN)))
 
 
-def _kill_if_due(step: int, kill_at: int, kill_file: str) -> None:
-    if runtime.get_restart_count() == 0 and runtime.get_rank() == 1 and step == kill_at:
+def _served(cfg: dict[str, Any]) -> int | None:
+    """Object bytes the capped volume has sent (None: the volume is a local directory)."""
+    if not cfg["endpoint"]:
+        return None
+    sys.path.insert(0, _TESTS)
+    from _restore_servers import s3_served
+
+    return int(s3_served(cfg["endpoint"]))
+
+
+def _kill_if_due(cfg: dict[str, Any], step: int, kill_file: str, served: dict[str, Any]) -> None:
+    """Kill rank 1 at ``kill_at`` on the first attempt; on the restarted one, note in
+    ``served`` what the volume had sent when rank 0 completed the step after it (later, a
+    final save re-reads what it uploaded to verify it: not a read of the restore)."""
+    if step == cfg["kill_at"] + 1 and runtime.get_restart_count() and runtime.get_rank() == 0:
+        served.setdefault("at_progress", _served(cfg))
+    if runtime.get_restart_count() == 0 and runtime.get_rank() == 1 and step == cfg["kill_at"]:
+        served = _served(cfg)  # asked before the kill: no request on the way back
         with open(kill_file, "w") as fh:
-            fh.write(repr(time.time()))
+            json.dump({"at": time.time(), "served": served}, fh)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _volume(cfg: dict[str, Any], work: str, name: str) -> str:
+    """Where a path keeps its checkpoints: on the capped volume, or in ``work``."""
+    return f"s3://{BUCKET}/{os.path.basename(work)}/{name}" if cfg["endpoint"] else f"{work}/{name}"
+
+
+def _newest(fs: Any, root: str, pattern: str) -> str | None:
+    """The entry under ``root`` whose name has the highest step (``pattern``'s group)."""
+    try:
+        names = fs.ls(root, detail=False, refresh=True)
+    except FileNotFoundError:
+        return None
+    steps = {int(m.group(1)): n for n in names if (m := re.search(pattern, n.rsplit("/", 1)[-1]))}
+    return steps[max(steps)] if steps else None
 
 
 def _hf(cfg: dict[str, Any], path: str, work: str) -> dict[str, Any]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
-    from transformers.trainer_utils import get_last_checkpoint
 
     from nbtools.integrations.transformers import NbtoolsCheckpoint
 
@@ -91,6 +151,7 @@ def _hf(cfg: dict[str, Any], path: str, work: str) -> dict[str, Any]:
 
     times: dict[int, float] = {}
     marks: dict[str, float] = {}
+    served: dict[str, Any] = {}
     resumed: list[int] = []
 
     class First(TrainerCallback):  # type: ignore[misc]
@@ -107,18 +168,34 @@ def _hf(cfg: dict[str, Any], path: str, work: str) -> dict[str, Any]:
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             times.setdefault(int(state.global_step), time.time())
-            _kill_if_due(int(state.global_step), cfg["kill_at"], f"{work}/kill")
+            _kill_if_due(cfg, int(state.global_step), f"{work}/kill", served)
+
+    class Upload(TrainerCallback):  # type: ignore[misc]
+        """The Trainer's checkpoints onto the volume, once each is saved."""
+
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            import fsspec
+            import torch.distributed as dist
+
+            dist.barrier()  # every rank's files written
+            if state.is_world_process_zero:
+                name = f"checkpoint-{state.global_step}"
+                fs = fsspec.filesystem("s3")
+                fs.put(f"{args.output_dir}/{name}", f"{volume}/{name}", recursive=True)
+            dist.barrier()
 
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     data = [
         {"x": torch.randn(HIDDEN, generator=g), "labels": torch.randn((), generator=g)}
-        for _ in range(cfg["steps"] * cfg["processes"])
+        for _ in range((cfg["kill_at"] + 1 + _AFTER) * cfg["processes"])
     ]
     ours = path == "nbtools"
+    volume = _volume(cfg, work, "hf-" + path)
+    attempt = runtime.get_restart_count()
     args = TrainingArguments(
-        output_dir=f"{work}/hf",
-        max_steps=cfg["steps"],
+        output_dir=f"{work}/hf-{attempt}",
+        max_steps=cfg["kill_at"] + 1 + _AFTER,
         per_device_train_batch_size=1,
         report_to=[],
         use_cpu=True,
@@ -130,24 +207,43 @@ def _hf(cfg: dict[str, Any], path: str, work: str) -> dict[str, Any]:
     callbacks: list[Any] = [First(), Watch()]
     ckpt = None
     if ours:
-        ckpt = NbtoolsCheckpoint(
-            f"{work}/ckpt", every=cfg["every"], memory_every=cfg["memory_every"]
-        )
+        ckpt = NbtoolsCheckpoint(volume, every=cfg["every"], memory_every=cfg["memory_every"])
         callbacks.insert(1, ckpt)
+    elif cfg["endpoint"]:
+        callbacks.append(Upload())
     trainer = Trainer(model=Net(), args=args, train_dataset=data, callbacks=callbacks)
-    last = (
-        None if ours or not os.path.isdir(args.output_dir) else get_last_checkpoint(args.output_dir)
-    )
+    last = None if ours or attempt == 0 else _hf_last(cfg, volume, f"{work}/hf-0")
     marks["trainer_built"] = time.time()
     trainer.train(resume_from_checkpoint=last)
     after = ckpt.restored_step if ckpt is not None else resumed[0]
     return {
         "times": times,
         "marks": marks,
+        "served": served.get("at_progress"),
         "imported": imported,
         "resumed_after": after or 0,
         "tier": ckpt.restored_tier if ckpt else None,
     }
+
+
+def _hf_last(cfg: dict[str, Any], volume: str, local: str) -> str | None:
+    """The newest of the Trainer's checkpoints: on the volume, downloaded once per node."""
+    if not cfg["endpoint"]:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        return get_last_checkpoint(local) if os.path.isdir(local) else None
+    import fsspec
+    import torch.distributed as dist
+
+    fs = fsspec.filesystem("s3")
+    newest = _newest(fs, volume, r"^checkpoint-(\d+)$")
+    if newest is None:
+        return None
+    target = f"{local}-restore/{newest.rsplit('/', 1)[-1]}"
+    if runtime.get_local_rank() == 0:
+        fs.get(newest, target, recursive=True)
+    dist.barrier()
+    return target
 
 
 def _lightning(cfg: dict[str, Any], path: str, work: str) -> dict[str, Any]:
@@ -174,6 +270,7 @@ def _lightning(cfg: dict[str, Any], path: str, work: str) -> dict[str, Any]:
 
     times: dict[int, float] = {}
     marks: dict[str, float] = {}
+    served: dict[str, Any] = {}
 
     class First(pl.Callback):  # type: ignore[misc]
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -194,31 +291,27 @@ def _lightning(cfg: dict[str, Any], path: str, work: str) -> dict[str, Any]:
 
         def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
             times.setdefault(int(trainer.global_step), time.time())
-            _kill_if_due(int(trainer.global_step), cfg["kill_at"], f"{work}/kill")
+            _kill_if_due(cfg, int(trainer.global_step), f"{work}/kill", served)
 
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    n = cfg["steps"] * cfg["processes"]
+    n = (cfg["kill_at"] + 1 + _AFTER) * cfg["processes"]
     data = torch.utils.data.TensorDataset(
         torch.randn(n, HIDDEN, generator=g), torch.randn(n, generator=g)
     )
     ours = path == "nbtools"
+    volume = _volume(cfg, work, "pl-" + path)
     callbacks: list[Any] = [First(), Watch()]
     ckpt = None
     if ours:
-        ckpt = NbtoolsCheckpoint(
-            f"{work}/ckpt", every=cfg["every"], memory_every=cfg["memory_every"]
-        )
+        ckpt = NbtoolsCheckpoint(volume, every=cfg["every"], memory_every=cfg["memory_every"])
         callbacks.insert(1, ckpt)
     else:
         callbacks.insert(
-            1,
-            ModelCheckpoint(
-                f"{work}/pl", every_n_train_steps=cfg["every"], save_last=True, save_top_k=-1
-            ),
+            1, ModelCheckpoint(volume, every_n_train_steps=cfg["every"], save_top_k=-1)
         )
     trainer = pl.Trainer(
-        max_steps=cfg["steps"],
+        max_steps=cfg["kill_at"] + 1 + _AFTER,
         accelerator="cpu",
         devices=cfg["processes"],
         strategy="ddp",
@@ -228,8 +321,13 @@ def _lightning(cfg: dict[str, Any], path: str, work: str) -> dict[str, Any]:
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    last = f"{work}/pl/last.ckpt"
-    resume = None if ours or not os.path.exists(last) else last
+    resume = None
+    if not ours and runtime.get_restart_count() > 0:
+        import fsspec
+
+        fs, _ = fsspec.core.url_to_fs(volume)
+        newest = _newest(fs, volume, r"step=(\d+)\.ckpt$")
+        resume = None if newest is None else fs.unstrip_protocol(newest)
     start = {}
 
     class Start(pl.Callback):  # type: ignore[misc]
@@ -243,6 +341,7 @@ def _lightning(cfg: dict[str, Any], path: str, work: str) -> dict[str, Any]:
     return {
         "times": times,
         "marks": marks,
+        "served": served.get("at_progress"),
         "imported": imported,
         "resumed_after": after or 0,
         "tier": ckpt.restored_tier if ckpt else None,
@@ -267,7 +366,8 @@ def _run(stack: str, path: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
         got = train.distributed()[0]
         with open(f"{work}/kill") as fh:
-            killed = float(fh.read())
+            kill = json.load(fh)
+    killed, served = kill["at"], got["served"]
     assert got["restart"] == 1, got
     times = {int(k): v for k, v in got["times"].items()}
     return {
@@ -286,6 +386,7 @@ def _run(stack: str, path: str, cfg: dict[str, Any]) -> dict[str, Any]:
             )
         },
         "tier": got["tier"],
+        "volume_bytes_read": None if served is None else served - kill["served"],
     }
 
 
@@ -309,13 +410,36 @@ def _warm_forkserver(timeout: float = 120.0) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stack", choices=["hf", "lightning", "both"], default="both")
-    parser.add_argument("--state-mb", type=int, default=48)
-    parser.add_argument("--every", type=int, default=50)
-    parser.add_argument("--memory-every", type=int, default=10)
-    parser.add_argument("--kill-at", type=int, default=87)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--processes", type=int, default=2)
-    cfg = vars(parser.parse_args())
+    parser.add_argument("--quick", action="store_true", help="2 ranks, 48 MB, local volumes")
+    for name in ("processes", "state_mb", "every", "memory_every", "kill_at"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+    parser.add_argument("--mbps", type=float, default=100.0, help="the volume's cap")
+    args = vars(parser.parse_args())
+    cfg = dict(SETUPS["quick" if args["quick"] else "issue"])
+    cfg.update({k: v for k, v in args.items() if k in cfg and v is not None})
+    if not cfg["every"] < cfg["kill_at"] or cfg["processes"] < 2:
+        parser.error("--kill-at must come after the first --every, with 2 --processes or more")
+    cfg["stack"], cfg["endpoint"] = args["stack"], None
+    if args["quick"]:
+        _main(cfg, "local directories")
+        return
+    sys.path.insert(0, _TESTS)
+    from _restore_servers import s3_env, s3_server
+
+    with s3_server(args["mbps"]) as endpoint:
+        os.environ.update(s3_env(endpoint))  # before the forkserver starts: its ranks get it
+        import s3fs
+
+        fs = s3fs.S3FileSystem()
+        fs.mkdir(BUCKET)
+        cfg["endpoint"] = endpoint
+        try:
+            _main(cfg, f"capped S3 at {args['mbps']:g} MB/s")
+        finally:
+            s3fs.S3FileSystem.close_session(fs.loop, fs.s3)
+
+
+def _main(cfg: dict[str, Any], volume: str) -> None:
     stacks = ["hf", "lightning"] if cfg["stack"] == "both" else [cfg["stack"]]
     # As a notebook's cells do before the first launch: the forkserver the ranks start
     # from then holds the libraries too, and a restarted rank does not import them again.
@@ -333,6 +457,7 @@ def main() -> None:
             "every": cfg["every"],
             "memory_every": cfg["memory_every"],
             "kill_at": cfg["kill_at"],
+            "volume": volume,
             "nbtools": ours,
             "trainer": theirs,
             "kill_to_first_step_x": round(
