@@ -181,6 +181,28 @@ class ListingLease:
         except OSError:
             return None
 
+    def judge(self, watch: LeaseWatch, root: str) -> bool:
+        """One look at the lease another node holds, with the ``watch`` that keeps what earlier
+        looks saw: remove it when its holder is gone (its process died on this machine, it
+        stopped refreshing the lease for :data:`STALE_S`, or it is older than
+        :data:`ABANDONED_S`). Returns whether it was removed, so that :meth:`take` can take it.
+        """
+        mtime = self.mtime_ns()
+        if mtime is None:
+            return False
+        record = self.holder()
+        if watch.judge(record, key=None, mark=mtime, written_at=mtime / 1e9) is not Verdict.GONE:
+            return False
+        who, age = _who(record), time.time() - mtime / 1e9
+        if _dead(record):
+            self.break_stale(f"{who} listed {root} and died")
+        elif age > ABANDONED_S:
+            self.break_stale(f"{who} left its lease {age:.0f} s ago")
+        else:
+            self.break_stale(f"{who} stopped refreshing its lease {STALE_S:.0f} s ago")
+        watch.forget()
+        return True
+
     def break_stale(self, why: str) -> None:
         """Remove a lease whose holder died (moved aside first, then removed)."""
         aside = f"{os.path.dirname(self.path)}/{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
@@ -199,6 +221,10 @@ class _Counts(Protocol):
 
     files: int
     dirs: int
+
+
+def _who(record: dict[str, Any] | None) -> str:
+    return f"{record.get('host')} (pid {record.get('pid')})" if record else "another node"
 
 
 def _identity(record: dict[str, Any]) -> tuple[Any, ...]:
@@ -242,26 +268,19 @@ def lead_or_wait(
         found = look()
         if found is not None:
             return None, found
-        mtime = lease.mtime_ns()
-        if mtime is None:
+        if lease.mtime_ns() is None:
             continue  # released: take it, or find the index it left
+        if lease.judge(watch, root):
+            continue  # its holder is gone: take it now
         now = time.monotonic()
-        record = lease.holder()
-        who = f"{record.get('host')} (pid {record.get('pid')})" if record else "another node"
-        age = time.time() - mtime / 1e9
-        if watch.judge(record, key=None, mark=mtime, written_at=mtime / 1e9) is Verdict.GONE:
-            if _dead(record):
-                lease.break_stale(f"{who} listed {root} and died")
-            elif age > ABANDONED_S:
-                lease.break_stale(f"{who} left its lease {age:.0f} s ago")
-            else:
-                lease.break_stale(f"{who} stopped refreshing its lease {STALE_S:.0f} s ago")
-            watch.forget()
-        elif now - said >= _SAY_EVERY_S:
+        if now - said >= _SAY_EVERY_S:
             said = now
+            record = lease.holder()
             if _loud():
                 got = ""
                 if record and isinstance(record.get("files"), int):
                     got = f": {record['files']} files in {record.get('dirs')} directories so far"
-                _log.info("waiting for %s, which lists %s for every node%s", who, root, got)
+                _log.info(
+                    "waiting for %s, which lists %s for every node%s", _who(record), root, got
+                )
         time.sleep(poll_s)
