@@ -253,7 +253,7 @@ def _warm_up() -> None:
 def _long_phases(out: dict) -> None:
     import tempfile
 
-    from nbtools._hangs import _process
+    from nbtools.events import _probe
 
     _warm_up()
     for mode, seconds in (("save", 90.0), ("compile", 70.0), ("evaluate", 100.0)):
@@ -293,17 +293,17 @@ def _long_phases(out: dict) -> None:
         looks = 1000
         t0 = time.process_time()
         for _ in range(looks):
-            _process.usage(rank.pid)
-            _process.sample(rank.pid)
+            _probe.usage(rank.pid)
+            _probe.sample(rank.pid)
         out["busy_probe_cpu_us_per_rank_look"] = round((time.process_time() - t0) / looks * 1e6, 1)
         # A rank's probe of itself: ten thread samples and one tree read a second.
         t0 = time.process_time()
         for _ in range(looks):
-            _process.sample(rank.pid)
+            _probe.sample(rank.pid)
         sample_s = (time.process_time() - t0) / looks
         t0 = time.process_time()
         for _ in range(looks):
-            _process.usage(rank.pid)
+            _probe.usage(rank.pid)
         usage_s = (time.process_time() - t0) / looks
         out["rank_probe_cpu_share"] = round(10 * sample_s + usage_s, 6)
     finally:

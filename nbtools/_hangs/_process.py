@@ -8,13 +8,13 @@ reads files or waits for its loader is anywhere else. That split is the
 "time outside collectives" the straggler score is built on, measured with no
 code in the rank and nothing on its training thread.
 
-The readers (:func:`sample`, :func:`usage`) live in :mod:`nbtools.events._probe`,
-where a rank also uses them on itself (a rank on another machine reports what
-they read with its progress).
+The readers (``sample``, ``usage``) and the states they name live in
+:mod:`nbtools.events._probe`, where a rank also uses them on itself (a rank on
+another machine reports what they read with its progress).
 
 Busy or stuck. A rank outside collectives may be working (an evaluation, a
 compile whose workers are its child processes, a save whose threads write) or
-stuck (a deadlock, a lost wake-up). :func:`usage` reads the CPU time and the
+stuck (a deadlock, a lost wake-up). ``_probe.usage`` reads the CPU time and the
 bytes read and written of the rank's whole process tree (its threads and
 descendants) from ``/proc``; while they advance the rank is busy. Reading
 them costs a few ``/proc`` reads per rank and tick, in the kernel.
@@ -34,15 +34,9 @@ import subprocess
 import sys
 from collections.abc import Iterable
 
-from nbtools.events._probe import GONE, STOPPED, WAITING, WORKING, sample, usage
+from nbtools.events._probe import GONE, STOPPED, WAITING, WORKING
 
 __all__ = [
-    "WORKING",
-    "WAITING",
-    "STOPPED",
-    "GONE",
-    "sample",
-    "usage",
     "stuck_by_state",
     "describe_state",
     "python_stacks",

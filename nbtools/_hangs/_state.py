@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from nbtools._hangs import _process
 from nbtools._internal import settings
+from nbtools.events import _probe
 
 __all__ = [
     "RECENT_SAMPLES",
@@ -105,7 +106,7 @@ def now_state(state: RankState) -> str | None:
 
 def is_stopped(state: RankState) -> bool:
     """Stopped by a signal: no start-up, and a culprit whatever the others do."""
-    return now_state(state) == _process.STOPPED
+    return now_state(state) == _probe.STOPPED
 
 
 def stuck_outside(ranks: list[RankState], busy: set[int] | None = None) -> list[RankState]:
@@ -134,7 +135,7 @@ def lower_median(values: list[float]) -> float:
 def is_busy(state: RankState, since: float) -> bool:
     """Since ``since`` (the rank's last progress, kernel time), and over the last few
     seconds, its process tree used the CPU or read and wrote; never a stopped rank."""
-    if not state.usage or now_state(state) == _process.STOPPED:
+    if not state.usage or now_state(state) == _probe.STOPPED:
         return False
     since += 0.5  # a report arrives up to a second after its step
     end, cpu, io = state.usage[-1]

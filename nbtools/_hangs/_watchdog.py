@@ -2,7 +2,7 @@
 
 A :class:`Watchdog` reads the ranks' ``progress`` reports from the bus
 (:mod:`nbtools.events._progress`) and, on a thread of its own, samples each
-local rank's training thread from outside (:mod:`nbtools._hangs._process`). It
+local rank's training thread from outside (:mod:`nbtools.events._probe`). It
 never runs on a rank and costs the training thread nothing. Every time it
 judges by is the kernel's own (monotonic, from when each report arrived):
 never a rank's clock, which may be off by any amount.
@@ -57,7 +57,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbtools import events
-from nbtools._hangs import _collectives, _process
+from nbtools._hangs import _collectives
 from nbtools._hangs._flags import FlagBook
 from nbtools._hangs._report import (
     HangReport,
@@ -77,6 +77,7 @@ from nbtools._hangs._state import (
 from nbtools._hangs._stragglers import Stragglers
 from nbtools._internal import settings
 from nbtools._internal.log import get_logger
+from nbtools.events import _probe
 
 __all__ = ["Watchdog", "RankState", "Flag", "MIN_HANG_S", "HANG_STEPS", "THRESHOLD"]
 
@@ -387,7 +388,7 @@ class Watchdog:
         state.working += working
         state.waiting += waiting
         kind, detail = fields.get("state"), fields.get("detail")
-        if kind in (_process.WORKING, _process.WAITING, _process.STOPPED):
+        if kind in (_probe.WORKING, _probe.WAITING, _probe.STOPPED):
             state.recent.clear()  # its own majority of its latest samples
             state.recent.append((kind, detail if isinstance(detail, str) else kind))
         cpu, io = fields.get("tree_cpu"), fields.get("tree_io")
@@ -412,7 +413,7 @@ class Watchdog:
             expected = {
                 r
                 for r, s in self._ranks.items()
-                if not s.local or now_state(s) not in (_process.STOPPED, _process.GONE)
+                if not s.local or now_state(s) not in (_probe.STOPPED, _probe.GONE)
             }
             pids = {r: s.pid for r, s in self._ranks.items()}
         return _collectives.ask(expected, pids, self._stop)
@@ -444,11 +445,11 @@ class Watchdog:
                     state.recent.clear()
             local = [(s, s.pid, s.tid) for s in self._ranks.values() if s.local]
         for state, pid, tid in local:
-            kind, detail = _process.sample(pid, tid)
+            kind, detail = _probe.sample(pid, tid)
             state.recent.append((kind, detail))
-            if kind == _process.WAITING:
+            if kind == _probe.WAITING:
                 state.waiting += 1
-            elif kind != _process.GONE:
+            elif kind != _probe.GONE:
                 state.working += 1
 
     def _evaluate(self, now: float) -> None:
@@ -486,7 +487,7 @@ class Watchdog:
                 and s.probed_at
                 and now - s.probed_at > _LOOK_AFTER_S
             ]
-        read = [(state, _process.usage(pid)) for state, pid in local]
+        read = [(state, _probe.usage(pid)) for state, pid in local]
         looked = [(state, self._look(state.rank, state.tid)) for state in silent if self._look]
         with self._lock:
             for state, used in read:
@@ -607,7 +608,7 @@ class Watchdog:
         """
         fresh = self._fresh(now)
         if not self.reporting:
-            stopped = [s for s in ranks.values() if now_state(s) == _process.STOPPED]
+            stopped = [s for s in ranks.values() if now_state(s) == _probe.STOPPED]
             still = self._confirmed(now) and _collectives.stood_still(self._earlier, self._answers)
             if stopped or not still:
                 return stopped
@@ -620,7 +621,7 @@ class Watchdog:
         if any(p.backend == "nccl" for ps in self._answers.values() for p in ps):
             # A rank waiting on NCCL spins in a CUDA sync, which /proc reads as work: on
             # GPU ranks it tells waiting from working by nothing but a stop.
-            return [s for s in ranks.values() if now_state(s) == _process.STOPPED]
+            return [s for s in ranks.values() if now_state(s) == _probe.STOPPED]
         busy = {r for r, s in ranks.items() if self._busy(s)}
         return stuck_outside(list(ranks.values()), busy)
 

@@ -22,10 +22,9 @@ import pytest
 
 from nbtools import events
 from nbtools._hangs import Watchdog, _collectives
-from nbtools._hangs import _process as _procstate
 from nbtools._hangs._collectives import Position
 from nbtools._hangs._state import RankState
-from nbtools.events import Event, _recorder
+from nbtools.events import Event, _probe, _recorder
 
 _S = 1_000_000_000  # nanoseconds
 
@@ -249,7 +248,7 @@ def test_on_nccl_ranks_the_watchdog_never_reads_waiting_from_proc():
     # blocked in a futex and rank 1 as running: on gloo rank 1 is the one outside.
     def judged(backend):
         dog = Watchdog(2, hang_timeout=1.0)
-        for rank, kind in ((0, _procstate.WAITING), (1, _procstate.WORKING)):
+        for rank, kind in ((0, _probe.WAITING), (1, _probe.WORKING)):
             state = RankState(rank, "node-a", 100 + rank, local=True, steps=5)
             state.recent.extend([(kind, "futex" if rank == 0 else "running")] * 5)
             dog._ranks[rank] = state

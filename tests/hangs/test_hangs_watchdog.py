@@ -23,7 +23,7 @@ import pytest
 from nbtools import events
 from nbtools._hangs import Watchdog, _collectives
 from nbtools._hangs import _process as _procstate
-from nbtools.events import Event
+from nbtools.events import Event, _probe
 
 
 class _Clock:
@@ -38,7 +38,7 @@ class _Clock:
 
 def _process(code: str, state: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)])
-    assert _wait_until(lambda: _procstate.sample(proc.pid)[1] == state), state
+    assert _wait_until(lambda: _probe.sample(proc.pid)[1] == state), state
     return proc
 
 
@@ -348,7 +348,7 @@ def test_a_deadlock_before_the_first_step_is_named_at_the_bound_counted_from_the
             def in_place():  # rank 0 inside the all-reduce, rank 1 on its lock
                 answers = _collectives.ask({0, 1}, pids)
                 return any(p.inside for p in answers.get(0, [])) and all(
-                    _procstate.sample(pid)[1] == "futex" for pid in pids.values()
+                    _probe.sample(pid)[1] == "futex" for pid in pids.values()
                 )
 
             assert _wait_until(in_place, timeout=60)
