@@ -8,7 +8,8 @@ What trainers' wrappers hand the user is accepted as it is: Lightning Fabric's
 ``_FabricModule`` and ``_FabricOptimizer`` and accelerate's
 ``AcceleratedOptimizer`` stand for the objects they wrap, as DCP sees through DDP's
 ``module.`` and compile's ``_orig_mod.``; accelerate's prepared ``DataLoaderShard``
-gets a position (:class:`LoaderPosition`). A wrapper not understood is refused by
+gets a position (:class:`LoaderPosition`), and the ``Accelerator`` itself its place in
+``accumulate()`` (:class:`AccumulationPosition`). A wrapper not understood is refused by
 :func:`check_objects`, which the manager runs at the first save call.
 
 What a checkpoint holds of these objects, and putting it back, is ``_state``.
@@ -26,7 +27,14 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from nbtools._internal.log import get_logger
 from nbtools.errors import CheckpointError
 
-__all__ = ["Objects", "classify", "check_objects", "LoaderPosition", "RESERVED"]
+__all__ = [
+    "Objects",
+    "classify",
+    "check_objects",
+    "AccumulationPosition",
+    "LoaderPosition",
+    "RESERVED",
+]
 
 _log = get_logger("checkpoint")
 
@@ -99,6 +107,7 @@ _FABRIC_LOADER = frozenset(
 _ACCELERATE_OPTIMIZER = frozenset({"accelerate.optimizer.AcceleratedOptimizer"})
 _ACCELERATE_SHARD = frozenset({"accelerate.data_loader.DataLoaderShard"})
 _ACCELERATE_ADAPTER = frozenset({"accelerate.data_loader.DataLoaderAdapter"})
+_ACCELERATOR = frozenset({"accelerate.accelerator.Accelerator"})
 # Module names DCP leaves out of a parameter's name: compile's, FSDP1's and activation
 # checkpointing's wrappers (DDP's "module" is left out only under a DDP, see _dcp_names).
 _SEEN_THROUGH = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
@@ -117,6 +126,8 @@ def _unwrap(obj: Any) -> Any:
         return obj.optimizer
     if _is(obj, _ACCELERATE_SHARD):
         return LoaderPosition.of(obj)
+    if _is(obj, _ACCELERATOR):
+        return AccumulationPosition(obj)
     if _is(obj, _FABRIC_LOADER) and callable(getattr(obj._dataloader, "state_dict", None)):
         return _FabricLoaderPosition(obj)
     return obj
@@ -296,6 +307,51 @@ class LoaderPosition:
         self._resume = dict(state)
 
 
+class AccumulationPosition:
+    """Where an ``Accelerator`` is in its gradient accumulation: what ``accumulate()``
+    counts, and the gradients accumulated so far.
+
+    ``accumulate()`` counts the micro-batches (``Accelerator.step``, set back to 0 at the
+    end of a pass) and lets the optimizer step at each ``gradient_accumulation_steps``-th.
+    Saved between two of those steps, the count and the gradients the prepared models
+    have accumulated since the last one (per rank: DDP has not reduced them yet) are
+    what the next micro-batches add to; put back, the optimizer steps where and with
+    what it would have.
+    """
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+
+    def _parameters(self) -> list[torch.Tensor]:
+        return [p for model in self.accelerator._models for p in model.parameters()]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The count and, between two optimizer steps, a copy of each parameter's gradient."""
+        acc = self.accelerator
+        grads = None
+        if not acc.sync_gradients:  # the optimizer skipped this micro-batch's step
+            grads = [
+                None if p.grad is None else p.grad.detach().clone() for p in self._parameters()
+            ]
+        return {"step": int(acc.step), "grads": grads}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Set the count and the gradients back."""
+        self.accelerator.step = int(state["step"])
+        grads = state["grads"]
+        params = self._parameters()
+        if grads is None:
+            return
+        if len(grads) != len(params):
+            raise CheckpointError(
+                f"the checkpoint holds the accumulated gradients of {len(grads)} parameters; "
+                f"this Accelerator's prepared models have {len(params)}: prepare the same models"
+            )
+        with torch.no_grad():
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = None if grad is None else grad.to(param.device).clone()
+
+
 def _dcp_names(model: nn.Module) -> dict[str, int]:
     """The names DCP looks for when it loads ``model``: its parameters' and persistent
     buffers' paths in the module tree, less the wrappers DCP sees through (each tensor
@@ -359,19 +415,38 @@ def _check_model(name: str, given: Any, model: nn.Module) -> None:
         )
 
 
+def _check_accumulation(objs: dict[str, Any]) -> None:
+    """Refuse accelerate's optimizer under gradient accumulation without its Accelerator,
+    whose count says where between two optimizer steps a save comes."""
+    if any(_is(obj, _ACCELERATOR) for obj in objs.values()):
+        return
+    for name, obj in objs.items():
+        steps = getattr(getattr(obj, "gradient_state", None), "num_steps", 1)
+        if _is(obj, _ACCELERATE_OPTIMIZER) and isinstance(steps, int) and steps > 1:
+            raise CheckpointError(
+                f"{name}={type(obj).__name__} steps every {steps} micro-batches "
+                "(gradient_accumulation_steps), and where a save comes between two of its "
+                "steps is counted by the Accelerator: pass it too (accelerator=accelerator) so "
+                "that a restore steps the optimizer where the run would have"
+            )
+
+
 def check_objects(objs: dict[str, Any]) -> None:
     """Refuse, before anything is saved, the objects a checkpoint could not put back.
 
     Raises:
         CheckpointError: A wrapper not understood: a model whose ``state_dict()`` names
             its parameters otherwise than its module tree (DCP saves its weights and its
-            optimizer's state under different names, and a restore may fail), an optimizer wrapping another one without sharing its state, or an
-            accelerate loader that dispatches batches. The message names the wrapper's
+            optimizer's state under different names, and a restore may fail), an
+            optimizer wrapping another one without sharing its state, an accelerate
+            loader that dispatches batches, or accelerate's optimizer under gradient
+            accumulation without its ``Accelerator``. The message names the wrapper's
             type and what to pass instead.
     """
     kinds = classify(objs)
     for name, model in kinds.models.items():
         _check_model(name, objs[name], model)
+    _check_accumulation(objs)
     for name, (optim, _) in kinds.optimizers.items():
         inner = getattr(optim, "optimizer", None)
         if isinstance(inner, torch.optim.Optimizer) and inner is not optim:

@@ -24,7 +24,7 @@ PER_EPOCH = SAMPLES // (WORLD * BATCH)  # 10 steps
 MEMORY_EVERY, EVERY, KILL_AT = 3, 10, 14
 
 _CELL = """\
-import json, os, signal
+import contextlib, json, os, signal
 import torch
 from nbtools import distributed, runtime
 from nbtools.checkpoint import CheckpointManager
@@ -53,7 +53,7 @@ def train(root, log_dir, kill_at):
     os.makedirs(log_dir, exist_ok=True)
 {setup}
     ckpt = CheckpointManager(root, every=EVERY, memory_every=MEMORY_EVERY)
-    start = ckpt.restore(model=model, optimizer=opt, scheduler=sched, data=loader)
+    start = ckpt.restore(model=model, optimizer=opt, scheduler=sched, data=loader{more})
     print(f"starting at step {{start}}, restored from {{ckpt.restored_tier}}")
     step = start
     while step < EPOCHS * PER_EPOCH:
@@ -61,11 +61,12 @@ def train(root, log_dir, kill_at):
             record = {{"attempt": runtime.get_restart_count(), "ids": idx.tolist()}}
             with open(f"{{log_dir}}/rank{{runtime.get_rank()}}.jsonl", "a") as fh:
                 fh.write(json.dumps(record) + "\\n")
-            {backward}(((model(x) - y) ** 2).mean())
-            opt.step()
-            opt.zero_grad()
-            sched.step()
-            ckpt.maybe_save(step, model=model, optimizer=opt, scheduler=sched, data=loader)
+            with {context}:
+                {backward}(((model(x) - y) ** 2).mean())
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+            ckpt.maybe_save(step, model=model, optimizer=opt, scheduler=sched, data=loader{more})
             if kill_at and runtime.get_restart_count() == 0 and step == kill_at:
                 ckpt.wait()  # the last snapshot is complete on every rank when the crash comes
                 torch.distributed.barrier()
@@ -92,11 +93,19 @@ def _train(nb: NotebookKernel, tmp_path, name: str, kill_at: int) -> tuple[list[
     return json.loads(str(nb.eval("json.dumps(results)"))), output
 
 
-def check_killed_rank_resumes(tmp_path, setup: str, backward: str) -> None:
+def check_killed_rank_resumes(
+    tmp_path,
+    setup: str,
+    backward: str,
+    context: str = "contextlib.nullcontext()",
+    more: str = "",
+) -> None:
     """Run the loop twice in one kernel (uninterrupted, then with rank 1 killed) and check
     the recovery. ``setup`` is the function's code (imports included) that makes ``net``
     and the library's ``model``, ``opt``, ``sched`` and ``loader``; ``backward`` the call
-    that back-propagates a loss (``loss.backward`` is not enough under the libraries)."""
+    that back-propagates a loss (``loss.backward`` is not enough under the libraries);
+    ``context`` what each batch's step runs in (``accelerator.accumulate(model)``);
+    ``more`` further objects for the manager (``accelerator=accelerator``)."""
     with NotebookKernel(tmp_path) as nb:
         nb.run(
             f"SAMPLES, BATCH, EPOCHS, PER_EPOCH, EVERY, MEMORY_EVERY = "
@@ -104,7 +113,8 @@ def check_killed_rank_resumes(tmp_path, setup: str, backward: str) -> None:
         )
         nb.run(_CELL)
         setup = textwrap.indent(textwrap.dedent(setup).strip("\n"), "    ")
-        nb.run(_TRAIN.format(setup=setup, backward=backward))
+        more = f", {more}" if more else ""
+        nb.run(_TRAIN.format(setup=setup, backward=backward, context=context, more=more))
         reference, fresh_output = _train(nb, tmp_path, "reference", kill_at=0)
         recovered, output = _train(nb, tmp_path, "recovered", kill_at=KILL_AT)
 

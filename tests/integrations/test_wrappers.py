@@ -197,3 +197,51 @@ def test_accelerate_loader_that_dispatches_batches_is_refused_naming_the_setting
     message = str(caught.value)
     assert message.startswith("data=DataLoaderDispatcher: accelerate's loader that dispatches")
     assert "DataLoaderConfiguration(dispatch_batches=False)" in message
+
+
+@requires("accelerate")
+def test_accelerate_optimizer_under_accumulation_is_refused_without_its_accelerator(tmp_path):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    try:
+        net = _net()
+        model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        with CheckpointManager(tmp_path / "ckpt", every=100, async_save=False) as ckpt:
+            with pytest.raises(CheckpointError) as caught:
+                ckpt.maybe_save(1, model=model, optimizer=opt)
+            ckpt.maybe_save(1, model=model, optimizer=opt, accelerator=accelerator)
+    finally:
+        accelerator.gradient_accumulation_steps = 1  # accelerate's state is one per process
+    message = str(caught.value)
+    assert message.startswith("optimizer=AcceleratedOptimizer steps every 2 micro-batches")
+    assert "pass it too (accelerator=accelerator)" in message
+
+
+@requires("accelerate")
+def test_an_accelerator_between_two_accumulated_steps_gets_its_count_and_gradients_back(
+    tmp_path,
+):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
+    try:
+        torch.manual_seed(0)
+        net = _net()
+        model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        for _ in range(4):  # one optimizer step, then one micro-batch towards the next
+            with accelerator.accumulate(model):
+                accelerator.backward(model(torch.randn(2, 3)).sum())
+                opt.step()
+                opt.zero_grad()
+        pending = [p.grad.clone() for p in net.parameters()]
+        with CheckpointManager(tmp_path / "ckpt", every=4, async_save=False) as ckpt:
+            ckpt.maybe_save(4, model=model, optimizer=opt, accelerator=accelerator)
+        accelerator.step = 0  # as a fresh process has them
+        net.zero_grad(set_to_none=True)
+        with CheckpointManager(tmp_path / "ckpt", every=4, async_save=False) as ckpt:
+            assert ckpt.restore(model=model, optimizer=opt, accelerator=accelerator) == 5
+        assert accelerator.step == 4
+        assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), pending, strict=True))
+    finally:
+        accelerator.gradient_accumulation_steps = 1
