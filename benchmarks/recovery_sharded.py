@@ -22,6 +22,10 @@ Figures:
 - ``kill_to_next_step_s``: from the kill to the next completed step (rank 0,
   every rank past the step's all-reduce); ``kill_to_next_step_x`` = memory /
   volume (goal <= 0.3); ``restore_s`` the restore alone;
+- ``timeline_s``: from the kill to each mark of rank 0's restarted attempt: the
+  training function running (``function``: the launcher's part), the model built on
+  the meta device and sharded with its optimizer (``model_built``), the manager made
+  (``manager_opened``), ``restored`` (every rank past the restore) and ``next_step``;
 - ``steps_trained_again``: the steps between the restored step and the kill
   (goal for memory: <= ``memory_every``);
 - ``volume_bytes_read_on_restore``: checkpoint bytes (objects inside
@@ -100,6 +104,7 @@ def _train(cfg: dict) -> dict:
     from nbtools.checkpoint import CheckpointManager
     from nbtools.runtime import get_restart_count
 
+    marks = {"function": time.time()}
     torch.set_num_threads(1)
     rank, world, attempt = dist.get_rank(), dist.get_world_size(), get_restart_count()
     every, memory_every, kill_at = cfg["every"], cfg["memory_every"], cfg["kill_at"]
@@ -115,6 +120,7 @@ def _train(cfg: dict) -> dict:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.Adam(model.parameters(), lr=1e-5)
+    marks["model_built"] = time.time()
     ckpt = CheckpointManager(
         cfg["root"],
         every=every,
@@ -122,10 +128,12 @@ def _train(cfg: dict) -> dict:
         staging_dir=os.path.join(cfg["work"], f"staging-{rank}"),
         save_on_close=False,
     )
+    marks["manager_opened"] = time.time()
     began = time.perf_counter()
     start = ckpt.restore(model=model, optimizer=opt)
     dist.barrier()
     restore_s = time.perf_counter() - began
+    marks["restored"] = time.time()
     end = kill_at + 1 if attempt == 0 else start + 1 + _AFTER
     done: list[float] = []
     blocked: list[float] = []
@@ -183,6 +191,7 @@ def _train(cfg: dict) -> dict:
         "restore_s": restore_s,
         "served": served,
         "first_done": done[0],
+        "marks": marks,
         "state_mb": state_bytes / 2**20,
     }
 
@@ -199,6 +208,10 @@ def _launch(cfg: dict) -> dict:
         "tier": result["tier"],
         "kill_to_next_step_s": round(result["first_done"] - kill["at"], 2),
         "restore_s": round(result["restore_s"], 2),
+        "timeline_s": {
+            name: round(at - kill["at"], 2)
+            for name, at in {**result["marks"], "next_step": result["first_done"]}.items()
+        },
         "steps_trained_again": cfg["kill_at"] - (result["restored_step"] or 0),
         "volume_bytes_read_on_restore": result["served"] - kill["served"],
         "state_mb_per_rank": round(result["state_mb"], 1),
