@@ -196,6 +196,7 @@ class Watchdog:
         self._on_hang = on_hang
         self._localize = localize
         self._look = look
+        self._looked: set[int] = set()  # ranks on other machines looked at once already
         self._clock = clock
         self._bus = bus if bus is not None else events.bus()
         self._ranks: dict[int, RankState] = {}
@@ -479,16 +480,17 @@ class Watchdog:
         a rank on another machine whose probe fell silent looked at from its node."""
         with self._lock:
             local = [(s, s.pid) for s in self._ranks.values() if s.local and s.pid]
-            silent = [
-                s
-                for s in self._ranks.values()
-                if self._look is not None
-                and not s.local
-                and s.probed_at
-                and now - s.probed_at > _LOOK_AFTER_S
-            ]
+            remote = [s for s in self._ranks.values() if not s.local and s.probed_at]
+            silent = [s for s in remote if now - s.probed_at > _LOOK_AFTER_S]
+            # A first look at each, so that its node is ready to look when it falls silent.
+            first = [s for s in remote if s.rank not in self._looked and s not in silent]
+            self._looked.update(s.rank for s in remote)
         read = [(state, _probe.usage(pid)) for state, pid in local]
-        looked = [(state, self._look(state.rank, state.tid)) for state in silent if self._look]
+        looked = []
+        if self._look is not None:
+            for state in first:
+                self._look(state.rank, state.tid)
+            looked = [(state, self._look(state.rank, state.tid)) for state in silent]
         with self._lock:
             for state, used in read:
                 if used is not None:

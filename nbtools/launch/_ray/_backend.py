@@ -60,6 +60,7 @@ _END_RUN_S = 120.0
 _LAST_OUTPUT_S = 1.0
 _actor_class: Any = None
 _look_task: Any = None
+_LOOK_FRESH_S = 5.0  # a look at a rank's process asked for longer ago is not used
 
 
 def _actor(ray: Any) -> Any:
@@ -416,7 +417,7 @@ class RayGroup:
         self._stopped = False
         self._closed = False
         self._outcome: Outcome | None = None
-        self._looks: dict[int, Any] = {}  # rank -> the look at its process in flight
+        self._looks: dict[int, tuple[float, Any]] = {}  # rank -> (asked when, the look)
 
     def begin(self, runs: list[Any]) -> None:
         self._runs = {ref: rank for rank, ref in enumerate(runs)}
@@ -438,19 +439,23 @@ class RayGroup:
         machine then hears nothing. A task on the rank's node reads its process from
         outside: ``(CPU seconds and bytes read and written of its process tree, its
         thread ``tid``'s state and a word)`` (:func:`look_at_process`). Never blocks:
-        returns the look that came back since the last call, if any, and starts the
-        next one; None while one is in flight, or when it failed.
+        returns the look that came back since the last call, if it was asked for within
+        the last few seconds, and starts the next one; None while one is in flight, or
+        when it failed. A first call only starts one: the node then has a worker for
+        the looks before they are needed.
         """
         global _look_task
         seen = None
-        pending = self._looks.pop(rank, None)
-        if pending is not None:
+        asked = self._looks.pop(rank, None)
+        if asked is not None:
+            at, pending = asked
             ready, _ = self._ray.wait([pending], timeout=0)
             if not ready:
-                self._looks[rank] = pending
+                self._looks[rank] = asked
                 return None
-            with contextlib.suppress(Exception):  # the node or its worker is gone: no look
-                seen = self._ray.get(pending, timeout=0)
+            if time.monotonic() - at <= _LOOK_FRESH_S:  # an older one says nothing of now
+                with contextlib.suppress(Exception):  # the node or its worker is gone
+                    seen = self._ray.get(pending, timeout=0)
         if self._stopped:
             return seen
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -459,9 +464,8 @@ class RayGroup:
             _look_task = self._ray.remote(num_cpus=0, max_retries=0)(look_at_process)
         info = self._where[rank]
         strategy = NodeAffinitySchedulingStrategy(info["node_id"], soft=False)
-        self._looks[rank] = _look_task.options(scheduling_strategy=strategy).remote(
-            info["pid"], tid
-        )
+        pending = _look_task.options(scheduling_strategy=strategy).remote(info["pid"], tid)
+        self._looks[rank] = (time.monotonic(), pending)
         return seen
 
     def node_label(self, rank: int) -> str:
