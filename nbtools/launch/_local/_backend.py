@@ -22,7 +22,7 @@ next attempt then starts at once and the stopped ranks are collected in the
 background (:meth:`LocalBackend.close` waits for that); ranks on GPUs are
 collected first, since their device memory is free only once they are gone. A
 rank that raised is left to torch as before: its peers may be raising too and
-write their own records.
+write their own records. Healing in place, with its spare rank, is in :mod:`._mend`.
 """
 
 from __future__ import annotations
@@ -226,6 +226,12 @@ class LocalGroup:
     def poll(self) -> Outcome | None:
         if self._outcome is not None:
             return self._outcome
+        outcome = self._poll()
+        # One spare rank parked while the group may heal; none once it has ended or returned.
+        self.mender.spares.keep(running=outcome is None and not self._released)
+        return outcome
+
+    def _poll(self) -> Outcome | None:
         if self._paused is not None and self._formed():
             self._resume_forkserver()
         try:
@@ -425,6 +431,7 @@ class LocalGroup:
     def stop(self) -> None:
         """SIGTERM every rank, then SIGKILL after a short grace; a second interrupt hurries it."""
         self._resume_forkserver()
+        self.mender.spares.drop()
         if self._stopped:
             return
         self._stopped = True
@@ -449,6 +456,7 @@ class LocalGroup:
             return {}
         self._closed = True
         self._resume_forkserver()
+        self.mender.spares.drop()
         try:
             if self._outcome is None:
                 self.stop()
@@ -486,7 +494,5 @@ def _start_method(world_size: int) -> tuple[str, int | None]:
 
 
 def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    return len(getaffinity(0)) if getaffinity else os.cpu_count() or 1

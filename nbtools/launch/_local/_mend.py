@@ -1,17 +1,26 @@
 """Healing and shrinking in place, the local group's side: which process each rank runs in now.
 
-`Mender` does what :class:`~nbtools.launch._local._backend.LocalGroup`
+:class:`Mender` does what :class:`~nbtools.launch._local._backend.LocalGroup`
 does when a rank dies without a word and its healer (:mod:`._heal`) lets the
-group heal: the replacements it starts from the forkserver (:meth:`Mender.spawn`),
-a group that may shrink waiting for each to start and going on without the
-slots that cannot (:meth:`Mender._shrink`), and growing back (:mod:`._grow`).
+group heal: the replacements it starts (:meth:`Mender.spawn`), a group that may
+shrink waiting for each to start and going on without the slots that cannot
+(:meth:`Mender._shrink`), and growing back (:mod:`._grow`).
+
+A replacement is, where there is one, the spare rank :class:`Spares` keeps
+parked: a process forked from the forkserver once the group has formed, which
+has imported what the ranks' function refers to and waits on a pipe
+(``nbtools.launch._rank._heal.park``). Taking it costs writing the rank's
+environment and place to that pipe, not a process start and its imports. A new
+spare is parked once the healed group has formed again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -22,7 +31,7 @@ from nbtools import _torch_compat
 from nbtools.launch import _env
 from nbtools.launch._backend import GroupSpec
 from nbtools.launch._local import _forkserver
-from nbtools.launch._local._elastic import POLL_S, STOP_GRACE_S, start
+from nbtools.launch._local._elastic import POLL_S, STOP_GRACE_S, ElasticQuiet, start
 from nbtools.launch._local._grow import Grower
 from nbtools.launch._local._heal import FAILED_STARTS, START_WAIT_S, Heal, Healer, live_blob_path
 from nbtools.launch._rank import (
@@ -32,6 +41,7 @@ from nbtools.launch._rank import (
     await_ending,
     exit_code,
     failure_path,
+    generation_formed_path,
     rank_variables,
     returned_path,
     runs_own_code,
@@ -39,7 +49,12 @@ from nbtools.launch._rank import (
     store_path,
 )
 
-__all__ = ["Healer", "Mender", "Starts", "process"]
+__all__ = ["Healer", "Mender", "Spares", "Starts", "process", "PARK_AFTER_S", "SPARE_DEATHS"]
+
+#: How long a group runs formed before a spare rank is parked for it.
+PARK_AFTER_S = 1.0
+#: Spares that die by themselves this many times in a row are not started again.
+SPARE_DEATHS = 3
 
 
 @dataclass(frozen=True)
@@ -77,6 +92,8 @@ class Mender:
         self.replacements: list[PContext] = []
         self.where: dict[int, tuple[PContext, int]] = {r: (ctx, r) for r in procs}
         self.refused = -1  # the generation whose waiting ranks were told to fail
+        #: The spare rank kept parked while the group may still heal.
+        self.spares = Spares(self)
         # A group that may shrink grows back when its lost slots start again.
         self.grower = (
             Grower(spec.attempt_dir, self.healer, self.spawn)
@@ -131,24 +148,32 @@ class Mender:
             for rank in dead:
                 self._replace(rank, heal)
         else:
-            lost = [r for r in dead if not self._start_replacement(r, heal)]
+            lost = self._start_replacements(dead, heal)
             if lost:
                 self._shrink(heal, lost)
         self.healer.publish(heal, kept)
         return True
 
-    def _start_replacement(self, rank: int, heal: Heal) -> bool:
-        """Start rank ``rank``'s replacement and wait until it has started (a group that may
-        shrink); whether it did, within :data:`FAILED_STARTS` tries."""
+    def _start_replacements(self, ranks: list[int], heal: Heal) -> list[int]:
+        """Start the replacements of ``ranks`` together and wait until each has started (a
+        group that may shrink); the ranks whose slot failed :data:`FAILED_STARTS` tries."""
+        pending = list(ranks)
         for tries in range(1, FAILED_STARTS + 1):
-            self._replace(rank, heal)
-            started, code = self._await_start(rank, heal.generation)
-            if started:
-                return True
-            self.healer.failed_start(rank, tries, code)
-            with contextlib.suppress(OSError):  # its record would be read as a later rank's
-                os.unlink(failure_path(self.spec.attempt_dir, rank))
-        return False
+            for rank in pending:
+                self._replace(rank, heal)
+            failed = []
+            for rank in pending:
+                started, code = self._await_start(rank, heal.generation)
+                if started:
+                    continue
+                failed.append(rank)
+                self.healer.failed_start(rank, tries, code)
+                with contextlib.suppress(OSError):  # its record would be read as a later rank's
+                    os.unlink(failure_path(self.spec.attempt_dir, rank))
+            pending = failed
+            if not pending:
+                break
+        return pending
 
     def _await_start(self, rank: int, generation: int) -> tuple[bool, int | None]:
         """Whether rank ``rank``'s new process started, else its exit code (None: it did not
@@ -240,10 +265,13 @@ class Mender:
             ),
             redirects=Std.NONE,
         )
-        ctx = start({0: (payload, spec)}, {0: env}, logs, _env.START_METHOD)
+        ctx = self.spares.take(env, spec)  # the parked spare, where there is one
+        if ctx is None:
+            ctx = start({0: (payload, spec)}, {0: env}, logs, _env.START_METHOD)
         self.replacements.append(ctx)
         pid = ctx.pids()[0]
-        self.groups.append(pid)
+        if pid not in self.groups:
+            self.groups.append(pid)
         run_dir = os.path.dirname(attempt_dir)
         _forkserver.note_launch(self.spec.run_id, run_dir, self.starts.base, self.groups)
         return ctx, process(pid)
@@ -271,6 +299,161 @@ class Mender:
         if code is None and proc is not None:
             code = exit_code(proc.pid)
         return code
+
+
+class Spares:
+    """One spare rank parked ahead of need, for :meth:`Mender.spawn` to take (see the module
+    docstring).
+
+    :meth:`keep` (each poll of the group) parks one from the forkserver, with its preloads
+    done, once the group has run formed for :data:`PARK_AFTER_S` (a call that short heals
+    rarely, and its first moments are the user's), while the group heals and has restarts
+    left; it replaces a spare that died by itself (up to :data:`SPARE_DEATHS` in a row).
+    :meth:`take` hands the parked spare a rank's slot over its pipe (in a group that may
+    shrink, parking the next at once, for a second try of the slot). :meth:`drop` ends it
+    (SIGKILL of its process group) once the group can no longer heal, and when it ends.
+    """
+
+    def __init__(self, mender: Mender) -> None:
+        self._mender = mender
+        self._spare: tuple[PContext, psutil.Process | None, str] | None = None
+        self._count = 0  # spares started, for their pipes' and logs' names
+        self._deaths = 0  # spares in a row that died by themselves
+        self._formed: tuple[int, float] | None = None  # (generation, when seen formed)
+        self.started: list[int] = []  # the spares' pids, in order
+
+    @property
+    def pid(self) -> int | None:
+        """The parked spare's pid (None: none parked)."""
+        return None if self._spare is None else self._spare[0].pids()[0]
+
+    def keep(self, running: bool = True) -> None:
+        """Park a spare when there should be one and is none (the group ``running``, able to
+        heal); drop it when there should not."""
+        mender = self._mender
+        healer = mender.healer
+        spec = healer.spec
+        heals = healer.enabled and mender.starts is not None and spec.max_restarts > healer.attempt
+        if not (running and heals):
+            self.drop()
+            return
+        if self._spare is not None:
+            if runs_own_code(self._spare[1]):
+                return
+            self.drop()  # died by itself: another takes its place
+            self._deaths += 1
+        if self._deaths >= SPARE_DEATHS or not self._settled() or not _forkserver.ready():
+            return
+        self._park()
+
+    def _settled(self) -> bool:
+        """Whether the group's current generation has run formed for :data:`PARK_AFTER_S`."""
+        healer = self._mender.healer
+        generation = healer.generation
+        if self._formed is None or self._formed[0] != generation:
+            run_dir = healer.spec.attempt_dir
+            ranks = range(healer.spec.world_size)
+            if not all(
+                os.path.exists(generation_formed_path(run_dir, generation, r)) for r in ranks
+            ):
+                return False
+            self._formed = (generation, time.monotonic())
+        return time.monotonic() - self._formed[1] >= PARK_AFTER_S
+
+    def _park(self) -> None:
+        mender = self._mender
+        assert mender.starts is not None
+        attempt_dir = mender.spec.attempt_dir
+        pipe = os.path.join(attempt_dir, f"spare-{self._count}.pipe")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(pipe)
+        os.mkfifo(pipe, 0o600)
+        payload, rank_spec = mender.starts.args[0]
+        spec = dataclasses.replace(rank_spec, spare=pipe, report_formed=False)
+        logs = DefaultLogsSpecs(
+            log_dir=os.path.join(attempt_dir, "logs", f"spare-{self._count}"),
+            redirects=Std.NONE,
+        )
+        self._count += 1
+        ctx = start({0: (payload, spec)}, {0: dict(mender.starts.envs[0])}, logs)
+        pid = ctx.pids()[0]
+        self.started.append(pid)
+        mender.groups.append(pid)  # it leads its own process group, as a rank does
+        run_dir = os.path.dirname(attempt_dir)
+        _forkserver.note_launch(mender.spec.run_id, run_dir, mender.starts.base, mender.groups)
+        self._spare = (ctx, process(pid), pipe)
+
+    def take(self, env: dict[str, str], spec: RankSpec) -> PContext | None:
+        """Hand the parked spare the rank ``spec`` with the environment ``env``: its context,
+        or None where no spare takes it (none parked, or it died: start a fresh rank)."""
+        if self._spare is None:
+            return None
+        ctx, proc, pipe = self._spare
+        fd = self._open(proc, pipe)
+        if fd is None:
+            self.drop()
+            return None
+        take = {
+            # torch gave the spare's own context its error file: the spare keeps it.
+            "env": {k: v for k, v in env.items() if k != "TORCHELASTIC_ERROR_FILE"},
+            "rank": spec.rank,
+            "world_size": spec.world_size,
+            "generation": spec.generation,
+            "init_method": spec.init_method,
+            "output": list(spec.output or ("", "")),
+        }
+        try:
+            data = memoryview(json.dumps(take).encode())
+            while data:
+                data = data[os.write(fd, data) :]
+        except OSError:
+            self.drop()
+            return None
+        finally:
+            os.close(fd)
+        self._spare = None
+        self._deaths = 0
+        with contextlib.suppress(OSError):
+            os.unlink(pipe)
+        if self._mender.healer.min_world is not None:
+            # A group that may shrink tries a slot twice before it is lost: the next spare
+            # imports its preloads while this one starts, ready for that second try.
+            self._park()
+        return ctx
+
+    @staticmethod
+    def _open(proc: psutil.Process | None, pipe: str) -> int | None:
+        """The pipe's writing end once the spare waits on it (it may still import its
+        preloads: a fresh rank would import them too), None where it died first."""
+        deadline = time.monotonic() + START_WAIT_S
+        while time.monotonic() < deadline and runs_own_code(proc):
+            try:
+                fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # ENXIO: not waiting on it yet
+                time.sleep(POLL_S)
+                continue
+            os.set_blocking(fd, True)
+            return fd
+        return None
+
+    def drop(self) -> None:
+        """End the parked spare, if any (SIGKILL of its process group), and collect it."""
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return
+        ctx, proc, pipe = spare
+        pid = ctx.pids()[0]
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+        quiet = ElasticQuiet()  # torch reports each process it closes
+        try:
+            ctx.close(signal.SIGKILL, timeout=STOP_GRACE_S)
+        finally:
+            quiet.close()
+        with contextlib.suppress(OSError):
+            os.unlink(pipe)
 
 
 def process(pid: int) -> psutil.Process | None:

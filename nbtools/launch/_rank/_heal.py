@@ -22,6 +22,11 @@ managers, and :func:`after_error` then:
    :data:`REPLACED_ENV`), so that its restore takes the state the survivors
    still hold (``nbtools.checkpoint._live``).
 
+A spare rank (:func:`park`) is a process started ahead of need from the
+forkserver: it imports the modules the ranks' function refers to, then waits on a
+pipe for the slot it takes (the dead rank's environment and place in the group)
+and runs from there as a replacement started then would.
+
 The worker (:mod:`._worker`) then forms the group again and calls the same
 function object again in this process. A rank whose function raised anything
 but a ``RuntimeError`` (what torch's collectives raise) fails as without
@@ -33,8 +38,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import importlib
 import json
 import os
+import pickletools
 import socket
 import time
 import traceback
@@ -62,6 +69,8 @@ __all__ = [
     "heal_environment",
     "mark_formed",
     "mark_started",
+    "park",
+    "preload",
     "rank_variables",
 ]
 
@@ -77,6 +86,8 @@ TARGET_ENV = "NBTOOLS_HEAL_TARGET"
 #: caller may first try twice to start a replacement in a group that may shrink).
 VERDICT_WAIT_S = 60.0
 _POLL_S = (0.001, 0.02)
+# Stands for cloudpickle's ``subimport`` in :func:`preload`'s memo of the pickle.
+_SUBIMPORT = "\0subimport"
 
 
 def heal_environment(run_dir: str, world_size: int) -> dict[str, str]:
@@ -291,3 +302,85 @@ def _await_verdict(spec: RankSpec) -> dict[str, Any] | None:
         time.sleep(delay)
         delay = min(delay * 2, _POLL_S[1])
     return None
+
+
+def park(payload: bytes, spec: RankSpec) -> RankSpec:
+    """In a spare rank: import what ``payload``'s function needs (:func:`preload`), then wait
+    on the pipe ``spec.spare`` for the slot this process takes; the spec of the rank it is.
+
+    The caller writes the rank's environment and place (JSON) and closes the pipe. It
+    never writes to a spare it no longer needs: it ends it (SIGKILL), and a spare whose
+    caller is gone ends as every rank does (its parent watch).
+    """
+    preload(payload)
+    fd = os.open(spec.spare, os.O_RDONLY)  # blocks until the caller opens it to write
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    take = json.loads(b"".join(chunks))
+    env: dict[str, str] = take["env"]
+    os.environ.update(env)
+    return dataclasses.replace(
+        spec,
+        rank=int(take["rank"]),
+        world_size=int(take["world_size"]),
+        generation=int(take["generation"]),
+        init_method=str(take["init_method"]),
+        output=(str(take["output"][0]), str(take["output"][1])),
+        env_names=spec.env_names | frozenset(env),
+        report_formed=False,
+        spare="",
+    )
+
+
+def preload(payload: bytes) -> list[str]:
+    """Import the modules ``payload`` (a cloudpickle of the ranks' call) refers to, without
+    unpickling it: no code of the user's runs here, and its objects are made only once the
+    process is a rank. The modules imported (errors are skipped: the rank meets them)."""
+    modules: list[str] = []
+    strings: list[str] = []  # every string pushed, in order (memo lookups resolved)
+    memo: dict[int, str | None] = {}
+    last: str | None = None  # the string the last op pushed, if it pushed one
+    subimport = False  # the next string names a module (cloudpickle's ``subimport``)
+    try:
+        for op, arg, _ in pickletools.genops(payload):
+            name = op.name
+            if name == "MEMOIZE":
+                memo[len(memo)] = last
+                continue
+            if name in ("BINPUT", "LONG_BINPUT", "PUT"):
+                memo[int(arg)] = last  # type: ignore[arg-type]
+                continue
+            value = arg if isinstance(arg, str) and "UNICODE" in name else None
+            if name in ("BINGET", "LONG_BINGET", "GET"):
+                value = memo.get(int(arg))  # type: ignore[arg-type]
+                if value is _SUBIMPORT:  # the memoized ``subimport`` again
+                    subimport, last = True, value
+                    continue
+            last = value
+            if value is not None:
+                if subimport:
+                    modules.append(value)
+                    subimport = False
+                strings.append(value)
+            elif name == "STACK_GLOBAL" and len(strings) >= 2:
+                modules.append(strings[-2])
+                subimport = strings[-1] == "subimport" and strings[-2].startswith("cloudpickle")
+                last = _SUBIMPORT if subimport else None
+            elif name == "GLOBAL" and isinstance(arg, str):
+                modules.append(arg.split(" ", 1)[0])
+    except Exception:  # noqa: BLE001 - a payload it cannot read is unpickled later anyway
+        pass
+    done = []
+    for module in dict.fromkeys(modules):
+        if module == "__main__" or not module or module.startswith("__"):
+            continue
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001 - the rank's own unpickling reports it
+            continue
+        done.append(module)
+    return done

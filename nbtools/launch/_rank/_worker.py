@@ -72,6 +72,8 @@ class RankSpec:
     generation: int = 0
     #: A replacement's stdout and stderr: the files its rank's output goes to (appended).
     output: tuple[str, str] | None = None
+    #: A spare rank's pipe: it waits there for the slot it takes (:func:`._heal.park`).
+    spare: str = ""
 
 
 def failure_path(run_dir: str, rank: int) -> str:
@@ -107,6 +109,9 @@ def run_rank(payload: bytes, spec: RankSpec) -> None:
     file (:func:`nbtools.launch._results.load`).
     """
     _die_with_parent_chain(spec.caller_pid, os.path.dirname(spec.run_dir))
+    if spec.spare:
+        _leftovers.lead_own_group()  # the caller ends the spare with its group
+        spec = _heal.park(payload, spec)
     if spec.output is not None:
         _append_output(spec.output)
     _mirror_caller_environment(spec.env_names)
