@@ -63,7 +63,11 @@ restart of every rank, restoring from the memory snapshots) and ``heal``
 replacement heals from them). Figures per launch as above, plus
 ``survivors_kept_pids`` (the ranks not killed have the same process after the
 recovery); ``heal_x`` = heal's ``kill_to_next_step_s`` over memory's (goal <= 0.5)
-and heal's ``steps_trained_again`` (goal <= 1).
+and heal's ``steps_trained_again`` (goal <= 1). A heal's ``phases_s`` split its kill to the next
+step into ``detect``, ``start_replacement``, ``replacement_joins``,
+``build_model_and_manager``, ``restore`` and ``first_step`` (``_heal_phases``), and
+``replacement_was_spare`` says whether the replacement was a spare rank parked before the
+kill.
 
 ``--local`` puts the volume in a local directory instead of the capped server.
 Every attempt of both launches builds the model on the meta device, as training
@@ -270,6 +274,36 @@ def _phases(result: dict, killed: float, since: float) -> dict:
     return {k: round(v, 2) for k, v in phases.items()}
 
 
+def _heal_phases(result: dict, replacement: dict, killed: float, since: float) -> dict:
+    """Where a heal's time went, from the kill to the next completed step.
+
+    ``detect``: to the launcher seeing the death (its ``healed`` event says how long
+    after that the group restored); ``start_replacement``: to the replacement's process
+    creation (0 for a spare: it ran before); ``replacement_joins``: to the replacement
+    entering the training function (its imports and unpickling, the survivors leaving
+    the old group, the rendezvous of the new generation); then, from rank 0,
+    ``build_model_and_manager``, ``restore`` (the live state) and ``first_step``.
+    """
+    from nbtools import events
+
+    healed = events.log(since=since, kinds=["healed"])
+    restored = [e for e in events.log(since=killed, kinds=["checkpoint_restored"])]
+    seen = killed
+    if healed and restored and healed[0].fields:
+        seen = restored[0].time - float(healed[0].fields.get("seconds", 0.0))
+    created = max(replacement["created"], seen)
+    joined = max(replacement["entered"], created)
+    phases = {
+        "detect": seen - killed,
+        "start_replacement": created - seen,
+        "replacement_joins": joined - created,
+        "build_model_and_manager": max(0.0, result["restoring"] - joined),
+        "restore": result["restored_at"] - result["restoring"],
+        "first_step": result["first_done"] - result["restored_at"],
+    }
+    return {k: round(v, 2) for k, v in phases.items()}
+
+
 def _rate(cfg: dict) -> dict:
     """One rank of the paired rate run: cycles of three blocks of ``block`` steps each."""
     import torch
@@ -334,7 +368,8 @@ def _paired(cfg: dict) -> dict:
 def _launch(cfg: dict) -> dict:
     job = distributed(processes=4, max_restarts=1, output="none", heal=cfg["heal"])(_train)
     since = time.time()
-    result = job.distributed(cfg)[0]
+    results = job.distributed(cfg)
+    result = results[0]
     with open(cfg["first"]) as fh:
         first = json.load(fh)
     with open(cfg["killed"]) as fh:
@@ -361,10 +396,15 @@ def _launch(cfg: dict) -> dict:
     }
     survivors = [r for r in range(4) if r != cfg["kill_rank"]]
     figures["survivors_kept_pids"] = all(pids[0][r] == pids[1][r] for r in survivors)
-    if not cfg["heal"]:
+    if cfg["heal"]:
+        replacement = results[cfg["kill_rank"]]
+        phases = _heal_phases(result, replacement, killed, since)
+        # Whether the replacement's process ran before the kill (a spare parked ahead of need).
+        figures["replacement_was_spare"] = replacement["created"] < killed
+    else:
         phases = _phases(result, killed, since)
-        figures["phases_s"] = phases
-        figures["dominant_phase"] = max(phases, key=lambda k: phases[k])
+    figures["phases_s"] = phases
+    figures["dominant_phase"] = max(phases, key=lambda k: phases[k])
     copy = statistics.median(first["copies"][1:])  # past the first (it faults the pages in)
     figures["plain_copy_s"] = round(copy, 4)
     if first["blocked"]:
