@@ -86,9 +86,8 @@ def test_a_rank_other_than_zero_that_starts_no_run_says_nothing(tmp_path):
 
 
 @pytest.mark.slow
-def test_rank_zero_is_unchanged_and_says_nothing_of_other_ranks(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    MlflowClient(tracking_uri=uri).search_experiments()  # the kernel created the store
+def test_rank_zero_is_unchanged_and_says_nothing_of_other_ranks(tmp_path, mlflow_store):
+    uri = mlflow_store(tmp_path / "mlflow.db")  # the kernel created the store
     seen, err = _as_rank(0, uri)
     # Rank 0 resumes only real runs: the made-up id of the script is refused there.
     assert not seen and "0123abcd" in err
