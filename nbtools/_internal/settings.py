@@ -182,7 +182,7 @@ SETTINGS: tuple[Setting, ...] = (
         name="NBTOOLS_STARTUP_TIMEOUT_S",
         type="seconds",
         default="learned: 3x the slowest first step, 180 before one",
-        meaning="Seconds a rank has, from its start, to report its first step before it "
+        meaning="Seconds a rank has, from its launch, to report its first step before it "
         "can be named as hung (imports, a restore, a cold compile).",
         area="events",
         parse=_positive,
