@@ -166,7 +166,7 @@ class FirstSteps:
         self._lock = threading.Lock()
 
     def add(self, seconds: float) -> None:
-        """A rank took ``seconds`` (kernel time) from its start to its first step."""
+        """A rank took ``seconds`` (kernel time) from its launch to its first step."""
         with self._lock:
             self._seen.append(max(0.0, float(seconds)))
 

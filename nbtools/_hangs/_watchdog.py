@@ -90,7 +90,7 @@ MIN_HANG_S = 45.0
 HANG_STEPS = 10.0
 #: Scores under this flag a straggler.
 THRESHOLD = 0.75
-#: Before its first step a rank has this long (from its start) when not told otherwise,
+#: Before its first step a rank has this long (from its launch) when not told otherwise,
 #: until the group shows how long a first step takes...
 STARTUP_S = 180.0
 #: ...then this many times the slowest first step seen (at least the hang bound).
