@@ -149,6 +149,7 @@ def test_loop_interrupted_by_ctrl_c_continues_exactly_and_leaves_nothing(tree):
     } == set()
 
 
+@pytest.mark.usefixtures("sigint_default")
 @pytest.mark.parametrize("where", ["_record", "_record_batch"])
 def test_ctrl_c_while_a_batch_is_marked_received_serves_it_again(tree, where):
     # A real SIGINT, with Python's own handler, raised at the moment the loader
@@ -166,7 +167,6 @@ def test_ctrl_c_while_a_batch_is_marked_received_serves_it_again(tree, where):
                 signal.raise_signal(signal.SIGINT)  # the handler raises here
         return None
 
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     with _loader(src, cache, 2, batch_size=2) as loader:
         got = []
         sys.settrace(trace)
