@@ -70,6 +70,7 @@ __all__ = [
     "plan",
     "skeleton_bytes",
     "step_of",
+    "worth_sharing",
 ]
 
 
@@ -237,6 +238,10 @@ def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
 KEY = "__nbtools_share__"
 #: The skeleton's marker of a tensor held in another rank's slot: ``{PEER: rank}``.
 PEER = "__nbtools_peer__"
+#: The ranks of a node share their replicated tensors only when one is this large: below,
+#: a restore would map and read every peer's slot for a few bytes (an FSDP2 or
+#: tensor-parallel state, whose only replicated tensors are the optimizer's step counts).
+SHARE_MIN_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -296,6 +301,11 @@ def _replicated(state: dict[str, Any]) -> list[tuple[Path, torch.Tensor]]:
 
     _rebuild(state, seen)
     return out
+
+
+def worth_sharing(state: dict[str, Any]) -> bool:
+    """Whether some replicated tensor of ``state`` has :data:`SHARE_MIN_BYTES` or more."""
+    return any(t.numel() * t.element_size() >= SHARE_MIN_BYTES for _, t in _replicated(state))
 
 
 def digest(state: dict[str, Any]) -> str:
@@ -413,7 +423,8 @@ def agree(
 ) -> tuple[Share | None, dict[int, tuple[int, int]]]:
     """This rank's share, and every rank's ``(base, count)``, from what each rank reports
     over ``group`` (a collective; None: a single rank) before its first snapshot of
-    ``state``, its slots in ``directory`` (None: it snapshots nothing)."""
+    ``state``, its slots in ``directory`` (None: it snapshots nothing). A state with no
+    replicated tensor worth sharing (:func:`worth_sharing`) is kept whole by each rank."""
     try:  # ranks that share must see each other's slots
         if directory is None:
             raise FileNotFoundError("no snapshots")
@@ -422,7 +433,8 @@ def agree(
     except OSError:  # gone (another manager of the job closed): keep whole snapshots
         where = f"rank {rank}"
     base = rank - runtime.get_local_rank()
-    mine = (base, runtime.get_local_world_size(), digest(state), where)
+    count = runtime.get_local_world_size() if worth_sharing(state) else 1
+    mine = (base, count, digest(state), where)
     reports = [tuple(r) for r in gather(group, mine)]
     groups = {}
     for other in range(len(reports)):
