@@ -223,3 +223,80 @@ def test_with_the_kernel_on_another_host_ray_ranks_are_judged_by_their_own_probe
     assert [f["rank"] for f in opened if f["kind"] == "long_phase"] == [0], out["flags"]
     assert [f["rank"] for f in opened if f["kind"] == "hang"] == [1], out["flags"]
     assert [f["rank"] for f in out["flags"] if f["kind"] == "hang" and f["ended"]] == [1]
+
+
+# A training thread that holds the GIL starves its rank's probe: the rank falls silent, and the
+# kernel on another host has it looked at from its node (a task there reads its process).
+_GIL = textwrap.dedent(
+    """
+    import json, sys, threading
+    import ray
+    from nbtools import distributed, events
+
+    ray.init(address=sys.argv[1], log_to_driver=False)
+    seen, lock = [], threading.Lock()
+
+    def keep(batch):
+        with lock:
+            seen.extend(e for e in batch if e.kind in ("hang", "long_phase"))
+
+    @distributed(processes=2, cluster="ray", nodes=2, hang_timeout=10)
+    def train():
+        import ctypes
+        import re
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        from nbtools import events
+
+        rank, t = dist.get_rank(), torch.ones(1)
+
+        def steps(count):
+            for _ in range(count):
+                time.sleep(0.05)
+                dist.all_reduce(t)
+                events.step()
+
+        steps(40)
+        if rank == 0:  # busy in C for many seconds, holding the GIL
+            re.match(r"(a+)+$", "a" * 30 + "b")
+        steps(20)
+        if rank == 1:  # libc's sleep through PyDLL: stuck, holding the GIL
+            ctypes.PyDLL(None).sleep(20)
+        steps(20)
+
+    events.subscribe(keep)
+    try:
+        train.distributed()
+    finally:
+        events.unsubscribe(keep)
+        ray.shutdown()
+    with lock:
+        found = [
+            {"kind": e.kind, "rank": e.rank, "ended": bool(e.fields.get("ended")), "text": e.message}
+            for e in seen
+        ]
+    print(json.dumps(found))
+    """
+)
+
+
+def test_with_the_kernel_on_another_host_a_ray_rank_holding_the_gil_is_told_busy_or_stuck(
+    ray_cluster, tmp_path
+):
+    script = tmp_path / "driver.py"
+    script.write_text(_GIL)
+    proc = subprocess.run(
+        [*_other_host_prefix(), sys.executable, str(script), ray_cluster.address],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    flags = json.loads(proc.stdout.strip().splitlines()[-1])
+    opened = [f for f in flags if not f["ended"]]
+    assert [f["rank"] for f in opened if f["kind"] == "long_phase"] == [0], flags
+    (hang,) = [f for f in opened if f["kind"] == "hang"]
+    assert hang["rank"] == 1 and "blocked in clock_nanosleep" in hang["text"], flags
