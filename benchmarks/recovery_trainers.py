@@ -22,8 +22,8 @@ checkpoints on one volume: an S3-compatible server on loopback (moto behind
 itself (every rank reads the checkpoint); HF's ``Trainer`` saves to a local
 ``output_dir`` only, so its checkpoints are uploaded to the volume as each is saved
 and the restarted attempt downloads the newest one (once per node) before
-``resume_from_checkpoint=``, as a job whose local disk went with its node does. Both
-runs take about 20 minutes on 2 busy cores.
+``resume_from_checkpoint=``, as a job whose local disk went with its node does. The
+two stacks' four launches took 16 minutes on 2 cores shared with other work.
 
 ``--quick``: a short look (2 ranks, 48 MB, ``every=50``, a kill after step 87, the
 volumes in local directories).
