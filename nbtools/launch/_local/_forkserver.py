@@ -10,6 +10,8 @@ This module is the first the forkserver preloads. There it:
   unless the caller set one) inside the caller's ``pymp-*`` directory, instead
   of ``$TMPDIR/torchinductor_<user>``, which nothing would remove;
 - loads the installed object-store clients (``_OPTIONAL_PRELOAD``);
+- once every preload is in, freezes its objects out of the garbage collector
+  (:func:`mark_ready`), so that a rank's full collection walks only its own;
 - ends what the caller's launches left when the forkserver ends.
 
 The forkserver ends once the caller is gone, however it went: its end of the
@@ -39,6 +41,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import gc
 import importlib
 import json
 import multiprocessing.util
@@ -184,8 +187,18 @@ def resume(pid: int | None) -> None:
 
 
 def mark_ready() -> None:
-    """Inside the forkserver, after its last preload: say so (:func:`ready`)."""
+    """Inside the forkserver, after its last preload: say so (:func:`ready`).
+
+    Its objects (the preloaded modules') are frozen out of the garbage collector first:
+    every rank forked from here inherits them, and a full collection in a rank (a rank
+    healed in place runs one before its function runs again) walks only what the rank
+    made itself, and leaves the inherited pages unwritten.
+    """
     temp_dir = _temp_dir_of_this_forkserver()
+    if temp_dir is None:
+        return
+    gc.collect()
+    gc.freeze()
     if temp_dir:
         with open(os.path.join(temp_dir, _READY), "w"):
             pass
