@@ -1,5 +1,6 @@
 // Front end of the GPU pane: a plotly.js figure (3 panels, one line per GPU, then a
-// row of steps per second per rank when ranks report progress) that grows by
+// row of steps per second per rank when ranks report progress, then a low row of
+// the run's world size once it changed) that grows by
 // Plotly.extendTraces from small per-poll messages, the run's events on the same
 // time axis, a table of the current values and a list of the last events.
 // The whole figure travels only in the `_figure` trait, which the kernel rebuilds
@@ -21,6 +22,7 @@ const STYLE = {
   restore: { color: "#16a34a", symbol: "triangle-right", band: 0.3 },
   phase: { color: "#334155", symbol: "diamond-tall", line: "longdash" },
   run: { color: "#6b7280", symbol: "circle-open", line: "dot" },
+  world: { color: "#0f766e", symbol: "square-open", line: "dashdot" },
   hang: { color: "#b91c1c", symbol: "hexagram", band: 0.25 },
   straggler: { color: "#ca8a04", symbol: "star", band: 0.2 },
   mark: { color: "#7c3aed", symbol: "triangle-down" },
@@ -242,6 +244,8 @@ async function render({ model, el }) {
   let eventAxis = ["y", 100];
   let panels = [];
   let flagged = new Map();
+  let world = -1; // the world size's trace, or -1
+  let worldLive = false; // the run goes on: each poll carries its line on
 
   function setLast(t) {
     last.dataset.time = t ? String(t) : "";
@@ -348,6 +352,17 @@ async function render({ model, el }) {
     }, indices.map((j) => first + j), ratePoints);
   }
 
+  // The world size holds until something changes it: carry its line on to time x.
+  function extendWorld(x) {
+    if (world < 0 || !worldLive || !plot.data || !plot.data[world]) return;
+    const trace = plot.data[world];
+    const n = trace.y.length;
+    if (!n || trace.x[n - 1] >= x) return;
+    Plotly.extendTraces(plot, {
+      x: [[x]], y: [[trace.y[n - 1]]], customdata: [[trace.customdata[n - 1]]],
+    }, [world], maxPoints);
+  }
+
   function drawEvents() {
     if (!plot.data || !traceCount) {
       drawList();
@@ -377,6 +392,8 @@ async function render({ model, el }) {
     ranks = fig.ranks || [];
     ratePoints = fig.rp || ratePoints;
     eventAxis = fig.ey || ["y", 100];
+    world = fig.wi === undefined ? -1 : fig.wi;
+    worldLive = Boolean(fig.wl);
     // Without any GPU read yet (unavailable), the status line says why; no empty axes.
     plot.style.display = fig.data.length ? "" : "none";
     table.style.display = gpus.length ? "" : "none";
@@ -394,6 +411,9 @@ async function render({ model, el }) {
           x: xs[fig.xi[i % gpus.length]],
           y: scaled(fig.y[i], fig.f[Math.floor(i / gpus.length)]),
         };
+      }
+      if (i === world) {
+        return { ...trace, x: fig.wx.map(local), y: fig.wy, customdata: fig.wt };
       }
       const rank = ranks[i - first];
       const bold = flagged.has(rank);
@@ -432,6 +452,7 @@ async function render({ model, el }) {
       // Events (and step rates) on their own: a pane with no GPU to poll.
       if (msg.d !== undefined) counts = { d: msg.d, nd: msg.nd };
       extendRates(msg.sr);
+      extendWorld(local(Date.now()));
       if (msg.e) keepEvents(msg.e);
       drawEvents();
       return;
@@ -449,6 +470,7 @@ async function render({ model, el }) {
     }
     Plotly.extendTraces(plot, { x: xs, y: ys }, indices, maxPoints);
     extendRates(msg.sr);
+    extendWorld(x);
     msg.g.forEach((g, j) => fillRow(msg.r + j, g));
     setLast(msg.t);
     if (msg.d !== undefined) counts = { d: msg.d, nd: msg.nd };

@@ -37,8 +37,16 @@ from nbtools.monitor._rates import RateRow
 from nbtools.monitor.history import History
 from nbtools.monitor.readings import Sample, describe_throttle
 from nbtools.monitor.snapshot import COLORS as _COLORS
-from nbtools.monitor.snapshot import gpu_label
-from nbtools.monitor.timeline import MESSAGE_BUDGET, PROGRESS_KIND, EventFeed, gpu_ranks
+from nbtools.monitor.snapshot import WORLD_TITLE, gpu_label, world_now
+from nbtools.monitor.timeline import (
+    MESSAGE_BUDGET,
+    PROGRESS_KIND,
+    WORLD_KINDS,
+    EventFeed,
+    WorldStep,
+    gpu_ranks,
+    world_sizes,
+)
 
 __all__ = ["GPUChart", "plotly_js_gzip"]
 
@@ -51,6 +59,7 @@ _DASHES = ("solid", "dot", "dash", "longdash", "dashdot")
 _MISSING = 65535  # uint16 value of a point that was not available
 _RATE_TITLE = "Steps per second, by rank"
 _RATE_POINTS = 1200  # per rank in the live chart (reports come about once a second)
+_WORLD_COLOR = "#0f766e"
 _GRID = "#EBF0F8"
 
 
@@ -141,6 +150,8 @@ class GPUChart(anywidget.AnyWidget):
         self._rates = RateRow(_RATE_POINTS)
         self._rank_order: list[int] = []  # the ranks of the figure's step-rate traces
         self._paired: dict[tuple[str, int], list[int]] = {}  # GPU row -> its ranks, by UUID
+        self._world: list[WorldStep] = []  # the world size's steps the figure draws
+        self._world_seen = -1  # the feed's count of world events when they were read
         if feed is not None:
             feed.take_progress()  # the bus has them too: start from its record
             since = time.time() - feed.horizon_s
@@ -171,14 +182,19 @@ class GPUChart(anywidget.AnyWidget):
             self._rows[host] = (row, indices)
             row += len(indices)
         ranks = self._rank_order = self._rates.ranks()
-        # The GPU panels when there are GPUs, then the step-rate row when ranks report.
-        titles = [*(_TITLES if gpus or not ranks else ()), *([_RATE_TITLE] if ranks else [])]
+        world = self._world = self._world_steps()
+        # The GPU panels when there are GPUs, then the step-rate row when ranks report, then
+        # a low row of the world size once it changed.
+        panels = bool(gpus) or not (ranks or world)
+        titles = [*(_TITLES if panels else ()), *([_RATE_TITLE] if ranks else [])]
+        titles += [WORLD_TITLE] if world else []
         fig = make_subplots(
             rows=len(titles),
             cols=1,
             shared_xaxes=True,
             vertical_spacing=0.07,
             subplot_titles=titles,
+            row_heights=[*[1.0] * (len(titles) - 1), 0.45] if world else None,
         )
         max_mem = max((self._total(h, i) or 0 for h, i, _ in gpus), default=0) / _GIB
         # Scaled to uint16 on the wire: 0.1 %, 0.01 GiB (0.1 GiB past 650 GiB), 0.1 degC.
@@ -228,14 +244,34 @@ class GPUChart(anywidget.AnyWidget):
             rate_x.append((np.asarray(when, dtype="<f8") * 1000.0).tobytes())
             rate_y.append(list(values))
         if ranks:
-            fig.update_yaxes(rangemode="tozero", row=len(titles), col=1)
+            fig.update_yaxes(rangemode="tozero", row=len(titles) - bool(world), col=1)
+        world_x, world_y, world_text = [], [], []
+        if world:
+            for point in world_now(world):
+                world_x.append(round(point.time * 1000))
+                world_y.append(point.size)
+                world_text.append(point.text)
+            fig.add_scatter(
+                row=len(titles),
+                col=1,
+                mode="lines",
+                name="processes",
+                showlegend=False,
+                hovertemplate="%{customdata}<extra>world size</extra>",
+                line={"color": _WORLD_COLOR, "width": 2, "shape": "hv"},
+            )
+            top = max(s.size or 0 for s in world)
+            fig.update_yaxes(
+                range=[0, top + 0.5], tickformat="d", fixedrange=True, row=len(titles), col=1
+            )
         title = "GPU resources" + (" (simulated)" if self._source == "simulated" else "")
-        title = title if gpus or not ranks else "Training run (no GPU readings)"
+        title = title if panels else "Training run (no GPU readings)"
+        main = len(titles) - bool(world)
         fig.update_layout(
             paper_bgcolor="white",
             plot_bgcolor="white",
             font={"color": "#2a3f5f"},
-            height=(160 * len(titles) + 80) if gpus or not ranks else 300,
+            height=(160 * main + 80 if panels else 140 + 160 * (main - 1)) + 80 * bool(world),
             margin={"l": 50, "r": 20, "t": 60, "b": 30},
             title={"text": title, "x": 0.01, "y": 0.985, "font": {"size": 14}},
             legend={"orientation": "h", "x": 1, "xanchor": "right", "y": 1.07, "yanchor": "bottom"},
@@ -246,12 +282,20 @@ class GPUChart(anywidget.AnyWidget):
         fig.update_yaxes(gridcolor=_GRID, zerolinecolor=_GRID)
         fig.update_xaxes(type="date", gridcolor=_GRID)
         fig.update_xaxes(tickformat="%H:%M:%S", showticklabels=True, row=len(titles), col=1)
-        if gpus or not ranks:
+        overlay = f"y{len(titles) + 1}"
+        if panels:
             fig.update_yaxes(range=[0, 100], row=1, col=1)
             fig.update_yaxes(range=[0, max(max_mem, 1.0) * 1.05], row=2, col=1)
-        else:  # the events' marks on their own axis over the step-rate row's top edge
+        else:  # the events' marks on their own axis over the first row's top edge
             fig.update_layout(
-                yaxis2={"overlaying": "y", "range": [0, 1], "visible": False, "fixedrange": True}
+                {
+                    f"yaxis{len(titles) + 1}": {
+                        "overlaying": "y",
+                        "range": [0, 1],
+                        "visible": False,
+                        "fixedrange": True,
+                    }
+                }
             )
         spec = fig.to_plotly_json()
         feed = self._feed
@@ -297,8 +341,33 @@ class GPUChart(anywidget.AnyWidget):
             "rx": rate_x,
             "ry": rate_y,
             "rp": _RATE_POINTS,
-            "ey": ["y", 100] if gpus or not ranks else ["y2", 1],
+            "ey": ["y", 100] if panels else [overlay, 1],
+            # The world size's row (once it changed): its trace's index (-1: none), its
+            # steps (epoch ms, processes, hover text), and whether the run goes on (each
+            # poll then carries the line on to the poll's time).
+            "wi": len(spec["data"]) - 1 if world else -1,
+            "wx": world_x,
+            "wy": world_y,
+            "wt": world_text,
+            "wl": bool(world) and world[-1].size is not None,
         }
+
+    def _world_steps(self) -> list[WorldStep]:
+        """The world size's steps over the history, as the bus has them now."""
+        feed = self._feed
+        if feed is None:
+            return []
+        self._world_seen = feed.world_events
+        since = time.time() - feed.horizon_s
+        return world_sizes(feed.bus.log(since=since, kinds=WORLD_KINDS))
+
+    def _world_moved(self) -> bool:
+        """Whether events that arrived since the figure was built changed the world size's
+        line (it then comes with the whole figure); one integer compare when none did."""
+        feed = self._feed
+        if feed is None or feed.world_events == self._world_seen:
+            return False
+        return self._world_steps() != self._world
 
     def _total(self, host: str, index: int) -> float | None:
         reading = self._latest.get((host, index))
@@ -336,6 +405,7 @@ class GPUChart(anywidget.AnyWidget):
                 or row[1] != [r.index for r in sample.gpus]
                 or rates is None
                 or self._pairs() != self._paired
+                or self._world_moved()
             ):
                 self._seq += 1
                 self._figure = self._build()
@@ -360,7 +430,7 @@ class GPUChart(anywidget.AnyWidget):
         """
         with self._lock:
             rates = self._new_rates()
-            if rates is None:  # a new rank: its trace comes with the whole figure
+            if rates is None or self._world_moved():  # a new rank, or the world size moved
                 self._seq += 1
                 self._figure = self._build()
                 return True

@@ -29,16 +29,25 @@ from nbtools.monitor._widget import GPUChart
 from nbtools.monitor.backends import Backend, NVMLBackend
 from nbtools.monitor.readings import Sample, local_host
 from nbtools.monitor.sampler import Sampler, acquire, release
-from nbtools.monitor.snapshot import PaneState, Snapshot, render_png, summary
+from nbtools.monitor.snapshot import (
+    PaneState,
+    Snapshot,
+    render_png,
+    summary,
+    world_now,
+    world_summary,
+)
 from nbtools.monitor.timeline import (
     EVENT_COLUMNS,
     MAX_DRAWN,
     PROGRESS_KIND,
+    WORLD_KINDS,
     EventFeed,
     drawn,
     encode,
     event_rows,
     step_rates,
+    world_sizes,
 )
 from nbtools.monitor.timing import DEFAULT_HISTORY_SECONDS, DEFAULT_IDLE_TIMEOUT, DEFAULT_INTERVAL
 
@@ -422,6 +431,11 @@ class GPUPane:
             self.sampler.backend.source,
             status=self._status_text(),
             rates=self._step_rates(),
+            world=world_sizes(
+                self._feed.bus.log(
+                    since=time.time() - self.sampler.history_seconds, kinds=WORLD_KINDS
+                )
+            ),
         )
 
     def _draw(self) -> Snapshot:
@@ -433,6 +447,7 @@ class GPUPane:
             state.source,
             events=len(state.events),
             status="" if self.status == "polling" else state.status,
+            world=world_summary(world_now(state.world)),
         )
         return Snapshot(png=png, text=text, time=time.time())
 

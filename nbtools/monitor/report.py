@@ -21,8 +21,16 @@ import numpy as np
 
 from nbtools.monitor.history import History
 from nbtools.monitor.snapshot import COLORS as _COLORS
-from nbtools.monitor.snapshot import PaneState, gpu_label, readings_table, summary
-from nbtools.monitor.timeline import CATEGORY_LABELS
+from nbtools.monitor.snapshot import (
+    WORLD_TITLE,
+    PaneState,
+    gpu_label,
+    readings_table,
+    summary,
+    world_now,
+    world_summary,
+)
+from nbtools.monitor.timeline import CATEGORY_LABELS, WorldStep
 
 __all__ = ["timeline_figure", "write_html"]
 
@@ -42,6 +50,7 @@ _STYLE: dict[str, dict[str, Any]] = {
     "restore": {"color": "#16a34a", "symbol": "triangle-right", "band": 0.3},
     "phase": {"color": "#334155", "symbol": "diamond-tall", "line": "longdash"},
     "run": {"color": "#6b7280", "symbol": "circle-open", "line": "dot"},
+    "world": {"color": "#0f766e", "symbol": "square-open", "line": "dashdot"},
     "hang": {"color": "#b91c1c", "symbol": "hexagram", "band": 0.25},
     "straggler": {"color": "#ca8a04", "symbol": "star", "band": 0.2},
     "mark": {"color": "#7c3aed", "symbol": "triangle-down"},
@@ -74,13 +83,15 @@ def timeline_figure(
     events: Sequence[Sequence[Any]],
     source: str,
     rates: dict[int, tuple[list[float], list[float]]] | None = None,
+    world: Sequence[WorldStep] = (),
 ) -> Any:
     """A plotly figure on one time axis: events, step rate per rank, every GPU's curves.
 
     Rows: a lane of events (one legend entry per kind of event), the step rate
     of each rank (when ranks reported progress; flagged ranks drawn bold),
-    then utilization, memory and temperature, each only when some GPU has data:
-    a run without GPUs shows no empty GPU charts. Every row has time labels. The
+    then utilization, memory and temperature, each only when some GPU has data
+    (a run without GPUs shows no empty GPU charts), then the run's world size
+    when it changed (a step line; its hover says why and from which step). Every row has time labels. The
     events' lines and bands cross the rows below the lane (the lane's markers say
     the same), and each phase's name stands beside its marker in the lane, where
     nothing runs through it.
@@ -90,6 +101,7 @@ def timeline_figure(
         events: Event rows (``[ms, kind, category, rank, step, start ms, text]``).
         source: ``"NVML"`` or ``"simulated"`` (said in the title).
         rates: ``rank -> (times, steps per second)`` (:func:`~nbtools.monitor.timeline.step_rates`).
+        world: The world size's steps (:func:`~nbtools.monitor.timeline.world_sizes`).
     """
     from plotly.subplots import make_subplots
 
@@ -98,6 +110,9 @@ def timeline_figure(
     titles = ["Events"] + (["Steps per second, by rank"] if rates else [])
     titles += [label for _f, _s, label in panels]
     heights = [0.5] + [1.0] * (len(titles) - 1)
+    if world:
+        titles.append(WORLD_TITLE)
+        heights.append(0.45)
     fig = make_subplots(
         rows=len(titles),
         cols=1,
@@ -149,6 +164,22 @@ def timeline_figure(
             )
         if field == "utilization":
             fig.update_yaxes(range=[0, 105], row=row_at + offset, col=1)
+    if world:
+        line = world_now(world)
+        fig.add_scatter(
+            row=len(titles),
+            col=1,
+            mode="lines",
+            name="processes",
+            showlegend=False,
+            x=[_local(s.time * 1000) for s in line],
+            y=[s.size for s in line],
+            customdata=[html.escape(s.text) for s in line],
+            hovertemplate="%{customdata}<extra>world size</extra>",
+            line={"color": _STYLE["world"]["color"], "width": 2, "shape": "hv"},
+        )
+        top = max(s.size or 0 for s in world)
+        fig.update_yaxes(range=[0, top + 0.5], tickformat="d", row=len(titles), col=1)
     # Lines and bands cross the rows below the events' lane, whose markers say the same: the
     # lane keeps room for the phases' names, which no line or band runs through.
     shape_rows = list(range(2, len(titles) + 1)) or [1]
@@ -261,7 +292,7 @@ def write_html(path: str | os.PathLike[str], state: PaneState) -> str:
             f"cannot write {path}: the directory {folder} does not exist; "
             "create it first or pick another path"
         )
-    figure = timeline_figure(history, events, source, state.rates).to_html(
+    figure = timeline_figure(history, events, source, state.rates, state.world).to_html(
         include_plotlyjs=True, full_html=False, config={"displaylogo": False}
     )
     listed = "".join(
@@ -269,7 +300,14 @@ def write_html(path: str | os.PathLike[str], state: PaneState) -> str:
         f"<td>{html.escape(_detail(r))}</td></tr>"
         for r in reversed(list(events))
     )
-    text = summary(history, latest, source, events=len(events), status=state.status)
+    text = summary(
+        history,
+        latest,
+        source,
+        events=len(events),
+        status=state.status,
+        world=world_summary(world_now(state.world)),
+    )
     table = _table(history.gpus(), latest) if history.gpus() else ""  # no empty table on CPU
     page = (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>GPU pane</title><style>"

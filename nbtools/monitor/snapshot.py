@@ -18,6 +18,7 @@ HTML may be sanitised away.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -39,6 +40,10 @@ __all__ = [
     "readings_table",
     "render_png",
     "summary",
+    "WORLD_TITLE",
+    "world_line",
+    "world_now",
+    "world_summary",
 ]
 
 #: Most points drawn per line (bucket means of the history).
@@ -73,11 +78,14 @@ STYLE: dict[str, dict[str, Any]] = {
     "restore": {"color": "#16a34a", "marker": ">", "band": 0.3},
     "phase": {"color": "#334155", "marker": "d", "line": "--"},
     "run": {"color": "#6b7280", "marker": "o", "line": ":"},
+    "world": {"color": "#0f766e", "marker": "s", "line": "-."},
     "hang": {"color": "#b91c1c", "marker": "x", "band": 0.25},
     "straggler": {"color": "#ca8a04", "marker": "D", "band": 0.2},
     "mark": {"color": "#7c3aed", "marker": "v"},
 }
 _LISTED = 6
+#: The world size's row, in the live chart, the picture and the report.
+WORLD_TITLE = "Processes (world size)"
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,10 @@ class PaneState:
         status: The pane's status in words (under the title).
         rates: ``rank -> (times, steps per second)``: a panel of step rates,
             above the GPU panels (which are left out when there are no GPUs).
+        world: The run's world size over time, the
+            :class:`~nbtools.monitor.timeline.WorldStep` of
+            :func:`~nbtools.monitor.timeline.world_sizes`: a low panel under the
+            others when it changed; empty draws none.
     """
 
     history: History
@@ -101,6 +113,7 @@ class PaneState:
     source: str
     status: str = ""
     rates: dict[int, tuple[list[float], list[float]]] | None = None
+    world: Sequence[Any] = ()
 
 
 @dataclass(frozen=True)
@@ -203,9 +216,12 @@ def render_png(state: PaneState) -> bytes:
             series[(host, index, field)] = _reduced(stamps, values * scale)
     table = readings_table(gpus, latest)
     listed = list(events)[-_LISTED:]
-    panels: list[tuple[str, float, str]] = list(_PANELS) if gpus or not rates else []
+    world = list(state.world)
+    panels: list[tuple[str, float, str]] = list(_PANELS) if gpus or not (rates or world) else []
     if rates:
         panels.insert(0, ("steps", 1.0, "Steps per second, by rank (flagged ranks bold)"))
+    if world:
+        panels.append(("world", 1.0, WORLD_TITLE))
     canvas = Canvas(width=1000, rows=len(table), listed=len(listed) + 1, panels=len(panels))
     simulated = source == "simulated"
     canvas.title(
@@ -215,7 +231,8 @@ def render_png(state: PaneState) -> bytes:
     canvas.status(status)
     canvas.table(table)
     rate_times = [np.asarray(t, dtype=float) for t, _v in (rates or {}).values() if t]
-    span = _span([x for x, _ in series.values() if len(x)] + rate_times, events)
+    world_times = [np.asarray([s.time for s in world], dtype=float)] if world else []
+    span = _span([x for x, _ in series.values() if len(x)] + rate_times + world_times, events)
     canvas.legend(
         [
             (
@@ -240,9 +257,12 @@ def render_png(state: PaneState) -> bytes:
         elif field == "steps":
             top = max((float(np.nanmax(v)) for _t, v in (rates or {}).values() if v), default=1.0)
             low, high = 0.0, max(top, 1e-3) * 1.1
+        elif field == "world":
+            low, high = 0.0, max(s.size or 0 for s in world) + 0.5
         else:
             low, high = _range([y for (_h, _i, f), (_x, y) in series.items() if f == field])
-        box = canvas.panel(panel, label, span, (low, high), empty=not gpus and field != "steps")
+        empty = not gpus and field not in ("steps", "world")
+        box = canvas.panel(panel, label, span, (low, high), empty=empty)
         for e in events:
             style = STYLE.get(e[2], STYLE["mark"])
             if style.get("band") and e[5] is not None:
@@ -256,6 +276,9 @@ def render_png(state: PaneState) -> bytes:
                 box.line(xs, ys, color)
                 if rank in flagged:  # drawn twice, a pixel apart: bold
                     box.line(xs, ys + (high - low) / 150, color)
+        elif field == "world":
+            at, size = world_line(world_now(world, span[1]))
+            box.line(np.asarray(at), np.asarray(size), STYLE["world"]["color"])
         else:
             for host, index, _name in gpus:
                 x, y = series[(host, index, field)]
@@ -279,6 +302,43 @@ def render_png(state: PaneState) -> bytes:
         lines.append((_clock(e[0] / 1000), e[1], detail, STYLE.get(e[2], STYLE["mark"])["color"]))
     canvas.events(lines, total=len(events))
     return canvas.png()
+
+
+def world_now(steps: Sequence[Any], until: float | None = None) -> list[Any]:
+    """``steps`` with the line carried on to ``until`` (default now) while the run goes on."""
+    if not steps or steps[-1].size is None:
+        return list(steps)
+    last = steps[-1]
+    until = time.time() if until is None else until
+    if until <= last.time:
+        return list(steps)
+    return [*steps, dataclasses.replace(last, time=until)]
+
+
+def world_line(steps: Sequence[Any]) -> tuple[list[float], list[float]]:
+    """The step line as a polyline (seconds, processes; NaN breaks it) for a still picture."""
+    times: list[float] = []
+    values: list[float] = []
+    for step in steps:
+        if step.size is not None and values and not math.isnan(values[-1]):
+            times.append(step.time)  # the last size holds until this step
+            values.append(values[-1])
+        times.append(step.time)
+        values.append(math.nan if step.size is None else float(step.size))
+    return times, values
+
+
+def world_summary(steps: Sequence[Any]) -> str:
+    """The size now in words, and since when (``"3 of 4 processes since 12:04:31"``);
+    empty when nothing is drawn or the run finished."""
+    if not steps or steps[-1].size is None:
+        return ""
+    since, size = steps[0].time, steps[0].size
+    for step in steps[1:]:
+        if step.size != size:
+            since, size = step.time, step.size
+    words = steps[-1].text.split(":")[0].removesuffix(" at launch")
+    return f"{words} since {time.strftime('%H:%M:%S', time.localtime(since))}"
 
 
 def _span(times: list[np.ndarray], events: Sequence[Sequence[Any]]) -> tuple[float, float]:
@@ -313,8 +373,12 @@ def summary(
     *,
     events: int = 0,
     status: str = "",
+    world: str = "",
 ) -> str:
     """The pane in plain text, one line per host.
+
+    ``world`` is the run's world size in words when it changed
+    (:func:`world_summary`).
 
     Example:
         ``GPU pane · 2 GPUs (simulated) · last sample 12:04:31 · util 94 % / 71 % · 3 events``
@@ -322,6 +386,8 @@ def summary(
     gpus = history.gpus()
     hosts = history.hosts()
     tail = f" · {events} event{'s' if events != 1 else ''}"
+    if world:
+        tail += f" · {world}"
     if status:
         tail += f" · {status}"
     if not gpus:

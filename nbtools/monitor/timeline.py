@@ -21,6 +21,8 @@ How each kind is drawn on the shared time axis (:func:`category`):
 - ``"restore"``: a band for the seconds a restore took (``checkpoint_restored``
   with ``seconds``), ending when the state was back;
 - ``"run"``: a thin line where a launch started or finished;
+- ``"world"``: a line where the run went on with fewer processes (``shrunk``)
+  or grew back (``grew``); the row of the world size (:func:`world_sizes`) steps there;
 - ``"phase"``: a line where a named part of the work begins (``phase``, with
   the name as its message: ``events.emit("phase", "fine-tuning")``); the
   report writes the name beside it;
@@ -30,7 +32,9 @@ How each kind is drawn on the shared time axis (:func:`category`):
 - ``"mark"``: a marker for anything else, user events included.
 
 The ranks' ``progress`` reports are not events to draw one by one: they
-make the per-rank step-rate row (:func:`step_rates`).
+make the per-rank step-rate row (:func:`step_rates`). The launches, shrinks
+and growths make the row of the run's world size (:func:`world_sizes`), drawn
+only once the size changed: a run that kept its size has no news for a row.
 
 Every event also gets a marker whose hover text gives its details.
 """
@@ -43,6 +47,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from nbtools import events as _events
@@ -67,6 +72,9 @@ __all__ = [
     "NOTABLE_KINDS",
     "MESSAGE_BUDGET",
     "MAX_DRAWN",
+    "WORLD_KINDS",
+    "WorldStep",
+    "world_sizes",
 ]
 
 #: Most bytes of one per-poll message (samples and events together).
@@ -95,6 +103,8 @@ _CATEGORIES = {
     "straggler": "straggler",
     "gpu_xid": "failure",
     "gpu_lost": "failure",
+    "shrunk": "world",
+    "grew": "world",
 }
 #: The coalesced step reports of the ranks (see :func:`step_rates`).
 PROGRESS_KIND = "progress"
@@ -111,6 +121,7 @@ CATEGORY_LABELS = {
     "restore": "checkpoint restore",
     "phase": "phase",
     "run": "launch / finish",
+    "world": "world size changed",
     "hang": "hang (rank flagged)",
     "straggler": "straggler (rank flagged)",
     "mark": "other event",
@@ -121,7 +132,7 @@ NOTABLE_KINDS = frozenset([*_CATEGORIES, "checkpoint_skipped", "cache_full"])
 
 def category(kind: str) -> str:
     """How events of ``kind`` are drawn: save, stall, failure, restart, restore, phase, run,
-    hang, straggler or mark."""
+    world, hang, straggler or mark."""
     return _CATEGORIES.get(kind, "mark")
 
 
@@ -359,6 +370,95 @@ def step_rates(events: Iterable[Event]) -> dict[int, tuple[list[float], list[flo
     return rates
 
 
+#: The events that set the world size (``finished`` ends the line).
+WORLD_KINDS = ("launch", "shrunk", "grew", "finished")
+_CHANGES = ("shrunk", "grew")
+
+
+@dataclass(frozen=True)
+class WorldStep:
+    """One point of the step line: from ``time`` on, the run had ``size`` processes.
+
+    Attributes:
+        time: Seconds since the epoch.
+        size: Processes from then on; None where the line breaks (a run finished).
+        text: What the hover says: the size (of the launch's), why, and from which step.
+    """
+
+    time: float
+    size: int | None
+    text: str
+
+
+def _count(value: Any) -> int | None:
+    return value if type(value) is int and value > 0 else None
+
+
+def _of(size: int, target: int | None) -> str:
+    if target is None:
+        return f"{size} process{'es' if size != 1 else ''}"
+    return f"{size} of {target} process{'es' if target != 1 else ''}"
+
+
+def _change_text(event: Event, size: int, target: int | None) -> str:
+    fields = event.fields
+    text = _of(size, target)
+    cause = fields.get("cause")
+    if isinstance(cause, str) and cause:
+        text += f": {cause}"
+    step = event.step
+    tier = fields.get("tier")
+    if type(step) is int:
+        text += f", from step {step + 1}"
+        if isinstance(tier, str) and tier:
+            text += f" ({tier})"
+    else:
+        text += ", from the function's start"
+    return text
+
+
+def world_sizes(events: Iterable[Event]) -> list[WorldStep]:
+    """The run's world size as the points of a step line (``hv``), oldest first.
+
+    Each launch starts the line at its ``world_size``; each ``shrunk`` or ``grew``
+    steps it to ``to_world``; ``finished`` ends it (a point, then a break). A change
+    whose launch is older than the events given starts the line at its
+    ``from_world``. Empty when no ``shrunk`` or ``grew`` is among the events: the
+    size never changed, and nothing is drawn.
+    """
+    ordered = sorted((e for e in events if e.kind in WORLD_KINDS), key=lambda e: e.time)
+    if not any(e.kind in _CHANGES for e in ordered):
+        return []
+    steps: list[WorldStep] = []
+    size: int | None = None  # the current size of the run drawn; None between runs
+    target: int | None = None  # the launch's size
+    for event in ordered:
+        fields = event.fields
+        if event.kind == "launch":
+            launched = _count(fields.get("world_size"))
+            if launched is None:
+                continue
+            size = target = launched
+            steps.append(WorldStep(event.time, size, f"{_of(size, None)} at launch"))
+        elif event.kind == "finished":
+            if size is not None:
+                steps.append(WorldStep(event.time, size, f"{_of(size, target)}: finished"))
+                steps.append(WorldStep(event.time, None, ""))
+            size = None
+        else:
+            before, after = _count(fields.get("from_world")), _count(fields.get("to_world"))
+            if after is None:
+                continue
+            if size is None and before is not None:  # its launch is older than the events
+                target = max(before, after) if target is None else target
+                steps.append(WorldStep(event.time, before, f"{_of(before, target)} before"))
+            size = after
+            if target is None or after > target:
+                target = after
+            steps.append(WorldStep(event.time, after, _change_text(event, after, target)))
+    return steps
+
+
 def _size(value: Any) -> int:
     # Jupyter serialises messages with json.dumps' default separators and no ASCII escaping.
     return len(json.dumps(value, ensure_ascii=False).encode())
@@ -460,6 +560,8 @@ class EventFeed:
         self._progress: deque[Event] = deque(maxlen=MAX_PROGRESS)
         self._lock = threading.Lock()
         self._overflow = 0  # queued events pushed out before a poll took them
+        #: Events that arrived and may move the world size's line (:func:`world_sizes`).
+        self.world_events = 0
         self._closed = False
         #: ``rank -> (host, CUDA UUID)`` of the ranks that said which GPU they use.
         self.rank_gpus: dict[int, tuple[str, str]] = {}
@@ -482,6 +584,8 @@ class EventFeed:
                 if event.kind in _NOT_DRAWN:
                     self._devices([event])
                     continue
+                if event.kind in WORLD_KINDS:  # may move the world size's line
+                    self.world_events += 1
                 queue = self._notable if event.kind in NOTABLE_KINDS else self._other
                 if len(queue) == MAX_PENDING:
                     self._overflow += 1  # the oldest queued event falls out
