@@ -116,6 +116,8 @@ class GPUChart(anywidget.AnyWidget):
     and listed under the panels. When ranks report progress, a row below the
     panels draws each rank's steps per second on the same axis (a flagged rank
     drawn bold, a hang's band from where it began); without GPUs it is the only row.
+    Once the run's world size changed, a low row at the bottom draws it
+    (:func:`~nbtools.monitor.timeline.world_sizes`), carried on to each poll's time.
 
     Args:
         history: The history to draw; the chart reads it, the sampler fills it.

@@ -78,7 +78,9 @@ class GPUPane:
     The run's events (``nbtools.events``: checkpoint saves, input stalls, failed
     ranks, restarts, your own ``events.emit``) are drawn on the same time axis
     and listed under the charts; :meth:`events` returns them. With no GPU to
-    read, the pane still lists them as they arrive.
+    read, the pane still lists them as they arrive. Once the run's world size
+    changes (``shrunk``, ``grew``), a low row at the bottom draws it over time,
+    from the launch's size, with the cause and the step in its hover.
 
     Creating a pane inside IPython displays it. Polling runs on a background
     thread, pauses after ``idle_timeout`` seconds without a running cell or a
