@@ -238,9 +238,9 @@ def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
 KEY = "__nbtools_share__"
 #: The skeleton's marker of a tensor held in another rank's slot: ``{PEER: rank}``.
 PEER = "__nbtools_peer__"
-#: The ranks of a node share their replicated tensors only when one is this large: below,
-#: a restore would map and read every peer's slot for a few bytes (an FSDP2 or
-#: tensor-parallel state, whose only replicated tensors are the optimizer's step counts).
+#: The ranks of a node share the replicated tensors of sharded state only when one is this
+#: large: below, a restore would map and read every peer's slot for a few bytes (an FSDP2
+#: or tensor-parallel state, whose only replicated tensors are the optimizer's step counts).
 SHARE_MIN_BYTES = 1024
 
 
@@ -303,8 +303,23 @@ def _replicated(state: dict[str, Any]) -> list[tuple[Path, torch.Tensor]]:
     return out
 
 
+def _has_shards(obj: Any) -> bool:
+    """Whether ``obj`` (nested containers) holds a DTensor's record (see ``_sharded``)."""
+    if _sharded.is_marked(obj):
+        return True
+    if isinstance(obj, dict):
+        return any(_has_shards(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_shards(v) for v in obj)
+    return False
+
+
 def worth_sharing(state: dict[str, Any]) -> bool:
-    """Whether some replicated tensor of ``state`` has :data:`SHARE_MIN_BYTES` or more."""
+    """Whether the ranks of a node share ``state``'s replicated tensors: always for plain
+    (data-parallel) state; for sharded state (DTensor local shards, never shared) only
+    when some replicated tensor has :data:`SHARE_MIN_BYTES` or more."""
+    if not any(_has_shards(v) for k, v in state.items() if k not in (_state.NS, KEY)):
+        return True
     return any(t.numel() * t.element_size() >= SHARE_MIN_BYTES for _, t in _replicated(state))
 
 

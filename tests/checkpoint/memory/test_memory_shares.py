@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nbtools.checkpoint import _objects, _state
-from nbtools.checkpoint._memory import _layout
+from nbtools.checkpoint._memory import _layout, _sharded
 from nbtools.errors import CheckpointError
 
 
@@ -72,18 +72,19 @@ def test_a_share_of_another_layout_or_a_missing_one_is_refused_naming_the_rank()
         _layout.fill(mine, {}, "rank 0's snapshot")
 
 
-def test_a_state_whose_replicated_tensors_are_all_tiny_is_not_shared():
-    # A data-parallel model's weights are worth one copy per node. An FSDP2 state's only
-    # replicated tensors are its optimizer's step counts: sharing those would make every
-    # restore read every peer's slot for a few bytes each.
-    assert _layout.worth_sharing(_state_of())
-    torch.manual_seed(0)
-    net = torch.nn.Linear(2, 1)
-    opt = torch.optim.Adam(net.parameters())
-    net(torch.randn(1, 2)).sum().backward()
-    opt.step()
-    kinds = _objects.classify({"model": net, "optimizer": opt})
-    assert not _layout.worth_sharing(_state.build_state(1, kinds, 0, 2, {}, None))
+def test_sharded_state_whose_replicated_tensors_are_all_tiny_is_not_shared():
+    # A data-parallel model's weights are worth one copy per node, however small. An FSDP2
+    # state's only replicated tensors are its optimizer's step counts: sharing those would
+    # make every restore read every peer's slot for a few bytes each.
+    state = _state_of()
+    assert _layout.worth_sharing(state)
+    tiny = {k: v for k, v in state.items() if k in ("step", _state.NS)}
+    tiny["optimizer"] = {"state": {0: {"step": torch.tensor(3.0)}}}
+    assert _layout.worth_sharing(tiny)  # no sharded tensor: plain state is shared
+    tiny["model"] = {"weight": {_sharded.MARK: 0}}  # a DTensor's local shard, as flattened
+    assert not _layout.worth_sharing(tiny)
+    tiny["optimizer"]["state"][1] = {"exp_avg": torch.zeros(256)}  # 1 KiB, replicated
+    assert _layout.worth_sharing(tiny)
 
 
 def test_the_ranks_of_a_node_share_only_when_they_all_hold_the_same_tensors():
