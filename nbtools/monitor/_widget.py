@@ -37,7 +37,7 @@ from nbtools.monitor._rates import RateRow
 from nbtools.monitor.history import History
 from nbtools.monitor.readings import Sample, describe_throttle
 from nbtools.monitor.snapshot import COLORS as _COLORS
-from nbtools.monitor.snapshot import WORLD_TITLE, gpu_label, world_now
+from nbtools.monitor.snapshot import WORLD_TITLE, gpu_label, world_now, world_row
 from nbtools.monitor.timeline import (
     MESSAGE_BUDGET,
     PROGRESS_KIND,
@@ -59,7 +59,6 @@ _DASHES = ("solid", "dot", "dash", "longdash", "dashdot")
 _MISSING = 65535  # uint16 value of a point that was not available
 _RATE_TITLE = "Steps per second, by rank"
 _RATE_POINTS = 1200  # per rank in the live chart (reports come about once a second)
-_WORLD_COLOR = "#0f766e"
 _GRID = "#EBF0F8"
 
 
@@ -253,19 +252,7 @@ class GPUChart(anywidget.AnyWidget):
                 world_x.append(round(point.time * 1000))
                 world_y.append(point.size)
                 world_text.append(point.text)
-            fig.add_scatter(
-                row=len(titles),
-                col=1,
-                mode="lines",
-                name="processes",
-                showlegend=False,
-                hovertemplate="%{customdata}<extra>world size</extra>",
-                line={"color": _WORLD_COLOR, "width": 2, "shape": "hv"},
-            )
-            top = max(s.size or 0 for s in world)
-            fig.update_yaxes(
-                range=[0, top + 0.5], tickformat="d", fixedrange=True, row=len(titles), col=1
-            )
+            world_row(fig, len(titles), world)  # its points travel as "wx", "wy", "wt"
         title = "GPU resources" + (" (simulated)" if self._source == "simulated" else "")
         title = title if panels else "Training run (no GPU readings)"
         main = len(titles) - bool(world)

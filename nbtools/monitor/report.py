@@ -28,6 +28,7 @@ from nbtools.monitor.snapshot import (
     readings_table,
     summary,
     world_now,
+    world_row,
     world_summary,
 )
 from nbtools.monitor.timeline import CATEGORY_LABELS, WorldStep
@@ -166,20 +167,14 @@ def timeline_figure(
             fig.update_yaxes(range=[0, 105], row=row_at + offset, col=1)
     if world:
         line = world_now(world)
-        fig.add_scatter(
-            row=len(titles),
-            col=1,
-            mode="lines",
-            name="processes",
-            showlegend=False,
+        world_row(
+            fig,
+            len(titles),
+            world,
             x=[_local(s.time * 1000) for s in line],
             y=[s.size for s in line],
             customdata=[html.escape(s.text) for s in line],
-            hovertemplate="%{customdata}<extra>world size</extra>",
-            line={"color": _STYLE["world"]["color"], "width": 2, "shape": "hv"},
         )
-        top = max(s.size or 0 for s in world)
-        fig.update_yaxes(range=[0, top + 0.5], tickformat="d", row=len(titles), col=1)
     # Lines and bands cross the rows below the events' lane, whose markers say the same: the
     # lane keeps room for the phases' names, which no line or band runs through.
     shape_rows = list(range(2, len(titles) + 1)) or [1]

@@ -43,6 +43,7 @@ __all__ = [
     "WORLD_TITLE",
     "world_line",
     "world_now",
+    "world_row",
     "world_summary",
 ]
 
@@ -313,6 +314,23 @@ def world_now(steps: Sequence[Any], until: float | None = None) -> list[Any]:
     if until <= last.time:
         return list(steps)
     return [*steps, dataclasses.replace(last, time=until)]
+
+
+def world_row(fig: Any, row: int, steps: Sequence[Any], **data: Any) -> None:
+    """Add the world size's step line to row ``row`` of the plotly figure ``fig`` (the live
+    chart's and the report's), with its value axis; ``data``: the trace's points, if any."""
+    fig.add_scatter(
+        row=row,
+        col=1,
+        mode="lines",
+        name="processes",
+        showlegend=False,
+        hovertemplate="%{customdata}<extra>world size</extra>",
+        line={"color": STYLE["world"]["color"], "width": 2, "shape": "hv"},
+        **data,
+    )
+    top = max(s.size or 0 for s in steps)
+    fig.update_yaxes(range=[0, top + 0.5], tickformat="d", fixedrange=True, row=row, col=1)
 
 
 def world_line(steps: Sequence[Any]) -> tuple[list[float], list[float]]:

@@ -28,6 +28,25 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
+def driven(clock):
+    """A shared sampler of simulated GPUs on the fake clock, with no thread: ``driven(n,
+    **options)`` returns it (polled with ``sampler.tick()``); panes on the same GPUs use it."""
+    from nbtools.monitor import SimulatedBackend, acquire, release
+
+    samplers = []
+
+    def start(num_gpus: int = 2, **options):
+        options.setdefault("interval", 10)
+        options.setdefault("idle_timeout", None)
+        samplers.append(acquire(SimulatedBackend(num_gpus), clock=clock, start=False, **options))
+        return samplers[-1]
+
+    yield start
+    for sampler in samplers:
+        release(sampler)
+
+
+@pytest.fixture
 def fake_pynvml(monkeypatch):
     """Install a stand-in ``pynvml``: ``fake_pynvml(gpus, init_error=None)`` returns the module."""
 

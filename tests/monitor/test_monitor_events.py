@@ -26,21 +26,6 @@ pytest.importorskip("anywidget", reason="the pane's chart needs anywidget")
 pytestmark = pytest.mark.usefixtures("clean_bus")
 
 
-@pytest.fixture
-def driven(clock):
-    samplers = []
-
-    def start(num_gpus: int = 2, **options):
-        options.setdefault("interval", 10)
-        options.setdefault("idle_timeout", None)
-        samplers.append(acquire(SimulatedBackend(num_gpus), clock=clock, start=False, **options))
-        return samplers[-1]
-
-    yield start
-    for sampler in samplers:
-        release(sampler)
-
-
 def _poll(sampler, clock, seconds: float = 10) -> None:
     clock.advance(seconds)
     sampler.tick()

@@ -18,7 +18,7 @@ import nbtools.monitor._display as display_module
 import nbtools.monitor._widget as widget_module
 import nbtools.monitor.pane as pane_module
 from nbtools import events
-from nbtools.monitor import GPUPane, SimulatedBackend, acquire, release
+from nbtools.monitor import GPUPane, SimulatedBackend
 
 pytest.importorskip("anywidget", reason="the pane's chart needs anywidget")
 pytestmark = pytest.mark.usefixtures("clean_bus")
@@ -62,21 +62,6 @@ def outputs(monkeypatch):
     monkeypatch.setattr(IPython.display, "display", recorder.display)
     monkeypatch.setattr(IPython.display, "update_display", recorder.update_display)
     return recorder
-
-
-@pytest.fixture
-def driven(clock):
-    samplers = []
-
-    def start(num_gpus: int = 2, **options):
-        options.setdefault("interval", 10)
-        options.setdefault("idle_timeout", None)
-        samplers.append(acquire(SimulatedBackend(num_gpus), clock=clock, start=False, **options))
-        return samplers[-1]
-
-    yield start
-    for sampler in samplers:
-        release(sampler)
 
 
 def _png(data: dict) -> bytes:

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from nbtools import events
-from nbtools.monitor import GPUPane, SimulatedBackend, acquire, release
+from nbtools.monitor import GPUPane, SimulatedBackend
 from nbtools.monitor.snapshot import WORLD_TITLE, world_line, world_now, world_summary
 from nbtools.monitor.timeline import category, world_sizes
 
@@ -27,21 +27,6 @@ SHRUNK = "3 of 4 processes: " + SHRINK_CAUSE + ", from step 4 (live)"
 GREW = "4 of 4 processes: slot 3 started again, from step 10 (memory)"
 
 
-@pytest.fixture
-def driven(clock):
-    samplers = []
-
-    def start(num_gpus: int = 2, **options):
-        options.setdefault("interval", 10)
-        options.setdefault("idle_timeout", None)
-        samplers.append(acquire(SimulatedBackend(num_gpus), clock=clock, start=False, **options))
-        return samplers[-1]
-
-    yield start
-    for sampler in samplers:
-        release(sampler)
-
-
 def _poll(sampler, clock, seconds: float = 10) -> None:
     clock.advance(seconds)
     sampler.tick()
@@ -52,36 +37,30 @@ def _launch(size: int = 4) -> None:
     events.emit("launch", f"{size} ranks (local)", world_size=size, cluster="local", startup_s=1.25)
 
 
-def _shrunk(step: int | None = 3) -> None:
-    """What the local backend emits when a group goes on with fewer processes."""
+def _resized(kind: str, sizes: tuple[int, int], cause: str, step: int | None, tier: str) -> None:
+    """What the local backend emits when a group goes on with fewer processes, or grew back."""
+    before, after = sizes
+    went_on = f" from step {step + 1} ({tier})" if step is not None else ""
     events.emit(
-        "shrunk",
-        f"{SHRINK_CAUSE}: continuing on 3 of 4 processes from step 4 (live)",
-        from_world=4,
-        to_world=3,
-        cause=SHRINK_CAUSE,
+        kind,
+        f"{cause}: {'continuing on' if kind == 'shrunk' else 'grew to'} {after} processes{went_on}",
+        from_world=before,
+        to_world=after,
+        cause=cause,
         slots="3",
         step=step,
-        tier="live" if step is not None else None,
+        tier=tier if step is not None else None,
         attempt=2,
         seconds=0.41,
     )
 
 
+def _shrunk(step: int | None = 3) -> None:
+    _resized("shrunk", (4, 3), SHRINK_CAUSE, step, "live")
+
+
 def _grew() -> None:
-    """... and when the lost slot is back and the group grew to its target again."""
-    events.emit(
-        "grew",
-        "slot 3 started again: grew from 3 to 4 processes from step 10 (memory)",
-        from_world=3,
-        to_world=4,
-        cause="slot 3 started again",
-        slots="3",
-        step=9,
-        tier="memory",
-        attempt=3,
-        seconds=0.9,
-    )
+    _resized("grew", (3, 4), "slot 3 started again", 9, "memory")
 
 
 def _figure(chart) -> dict:
