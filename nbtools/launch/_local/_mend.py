@@ -52,7 +52,7 @@ from nbtools.launch._rank import (
 __all__ = ["Healer", "Mender", "Spares", "Starts", "process", "PARK_AFTER_S", "SPARE_DEATHS"]
 
 #: How long a group runs formed before a spare rank is parked for it.
-PARK_AFTER_S = 1.0
+PARK_AFTER_S = 0.25
 #: Spares that die by themselves this many times in a row are not started again.
 SPARE_DEATHS = 3
 
