@@ -463,8 +463,11 @@ class Watchdog:
             with self._lock:
                 self._earlier, self._earlier_at = self._answers, self._answered_at
                 self._answers, self._answered_at = answers, self._clock()
+        # The ranks' answers may come after the bound (a second look a tick before it,
+        # on a loaded machine): judged as of when they came, not a tick later.
+        judged = max(now, self._answered_at) if asking else now
         with self._lock:
-            new_hangs = self._judge_hangs(now)
+            new_hangs = self._judge_hangs(judged)
             later = self._clock()
             edge = self._edge() if self._confirmed(later) else float("inf")
             self._due = edge if edge > later else float("inf")
@@ -473,7 +476,7 @@ class Watchdog:
             self._stragglers.judge(self._ranks, now, device=settled)
         self._send_posted()
         if new_hangs:
-            self._report(new_hangs, now)
+            self._report(new_hangs, judged)
 
     def _measure(self, now: float) -> None:
         """Read each local rank's process tree's CPU time and I/O (once a tick), and have
