@@ -79,7 +79,9 @@ class VolumeReader(StorageReader):
     """DCP ``StorageReader`` for a local or mounted directory or an fsspec URL.
 
     Example:
+        >>> import torch
         >>> import torch.distributed.checkpoint as dcp
+        >>> model = torch.nn.Linear(4, 2)
         >>> sd = {"model": model.state_dict()}
         >>> dcp.load(sd, storage_reader=VolumeReader("/mnt/vol/run1/step_100"))  # doctest: +SKIP
 
