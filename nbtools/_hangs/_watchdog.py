@@ -152,7 +152,7 @@ class Watchdog:
 
     Example:
         >>> dog = Watchdog(world_size=4).start()
-        >>> ...  # the group runs; hang and straggler events appear on the bus
+        >>> # the group runs; hang and straggler events appear on the bus
         >>> dog.stop()
     """
 

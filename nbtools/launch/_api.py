@@ -222,7 +222,9 @@ def distributed(
         ...     return dist.get_world_size() * x
         >>> world.distributed(3)  # doctest: +SKIP
         [6, 6]
-        >>> world(3)  # doctest: +SKIP  (in-process, no group)
+
+        Called as a plain function (``world(3)``), it runs here, in this process, with
+        no group.
     """
     config = LaunchConfig(
         gpus=gpus,
