@@ -216,7 +216,7 @@ def distributed(
     Neither ``gpus`` nor ``processes``: every visible GPU (of the cluster, with ``cluster=``).
 
     Example:
-        >>> @distributed(processes=2)
+        >>> @distributed(processes=2)  # doctest: +SKIP
         ... def world(x):
         ...     import torch.distributed as dist
         ...     return dist.get_world_size() * x

@@ -200,7 +200,9 @@ def mark_ready() -> None:
     gc.collect()
     gc.freeze()
     if temp_dir:
-        with open(os.path.join(temp_dir, _READY), "w"):
+        # The caller may have exited while the preloads ran (a script that only applied
+        # ``@distributed``): its directory is gone, and this forkserver ends on its own.
+        with contextlib.suppress(FileNotFoundError), open(os.path.join(temp_dir, _READY), "w"):
             pass
 
 
