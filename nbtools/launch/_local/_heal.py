@@ -194,6 +194,8 @@ class Healer:
         if returned:
             return f"{_ranks(sorted(returned))} had already returned"
         ranks = range(self._spec.world_size)
+        if all(r in dead for r in ranks):
+            return "every rank died: no process is left to heal the group around"
         if not all(os.path.exists(self._formed(r)) for r in ranks if r not in dead):
             return (
                 f"the group had not formed again since the last heal (generation {self.generation})"
@@ -409,6 +411,8 @@ def _slots(slots: list[int]) -> str:
 
 
 def _ranks(ranks: list[int]) -> str:
+    if not ranks:
+        return "no rank"
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     return "ranks " + ", ".join(str(r) for r in ranks[:-1]) + f" and {ranks[-1]}"

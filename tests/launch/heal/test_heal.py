@@ -150,6 +150,20 @@ def test_two_ranks_killed_at_once_end_as_the_uninterrupted_run(tmp_path, shm, re
         assert sorted(set(steps)) == list(range(_STEPS))
 
 
+def test_every_rank_killed_at_once_restarts_the_group_and_ends_as_the_uninterrupted_run(
+    tmp_path, shm, reference
+):
+    # No process is left to heal around: the group restarts whole, from memory, as without
+    # healing, and says why in the log rather than failing in the heal.
+    since = time.time()
+    got = _launch(tmp_path, "all", {"0": {"9": [0, 1, 2, 3]}}, 2, heal=True)
+    assert _same(got, reference)
+    assert len(events.log(since=since, kinds=["restart"])) >= 1
+    for rank in range(4):
+        steps = [s for s, _, _ in _steps(tmp_path, "all", rank)]
+        assert sorted(set(steps)) == list(range(_STEPS))
+
+
 def test_a_replacement_killed_before_its_first_step_heals_again(tmp_path, shm, reference):
     # Attempt 1's rank 2 (the replacement) dies before the healed group trains a step.
     got = _launch(tmp_path, "again", {"0": {"9": [2]}, "1": {"9": [2]}}, 3, heal=True)
