@@ -19,10 +19,6 @@ partial sums), which moves the result by a few units in the last place per step.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 pytestmark = [pytest.mark.slow]
@@ -158,22 +154,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _run(tmp_path, **case) -> dict:
-    script = tmp_path / "cell.py"
-    script.write_text(CELL)
-    base = tmp_path / "run"
-    base.mkdir()
-    done = subprocess.run(
-        [sys.executable, str(script), str(base), json.dumps(case)],
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-6000:]
-    result = json.loads(lines[-1][len("RESULT ") :])
-    result["output"] = done.stdout + done.stderr
-    return result
+_TIMEOUT_S = 400
 
 
 @pytest.fixture
@@ -195,8 +176,8 @@ def _exact(result: dict) -> None:
     assert result["ranks_agree"], result
 
 
-def test_a_slot_that_fails_to_start_twice_shrinks_in_place(tmp_path, shm):
-    result = _run(tmp_path, slot=3, min=3, restarts=2, kills={"0": {"4": [3]}})
+def test_a_slot_that_fails_to_start_twice_shrinks_in_place(run_cell, shm):
+    result = run_cell(CELL, _TIMEOUT_S, slot=3, min=3, restarts=2, kills={"0": {"4": [3]}})
     _exact(result)
     assert result["ranks"] == 3
     assert result["worlds"] == [4] * 4 + [3] * 6, result
@@ -217,46 +198,48 @@ def test_a_slot_that_fails_to_start_twice_shrinks_in_place(tmp_path, shm):
     assert line in result["output"]
 
 
-def test_a_shrink_below_the_minimum_fails_naming_the_lost_slot(tmp_path, shm):
-    result = _run(tmp_path, slot=3, min=4, restarts=2, kills={"0": {"4": [3]}})
+def test_a_shrink_below_the_minimum_fails_naming_the_lost_slot(run_cell, shm):
+    result = run_cell(CELL, _TIMEOUT_S, slot=3, min=4, restarts=2, kills={"0": {"4": [3]}})
     error = result["error"]
     assert "slot 3 failed to start twice" in error, error
     assert "3 of 4 processes remain" in error and "min_processes=4" in error, error
     assert not result["shrunk"]
 
 
-def test_a_lower_slot_lost_renumbers_the_ranks_above_it(tmp_path, shm):
+def test_a_lower_slot_lost_renumbers_the_ranks_above_it(run_cell, shm):
     # Slot 1 is lost: ranks 2 and 3 go on as 1 and 2, with their processes.
-    result = _run(tmp_path, slot=1, min=3, restarts=2, kills={"0": {"6": [1]}})
+    result = run_cell(CELL, _TIMEOUT_S, slot=1, min=3, restarts=2, kills={"0": {"6": [1]}})
     _exact(result)
     starts = result["starts"]
     assert starts["1-1"]["pid"] == starts["0-2"]["pid"], starts
     assert starts["1-2"]["pid"] == starts["0-3"]["pid"], starts
 
 
-def test_a_second_loss_after_the_shrink_heals_at_the_smaller_size(tmp_path, shm):
+def test_a_second_loss_after_the_shrink_heals_at_the_smaller_size(run_cell, shm):
     # After the shrink to 3, rank 1 dies too: its replacement starts, the group heals at 3.
     kills = {"0": {"4": [3]}, "1": {"6": [1]}}
-    result = _run(tmp_path, slot=3, min=3, restarts=3, kills=kills)
+    result = run_cell(CELL, _TIMEOUT_S, slot=3, min=3, restarts=3, kills=kills)
     _exact(result)
     assert result["worlds"] == [4] * 4 + [3] * 6, result
     assert any("healed in" in line for line in result["lines"]), result["lines"]
     assert result["starts"]["2-1"]["pid"] != result["starts"]["1-1"]["pid"]
 
 
-def test_a_slot_lost_while_its_rank_writes_a_snapshot_shrinks_exactly(tmp_path, shm):
+def test_a_slot_lost_while_its_rank_writes_a_snapshot_shrinks_exactly(run_cell, shm):
     # Rank 3 dies as step 4's memory snapshot (memory_every=4) is written behind.
-    result = _run(tmp_path, slot=3, min=3, restarts=2, kills={}, snap=[3, 4])
+    result = run_cell(CELL, _TIMEOUT_S, slot=3, min=3, restarts=2, kills={}, snap=[3, 4])
     _exact(result)
     assert result["worlds"] == [4] * 5 + [3] * 5, result
     (shrunk,) = result["shrunk"]
     assert (shrunk["to_world"], shrunk["step"], shrunk["tier"]) == (3, 4, "live"), shrunk
 
 
-def test_a_lost_slot_that_starts_again_grows_the_group_back_exactly(tmp_path, shm):
+def test_a_lost_slot_that_starts_again_grows_the_group_back_exactly(run_cell, shm):
     # 4 -> 3 at step 4; the slot works again from step 6 on, and the group grows back to 4
     # at a maybe_save after that: every sample once, the global batch kept throughout.
-    result = _run(tmp_path, slot=3, min=3, restarts=3, kills={"0": {"4": [3]}}, files=240, back=6)
+    result = run_cell(
+        CELL, _TIMEOUT_S, slot=3, min=3, restarts=3, kills={"0": {"4": [3]}}, files=240, back=6
+    )
     _exact(result)
     assert result["ranks"] == 4
     worlds = result["worlds"]

@@ -10,10 +10,6 @@ it load them, as a notebook's later calls find it.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 pytestmark = [pytest.mark.slow]
@@ -91,26 +87,13 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _run(tmp_path, **case) -> dict:
-    script = tmp_path / "cell.py"
-    script.write_text(CELL)
-    base = tmp_path / "run"
-    base.mkdir()
-    done = subprocess.run(
-        [sys.executable, str(script), str(base), json.dumps(case)],
-        capture_output=True,
-        text=True,
-        timeout=300,
+_TIMEOUT_S = 300
+
+
+def test_the_replacement_of_a_dead_rank_is_the_spare_parked_before_it_died(run_cell):
+    result = run_cell(
+        CELL, _TIMEOUT_S, restarts=2, heal=True, kill=True, kill_spare=True, expect_spare=True
     )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-6000:]
-    result = json.loads(lines[-1][len("RESULT ") :])
-    result["output"] = done.stdout + done.stderr
-    return dict(result)
-
-
-def test_the_replacement_of_a_dead_rank_is_the_spare_parked_before_it_died(tmp_path):
-    result = _run(tmp_path, restarts=2, heal=True, kill=True, kill_spare=True, expect_spare=True)
     seen, results = result["seen"], result["results"]
     # The spare killed first was replaced by another, which then took rank 2's place.
     assert seen["spare"] is not None and seen["spare"] != seen["killed_spare"], seen
@@ -126,9 +109,15 @@ def test_the_replacement_of_a_dead_rank_is_the_spare_parked_before_it_died(tmp_p
 @pytest.mark.parametrize(
     ("restarts", "heal"), [(0, True), (1, False)], ids=["no-restarts", "no-heal"]
 )
-def test_no_spare_is_parked_where_the_group_cannot_heal(tmp_path, restarts, heal):
-    result = _run(
-        tmp_path, restarts=restarts, heal=heal, kill=False, kill_spare=False, expect_spare=False
+def test_no_spare_is_parked_where_the_group_cannot_heal(run_cell, restarts, heal):
+    result = run_cell(
+        CELL,
+        _TIMEOUT_S,
+        restarts=restarts,
+        heal=heal,
+        kill=False,
+        kill_spare=False,
+        expect_spare=False,
     )
     assert result["seen"]["others"] == [], result["seen"]
     assert [r["pid"] for r in result["results"]] == result["seen"]["ranks"]
